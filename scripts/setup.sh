@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Set up (or reuse) .venv with kvalign, the real Dynamo router and the real SGLang radix cache on CPU.
+# Idempotent: a complete .venv is reused; a partial one is finished.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=$ROOT/.venv
+SGLANG_VERSION=${KVALIGN_SGLANG_VERSION:-0.5.23}
+DYNAMO_VERSION=1.6.1
+TORCH_PIN="torch==2.13.0+cpu"
+STAMP=$VENV/.kvalign-setup-$SGLANG_VERSION-$DYNAMO_VERSION-$(sha1sum scripts/setup.sh pyproject.toml | sha1sum | cut -c1-12)
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+if [ -f "$STAMP" ]; then
+  log "reusing $VENV (sglang $SGLANG_VERSION, ai-dynamo-runtime $DYNAMO_VERSION)"
+  exit 0
+fi
+
+# SGLang's KV-event hash JIT-compiles a C++ extension: it needs g++, ninja and OpenSSL headers.
+need_apt=()
+command -v g++ >/dev/null || need_apt+=(g++)
+command -v ninja >/dev/null || need_apt+=(ninja-build)
+[ -f /usr/include/openssl/sha.h ] || need_apt+=(libssl-dev)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  log "apt-get install ${need_apt[*]}"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO=sudo; fi
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+echo "$TORCH_PIN" > "$VENV/torch-cpu-pin.txt"
+
+# 1. torch CPU first; every later install is constrained to it so nothing pulls a CUDA torch.
+if ! "$VENV/bin/python" -c "import torch,sys; sys.exit(torch.__version__!='2.13.0+cpu')" 2>/dev/null; then
+  log "installing torch 2.13.0 (CPU)"
+  "${PIP[@]}" "torch==2.13.0" || "${PIP[@]}" "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+fi
+
+# 2. SGLang and torchvision without their dependencies (sglang declares CUDA-only deps; torchvision
+#    would pull a CUDA torch). Dynamo likewise: ai-dynamo depends on `aisimulate`, which cannot
+#    be installed from PyPI, so both Dynamo wheels go in with --no-deps plus their real deps below.
+log "installing sglang $SGLANG_VERSION, ai-dynamo(-runtime) $DYNAMO_VERSION (--no-deps)"
+"${PIP[@]}" -c "$VENV/torch-cpu-pin.txt" --no-deps "sglang==$SGLANG_VERSION" torchvision==0.28.0 \
+  "ai-dynamo-runtime==$DYNAMO_VERSION" "ai-dynamo==$DYNAMO_VERSION"
+
+# 3. What SGLang's radix cache / event publisher import chain and Dynamo's Python runtime need,
+#    plus kvalign itself with its test extras.
+log "installing runtime dependencies and kvalign"
+"${PIP[@]}" -c "$VENV/torch-cpu-pin.txt" -r scripts/requirements-cpu.txt -e ".[test]"
+
+"$VENV/bin/python" -c "import torch; assert torch.__version__=='2.13.0+cpu', torch.__version__"
+rm -f "$VENV"/.kvalign-setup-*
+touch "$STAMP"
+log "ready: $VENV"
