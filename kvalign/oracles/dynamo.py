@@ -1,0 +1,78 @@
+"""The real Dynamo KV router (``ai-dynamo-runtime``, runs on CPU) behind kvalign's oracles.
+
+Two pieces are used: the router hasher ``dynamo._core.compute_block_hash_for_seq`` and the
+runtime-free ``RadixTree`` the router matches prompts against. A user can substitute any hasher
+with the binding's signature (``module:function``) to test a patched router build.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+from collections.abc import Sequence
+from itertools import count
+from typing import Any
+
+from kvalign.oracles.base import OracleUnavailable, RouterHasher
+from kvalign.relay import RouterCleared, RouterEvent, RouterRemoved, RouterStored
+
+
+def dynamo_version() -> str:
+    try:
+        return importlib.metadata.version("ai-dynamo-runtime")
+    except importlib.metadata.PackageNotFoundError:
+        raise OracleUnavailable(
+            "ai-dynamo-runtime is not installed: run scripts/setup.sh "
+            "(pip install --no-deps ai-dynamo-runtime==1.6.1 plus its dependencies)"
+        ) from None
+
+
+def _core() -> Any:
+    dynamo_version()
+    try:
+        return importlib.import_module("dynamo._core")
+    except ImportError as exc:
+        raise OracleUnavailable(f"cannot import dynamo._core ({exc})") from None
+
+
+def load_router_hasher(spec: str | None = None) -> RouterHasher:
+    """The installed router's hasher, or ``module:function`` for a user's own build."""
+    if spec is None:
+        return _core().compute_block_hash_for_seq
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--router-hash must look like MODULE:FUNCTION, got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import router hasher module {module_name!r}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{module_name!r} has no callable {attr!r}")
+    return fn
+
+
+class DynamoRadixTree:
+    """Dynamo's real ``RadixTree``, fed with router events, answering overlap per worker."""
+
+    def __init__(self) -> None:
+        self._tree = _core().RadixTree()
+        self._ids = count(1)
+
+    def apply(self, worker_id: int, event: RouterEvent) -> None:
+        if isinstance(event, RouterStored):
+            data: Any = {"stored": {"parent_hash": event.parent_hash,
+                                    "blocks": [{"block_hash": e, "tokens_hash": t} for e, t in event.blocks]}}
+        elif isinstance(event, RouterRemoved):
+            data = {"removed": {"block_hashes": event.block_hashes}}
+        elif isinstance(event, RouterCleared):
+            data = "cleared"
+        else:
+            raise TypeError(f"not a router event: {event!r}")
+        payload = {"event_id": next(self._ids), "data": data, "dp_rank": 0}
+        self._tree.apply_event(worker_id, json.dumps(payload).encode())
+
+    def overlap(self, local_hashes: Sequence[int]) -> dict[int, int]:
+        scores = self._tree.find_matches(list(local_hashes)).scores
+        return {w: n for (w, _dp), n in scores.items() if n}
