@@ -105,8 +105,24 @@ def _ns_part(value: str | None) -> bytes:
     return b"\1" + len(raw).to_bytes(8, "little") + raw
 
 
-def namespaced_hash(block_hash: int, extra_key: str | None, cache_salt: str | None) -> int:
-    """sglang 0.5.23 ``format: "dynamo"`` namespacing of one event hash."""
+def event_namespace(
+    extra_key: str | None, cache_salt: str | None, *, lora_registered: bool, dynamo_format: bool
+) -> tuple[str | None, str | None] | None:
+    """The (extra_key, cache_salt) pair sglang 0.5.23 namespaces event hashes with, if any.
+
+    Default format: only an ``extra_key`` that resolves to a registered LoRA name; ``format:
+    "dynamo"``: both the extra key and the salt.
+    """
+    if dynamo_format:
+        ns = (extra_key, cache_salt or None)
+    else:
+        ns = (extra_key if lora_registered else None, None)
+    return None if ns == (None, None) else ns
+
+
+def namespaced_hash(block_hash: int, namespace: tuple[str | None, str | None]) -> int:
+    """Namespace one event hash by (extra_key, cache_salt), as sglang 0.5.23 does."""
+    extra_key, cache_salt = namespace
     seed = hashlib.sha256(NAMESPACE_DOMAIN + _ns_part(extra_key) + _ns_part(cache_salt)).digest()
     return _to_int64(hashlib.sha256(seed + block_hash.to_bytes(8, "big", signed=True)).digest())
 
@@ -117,20 +133,18 @@ def engine_block_hashes(
     *,
     eagle: bool = False,
     cache_salt: str | None = None,
-    extra_key: str | None = None,
-    dynamo_format: bool = False,
+    namespace: tuple[str | None, str | None] | None = None,
 ) -> list[int]:
     """SGLang's event ``block_hashes`` for the pages of ``tokens`` (signed int64 each).
 
     Chain: ``d_k = sha256(d_{k-1} || page_bytes)``, started from ``sha256(domain || salt)`` when a
-    ``cache_salt`` is set; the hash is the first 8 digest bytes, big-endian, signed. With 0.5.23's
-    ``format: "dynamo"`` each value is then namespaced by (extra_key, cache_salt). In the default
-    format ``extra_key`` does not enter the event hash.
+    ``cache_salt`` is set; the hash is the first 8 digest bytes, big-endian, signed. Each value is
+    then namespaced when ``namespace`` is given (see :func:`event_namespace`).
     """
     prev = hashlib.sha256(SALT_DOMAIN + cache_salt.encode("utf-8")).digest() if cache_salt else b""
     out = []
     for units in page_units(tokens, page_size, eagle=eagle):
         prev = hashlib.sha256(prev + _page_bytes(units)).digest()
         h = _to_int64(prev)
-        out.append(namespaced_hash(h, extra_key, cache_salt) if dynamo_format else h)
+        out.append(namespaced_hash(h, namespace) if namespace else h)
     return out

@@ -1,0 +1,5 @@
+import sys
+
+from kvalign.cli import main
+
+sys.exit(main())

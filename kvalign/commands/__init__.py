@@ -1,0 +1,1 @@
+"""One module per ``kvalign`` subcommand; each exposes ``register(subparsers)``."""
