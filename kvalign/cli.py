@@ -41,6 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return int(args.run(args))
+    except BrokenPipeError:  # e.g. `kvalign check --json | head`: the reader left, nothing to report
+        sys.stderr.close()
+        return EXIT_OK
     except (UsageError, EventDecodeError, OracleUnavailable, ValueError, OSError) as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"kvalign: error: {msg}", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import json
+import os
 from collections.abc import Sequence
 from itertools import count
 from typing import Any
@@ -30,6 +31,8 @@ def dynamo_version() -> str:
 
 def _core() -> Any:
     dynamo_version()
+    # The Rust core logs every skipped store at WARN; misaligned runs would bury the report.
+    os.environ.setdefault("DYN_LOG", "error")
     try:
         return importlib.import_module("dynamo._core")
     except ImportError as exc:
