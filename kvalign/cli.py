@@ -19,6 +19,7 @@ from kvalign.oracles.base import OracleUnavailable
 COMMAND_MODULES = [
     "kvalign.commands.check",
     "kvalign.commands.hash",
+    "kvalign.commands.metrics",
 ]
 
 EXIT_OK, EXIT_MISALIGNED, EXIT_USAGE = 0, 1, 2
