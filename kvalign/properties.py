@@ -5,8 +5,9 @@ and raises :class:`Mismatch` (with a named cause) when they disagree:
 
 * ``hash``    — the router hasher equals kvalign's exact reference on any input;
 * ``pages``   — every page the real SGLang cache stores, rebuilt from its ``BlockStored`` event
-  and hashed the way the router's worker relay does, equals the router's query-side hash of the
-  same block of the prompt; the router's block count equals SGLang's page count;
+  and hashed the way the router's worker relay does, equals both the router's query-side hash and
+  kvalign's reference hash of the same block of the prompt; the router's block count equals
+  SGLang's page count;
 * ``overlap`` — for a query prompt, SGLang's ``match_prefix`` (in pages) == kvalign's predicted
   overlap == the overlap the router's index answers after ingesting SGLang's events.
 """
@@ -88,6 +89,7 @@ def pages_property(hasher: RouterHasher, make_cache: CacheFactory, sc: Scenario)
         if len(query_side) != len(windows):
             raise Mismatch("pages", f"router hashes {len(query_side)} blocks for a {len(tokens)}-token prompt that "
                            f"SGLang keeps as {len(windows)} pages", name_cause(hasher, tokens, p, eagle, lora, ns), sc)
+        reference = block_hashes(tokens, p, eagle=eagle, lora_name=lora, cache_namespace=ns)
         position = {h: k for k, h in enumerate(_expected_engine_hashes(tokens, p, eagle, lora, ns))}
         for ev in cache.take_events():
             if not isinstance(ev, BlockStored):
@@ -102,10 +104,12 @@ def pages_property(hasher: RouterHasher, make_cache: CacheFactory, sc: Scenario)
                 if tuple(window) != windows[k]:
                     raise Mismatch("pages", f"page {k}: SGLang's event rebuilds to {window}, kvalign's page model says "
                                    f"{list(windows[k])}", Cause.UNKNOWN, sc)
-                if i >= len(locals_) or locals_[i] != query_side[k]:
+                relayed = locals_[i] if i < len(locals_) else None
+                if relayed != query_side[k] or relayed != reference[k]:
                     raise Mismatch("pages", f"page {k}: the router's worker relay hashes SGLang's page to "
-                                   f"{locals_[i] if i < len(locals_) else 'nothing (dropped)'}, but the prompt's block {k} to "
-                                   f"{query_side[k]}", name_cause(hasher, tokens, p, eagle, lora, ns), sc)
+                                   f"{'nothing (dropped)' if relayed is None else relayed}, its query side hashes the "
+                                   f"prompt's block {k} to {query_side[k]}, the reference to {reference[k]}",
+                                   name_cause(hasher, tokens, p, eagle, lora, ns), sc)
 
 
 def overlap_property(hasher: RouterHasher, make_cache: CacheFactory, make_index: IndexFactory, sc: Scenario) -> None:

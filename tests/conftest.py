@@ -1,0 +1,42 @@
+"""Shared test set-up: Hypothesis profiles and a count of generated cases.
+
+Profiles (``HYPOTHESIS_PROFILE``): ``ci`` (derandomized, no deadline; the default when ``CI`` is
+set), ``dev`` (random, no deadline; the default otherwise) and ``nightly`` (10x examples).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+_BASE = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True)
+settings.register_profile("ci", max_examples=100, derandomize=True, database=None, **_BASE)
+settings.register_profile("dev", max_examples=100, **_BASE)
+settings.register_profile("nightly", max_examples=1000, **_BASE)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
+
+
+class CaseCounter:
+    """Counts examples run by property tests, so CI can show it ran the volume it claims."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self) -> None:
+        self.n += 1
+
+
+_COUNTER = CaseCounter()
+
+
+@pytest.fixture(scope="session")
+def count_case() -> CaseCounter:
+    """Call once per generated example in a property test."""
+    return _COUNTER
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    profile = settings._current_profile  # noqa: SLF001 - only for the summary line
+    terminalreporter.write_line(f"hypothesis profile {profile}: {_COUNTER.n} generated property cases executed")

@@ -1,0 +1,56 @@
+"""Real systems for the unit layer: Dynamo's router binding and SGLang's radix cache on CPU.
+
+Nothing here is mocked. Where a real system is missing the tests that need it skip, saying what
+to install — they never pass without having run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from kvalign.oracles.base import OracleUnavailable, RouterHasher
+
+
+@pytest.fixture(scope="session")
+def router_hasher() -> RouterHasher:
+    """``dynamo._core.compute_block_hash_for_seq`` from the installed ai-dynamo-runtime."""
+    from kvalign.oracles.dynamo import load_router_hasher
+
+    try:
+        return load_router_hasher()
+    except OracleUnavailable as exc:
+        pytest.skip(f"real Dynamo router unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def dynamo_tree() -> Callable[[], object]:
+    """Factory for Dynamo's real ``RadixTree``."""
+    from kvalign.oracles.dynamo import DynamoRadixTree
+
+    try:
+        DynamoRadixTree()
+    except OracleUnavailable as exc:
+        pytest.skip(f"real Dynamo RadixTree unavailable: {exc}")
+    return DynamoRadixTree
+
+
+@pytest.fixture(scope="session")
+def sglang_available() -> str:
+    """The installed sglang version, after importing its cache classes once."""
+    from kvalign.oracles.sglang import SglangRadixCache, sglang_version
+
+    try:
+        SglangRadixCache(1, eagle=False)
+    except OracleUnavailable as exc:
+        pytest.skip(f"real SGLang radix cache unavailable: {exc}")
+    return sglang_version()
+
+
+@pytest.fixture(scope="session")
+def cache_factory(sglang_available: str) -> Callable[[str], Callable[[int, bool], object]]:
+    """``cache_factory(kind)`` -> ``make(page_size, eagle)`` building a fresh real SGLang cache."""
+    from kvalign.oracles.sglang import SglangRadixCache
+
+    return lambda kind: lambda page_size, eagle: SglangRadixCache(page_size, eagle=eagle, kind=kind)
