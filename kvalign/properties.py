@@ -25,7 +25,7 @@ from kvalign.oracles.base import EngineCache, RouterHasher, RouterIndex
 from kvalign.oracles.sglang import lora_id_for
 from kvalign.relay import Relay, RouterStored
 from kvalign.sglang_keys import engine_block_hashes, event_namespace, event_page_windows, page_windows
-from kvalign.strategies import HashCase, Scenario
+from kvalign.strategies import HashCase, Scenario, Tenant
 
 WORKER = 1
 
@@ -112,29 +112,57 @@ def pages_property(hasher: RouterHasher, make_cache: CacheFactory, sc: Scenario)
                                    name_cause(hasher, tokens, p, eagle, lora, ns), sc)
 
 
-def overlap_property(hasher: RouterHasher, make_cache: CacheFactory, make_index: IndexFactory, sc: Scenario) -> None:
-    """SGLang's reuse == kvalign's prediction == the router index's answer, for the query."""
-    p, eagle = sc.page_size, sc.eagle
-    cache = make_cache(p, eagle)
-    router, router_relay = make_index(), Relay(p, hasher)
-    reference, reference_relay = PrefixIndex(), Relay(p)
-    for tokens, (lora, ns) in sc.inserts:
-        cache.insert(tokens, lora_name=lora, cache_salt=ns)
-        for ev in cache.take_events():
-            for index, relay in ((router, router_relay), (reference, reference_relay)):
+class AlignmentHarness:
+    """One engine worker with two router views of it, kept in step by the engine's own events.
+
+    The router under test sees the events through a relay using its hasher and answers from its
+    index; kvalign's reference does the same with its exact hasher and :class:`PrefixIndex`. The
+    engine's ``match_prefix`` is the ground truth both must reproduce.
+    """
+
+    def __init__(self, hasher: RouterHasher, make_cache: CacheFactory, make_index: IndexFactory, page_size: int, eagle: bool):
+        self.hasher, self.page_size, self.eagle = hasher, page_size, eagle
+        self.cache = make_cache(page_size, eagle)
+        self._views = ((make_index(), Relay(page_size, hasher)), (PrefixIndex(), Relay(page_size)))
+        self.requests: list[tuple[list[int], Tenant]] = []
+
+    def _pump(self) -> None:
+        for ev in self.cache.take_events():
+            for index, relay in self._views:
                 converted = relay.convert(ev)
                 if converted is not None:
                     index.apply(WORKER, converted)
-    query, (lora, ns) = sc.query
-    engine = cache.match(query, lora_name=lora, cache_salt=ns) // p
-    predicted = reference.overlap(block_hashes(query, p, eagle=eagle, lora_name=lora, cache_namespace=ns)).get(WORKER, 0)
-    answered = router.overlap(_call(hasher, query, p, eagle, lora, ns)).get(WORKER, 0)
-    if not engine == predicted == answered:
-        detail = f"SGLang reuses {engine} pages, kvalign predicts {predicted}, the router answers {answered}"
+
+    def insert(self, tokens: list[int], tenant: Tenant = (None, None)) -> None:
+        self.cache.insert(tokens, lora_name=tenant[0], cache_salt=tenant[1])
+        self.requests.append((list(tokens), tenant))
+        self._pump()
+
+    def evict(self, num_tokens: int) -> None:
+        self.cache.evict(num_tokens)
+        self._pump()
+
+    def check_query(self, query: list[int], tenant: Tenant, example: Any) -> None:
+        """SGLang's reuse == kvalign's prediction == the router index's answer, for ``query``."""
+        p, eagle, (lora, ns) = self.page_size, self.eagle, tenant
+        (router, _), (reference, _) = self._views
+        engine = self.cache.match(query, lora_name=lora, cache_salt=ns) // p
+        predicted = reference.overlap(block_hashes(query, p, eagle=eagle, lora_name=lora, cache_namespace=ns)).get(WORKER, 0)
+        answered = router.overlap(_call(self.hasher, query, p, eagle, lora, ns)).get(WORKER, 0)
+        if engine == predicted == answered:
+            return
         cause = Cause.UNKNOWN
         if answered != predicted:  # the router side is off: name it from the query or a cached request
-            for tokens, (t_lora, t_ns) in [sc.query, *sc.inserts]:
-                cause = name_cause(hasher, list(tokens), p, eagle, t_lora, t_ns)
+            for tokens, (t_lora, t_ns) in [(query, tenant), *self.requests]:
+                cause = name_cause(self.hasher, list(tokens), p, eagle, t_lora, t_ns)
                 if cause is not Cause.UNKNOWN:
                     break
-        raise Mismatch("overlap", detail, cause, sc)
+        raise Mismatch("overlap", f"SGLang reuses {engine} pages, kvalign predicts {predicted}, the router answers {answered}", cause, example)
+
+
+def overlap_property(hasher: RouterHasher, make_cache: CacheFactory, make_index: IndexFactory, sc: Scenario) -> None:
+    """SGLang's reuse == kvalign's prediction == the router index's answer, for the query."""
+    harness = AlignmentHarness(hasher, make_cache, make_index, sc.page_size, sc.eagle)
+    for tokens, tenant in sc.inserts:
+        harness.insert(tokens, tenant)
+    harness.check_query(list(sc.query[0]), sc.query[1], sc)
