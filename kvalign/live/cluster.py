@@ -1,0 +1,137 @@
+"""Launch a live topology (broker, workers, frontend), wait until it serves, always tear down.
+
+Usage (the same for CPU tests, ``kvalign live up`` and the GPU nightly)::
+
+    plan = make_plan(Topology.aggregated(2, eagle=True), run_dir, model_path)
+    with Cluster(plan, CpuWorkerKind()) as cluster:   # ready when the block is entered
+        cluster.frontend_url, cluster.workers["worker0"].instance_id, cluster.capture
+
+Start order: broker, then workers, then (once every worker is registered in discovery) the KV
+event capture and the frontend, then readiness = ``/v1/models`` lists the model and one tiny
+request returns 200. Any process dying during startup fails at once with its log tail. On exit —
+success, exception, timeout or Ctrl-C — every process group is stopped; ``keep_logs`` decides
+whether the run directory (logs, discovery store, status files) survives.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvalign.live import discovery
+from kvalign.live.capture import EventCapture
+from kvalign.live.client import wait_ready
+from kvalign.live.model_dir import MODEL_NAME, write_model_dir
+from kvalign.live.ports import PortPool
+from kvalign.live.processes import ProcessGroup, ProcessSpec
+from kvalign.live.topology import ClusterPlan, Topology, WorkerKind, WorkerPorts, WorkerSpec
+
+
+def make_plan(
+    topology: Topology, run_dir: str | Path, model_path: str | Path | None = None, *,
+    model_name: str | None = None, namespace: str | None = None,
+) -> ClusterPlan:
+    """Allocate ports and names for ``topology``; builds the tiny model dir if no model is given."""
+    run = Path(run_dir).resolve()
+    run.mkdir(parents=True, exist_ok=True)
+    if model_path is None:
+        model_path = write_model_dir(run / "model")
+        model_name = model_name or MODEL_NAME
+    pool = PortPool()
+    plan = ClusterPlan(
+        topology=topology, namespace=namespace or f"kvalign-{uuid.uuid4().hex[:10]}",
+        model_path=str(model_path), model_name=model_name or Path(model_path).name, run_dir=run,
+        http_port=pool.take("frontend.http"), broker_xsub=pool.take("broker.xsub"), broker_xpub=pool.take("broker.xpub"),
+    )
+    for w in topology.workers:
+        plan.worker_ports[w.name] = WorkerPorts.allocate(pool, w.name)
+    return plan
+
+
+def plan_specs(plan: ClusterPlan, kind: WorkerKind) -> list[ProcessSpec]:
+    """Every process of the plan in start order (a dry run prints these)."""
+    return [plan.broker_spec(), *(kind.command(w, plan) for w in plan.topology.workers), plan.frontend_spec()]
+
+
+@dataclass
+class WorkerHandle:
+    """A started worker and what discovery says about it."""
+
+    spec: WorkerSpec
+    ports: WorkerPorts
+    instance_id: int
+    enable_eagle: bool  # as registered in its model card: what the router hashes queries with
+    kv_events_endpoint: str | None
+
+
+class Cluster:
+    """A running topology; use as a context manager (teardown is unconditional)."""
+
+    def __init__(self, plan: ClusterPlan, kind: WorkerKind, *, startup_timeout_s: float = 120.0, keep_logs: bool = True):
+        self.plan, self.kind = plan, kind
+        self.startup_timeout_s = startup_timeout_s
+        self.keep_logs = keep_logs
+        self.group = ProcessGroup(plan.run_dir / "logs")
+        self.workers: dict[str, WorkerHandle] = {}
+        self.capture: EventCapture | None = None
+        self.ready_s: float | None = None
+
+    @property
+    def frontend_url(self) -> str:
+        return self.plan.frontend_url
+
+    @property
+    def model(self) -> str:
+        return self.plan.model_name
+
+    def ids_by_role(self, role: str) -> set[int]:
+        return {w.instance_id for w in self.workers.values() if w.spec.role == role}
+
+    def __enter__(self) -> "Cluster":
+        try:
+            self._start()
+        except BaseException:
+            self.close(failed=True)
+            raise
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.close(failed=exc_type is not None)
+
+    def _start(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        self.group.start(self.plan.broker_spec())
+        for w in self.plan.topology.workers:
+            self.group.start(self.kind.command(w, self.plan))
+        for w in self.plan.topology.workers:
+            self.workers[w.name] = self._await_registration(w, deadline)
+        endpoints = {name: h.kv_events_endpoint for name, h in self.workers.items() if h.kv_events_endpoint}
+        self.capture = EventCapture(endpoints)
+        self.group.start(self.plan.frontend_spec())
+        self.ready_s = wait_ready(self.frontend_url, self.model, timeout_s=max(1.0, deadline - time.monotonic()),
+                                  alive=self.group.check_alive)
+
+    def _await_registration(self, w: WorkerSpec, deadline: float) -> WorkerHandle:
+        ports = self.plan.worker_ports[w.name]
+        while time.monotonic() < deadline:
+            self.group.check_alive()
+            inst = discovery.instance_on_port(self.plan.file_kv, ports.rpc)
+            card = discovery.card_for(self.plan.file_kv, inst.instance_id) if inst else None
+            if inst and card:
+                ep = self.plan.kv_events_connect(w) if w.publishes_kv_events else None
+                return WorkerHandle(w, ports, inst.instance_id, card.enable_eagle, ep)
+            time.sleep(0.2)
+        raise TimeoutError(f"{w.name} did not register with discovery within {self.startup_timeout_s:.0f}s "
+                           f"(log: {self.group.log_dir / (w.name + '.log')})")
+
+    def close(self, *, failed: bool = False) -> None:
+        """Stop capture and processes; drop the run dir unless it failed or ``keep_logs``."""
+        if self.capture is not None:
+            self.capture.close()
+            self.capture = None
+        self.group.stop()
+        if not failed and not self.keep_logs:
+            shutil.rmtree(self.plan.run_dir, ignore_errors=True)

@@ -1,0 +1,176 @@
+"""Process lifecycle for live runs: start, watch, and always tear down, with per-process logs.
+
+A live run is several OS processes (frontend, workers, broker) and each may fork children
+(SGLang's scheduler and detokenizer). An orphan keeps ports and GPU memory and poisons the next
+run, so teardown is by *process group*, escalating SIGTERM -> SIGKILL, and it runs on every exit
+path: normal exit, exception, timeout, Ctrl-C (the caller's ``with`` block / pytest finaliser),
+and — as a last resort if this Python process itself is SIGKILLed — the kernel's parent-death
+signal set in each child (Linux).
+
+Each process writes stdout+stderr to ``<log_dir>/<name>.log``; callers keep the directory when a
+run fails and may delete it when it passes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    os.setsid()  # own process group, so teardown reaches grandchildren too
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process of a topology: what to run, with which environment, logged under ``name``."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+
+    def command_line(self) -> str:
+        """A copy-pasteable shell line (env overrides first), for plans and failure reports."""
+        import shlex
+
+        envs = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return (envs + " " if envs else "") + " ".join(shlex.quote(a) for a in self.argv)
+
+
+class ProcessExited(RuntimeError):
+    """A process of the group died while the run still needed it."""
+
+
+@dataclass
+class ManagedProcess:
+    spec: ProcessSpec
+    popen: subprocess.Popen
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, n_bytes: int = 4000) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-n_bytes:].decode("utf-8", "replace")
+
+
+class ProcessGroup:
+    """The processes of one run; :meth:`stop` (idempotent) kills every one of their groups."""
+
+    def __init__(self, log_dir: str | Path, base_env: Mapping[str, str] | None = None):
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.base_env = dict(os.environ if base_env is None else base_env)
+        self.procs: list[ManagedProcess] = []
+
+    def start(self, spec: ProcessSpec) -> ManagedProcess:
+        if any(p.spec.name == spec.name for p in self.procs):
+            raise ValueError(f"duplicate process name {spec.name!r}")
+        log_path = self.log_dir / f"{spec.name}.log"
+        with open(log_path, "ab") as log:
+            log.write(f"$ {spec.command_line()}\n".encode())
+            log.flush()
+            popen = subprocess.Popen(
+                spec.argv, env={**self.base_env, **spec.env}, cwd=spec.cwd, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+            )
+        proc = ManagedProcess(spec, popen, log_path)
+        self.procs.append(proc)
+        return proc
+
+    def check_alive(self) -> None:
+        """Raise :class:`ProcessExited` naming the first process that died, with its log tail."""
+        for p in self.procs:
+            rc = p.popen.poll()
+            if rc is not None:
+                raise ProcessExited(f"{p.spec.name} (pid {p.pid}) exited with code {rc}; log {p.log_path}:\n{p.log_tail()}")
+
+    def stop(self, grace_s: float = 8.0) -> list[str]:
+        """SIGTERM every group, wait up to ``grace_s``, SIGKILL what is left; return what needed KILL."""
+        for p in reversed(self.procs):
+            _signal_group(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        killed = []
+        for p in reversed(self.procs):
+            try:
+                p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                killed.append(p.spec.name)
+            _signal_group(p.pid, signal.SIGKILL)  # grandchildren may outlive their leader
+            if p.popen.poll() is None:
+                p.popen.wait(timeout=5)
+        return killed
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` still exists (for teardown checks)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextmanager
+def process_group(log_dir: str | Path, base_env: Mapping[str, str] | None = None) -> Iterator[ProcessGroup]:
+    """A :class:`ProcessGroup` torn down on any exit, SIGTERM to this process included."""
+    group = ProcessGroup(log_dir, base_env)
+    previous = signal.getsignal(signal.SIGTERM)
+    installed = False
+    if _in_main_thread():
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        installed = True
+    try:
+        yield group
+    finally:
+        try:
+            group.stop()
+        finally:
+            if installed:
+                signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

@@ -1,0 +1,218 @@
+"""What a live run launches: the topology, its ports and environment, and the worker command.
+
+One harness serves the CPU live tests and the GPU nightly. Everything except the worker's
+command line is shared and lives here or in :mod:`kvalign.live.cluster`: the roles and their
+Dynamo components, the ports each worker needs, the NATS/etcd-free plane settings, the
+127.0.0.1-only host settings, and the frontend command. A :class:`WorkerKind` turns one
+:class:`WorkerSpec` into a :class:`~kvalign.live.processes.ProcessSpec`; the CPU kind is
+:class:`CpuWorkerKind` (``python -m kvalign.live.cpu_worker``), the GPU kind builds
+``python -m dynamo.sglang``.
+
+Loopback settings (checked against ai-dynamo-runtime 1.6.1): ``DYN_TCP_RPC_HOST`` (request
+plane bind and advertised address), ``DYN_TCP_RESPONSE_STREAM_HOST``, ``DYN_SYSTEM_HOST``
+(metrics/health server), ``DYN_EVENT_PLANE_HOST`` (advertised event-plane address), frontend
+``--http-host``, and the event-plane broker (:mod:`kvalign.live.broker`), because a direct-mode
+event-plane publisher always binds ``tcp://0.0.0.0:0``. SGLang side: ``SGLANG_HOST_IP`` /
+``HOST_IP`` (what ``get_local_ip_auto`` returns).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
+
+from kvalign.live.broker import broker_url
+from kvalign.live.ports import LOOPBACK, PortPool
+from kvalign.live.processes import ProcessSpec
+
+Role = Literal["agg", "prefill", "decode"]
+
+#: Dynamo component per role, as ``dynamo.sglang`` names them (``args.py``).
+COMPONENT: dict[Role, str] = {"agg": "backend", "prefill": "prefill", "decode": "backend"}
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker of a topology.
+
+    ``eagle``: the engine runs an EAGLE-family speculative algorithm, so its radix cache is
+    bigram-keyed. ``register_eagle``: the ``enable_eagle`` it registers with the router;
+    ``None`` derives it as ``dynamo.sglang`` does (equal to ``eagle``); ``False`` with
+    ``eagle=True`` is the cache-blind negative control.
+    """
+
+    name: str
+    role: Role
+    eagle: bool
+    register_eagle: bool | None = None
+    gpu: int | None = None
+
+    @property
+    def component(self) -> str:
+        return COMPONENT[self.role]
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        """Aggregated and prefill workers feed the router's index; decode workers do not."""
+        return self.role != "decode"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The workers of a run and the KV block (page) size they and the router share."""
+
+    workers: tuple[WorkerSpec, ...]
+    page_size: int = 16
+
+    @classmethod
+    def aggregated(cls, n: int, *, eagle: bool, register_eagle: bool | None = None, page_size: int = 16) -> "Topology":
+        return cls(tuple(WorkerSpec(f"worker{i}", "agg", eagle, register_eagle) for i in range(n)), page_size)
+
+    @classmethod
+    def disaggregated(
+        cls, prefill: int, decode: int, *, eagle: bool, register_eagle: bool | None = None, page_size: int = 16,
+        prefill_gpu: int | None = None, decode_gpu: int | None = None,
+    ) -> "Topology":
+        ws = [WorkerSpec(f"prefill{i}", "prefill", eagle, register_eagle, prefill_gpu) for i in range(prefill)]
+        ws += [WorkerSpec(f"decode{i}", "decode", eagle, register_eagle, decode_gpu) for i in range(decode)]
+        return cls(tuple(ws), page_size)
+
+    @property
+    def disaggregated_mode(self) -> bool:
+        return any(w.role == "prefill" for w in self.workers)
+
+    def by_role(self, role: Role) -> list[WorkerSpec]:
+        return [w for w in self.workers if w.role == role]
+
+
+@dataclass(frozen=True)
+class WorkerPorts:
+    """Loopback ports one worker binds: request plane, SGLang KV-event PUB, system, bootstrap."""
+
+    rpc: int
+    kv_events: int
+    system: int
+    bootstrap: int
+
+    @classmethod
+    def allocate(cls, pool: PortPool, name: str) -> "WorkerPorts":
+        return cls(*(pool.take(f"{name}.{what}") for what in ("rpc", "kv_events", "system", "bootstrap")))
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """Everything fixed before launch: shared by ``kvalign live up``, pytest and ``e2e plan``."""
+
+    topology: Topology
+    namespace: str
+    model_path: str
+    model_name: str
+    run_dir: Path
+    http_port: int
+    broker_xsub: int
+    broker_xpub: int
+    worker_ports: dict[str, WorkerPorts] = field(default_factory=dict)
+    python: str = sys.executable
+
+    @property
+    def file_kv(self) -> Path:
+        return self.run_dir / "discovery"
+
+    @property
+    def frontend_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.http_port}"
+
+    def plane_env(self) -> dict[str, str]:
+        """Environment every process gets: file discovery, tcp/zmq planes, loopback only."""
+        return {
+            "DYN_DISCOVERY_BACKEND": "file",
+            "DYN_FILE_KV": str(self.file_kv),
+            "DYN_REQUEST_PLANE": "tcp",
+            "DYN_EVENT_PLANE": "zmq",
+            "DYN_ZMQ_BROKER_URL": broker_url(f"tcp://{LOOPBACK}:{self.broker_xsub}", f"tcp://{LOOPBACK}:{self.broker_xpub}"),
+            "DYN_NAMESPACE": self.namespace,
+            "DYN_TCP_RPC_HOST": LOOPBACK,
+            "DYN_TCP_RESPONSE_STREAM_HOST": LOOPBACK,
+            "DYN_EVENT_PLANE_HOST": LOOPBACK,
+            "DYN_SYSTEM_HOST": LOOPBACK,
+            "SGLANG_HOST_IP": LOOPBACK,
+            "HOST_IP": LOOPBACK,
+            "PYTHONHASHSEED": "0",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def worker_env(self, worker: WorkerSpec) -> dict[str, str]:
+        """Plane env plus this worker's own request-plane and system ports.
+
+        Pinning ``DYN_TCP_RPC_PORT`` is what lets the harness find the worker's Dynamo instance
+        id in discovery (its transport address), for any worker kind.
+        """
+        ports = self.worker_ports[worker.name]
+        return {**self.plane_env(), "DYN_TCP_RPC_PORT": str(ports.rpc), "DYN_SYSTEM_PORT": str(ports.system)}
+
+    def kv_events_config(self, worker: WorkerSpec, *, host: str = LOOPBACK) -> str:
+        """SGLang's ``--kv-events-config`` JSON for ``worker`` (bound, not connected)."""
+        port = self.worker_ports[worker.name].kv_events
+        return json.dumps({"publisher": "zmq", "topic": "", "endpoint": f"tcp://{host}:{port}", "bind": True})
+
+    def kv_events_connect(self, worker: WorkerSpec) -> str:
+        """Where a subscriber on this machine reaches ``worker``'s SGLang KV-event PUB."""
+        return f"tcp://{LOOPBACK}:{self.worker_ports[worker.name].kv_events}"
+
+    def frontend_spec(self) -> ProcessSpec:
+        """``python -m dynamo.frontend --router-mode kv`` on loopback, for this namespace."""
+        min_workers = len(self.topology.by_role("decode") or self.topology.by_role("agg"))
+        return ProcessSpec(
+            "frontend",
+            [self.python, "-m", "dynamo.frontend", "--router-mode", "kv", "--http-host", LOOPBACK,
+             "--http-port", str(self.http_port), "--namespace", self.namespace,
+             "--kv-cache-block-size", str(self.topology.page_size), "--discovery-backend", "file",
+             "--request-plane", "tcp", "--event-plane", "zmq"],
+            {**self.plane_env(), "DYN_ROUTER_MIN_INITIAL_WORKERS": str(min_workers)},
+        )
+
+    def broker_spec(self) -> ProcessSpec:
+        return ProcessSpec(
+            "broker",
+            [self.python, "-m", "kvalign.live.broker", "--xsub", f"tcp://{LOOPBACK}:{self.broker_xsub}",
+             "--xpub", f"tcp://{LOOPBACK}:{self.broker_xpub}"],
+        )
+
+
+class WorkerKind(Protocol):
+    """Builds the command of one worker; the only part that differs between CPU and GPU runs."""
+
+    name: str
+
+    def command(self, worker: WorkerSpec, plan: ClusterPlan) -> ProcessSpec: ...
+
+
+class CpuWorkerKind:
+    """``python -m kvalign.live.cpu_worker``: real Dynamo runtime + SGLang radix cache, no model."""
+
+    name = "cpu"
+
+    def __init__(self, token_delay_ms: float = 2.0):
+        self.token_delay_ms = token_delay_ms
+
+    def command(self, worker: WorkerSpec, plan: ClusterPlan) -> ProcessSpec:
+        ports = plan.worker_ports[worker.name]
+        mode = {"agg": "null", "prefill": "prefill", "decode": "decode"}[worker.role]
+        argv = [
+            plan.python, "-m", "kvalign.live.cpu_worker", "--model-path", plan.model_path,
+            "--served-model-name", plan.model_name, "--namespace", plan.namespace,
+            "--component", worker.component, "--page-size", str(plan.topology.page_size),
+            "--disaggregation-mode", mode, "--disaggregation-bootstrap-port", str(ports.bootstrap),
+            "--token-delay-ms", str(self.token_delay_ms),
+            "--status-file", str(plan.run_dir / f"{worker.name}.status.json"),
+        ]
+        if worker.eagle:
+            argv += ["--speculative-algorithm", "EAGLE3"]
+        if worker.register_eagle is not None:
+            argv += ["--register-eagle", "on" if worker.register_eagle else "off"]
+        if worker.publishes_kv_events:
+            argv += ["--kv-events-config", plan.kv_events_config(worker)]
+        return ProcessSpec(worker.name, argv, plan.worker_env(worker))
