@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-events-config", default=None, help='SGLang JSON, e.g. {"publisher":"zmq","endpoint":"tcp://127.0.0.1:5557","bind":true}')
     p.add_argument("--disaggregation-mode", choices=MODES, default="null")
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
+    p.add_argument("--no-bootstrap-endpoint", action="store_true",
+                   help="prefill: do not advertise the bootstrap endpoint in the card (frontend then waits "
+                        "for the prefill response's disaggregated_params instead of pre-computing them)")
     p.add_argument("--token-delay-ms", type=float, default=2.0, help="pause between streamed tokens")
     p.add_argument("--status-file", default=None, help="write a JSON line with the instance id once registered")
     p.add_argument("--discovery-backend", default=os.environ.get("DYN_DISCOVERY_BACKEND", "file"))
@@ -159,6 +162,7 @@ class Handler:
         if not prompt:
             raise ValueError("request has no token_ids")
         if self.mode == "prefill":
+            log.info("prefill: request bootstrap_info=%s", inner.get("bootstrap_info"))
             # PrefillWorkerHandler: the first (and only) output carries the bootstrap info the
             # decode side needs; the prompt's KV is what the prefill worker caches.
             info = inner.get("bootstrap_info") if isinstance(inner.get("bootstrap_info"), dict) else {}
@@ -169,8 +173,11 @@ class Handler:
             }}
             self.engine.cache_and_publish(prompt)
             return
-        if self.mode == "decode" and not request.get("bootstrap_info"):
-            raise RuntimeError("bootstrap_info is required for disaggregated decode but was not provided")
+        if self.mode == "decode":
+            if not request.get("bootstrap_info"):
+                raise RuntimeError("bootstrap_info is required for disaggregated decode but was not provided")
+            log.info("decode: bootstrap_info=%s prefill_result=%s", request.get("bootstrap_info"),
+                     json.dumps(request.get("prefill_result"))[:300])
         n = _max_tokens(request)
         out: list[int] = []
         async for tok in self.engine.stream(prompt, n):
@@ -194,7 +201,8 @@ async def _register(args: argparse.Namespace, endpoint: Any, engine: Engine) -> 
     if register_eagle:
         rc.enable_eagle = True
     if args.disaggregation_mode == "prefill":
-        rc.set_disaggregated_endpoint("127.0.0.1", args.disaggregation_bootstrap_port)
+        if not args.no_bootstrap_endpoint:
+            rc.set_disaggregated_endpoint("127.0.0.1", args.disaggregation_bootstrap_port)
         output_type, worker_type, needs = ModelType.Prefill, WorkerType.Prefill, [[WorkerType.Decode]]
     elif args.disaggregation_mode == "decode":
         output_type, worker_type, needs = ModelType.Chat | ModelType.Completions, WorkerType.Decode, [[WorkerType.Prefill]]

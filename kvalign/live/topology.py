@@ -195,8 +195,9 @@ class CpuWorkerKind:
 
     name = "cpu"
 
-    def __init__(self, token_delay_ms: float = 2.0):
+    def __init__(self, token_delay_ms: float = 2.0, *, bootstrap_endpoint: bool = True):
         self.token_delay_ms = token_delay_ms
+        self.bootstrap_endpoint = bootstrap_endpoint
 
     def command(self, worker: WorkerSpec, plan: ClusterPlan) -> ProcessSpec:
         ports = plan.worker_ports[worker.name]
@@ -215,4 +216,6 @@ class CpuWorkerKind:
             argv += ["--register-eagle", "on" if worker.register_eagle else "off"]
         if worker.publishes_kv_events:
             argv += ["--kv-events-config", plan.kv_events_config(worker)]
+        if worker.role == "prefill" and not self.bootstrap_endpoint:
+            argv += ["--no-bootstrap-endpoint"]
         return ProcessSpec(worker.name, argv, plan.worker_env(worker))

@@ -1,0 +1,256 @@
+"""The shared live scenario: prefix-extending requests, kvalign's prediction, and the checks.
+
+Modelled on Dynamo's router e2e tests: N sequential streaming chat completions, request i's
+content is a base text repeated i+1 times, so each prompt extends the previous one. For each
+request kvalign predicts the router's ``kv_hit_rate`` *before* sending it, from its own index
+rebuilt from the captured SGLang events (:mod:`kvalign.live.capture`) and its own hashing of
+the prompt with the eagle flag the worker registered; the response then says what the router
+actually did. Every check is a function raising ``AssertionError`` with the numbers, so the CPU
+tests, ``kvalign live`` and the GPU nightly share them verbatim.
+
+Router arithmetic (checked against the live 1.6.1 router): ``kv_hit_rate = overlap_blocks /
+ceil(prompt_tokens / B)`` — the denominator counts a partial last block, unlike the number of
+hashed blocks (``N // B``, or ``(N-1) // B`` under EAGLE).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from kvalign.causes import Cause, classify_hash_mismatch
+from kvalign.hashing import block_hashes
+from kvalign.live.client import ChatResult, stream_chat
+from kvalign.relay import Relay, RouterStored
+from kvalign.sglang_keys import is_bigram_payload
+
+#: 18 in-vocabulary words (see :mod:`kvalign.live.model_dir`): with the chat framing, request 1
+#: is 21 tokens (> B+1 = 17, so it holds one EAGLE block at B=16) and each repeat adds 18.
+BASE_TEXT = "the quick brown fox jumps over lazy dog a rabbit ran across green field under bright morning sun"
+
+
+def prefix_prompts(n: int, base: str = BASE_TEXT) -> list[str]:
+    """Request i (0-based) is ``base`` repeated i+1 times."""
+    return [" ".join([base] * (i + 1)) for i in range(n)]
+
+
+@cache
+def _tokenizer(model_path: str) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(model_path)
+
+
+def prompt_tokens(model_path: str, content: str) -> list[int]:
+    """The prompt token ids the frontend sends for one user message (chat template applied)."""
+    out = _tokenizer(model_path).apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True)
+    ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+    return [int(t) for t in ids]
+
+
+def router_kv_hit_rate(overlap_blocks: int, n_tokens: int, block_size: int) -> float | None:
+    """What the router reports for ``overlap_blocks`` on an ``n_tokens`` prompt."""
+    isl_blocks = math.ceil(n_tokens / block_size)
+    return None if isl_blocks == 0 else overlap_blocks / isl_blocks
+
+
+@dataclass
+class RequestRecord:
+    """One request: what kvalign predicted before it, and what the router reported."""
+
+    index: int
+    tokens: list[int]
+    router_eagle: bool
+    predicted_overlap: dict[int, int]  # worker id -> leading blocks kvalign's index holds
+    result: ChatResult
+    block_size: int = 16
+
+    @property
+    def worker(self) -> int | None:
+        """The worker the router chose at the first hop (prefill in disagg, the worker in agg)."""
+        return self.result.prefill_worker_id
+
+    @property
+    def isl_blocks(self) -> int:
+        return math.ceil(len(self.tokens) / self.block_size)
+
+    @property
+    def predicted(self) -> float | None:
+        w = self.worker
+        return None if w is None else router_kv_hit_rate(self.predicted_overlap.get(w, 0), len(self.tokens), self.block_size)
+
+    @property
+    def observed(self) -> float | None:
+        return self.result.kv_hit_rate
+
+    def row(self) -> dict[str, Any]:
+        t = self.result.timing
+        return {
+            "request": self.index + 1, "prompt_tokens": len(self.tokens), "isl_blocks": self.isl_blocks,
+            "prefill_worker": self.result.prefill_worker_id, "decode_worker": self.result.decode_worker_id,
+            "kv_hit_rate": self.observed, "predicted": self.predicted,
+            "predicted_overlap_blocks": self.predicted_overlap.get(self.worker or -1, 0),
+            "ttft_ms": t.get("ttft_ms"), "total_time_ms": t.get("total_time_ms"),
+        }
+
+
+def run_prefix_extension(cluster: Any, n: int = 4, *, max_tokens: int = 8, pause_s: float = 1.0,
+                         event_wait_s: float = 5.0) -> list[RequestRecord]:
+    """Send the n prefix-extending requests through ``cluster``, predicting each beforehand.
+
+    After each response it waits (bounded) until the capture has the serving worker's new
+    events, then ``pause_s`` for the router to index the same events, as Dynamo's tests do.
+    """
+    b = cluster.plan.topology.page_size
+    publishing = {name: h for name, h in cluster.workers.items() if h.kv_events_endpoint}
+    ids = {name: h.instance_id for name, h in publishing.items()}
+    label_of = {h.instance_id: name for name, h in publishing.items()}
+    records = []
+    for i, content in enumerate(prefix_prompts(n)):
+        tokens = prompt_tokens(cluster.plan.model_path, content)
+        router_eagle = any(h.enable_eagle for h in publishing.values())
+        index = cluster.capture.index(ids, b)
+        overlap = index.overlap(block_hashes(tokens, b, eagle=router_eagle))
+        before = {name: cluster.capture.count(name) for name in ids}
+        result = stream_chat(cluster.frontend_url, cluster.model, content, max_tokens=max_tokens)
+        records.append(RequestRecord(i, tokens, router_eagle, overlap, result, b))
+        label = label_of.get(result.prefill_worker_id)
+        if label is not None:
+            cluster.capture.wait_for(lambda snap, lbl=label: sum(c.label == lbl for c in snap) > before[lbl], event_wait_s)
+        time.sleep(pause_s)
+    return records
+
+
+def table(records: list[RequestRecord]) -> str:
+    """A fixed-width per-request table for reports and failure messages."""
+    head = f"{'req':>3} {'tokens':>6} {'blocks':>6} {'prefill_worker':>20} {'decode_worker':>20} {'kv_hit_rate':>11} {'predicted':>9}"
+    lines = [head]
+    for r in records:
+        row = r.row()
+        fmt = lambda v: "None" if v is None else f"{v:.4f}"  # noqa: E731
+        lines.append(f"{row['request']:>3} {row['prompt_tokens']:>6} {row['isl_blocks']:>6} {str(row['prefill_worker']):>20} "
+                     f"{str(row['decode_worker']):>20} {fmt(row['kv_hit_rate']):>11} {fmt(row['predicted']):>9}")
+    return "\n".join(lines)
+
+
+# ---- checks (each raises AssertionError with the table) -------------------------------------
+
+def _fail(msg: str, records: list[RequestRecord]) -> AssertionError:
+    return AssertionError(f"{msg}\n{table(records)}")
+
+
+def check_timing(records: list[RequestRecord]) -> None:
+    """Every response carried nvext.timing with ttft_ms > 0 and total_time_ms >= ttft_ms."""
+    for r in records:
+        t = r.result.timing
+        if not t:
+            raise _fail(f"request {r.index + 1}: no nvext.timing in the response", records)
+        if not (t.get("ttft_ms", 0) > 0 and t.get("total_time_ms", 0) >= t["ttft_ms"]):
+            raise _fail(f"request {r.index + 1}: bad timing {t}", records)
+
+
+def check_prompt_tokens(records: list[RequestRecord]) -> None:
+    """kvalign tokenised each prompt to as many tokens as the frontend did (else no prediction holds)."""
+    for r in records:
+        if r.result.prompt_tokens is not None and r.result.prompt_tokens != len(r.tokens):
+            raise _fail(f"request {r.index + 1}: frontend counted {r.result.prompt_tokens} prompt tokens, "
+                        f"kvalign {len(r.tokens)} (template/BOS drift)", records)
+
+
+def check_same_worker(records: list[RequestRecord]) -> int:
+    """Requests 2..N went to request 1's (prefill) worker; returns it."""
+    first = records[0].worker
+    if first is None:
+        raise _fail("request 1: no nvext.worker_id.prefill_worker_id in the response", records)
+    others = [r for r in records[1:] if r.worker != first]
+    if others:
+        raise _fail(f"requests {[r.index + 1 for r in others]} left request 1's worker {first}", records)
+    return first
+
+
+def check_not_decode(records: list[RequestRecord], decode_ids: set[int]) -> None:
+    """The prefill worker of every request is not a decode worker (disaggregated topologies)."""
+    bad = [r for r in records if r.worker in decode_ids]
+    if bad:
+        raise _fail(f"requests {[r.index + 1 for r in bad]} were prefilled on a decode worker", records)
+    if any(r.result.decode_worker_id not in decode_ids for r in records):
+        raise _fail(f"decode ran outside the decode workers {sorted(decode_ids)}", records)
+
+
+def check_hit_positive(records: list[RequestRecord]) -> None:
+    """The router saw reusable cache on requests 2..N."""
+    bad = [r for r in records[1:] if not (r.observed or 0) > 0]
+    if bad:
+        raise _fail(f"kv_hit_rate not > 0 on requests {[r.index + 1 for r in bad]}", records)
+
+
+def check_hit_zero(records: list[RequestRecord]) -> None:
+    """Negative control: the router saw no reusable cache on requests 2..N."""
+    bad = [r for r in records[1:] if (r.observed or 0) != 0]
+    if bad:
+        raise _fail(f"kv_hit_rate should stay 0 (cache-blind) but is > 0 on {[r.index + 1 for r in bad]}", records)
+
+
+def check_prediction(records: list[RequestRecord], tolerance_blocks: int = 1) -> None:
+    """kvalign's predicted kv_hit_rate equals the router's within ``tolerance_blocks`` blocks."""
+    for r in records:
+        if r.observed is None or r.predicted is None:
+            raise _fail(f"request {r.index + 1}: missing kv_hit_rate (observed {r.observed}, predicted {r.predicted})", records)
+        off = abs(r.observed - r.predicted) * r.isl_blocks
+        if off > tolerance_blocks + 1e-9:
+            raise _fail(f"request {r.index + 1}: router {r.observed:.4f} vs kvalign {r.predicted:.4f} "
+                        f"differ by {off:.2f} blocks (> {tolerance_blocks})", records)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Why a request's router query matched none of the worker's indexed blocks."""
+
+    cause: Cause | None
+    engine_bigram: bool
+    router_eagle: bool
+    query_blocks: int
+    indexed_blocks: int
+    first_query_hash_indexed: bool
+
+    def line(self) -> str:
+        name = self.cause.name if self.cause else "none (query blocks are indexed)"
+        return (f"cause: {name} - {self.cause.value if self.cause else 'aligned'}; engine keys "
+                f"{'bigram' if self.engine_bigram else 'plain'}, router enable_eagle={self.router_eagle}, "
+                f"query blocks {self.query_blocks}, worker blocks indexed {self.indexed_blocks}")
+
+
+def diagnose(cluster: Any, record: RequestRecord, *, hasher: Any = None) -> Diagnosis:
+    """Name the mismatch between the router's query hashes and the worker's published blocks.
+
+    Query side: the *real* router hasher (``dynamo._core.compute_block_hash_for_seq``) with
+    the ``enable_eagle`` the worker registered. Engine side: kvalign's relay of the captured
+    SGLang events. If the query's first block is not among the indexed blocks, the hypothesis
+    catalog of :func:`kvalign.causes.classify_hash_mismatch` names the cause.
+    """
+    from kvalign.oracles.dynamo import load_router_hasher
+
+    hasher = hasher or load_router_hasher()
+    b = cluster.plan.topology.page_size
+    label = next((n for n, h in cluster.workers.items() if h.instance_id == record.worker), None)
+    if label is None:
+        raise ValueError(f"request {record.index + 1} was served by an unknown worker {record.worker}")
+    handle = cluster.workers[label]
+    units = cluster.capture.stored_token_units(label)
+    engine_bigram = any(is_bigram_payload(u) for u in units if u)
+    relay = Relay(b)
+    indexed: set[int] = set()
+    for c in cluster.capture.snapshot():
+        if c.label == label:
+            for ev in c.batch.events:
+                out = relay.convert(ev)
+                if isinstance(out, RouterStored):
+                    indexed.update(local for _, local in out.blocks)
+    query = [int(h) for h in hasher(record.tokens, b, None, None, handle.enable_eagle, None)]
+    hit = bool(query) and query[0] in indexed
+    cause = None if hit or not query else classify_hash_mismatch(query, record.tokens, b, eagle=engine_bigram)
+    return Diagnosis(cause, engine_bigram, handle.enable_eagle, len(query), len(indexed), hit)
