@@ -1,0 +1,178 @@
+"""The GPU worker kind: ``python -m dynamo.sglang`` with EAGLE3 and the launch defaults that work.
+
+Every default here is the fix for a failure seen upstream (live-e2e.md §1.5, §3, §6):
+
+* ``--host 0.0.0.0`` on every SGLang worker: SGLang's bootstrap server binds ``--host``
+  (127.0.0.1 by default) while ``dynamo.sglang`` advertises ``get_local_ip_auto()``, so decode
+  got "connection refused" (sgl-project/sglang#9931). The shared plan env also sets
+  ``SGLANG_HOST_IP=127.0.0.1`` so the *advertised* address is loopback;
+* a distinct ``--disaggregation-bootstrap-port``, ``--kv-events-config`` port and
+  ``DYN_SYSTEM_PORT`` per worker: two prefill workers on one host collide on SGLang's 8998;
+* ``--enable-metrics --decode-log-interval 1`` on decode: the spec gauges refresh only every
+  ``decode_log_interval`` forwards (default 40), more than 4 short requests make;
+* ``--page-size 16`` = the router's ``--kv-cache-block-size``; ``PYTHONHASHSEED=0``,
+  ``UCX_TLS=^mm``, ``HF_HUB_OFFLINE=1`` (weights must already be on the machine).
+
+The KV-event endpoint is ``tcp://*:<port>`` with ``--host 0.0.0.0``: SGLang before 0.5.23
+(``ai-dynamo[sglang]`` 1.6.1 pins 0.5.21) has no ``bind`` key and binds only wildcard
+endpoints. ``bind_host="127.0.0.1"`` keeps both sockets on loopback instead (sglang >= 0.5.23).
+
+Negative control: a worker whose ``register_eagle`` is False runs through this module's
+``main``, which forces ``dynamo.sglang``'s router-facing ``enable_eagle`` off while the engine
+keeps its bigram-keyed radix cache: the cache-blind bug of Dynamo #10982/#11764, on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvalign.live.processes import ProcessSpec
+from kvalign.live.topology import ClusterPlan, Topology, WorkerSpec
+
+DEFAULT_MODEL = "Qwen/Qwen3-8B"
+DEFAULT_DRAFT_MODEL = "Tengyunw/qwen3_8b_eagle3"
+MODEL_ENV, DRAFT_MODEL_ENV = "KVALIGN_MODEL", "KVALIGN_DRAFT_MODEL"
+ROUTER_EAGLE_ENV = "KVALIGN_ROUTER_EAGLE"
+
+#: Fraction of a GPU's memory that the SGLang workers placed on it share (static: weights + KV).
+GPU_MEMORY_BUDGET = 0.8
+
+
+def default_models(env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """Model and draft model: ``KVALIGN_MODEL`` / ``KVALIGN_DRAFT_MODEL`` or the PR's pair."""
+    env = os.environ if env is None else env
+    return env.get(MODEL_ENV) or DEFAULT_MODEL, env.get(DRAFT_MODEL_ENV) or DEFAULT_DRAFT_MODEL
+
+
+def router_eagle_from(value: str | None) -> bool:
+    """Parse the negative-control switch (``--kvalign-router-eagle`` / ``KVALIGN_ROUTER_EAGLE``)."""
+    if value is None or value.strip().lower() in ("", "on", "auto", "1", "true"):
+        return True
+    if value.strip().lower() in ("off", "0", "false"):
+        return False
+    raise ValueError(f"router eagle switch must be 'on' or 'off', got {value!r}")
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """EAGLE3 settings of Dynamo's EAGLE tests (``agg_spec_decoding.sh``)."""
+
+    algorithm: str = "EAGLE3"
+    num_steps: int = 3
+    eagle_topk: int = 1
+    num_draft_tokens: int = 4
+
+    def args(self, draft_model: str) -> list[str]:
+        return [
+            "--speculative-algorithm", self.algorithm, "--speculative-draft-model-path", draft_model,
+            "--speculative-num-steps", str(self.num_steps), "--speculative-eagle-topk", str(self.eagle_topk),
+            "--speculative-num-draft-tokens", str(self.num_draft_tokens),
+        ]
+
+
+def gpu_topology(*, single_gpu: bool = False, prefill: int = 2, decode: int = 1, router_eagle: bool = True,
+                 page_size: int = 16) -> Topology:
+    """The PR's topology: prefill workers on GPU 0, decode on GPU 1 (or everything on GPU 0)."""
+    return Topology.disaggregated(
+        prefill, decode, eagle=True, register_eagle=None if router_eagle else False, page_size=page_size,
+        prefill_gpu=0, decode_gpu=0 if single_gpu else 1,
+    )
+
+
+class SglangWorkerKind:
+    """Builds each worker's ``python -m dynamo.sglang`` command (a :class:`WorkerKind`)."""
+
+    name = "sglang"
+
+    def __init__(
+        self, draft_model: str, *, eagle: EagleConfig = EagleConfig(), transfer_backend: str = "nixl",
+        mem_fraction_static: float | None = None, context_length: int | None = 4096, cuda_graph: bool = False,
+        bind_host: str = "0.0.0.0",
+    ) -> None:
+        if bind_host not in ("0.0.0.0", "127.0.0.1"):
+            raise ValueError(f"bind host must be 0.0.0.0 or 127.0.0.1, got {bind_host!r}")
+        if mem_fraction_static is not None and not 0 < mem_fraction_static < 1:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {mem_fraction_static}")
+        self.draft_model, self.eagle = draft_model, eagle
+        self.transfer_backend = transfer_backend
+        self.mem_fraction_static = mem_fraction_static
+        self.context_length, self.cuda_graph, self.bind_host = context_length, cuda_graph, bind_host
+
+    def mem_fraction(self, worker: WorkerSpec, plan: ClusterPlan) -> float:
+        """The GPU budget split evenly between the workers sharing ``worker``'s GPU."""
+        if self.mem_fraction_static is not None:
+            return self.mem_fraction_static
+        sharing = sum(1 for w in plan.topology.workers if w.gpu == worker.gpu)
+        return int(GPU_MEMORY_BUDGET / sharing * 100) / 100
+
+    def kv_events_config(self, worker: WorkerSpec, plan: ClusterPlan) -> str:
+        if self.bind_host == "127.0.0.1":
+            return plan.kv_events_config(worker)
+        port = plan.worker_ports[worker.name].kv_events
+        return json.dumps({"publisher": "zmq", "topic": "kv-events", "endpoint": f"tcp://*:{port}"})
+
+    def command(self, worker: WorkerSpec, plan: ClusterPlan) -> ProcessSpec:
+        if worker.role == "agg":
+            raise ValueError("the GPU layer runs prefill/decode disaggregation; got an aggregated worker")
+        if worker.gpu is None:
+            raise ValueError(f"{worker.name} has no GPU assigned")
+        ports = plan.worker_ports[worker.name]
+        forced_off = worker.eagle and worker.register_eagle is False
+        entry = ["-m", "kvalign.live.sglang_worker"] if forced_off else ["-m", "dynamo.sglang"]
+        argv = [
+            plan.python, *entry, "--model-path", plan.model_path, "--served-model-name", plan.model_name,
+            "--page-size", str(plan.topology.page_size),
+            "--mem-fraction-static", f"{self.mem_fraction(worker, plan):g}",
+            "--host", self.bind_host,
+            "--disaggregation-mode", worker.role, "--disaggregation-transfer-backend", self.transfer_backend,
+            "--disaggregation-bootstrap-port", str(ports.bootstrap),
+            "--kv-events-config", self.kv_events_config(worker, plan),
+        ]
+        if self.context_length:
+            argv += ["--context-length", str(self.context_length)]
+        if not self.cuda_graph:
+            argv += ["--disable-cuda-graph"]
+        if worker.eagle:
+            argv += self.eagle.args(self.draft_model)
+        if worker.role == "decode":
+            argv += ["--enable-metrics", "--decode-log-interval", "1"]
+        env = {
+            **plan.worker_env(worker), "CUDA_VISIBLE_DEVICES": str(worker.gpu), "UCX_TLS": "^mm",
+            "HF_HUB_OFFLINE": "1",
+        }
+        return ProcessSpec(worker.name, argv, env)
+
+
+def force_router_eagle_off() -> None:
+    """Make ``dynamo.sglang`` register ``enable_eagle=False`` whatever the algorithm.
+
+    Fails loudly if Dynamo renamed the hook: a negative control that silently stays positive
+    would "prove" nothing.
+    """
+    import dynamo.sglang.register as register
+
+    if not callable(getattr(register, "_eagle_enabled_for", None)):
+        raise SystemExit(
+            "kvalign: cannot force router eagle off: dynamo.sglang.register has no _eagle_enabled_for "
+            "(Dynamo changed how it derives enable_eagle)"
+        )
+    register._eagle_enabled_for = lambda speculative_algorithm: False
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvalign.live.sglang_worker ARGS``: ``python -m dynamo.sglang ARGS`` with the
+    router-facing ``enable_eagle`` forced off (the negative control)."""
+    os.environ.setdefault("PYTHONHASHSEED", "0")  # as dynamo.sglang.__main__, for SGLang's children
+    force_router_eagle_off()
+    from dynamo.sglang.main import main as dynamo_main
+
+    sys.argv = ["dynamo.sglang", *(sys.argv[1:] if argv is None else argv)]
+    dynamo_main()
+
+
+if __name__ == "__main__":
+    main()
