@@ -91,7 +91,8 @@ def lora_id_for(lora_name: str) -> str:
     return uuid.uuid5(uuid.NAMESPACE_URL, "kvalign-lora:" + lora_name).hex
 
 
-def _convert(ev: Any) -> KVEvent:
+def to_kvalign_event(ev: Any) -> KVEvent:
+    """Convert one of SGLang's in-process event objects (any version's structs) to kvalign's model."""
     name = type(ev).__name__
     if name.startswith("BlockStored"):
         tokens = [tuple(int(x) for x in t) if isinstance(t, (tuple, list)) else int(t) for t in ev.token_ids]
@@ -187,7 +188,7 @@ class SglangRadixCache:
     def take_events(self) -> list[KVEvent]:
         """Drain the cache's pending KV events, converted to kvalign's event model."""
         take = getattr(self._cache, "take_events", None) or self._cache.kv_events.take
-        return [_convert(e) for e in take()]
+        return [to_kvalign_event(e) for e in take()]
 
     def take_raw_events(self) -> list[Any]:
         """Drain pending events as SGLang's own objects (for its real ZMQ publisher)."""

@@ -107,7 +107,7 @@ def sglang_publisher(sglang_available):
 def test_real_sglang_publisher_round_trips_through_decoder(sglang_publisher, count_case, inserts, page_size, eagle, salt, evict):
     from sglang.srt.disaggregation.kv_events import KVEventBatch
 
-    from kvalign.oracles.sglang import SglangRadixCache
+    from kvalign.oracles.sglang import SglangRadixCache, to_kvalign_event
 
     count_case()
     publisher, sub = sglang_publisher
@@ -121,11 +121,9 @@ def test_real_sglang_publisher_round_trips_through_decoder(sglang_publisher, cou
         return
     publisher.publish(KVEventBatch(ts=time.time(), events=raw))
     batch = decode_frames(sub.recv_multipart(), expected_topic=b"kv-events")
-    from kvalign.oracles.sglang import _convert
-
     assert batch.encoding == "map"  # sglang >= 0.5.23 sends tagged maps
     assert batch.dp_rank == 0
-    assert [_normalize(e) for e in batch.events] == [_normalize(_convert(e)) for e in raw]
+    assert [_normalize(e) for e in batch.events] == [_normalize(to_kvalign_event(e)) for e in raw]
 
 
 def _normalize(ev):
