@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -99,11 +100,13 @@ class RequestRecord:
 
 
 def run_prefix_extension(cluster: Any, n: int = 4, *, max_tokens: int = 8, pause_s: float = 1.0,
-                         event_wait_s: float = 5.0) -> list[RequestRecord]:
+                         event_wait_s: float = 5.0,
+                         after_each: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
     """Send the n prefix-extending requests through ``cluster``, predicting each beforehand.
 
     After each response it waits (bounded) until the capture has the serving worker's new
     events, then ``pause_s`` for the router to index the same events, as Dynamo's tests do.
+    ``after_each`` then sees the request's record (the GPU run scrapes decode metrics there).
     """
     b = cluster.plan.topology.page_size
     publishing = {name: h for name, h in cluster.workers.items() if h.kv_events_endpoint}
@@ -122,6 +125,8 @@ def run_prefix_extension(cluster: Any, n: int = 4, *, max_tokens: int = 8, pause
         if label is not None:
             cluster.capture.wait_for(lambda snap, lbl=label: sum(c.label == lbl for c in snap) > before[lbl], event_wait_s)
         time.sleep(pause_s)
+        if after_each is not None:
+            after_each(records[-1])
     return records
 
 
