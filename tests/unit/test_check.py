@@ -1,0 +1,87 @@
+"""``kvalign check`` and ``kvalign hash`` as a user runs them (in-process ``main``)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from kvalign.cli import main
+
+
+def run_cli(capsys, *argv: str, stdin: str | None = None, monkeypatch=None) -> tuple[int, str, str]:
+    if stdin is not None:
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_check_real_pair_is_aligned(capsys, router_hasher, sglang_available):
+    rc, out, _ = run_cli(capsys, "check", "--examples", "15")
+    assert rc == 0, out
+    assert "ALIGNED: " in out and "MISALIGNED" not in out
+    assert out.count(" ok") == 24  # 3 properties x 2 modes x 4 variants
+
+
+def test_check_catches_router_that_ignores_is_eagle(capsys, router_hasher, sglang_available):
+    rc, out, _ = run_cli(capsys, "check", "--examples", "100", "--router-hash", "kvalign.misaligned:ignore_eagle")
+    assert rc == 1
+    assert "MISALIGNED: router eagle off vs engine bigram keys" in out
+    assert "shrunk counterexample:" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("hash ", "pages ", "overlap "))]
+    assert {r[1] for r in rows if "MISALIGNED:" in r} == {"eagle"}  # plain mode is genuinely aligned
+
+
+def test_check_json_report(capsys, router_hasher, sglang_available):
+    rc, out, _ = run_cli(capsys, "check", "--examples", "50", "--json", "--property", "overlap",
+                         "--router-hash", "kvalign.misaligned:drop_namespace")
+    report = json.loads(out)
+    assert rc == 1 and report["aligned"] is False
+    bad = [r for r in report["rows"] if r["mismatches"]]
+    assert bad and all(r["variant"] in ("namespace", "lora+namespace") for r in bad)
+    assert {r["cause"] for r in bad} == {"cache namespace (cache_salt) dropped from the hash seed"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["check", "--router-hash", "nosuchmodule:fn"], "cannot import router hasher module 'nosuchmodule'"),
+        (["check", "--router-hash", "kvalign.hashing"], "must look like MODULE:FUNCTION"),
+        (["check", "--router-hash", "kvalign.hashing:nope"], "has no callable 'nope'"),
+        (["check", "--examples", "0"], "--examples must be >= 1"),
+        (["check", "--cache", "bogus"], "invalid choice: 'bogus'"),
+    ],
+)
+def test_check_usage_errors_are_one_line_exit_2(capsys, argv, message):
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and message in err and err.startswith("kvalign: error: ")
+
+
+def test_hash_command_matches_router(capsys, monkeypatch, router_hasher):
+    toks = list(range(1, 40))
+    rc, out, _ = run_cli(capsys, "hash", "--block-size", "4", "--eagle", "--lora", "L", "--namespace", "ns",
+                         stdin=json.dumps(toks), monkeypatch=monkeypatch)
+    assert rc == 0 and json.loads(out) == router_hasher(toks, 4, None, "L", True, "ns")
+    rc, out, _ = run_cli(capsys, "hash", "--block-size", "4", "--sequence", stdin="[1,2,3,4,5,6,7,8]", monkeypatch=monkeypatch)
+    from kvalign.hashing import block_hashes, sequence_hashes
+
+    assert rc == 0 and json.loads(out) == sequence_hashes(block_hashes(list(range(1, 9)), 4))
+
+
+@pytest.mark.parametrize(
+    ("stdin", "argv", "message"),
+    [
+        ("[1, -2]", ["--block-size", "4"], "token at position 1 is out of the u32 range"),
+        ("[4294967296]", ["--block-size", "4"], "token at position 0 is out of the u32 range"),
+        ("[1, 2.5]", ["--block-size", "4"], "token at position 1 is not an integer"),
+        ("[1, 2", ["--block-size", "4"], "stdin is not JSON"),
+        ('{"a": 1}', ["--block-size", "4"], "must be a JSON list"),
+        ("[1, 2]", ["--block-size", "0"], "block size must be in [1, 2^32-1], got 0"),
+    ],
+)
+def test_hash_bad_input_is_one_line_exit_2(capsys, monkeypatch, stdin, argv, message):
+    rc, out, err = run_cli(capsys, "hash", *argv, stdin=stdin, monkeypatch=monkeypatch)
+    assert rc == 2 and out == "" and err.count("\n") == 1 and message in err
