@@ -13,14 +13,18 @@ module mirrors ``dynamo._core.compute_block_hash_for_seq`` rule for rule:
   bigrams spans B+1 raw tokens; partial tails are dropped;
 * sequence hash chain: ``seq[0] = local[0]``, ``seq[i] = xxh3(u64le(seq[i-1]) || u64le(local[i]), 1337)``.
 
-Tokens are packed once into a little-endian u32 buffer with numpy; each block is then one
-xxhash call on a zero-copy slice of it (no per-token Python work).
+Tokens are packed once into a little-endian u32 buffer (one C loop); blocks are cut from it in C
+and each is one xxhash call (no per-token Python work).
 """
 
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from collections.abc import Mapping, Sequence
+from itertools import repeat
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -32,6 +36,9 @@ U64_MASK = 0xFFFFFFFFFFFFFFFF
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _pair = struct.Struct("<QQ")
+_first = itemgetter(0)
+_BIG_ENDIAN = sys.byteorder == "big"
+assert array("I").itemsize == 4, "array('I') must be 32-bit on this platform"
 
 TokenInput = Sequence[int] | np.ndarray
 MmInfos = Sequence[Mapping[str, Any] | None]
@@ -56,30 +63,31 @@ def block_count(n_tokens: int, block_size: int, *, eagle: bool = False) -> int:
     return max(n_tokens - 1, 0) // block_size if eagle else n_tokens // block_size
 
 
-def as_u32_tokens(tokens: TokenInput) -> np.ndarray:
-    """Validate token ids and return them as a contiguous little-endian u32 array.
+def as_u32_tokens(tokens: TokenInput) -> array | np.ndarray:
+    """Validate token ids and return them as a contiguous little-endian u32 buffer.
 
-    Raises ``ValueError`` naming the first bad value and its position: the real binding raises
-    ``OverflowError``/``TypeError`` with no position, which is useless for a 100k-token prompt.
+    Lists go through ``array('I', ...)``: one C loop that also range-checks, the fastest
+    conversion CPython offers. Raises ``ValueError`` naming the first bad value and its position
+    (the real binding raises ``OverflowError``/``TypeError`` with no position, which is useless
+    for a 100k-token prompt).
     """
     if isinstance(tokens, (str, bytes)):
         raise ValueError(f"tokens must be a sequence of integers, got {type(tokens).__name__}")
-    arr: np.ndarray | None = None
     if isinstance(tokens, np.ndarray):
-        arr = tokens
-    else:
-        try:
-            arr = np.asarray(tokens) if len(tokens) else np.zeros(0, dtype=np.int64)
-        except (OverflowError, ValueError, TypeError):
-            arr = None
-    if arr is None or arr.ndim != 1 or arr.dtype.kind not in "iub":
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iub":
+            _raise_first_bad_token(tokens.tolist() if tokens.ndim == 1 else tokens)
+            raise ValueError("tokens must be a one-dimensional sequence of integers")
+        if tokens.size and tokens.dtype.kind != "b" and (tokens.min() < 0 or tokens.max() > U32_MAX):
+            _raise_first_bad_token(tokens.tolist())
+        return np.ascontiguousarray(tokens, dtype="<u4")
+    try:
+        buf = array("I", tokens)
+    except (OverflowError, TypeError):
         _raise_first_bad_token(tokens)
-        raise ValueError("tokens must be a one-dimensional sequence of integers")
-    if arr.dtype.kind == "i" and arr.size and (arr.min() < 0 or arr.max() > U32_MAX):
-        _raise_first_bad_token(arr.tolist())
-    if arr.dtype.kind == "u" and arr.size and arr.max() > U32_MAX:
-        _raise_first_bad_token(arr.tolist())
-    return np.ascontiguousarray(arr, dtype="<u4")
+        raise ValueError("tokens must be a sequence of integers") from None
+    if _BIG_ENDIAN:
+        buf.byteswap()
+    return buf
 
 
 def _raise_first_bad_token(tokens: Any) -> None:
@@ -142,9 +150,19 @@ def block_hashes(
     seed = salt_seed(lora_name, cache_namespace)
     win = (b + 1 if eagle else b) * 4
     stride = b * 4
-    mv = memoryview(buf).cast("B")
-    if not mm_infos:
-        return [_xxh3(mv[s : s + win], seed) for s in range(0, n * stride, stride)]
+    if mm_infos:
+        return _hashes_with_mm(memoryview(buf).cast("B"), n, stride, win, seed, mm_infos)
+    if eagle:
+        # Windows overlap by one token: lay them out contiguously with one strided copy.
+        flat = np.frombuffer(buf, dtype="<u4")
+        buf = np.lib.stride_tricks.as_strided(flat, shape=(n, b + 1), strides=(4 * b, 4)).tobytes()
+        stride = win
+    # Cut the buffer into block windows in C (struct.iter_unpack), one xxhash call per block.
+    chunks = struct.iter_unpack(f"{win}s", memoryview(buf).cast("B")[: n * stride])
+    return list(map(_xxh3, map(_first, chunks), repeat(seed)))
+
+
+def _hashes_with_mm(mv: memoryview, n: int, stride: int, win: int, seed: int, mm_infos: MmInfos) -> list[int]:
     out = []
     for i in range(n):
         s = i * stride
