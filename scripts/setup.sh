@@ -32,23 +32,33 @@ fi
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 echo "$TORCH_PIN" > "$VENV/torch-cpu-pin.txt"
 
+# pip, quietly: keep real errors, drop the expected noise (sglang's CUDA-only requirements that
+# --no-deps skips on purpose, and mirror locations that do not exist on this machine).
+pipq() {
+  local rc=0
+  "${PIP[@]}" "$@" >"$VENV/pip.log" 2>&1 || rc=$?
+  grep -vE "is ignored: it is neither a file nor a directory|^sglang [0-9.]+ requires |dependency resolver does not currently" \
+    "$VENV/pip.log" >&2 || true
+  return $rc
+}
+
 # 1. torch CPU first; every later install is constrained to it so nothing pulls a CUDA torch.
 if ! "$VENV/bin/python" -c "import torch,sys; sys.exit(torch.__version__!='2.13.0+cpu')" 2>/dev/null; then
   log "installing torch 2.13.0 (CPU)"
-  "${PIP[@]}" "torch==2.13.0" || "${PIP[@]}" "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+  pipq "torch==2.13.0" || pipq "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
 fi
 
 # 2. SGLang and torchvision without their dependencies (sglang declares CUDA-only deps; torchvision
 #    would pull a CUDA torch). Dynamo likewise: ai-dynamo depends on `aisimulate`, which cannot
 #    be installed from PyPI, so both Dynamo wheels go in with --no-deps plus their real deps below.
 log "installing sglang $SGLANG_VERSION, ai-dynamo(-runtime) $DYNAMO_VERSION (--no-deps)"
-"${PIP[@]}" -c "$VENV/torch-cpu-pin.txt" --no-deps "sglang==$SGLANG_VERSION" torchvision==0.28.0 \
+pipq -c "$VENV/torch-cpu-pin.txt" --no-deps "sglang==$SGLANG_VERSION" torchvision==0.28.0 \
   "ai-dynamo-runtime==$DYNAMO_VERSION" "ai-dynamo==$DYNAMO_VERSION"
 
 # 3. What SGLang's radix cache / event publisher import chain and Dynamo's Python runtime need,
 #    plus kvalign itself with its test extras.
 log "installing runtime dependencies and kvalign"
-"${PIP[@]}" -c "$VENV/torch-cpu-pin.txt" -r scripts/requirements-cpu.txt -e ".[test]"
+pipq -c "$VENV/torch-cpu-pin.txt" -r scripts/requirements-cpu.txt -e ".[test]"
 
 "$VENV/bin/python" -c "import torch; assert torch.__version__=='2.13.0+cpu', torch.__version__"
 rm -f "$VENV"/.kvalign-setup-*
