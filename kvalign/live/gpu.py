@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 
@@ -109,8 +110,9 @@ def sglang_cuda_problem() -> str | None:
     return None
 
 
+@cache
 def dynamo_sglang_problem(python: str = sys.executable, timeout: float = 180.0) -> str | None:
-    """``dynamo.sglang`` imports (checked in a child: the import pulls in SGLang's engine)."""
+    """``dynamo.sglang`` imports (checked once, in a child: the import pulls in SGLang's engine)."""
     if importlib.util.find_spec("dynamo") is None or importlib.util.find_spec("dynamo.sglang") is None:
         return "dynamo.sglang is not installed (pip install 'ai-dynamo[sglang]')"
     try:

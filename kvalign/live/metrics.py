@@ -85,6 +85,15 @@ class MetricsSnapshot:
         return "unknown"
 
 
+def merge_snapshots(snaps: Iterable[MetricsSnapshot]) -> MetricsSnapshot:
+    """Several workers' scrapes as one (their label sets differ by Dynamo's ``worker_id``)."""
+    snaps = list(snaps)
+    types: dict[str, str] = {}
+    for snap in snaps:
+        types.update(snap.types)
+    return MetricsSnapshot((s for snap in snaps for s in snap.samples), types)
+
+
 def parse_metrics(text: str) -> MetricsSnapshot:
     """Parse Prometheus text exposition with ``prometheus_client``'s own parser."""
     samples: list[Sample] = []

@@ -1,0 +1,185 @@
+"""``kvalign e2e plan|run``: the EAGLE3 prefill/decode scenario outside pytest.
+
+``plan`` is a dry run: it prints every process the run would start — exact argv, the
+environment each one gets, start order — and what this machine lacks, and starts nothing.
+``run`` launches it through the shared live harness, shows progress, and prints the
+per-request table and the assertions (exit 0 pass, 1 an assertion failed, 2 cannot run here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvalign.errors import UsageError
+from kvalign.live import disagg_eagle
+from kvalign.live.cluster import Cluster, plan_specs
+from kvalign.live.client import SseError
+from kvalign.live.disagg_eagle import E2eOptions
+from kvalign.live.processes import ProcessExited, ProcessSpec
+from kvalign.live.sglang_worker import ROUTER_EAGLE_ENV, default_models, router_eagle_from
+
+RUN_DIR_VAR = "$RUN_DIR"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("e2e", help="plan or run the EAGLE3 prefill/decode scenario behind Dynamo's KV router")
+    actions = p.add_subparsers(dest="e2e_action", required=True, parser_class=type(p))
+    plan = actions.add_parser("plan", help="print the exact commands and environment a run would launch (dry run)")
+    _add_options(plan)
+    plan.add_argument("--check", action="store_true", help="also try importing dynamo.sglang (slow)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(run=run_plan)
+    run = actions.add_parser("run", help="run the scenario with progress, a per-request table and the assertions")
+    _add_options(run)
+    run.add_argument("--run-dir", default=None, help="logs, discovery store (default: out/e2e/run-<time>)")
+    run.add_argument("--keep-logs", action="store_true", help="keep the run dir after a pass (always kept on failure)")
+    run.set_defaults(run=run_run)
+
+
+def _add_options(p: argparse.ArgumentParser) -> None:
+    model, draft = default_models()
+    p.add_argument("--model", default=model, help=f"target model path or HF id (env KVALIGN_MODEL; default {model})")
+    p.add_argument("--draft-model", default=draft, help=f"EAGLE3 draft (env KVALIGN_DRAFT_MODEL; default {draft})")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--single-gpu", action="store_true", help="everything on GPU 0, memory fractions split")
+    mode.add_argument("--cpu", action="store_true", help="the same harness with the CPU workers (no model, no speculation)")
+    p.add_argument("--prefill", type=int, default=2, help="prefill workers (default 2)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    p.add_argument("--router-eagle", choices=("on", "off"), default=None,
+                   help=f"off = negative control: router hashes plain (env {ROUTER_EAGLE_ENV})")
+    p.add_argument("--page-size", type=int, default=16, help="KV page / router block size (default 16)")
+    p.add_argument("--requests", type=int, default=4, help="prefix-extending requests (default 4)")
+    p.add_argument("--max-tokens", type=int, default=10, help="max_tokens per request (default 10)")
+    p.add_argument("--bind-host", choices=("0.0.0.0", "127.0.0.1"), default="0.0.0.0",
+                   help="SGLang --host and KV-event bind (127.0.0.1 needs sglang >= 0.5.23)")
+    p.add_argument("--mem-fraction-static", type=float, default=None, help="override the per-GPU split")
+    p.add_argument("--context-length", type=int, default=4096, help="SGLang --context-length (0 = model default)")
+    p.add_argument("--cuda-graph", action="store_true", help="keep CUDA graphs (default: --disable-cuda-graph)")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for workers + frontend to be ready")
+
+
+def options(args: argparse.Namespace) -> E2eOptions:
+    eagle = router_eagle_from(args.router_eagle if args.router_eagle is not None else os.environ.get(ROUTER_EAGLE_ENV))
+    if args.page_size < 1:
+        raise UsageError(f"--page-size must be >= 1, got {args.page_size}")
+    return E2eOptions(
+        model=args.model, draft_model=args.draft_model, cpu=args.cpu, single_gpu=args.single_gpu,
+        prefill=args.prefill, decode=args.decode, router_eagle=eagle, page_size=args.page_size,
+        requests=args.requests, max_tokens=args.max_tokens, bind_host=args.bind_host,
+        mem_fraction_static=args.mem_fraction_static, context_length=args.context_length or None,
+        cuda_graph=args.cuda_graph, startup_timeout_s=args.startup_timeout,
+    )
+
+
+def _format_argv(argv: list[str]) -> str:
+    """One flag (with its value) per continuation line, shell-quoted."""
+    head, rest = [], argv
+    while rest and not rest[0].startswith("--"):
+        head.append(rest[0])
+        rest = rest[1:]
+    parts = [" ".join(shlex.quote(a) for a in head)]
+    i = 0
+    while i < len(rest):
+        if i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+            parts.append(f"{rest[i]} {shlex.quote(rest[i + 1])}")
+            i += 2
+        else:
+            parts.append(rest[i])
+            i += 1
+    return " \\\n      ".join(parts)
+
+
+def _common_env(specs: list[ProcessSpec]) -> dict[str, str]:
+    with_env = [s.env for s in specs if s.env]
+    if not with_env:
+        return {}
+    common = dict(with_env[0])
+    for env in with_env[1:]:
+        common = {k: v for k, v in common.items() if env.get(k) == v}
+    return common
+
+
+def render_plan(opts: E2eOptions, specs: list[ProcessSpec], plan, problems: list[str], checked_import: bool) -> str:
+    common = _common_env(specs)
+    out = [f"kvalign e2e plan: {opts.describe()}"]
+    if not opts.cpu:
+        out += [f"model:       {opts.model} -> --model-path {plan.model_path}",
+                f"draft model: {opts.draft_model}"]
+    out += [f"namespace {plan.namespace}; frontend {plan.frontend_url}; ports were free at planning time "
+            "(`e2e run` allocates its own); RUN_DIR = the run's --run-dir"]
+    if opts.cpu:
+        out.append("prerequisites: the CPU live stack (scripts/setup.sh); checked when the run starts")
+    elif problems:
+        out.append("prerequisites missing on this machine (a run would stop; pytest would skip):")
+        out += [f"  - {p}" for p in problems]
+    else:
+        out.append("prerequisites: all present" + ("" if checked_import else " (dynamo.sglang import not tried; use --check)"))
+    out.append("environment of every worker and the frontend (on top of the inherited one):")
+    out += [f"  {k}={v}" for k, v in sorted(common.items())]
+    for i, s in enumerate(specs, 1):
+        own = {k: v for k, v in s.env.items() if k not in common}
+        out.append(f"[{i}/{len(specs)}] {s.name}")
+        if own:
+            out.append("  env: " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(own.items())))
+        elif not s.env:
+            out.append("  env: inherited only")
+        out.append("  $ " + _format_argv(s.argv))
+    out.append("then: wait for every worker in discovery, start the KV-event capture and the frontend, "
+               "wait for /v1/models + one probe; send the requests; scrape decode /metrics after each")
+    return "\n".join(out)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    opts = options(args)
+    tmp = Path(tempfile.mkdtemp(prefix="kvalign-e2e-plan-"))
+    try:
+        plan, kind = disagg_eagle.build(opts, tmp)
+        specs = plan_specs(plan, kind)
+        pre = disagg_eagle.prerequisites(opts, import_check=args.check)
+        problems = list(pre.problems) if pre else []
+        if args.json:
+            text = json.dumps({
+                "description": opts.describe(), "router_eagle": opts.router_eagle,
+                "processes": [{"name": s.name, "argv": s.argv, "env": s.env} for s in specs],
+                "missing_prerequisites": problems,
+            }, indent=2)
+        else:
+            text = render_plan(opts, specs, plan, problems, args.check)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(text.replace(str(tmp.resolve()), RUN_DIR_VAR).replace(str(tmp), RUN_DIR_VAR))
+    return 0
+
+
+def run_run(args: argparse.Namespace) -> int:
+    opts = options(args)
+    progress = disagg_eagle.Progress(lambda m: print(m, file=sys.stderr, flush=True))
+    progress(f"kvalign e2e run: {opts.describe()}")
+    pre = disagg_eagle.prerequisites(opts)
+    if pre is not None and pre.problems:
+        raise UsageError("cannot run here: " + "; ".join(pre.problems))
+    run_dir = Path(args.run_dir or Path("out") / "e2e" / f"run-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    plan, kind = disagg_eagle.build(opts, run_dir)
+    specs = plan_specs(plan, kind)
+    progress(f"starting {len(specs)} processes ({', '.join(s.name for s in specs)}); logs under {run_dir / 'logs'}")
+    try:
+        with Cluster(plan, kind, startup_timeout_s=opts.startup_timeout_s, keep_logs=True) as cluster:
+            progress("cluster ready: " + ", ".join(
+                f"{n}={h.instance_id} (enable_eagle={h.enable_eagle})" for n, h in cluster.workers.items()))
+            result = disagg_eagle.run(cluster, opts, progress)
+    except (ProcessExited, TimeoutError, SseError) as exc:
+        raise UsageError(f"{str(exc).splitlines()[0]} (logs kept under {run_dir / 'logs'})") from None
+    print(result.report())
+    if result.passed and not args.keep_logs:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    else:
+        print(f"logs kept under {run_dir / 'logs'}")
+    return 0 if result.passed else 1

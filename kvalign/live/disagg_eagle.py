@@ -1,0 +1,250 @@
+"""The EAGLE3 prefill/decode scenario of the gpu_2 nightly and its assertions, for any worker kind.
+
+``tests/e2e/test_disagg_eagle.py`` and ``kvalign e2e run`` both call this module; the cluster,
+requests, kvalign's prediction and the routing checks are the shared harness's
+(:mod:`kvalign.live.cluster`, :mod:`kvalign.live.scenario`), so the only difference between a
+GPU run and a CPU run is the worker kind: :class:`~kvalign.live.sglang_worker.SglangWorkerKind`
+(real ``dynamo.sglang`` with EAGLE3) or :class:`~kvalign.live.topology.CpuWorkerKind` (SGLang's
+real radix cache, no model — so no speculative decoding and no assertion 3).
+
+Assertions (issue 5):
+1. all requests are prefilled on one worker, and it is not a decode worker;
+2. ``kv_hit_rate`` > 0 on requests 2..N and kvalign's prediction agrees within one block; a
+   failure names its cause from the catalog (the negative control must fail here);
+3. decode keeps speculating over the window (:func:`kvalign.live.metrics.speculation_failures`);
+4. responses carry timing, and ``kv_transfer_estimated_latency_ms`` >= 0 where present (0 or
+   absent is legitimate on SGLang's bootstrap path).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvalign.live import scenario
+from kvalign.live.cluster import make_plan
+from kvalign.live.gpu import Prereqs, check_prereqs, resolve_model_dir
+from kvalign.live.metrics import (
+    MetricsSnapshot,
+    SpecDecodeWindow,
+    merge_snapshots,
+    scrape,
+    spec_window,
+    speculation_failures,
+)
+from kvalign.live.ports import LOOPBACK
+from kvalign.live.sglang_worker import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, SglangWorkerKind, gpu_topology
+from kvalign.live.topology import ClusterPlan, CpuWorkerKind, Topology, WorkerKind
+
+
+@dataclass(frozen=True)
+class E2eOptions:
+    """Everything that decides what a run launches."""
+
+    model: str = DEFAULT_MODEL
+    draft_model: str = DEFAULT_DRAFT_MODEL
+    cpu: bool = False
+    single_gpu: bool = False
+    prefill: int = 2
+    decode: int = 1
+    router_eagle: bool = True
+    page_size: int = 16
+    requests: int = 4
+    max_tokens: int = 10
+    bind_host: str = "0.0.0.0"
+    mem_fraction_static: float | None = None
+    context_length: int | None = 4096
+    cuda_graph: bool = False
+    startup_timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError(f"need at least 1 prefill and 1 decode worker, got {self.prefill} and {self.decode}")
+        if self.requests < 2:
+            raise ValueError(f"the scenario needs at least 2 requests (request 2 is the first cache hit), got {self.requests}")
+        if self.max_tokens < 2:
+            raise ValueError(f"--max-tokens must be >= 2 so decode runs verify steps, got {self.max_tokens}")
+
+    @property
+    def gpus_needed(self) -> int:
+        return 0 if self.cpu else 1 if self.single_gpu else 2
+
+    def topology(self) -> Topology:
+        if self.cpu:
+            return Topology.disaggregated(self.prefill, self.decode, eagle=True,
+                                          register_eagle=None if self.router_eagle else False, page_size=self.page_size)
+        return gpu_topology(single_gpu=self.single_gpu, prefill=self.prefill, decode=self.decode,
+                            router_eagle=self.router_eagle, page_size=self.page_size)
+
+    def describe(self) -> str:
+        if self.cpu:
+            where = f"{self.prefill} prefill + {self.decode} decode CPU workers (SGLang radix cache, no model)"
+        else:
+            dgpu = 0 if self.single_gpu else 1
+            where = f"{self.prefill} prefill (GPU 0) + {self.decode} decode (GPU {dgpu}), EAGLE3"
+        control = "" if self.router_eagle else " [NEGATIVE CONTROL: router eagle forced off]"
+        return f"{where}, page size {self.page_size}, {self.requests} requests x {self.max_tokens} tokens{control}"
+
+
+def build(opts: E2eOptions, run_dir: str | Path) -> tuple[ClusterPlan, WorkerKind]:
+    """The plan (ports, env) and worker kind of one run."""
+    if opts.cpu:
+        return make_plan(opts.topology(), run_dir), CpuWorkerKind()
+    model_dir, _ = resolve_model_dir(opts.model)
+    draft_dir, _ = resolve_model_dir(opts.draft_model)
+    plan = make_plan(opts.topology(), run_dir, str(model_dir or opts.model), model_name=Path(opts.model).name)
+    kind = SglangWorkerKind(
+        str(draft_dir or opts.draft_model), bind_host=opts.bind_host, mem_fraction_static=opts.mem_fraction_static,
+        context_length=opts.context_length, cuda_graph=opts.cuda_graph,
+    )
+    return plan, kind
+
+
+def prerequisites(opts: E2eOptions, *, import_check: bool = True) -> Prereqs | None:
+    """What the GPU run lacks on this machine (None for CPU runs: the harness reports those)."""
+    if opts.cpu:
+        return None
+    return check_prereqs(opts.gpus_needed, opts.model, opts.draft_model, import_check=import_check)
+
+
+def decode_metrics_urls(plan: ClusterPlan) -> list[str]:
+    """Each decode worker's ``/metrics`` (Dynamo's system server on ``DYN_SYSTEM_PORT``)."""
+    return [f"http://{LOOPBACK}:{plan.worker_ports[w.name].system}/metrics" for w in plan.topology.by_role("decode")]
+
+
+@dataclass
+class E2eResult:
+    """What one run observed and which assertions failed."""
+
+    records: list[scenario.RequestRecord]
+    window: SpecDecodeWindow | None
+    per_request: list[SpecDecodeWindow | None]
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def table(self) -> str:
+        """The shared routing table plus spec-decode and transfer columns per request."""
+        lines = scenario.table(self.records).splitlines()
+        lines[0] += f" {'Δgen':>5} {'Δverify':>7} {'accept_len':>10} {'kv_xfer_ms':>10}"
+        for i, r in enumerate(self.records):
+            w = self.per_request[i] if i < len(self.per_request) else None
+            xfer = r.result.timing.get("kv_transfer_estimated_latency_ms")
+            cols = ("-", "-", "-") if w is None else (
+                f"{w.generation_tokens:g}", f"{w.verify_calls:g}", "-" if w.accept_length is None else f"{w.accept_length:.3f}")
+            lines[i + 1] += f" {cols[0]:>5} {cols[1]:>7} {cols[2]:>10} {'absent' if xfer is None else f'{xfer:g}':>10}"
+        return "\n".join(lines)
+
+    def report(self) -> str:
+        out = [self.table()]
+        if self.window is not None:
+            w = self.window
+            tpv = "n/a" if w.tokens_per_verify is None else f"{w.tokens_per_verify:.3f}"
+            acc = "n/a" if w.accept_length is None else f"{w.accept_length:.3f}"
+            out.append(f"decode window: Δverify {w.verify_calls:g}, Δgeneration_tokens {w.generation_tokens:g}, "
+                       f"Δfinished {w.finished_requests:g}; spec_accept_length {acc} "
+                       f"(readings {list(w.accept_lengths)}); (Δgen − Δfinished)/Δverify {tpv}")
+        out += [f"note: {n}" for n in self.notes]
+        out += [f"FAIL {f}" for f in self.failures] or ["PASS: all assertions hold"]
+        return "\n".join(out)
+
+
+def run(cluster: Any, opts: E2eOptions, progress: Callable[[str], None] = lambda _msg: None) -> E2eResult:
+    """Send the scenario through a ready ``cluster`` and evaluate every assertion."""
+    urls = [] if opts.cpu else decode_metrics_urls(cluster.plan)
+
+    def snapshot() -> MetricsSnapshot:
+        return merge_snapshots(scrape(u) for u in urls)
+
+    before = snapshot() if urls else None
+    snaps: list[MetricsSnapshot] = []
+
+    def after(rec: scenario.RequestRecord) -> None:
+        if urls:
+            snaps.append(snapshot())
+        progress(f"request {rec.index + 1}/{opts.requests}: {len(rec.tokens)} prompt tokens, prefill worker "
+                 f"{rec.worker}, decode worker {rec.result.decode_worker_id}, kv_hit_rate {rec.observed} "
+                 f"(kvalign predicted {rec.predicted})")
+
+    records = scenario.run_prefix_extension(cluster, opts.requests, max_tokens=opts.max_tokens, after_each=after)
+    window = spec_window(before, snaps) if before is not None else None
+    per_request: list[SpecDecodeWindow | None] = (
+        [spec_window(prev, [cur]) for prev, cur in zip([before, *snaps[:-1]], snaps)] if before is not None
+        else [None] * len(records)
+    )
+    result = E2eResult(records, window, per_request)
+    check(cluster, opts, result)
+    return result
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def check(cluster: Any, opts: E2eOptions, result: E2eResult) -> None:
+    """Evaluate assertions 1-4 into ``result.failures`` (all of them, not just the first)."""
+    records = result.records
+    try:
+        worker = scenario.check_same_worker(records)
+        scenario.check_not_decode(records, cluster.ids_by_role("decode"))
+        if worker not in cluster.ids_by_role("prefill"):
+            raise AssertionError(f"worker {worker} is not a prefill worker")
+    except AssertionError as exc:
+        result.failures.append(f"assertion 1 (all requests on one prefill worker, not a decode worker): {_first_line(exc)}")
+
+    try:
+        scenario.check_prompt_tokens(records)
+        short = [r.index + 1 for r in records if len(r.tokens) < opts.page_size + 1]
+        if short:
+            raise AssertionError(f"requests {short} are shorter than page_size+1 = {opts.page_size + 1} tokens "
+                                 "(an EAGLE block needs B+1 tokens)")
+        if cluster.capture.errors:
+            raise AssertionError(f"undecodable KV-event frames: {cluster.capture.errors[:2]}")
+        try:
+            scenario.check_hit_positive(records)
+        except AssertionError as exc:
+            raise AssertionError(f"{_first_line(exc)} - {_diagnosis(cluster, records[1])}") from None
+        scenario.check_prediction(records, tolerance_blocks=1)
+    except AssertionError as exc:
+        result.failures.append(f"assertion 2 (kv_hit_rate > 0 on requests 2-{len(records)}, kvalign's prediction "
+                               f"within one block): {_first_line(exc)}")
+
+    if result.window is None:
+        result.notes.append("assertion 3 not applicable: CPU workers run no speculative decoding (no sglang:spec_* metrics)")
+    else:
+        spec = speculation_failures(result.window)
+        if spec:
+            result.failures.append("assertion 3 (decode keeps speculating after the hand-off): " + "; ".join(spec))
+
+    try:
+        scenario.check_timing(records)
+        for r in records:
+            xfer = r.result.timing.get("kv_transfer_estimated_latency_ms")
+            if xfer is not None and not (isinstance(xfer, (int, float)) and xfer >= 0):
+                raise AssertionError(f"request {r.index + 1}: kv_transfer_estimated_latency_ms = {xfer!r}, not >= 0")
+    except AssertionError as exc:
+        result.failures.append(f"assertion 4 (timing, kv_transfer_estimated_latency_ms >= 0): {_first_line(exc)}")
+
+
+def _diagnosis(cluster: Any, record: scenario.RequestRecord) -> str:
+    """The named cause of a zero hit rate, or why it could not be named."""
+    try:
+        return scenario.diagnose(cluster, record).line()
+    except Exception as exc:  # noqa: BLE001 - the assertion must still report, with this reason
+        return f"cause not diagnosed ({type(exc).__name__}: {exc})"
+
+
+class Progress:
+    """Timestamped progress lines (``kvalign e2e run`` writes them to stderr)."""
+
+    def __init__(self, write: Callable[[str], None]) -> None:
+        self.write, self.start = write, time.monotonic()
+
+    def __call__(self, msg: str) -> None:
+        self.write(f"[{time.monotonic() - self.start:7.1f}s] {msg}")

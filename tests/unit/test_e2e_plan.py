@@ -1,0 +1,135 @@
+"""``kvalign e2e plan``: the dry run prints exactly what a GPU run would launch, and starts nothing."""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+
+import pytest
+
+from kvalign.cli import main
+
+
+def _plan(capsys, *args: str) -> str:
+    assert main(["e2e", "plan", *args]) == 0
+    return capsys.readouterr().out
+
+
+def _blocks(out: str) -> dict[str, str]:
+    """Process name -> its printed block (env line + command)."""
+    parts = re.split(r"^\[\d+/\d+\] (\S+)$", out, flags=re.M)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def test_default_plan_is_two_prefill_on_gpu0_and_decode_on_gpu1(capsys):
+    out = _plan(capsys)
+    blocks = _blocks(out)
+    assert list(blocks) == ["broker", "prefill0", "prefill1", "decode0", "frontend"]
+    assert out.startswith("kvalign e2e plan: 2 prefill (GPU 0) + 1 decode (GPU 1), EAGLE3, page size 16")
+    for name, gpu in (("prefill0", "0"), ("prefill1", "0"), ("decode0", "1")):
+        b = blocks[name]
+        assert f"CUDA_VISIBLE_DEVICES={gpu} " in b and "UCX_TLS='^mm'" in b and "HF_HUB_OFFLINE=1" in b
+        assert "-m dynamo.sglang" in b and "--host 0.0.0.0" in b and "--page-size 16" in b
+        assert "--speculative-algorithm EAGLE3" in b and "--speculative-draft-model-path Tengyunw/qwen3_8b_eagle3" in b
+        assert ("--enable-metrics" in b and "--decode-log-interval 1" in b) == (name == "decode0")
+    for line in ("DYN_DISCOVERY_BACKEND=file", "DYN_REQUEST_PLANE=tcp", "DYN_EVENT_PLANE=zmq", "PYTHONHASHSEED=0",
+                 "DYN_FILE_KV=$RUN_DIR/discovery", "SGLANG_HOST_IP=127.0.0.1"):
+        assert f"\n  {line}\n" in out, line
+    assert "--kv-cache-block-size 16" in blocks["frontend"]
+    ports = [re.search(pattern, blocks[n]).group(1) for n in ("prefill0", "prefill1", "decode0")
+             for pattern in (r"--disaggregation-bootstrap-port (\d+)", r"DYN_SYSTEM_PORT=(\d+)", r"tcp://\*:(\d+)")]
+    assert len(set(ports)) == 9
+
+
+def test_single_gpu_plan_puts_everything_on_gpu0(capsys):
+    out = _plan(capsys, "--single-gpu")
+    blocks = _blocks(out)
+    assert "1 decode (GPU 0)" in out.splitlines()[0]
+    for name in ("prefill0", "prefill1", "decode0"):
+        assert "CUDA_VISIBLE_DEVICES=0 " in blocks[name] and "--mem-fraction-static 0.26" in blocks[name]
+
+
+def test_plan_creates_and_leaves_nothing(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    out = _plan(capsys)
+    assert list(tmp_path.iterdir()) == []
+    assert str(tmp_path) not in out
+
+
+def test_plan_json_lists_processes_and_missing_prerequisites(capsys):
+    data = json.loads(_plan(capsys, "--json"))
+    assert [p["name"] for p in data["processes"]] == ["broker", "prefill0", "prefill1", "decode0", "frontend"]
+    decode = data["processes"][3]
+    assert decode["env"]["CUDA_VISIBLE_DEVICES"] == "1" and decode["argv"][1:3] == ["-m", "dynamo.sglang"]
+    assert data["router_eagle"] is True
+    assert all(isinstance(p, str) and p for p in data["missing_prerequisites"])
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_negative_control_switch_changes_the_entry_point(capsys, monkeypatch, how):
+    if how == "env":
+        monkeypatch.setenv("KVALIGN_ROUTER_EAGLE", "off")
+        out = _plan(capsys)
+    else:
+        out = _plan(capsys, "--router-eagle", "off")
+    assert "NEGATIVE CONTROL: router eagle forced off" in out
+    assert out.count("-m kvalign.live.sglang_worker") == 3 and "-m dynamo.sglang" not in out
+
+
+def test_flag_overrides_environment_switch(capsys, monkeypatch):
+    monkeypatch.setenv("KVALIGN_ROUTER_EAGLE", "off")
+    out = _plan(capsys, "--router-eagle", "on")
+    assert out.count("-m dynamo.sglang") == 3
+
+
+def test_models_from_env_and_options(capsys, monkeypatch, tmp_path):
+    model = tmp_path / "MyModel"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    monkeypatch.setenv("KVALIGN_MODEL", str(model))
+    monkeypatch.setenv("KVALIGN_DRAFT_MODEL", "/nonexistent/draft")
+    out = _plan(capsys)
+    assert f"--model-path {model}" in out and "--served-model-name MyModel" in out
+    assert "--speculative-draft-model-path /nonexistent/draft" in out
+    assert "draft model /nonexistent/draft: no such path" in out
+    assert f"model {model}:" not in out
+    out = _plan(capsys, "--draft-model", str(model))
+    assert f"--speculative-draft-model-path {model}" in out
+
+
+def test_cpu_plan_uses_the_same_harness_with_cpu_workers(capsys):
+    blocks = _blocks(_plan(capsys, "--cpu"))
+    assert list(blocks) == ["broker", "prefill0", "prefill1", "decode0", "frontend"]
+    assert all("-m kvalign.live.cpu_worker" in blocks[n] for n in ("prefill0", "prefill1", "decode0"))
+    assert "CUDA_VISIBLE_DEVICES" not in "".join(blocks.values())
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prefill", "0"], "need at least 1 prefill and 1 decode worker"),
+    (["--requests", "1"], "at least 2 requests"),
+    (["--page-size", "0"], "--page-size must be >= 1"),
+    (["--single-gpu", "--cpu"], "not allowed with argument"),
+])
+def test_bad_options_are_one_line_errors(capsys, args, message):
+    assert main(["e2e", "plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvalign: error: ") and message in err
+
+
+def test_run_refuses_with_every_missing_prerequisite(capsys):
+    from kvalign.live.gpu import visible_gpus
+
+    if len(visible_gpus()[0]) >= 2:
+        pytest.skip("this machine has 2 GPUs: `e2e run` would really start")
+    assert main(["e2e", "run", "--model", "/nonexistent/m"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("kvalign: error: cannot run here: needs 2 NVIDIA GPUs")
+    assert "model /nonexistent/m: no such path" in err
+
+
+def test_local_paths_never_leak_the_planning_dir(capsys):
+    out = _plan(capsys, "--cpu")
+    assert "--model-path $RUN_DIR/model" in out
+    assert not re.search(r"kvalign-e2e-plan-\w+", out)
