@@ -19,6 +19,7 @@ from kvalign.oracles.base import OracleUnavailable
 COMMAND_MODULES = [
     "kvalign.commands.check",
     "kvalign.commands.hash",
+    "kvalign.commands.live",
     "kvalign.commands.e2e",
     "kvalign.commands.metrics",
 ]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import logging
 import os
@@ -142,6 +143,8 @@ class Engine:
     def shutdown(self) -> None:
         if self.publisher is not None:
             self.publisher.shutdown()
+            # SGLang also registers shutdown with atexit; a second call waits 1 s on a dead thread.
+            atexit.unregister(self.publisher.shutdown)
 
 
 def _max_tokens(request: dict[str, Any]) -> int:

@@ -38,12 +38,18 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 @dataclass(frozen=True)
 class ProcessSpec:
-    """One process of a topology: what to run, with which environment, logged under ``name``."""
+    """One process of a topology: what to run, with which environment, logged under ``name``.
+
+    ``infrastructure`` processes (the event-plane broker) are stopped after all others: a
+    Dynamo process flushing events on exit to a broker that is already gone can block its
+    ZMQ context termination until it is killed.
+    """
 
     name: str
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
+    infrastructure: bool = False
 
     def command_line(self) -> str:
         """A copy-pasteable shell line (env overrides first), for plans and failure reports."""
@@ -86,6 +92,7 @@ class ProcessGroup:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.base_env = dict(os.environ if base_env is None else base_env)
         self.procs: list[ManagedProcess] = []
+        self.killed: list[str] = []
 
     def start(self, spec: ProcessSpec) -> ManagedProcess:
         if any(p.spec.name == spec.name for p in self.procs):
@@ -110,19 +117,27 @@ class ProcessGroup:
                 raise ProcessExited(f"{p.spec.name} (pid {p.pid}) exited with code {rc}; log {p.log_path}:\n{p.log_tail()}")
 
     def stop(self, grace_s: float = 8.0) -> list[str]:
-        """SIGTERM every group, wait up to ``grace_s``, SIGKILL what is left; return what needed KILL."""
-        for p in reversed(self.procs):
-            _signal_group(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        killed = []
-        for p in reversed(self.procs):
-            try:
-                p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                killed.append(p.spec.name)
-            _signal_group(p.pid, signal.SIGKILL)  # grandchildren may outlive their leader
-            if p.popen.poll() is None:
-                p.popen.wait(timeout=5)
+        """Stop every group (services first, infrastructure last); return the names that needed SIGKILL.
+
+        Each wave gets SIGTERM, up to ``grace_s`` to exit, then SIGKILL for the whole group
+        (grandchildren may outlive their leader). Idempotent.
+        """
+        killed: list[str] = []
+        services = [p for p in reversed(self.procs) if not p.spec.infrastructure]
+        infra = [p for p in reversed(self.procs) if p.spec.infrastructure]
+        for wave in (services, infra):
+            for p in wave:
+                _signal_group(p.pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for p in wave:
+                try:
+                    p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    killed.append(p.spec.name)
+                _signal_group(p.pid, signal.SIGKILL)
+                if p.popen.poll() is None:
+                    p.popen.wait(timeout=5)
+        self.killed = killed
         return killed
 
     def pids(self) -> list[int]:
@@ -147,30 +162,40 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
-@contextmanager
-def process_group(log_dir: str | Path, base_env: Mapping[str, str] | None = None) -> Iterator[ProcessGroup]:
-    """A :class:`ProcessGroup` torn down on any exit, SIGTERM to this process included."""
-    group = ProcessGroup(log_dir, base_env)
-    previous = signal.getsignal(signal.SIGTERM)
-    installed = False
-    if _in_main_thread():
-        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-        installed = True
-    try:
-        yield group
-    finally:
+def pids_with_env(key: str, value: str) -> list[int]:
+    """PIDs of live processes whose environment has ``key=value`` (Linux /proc; [] elsewhere).
+
+    The orphan check: every process of a run carries a run marker, so anything still carrying
+    it after teardown is a leak, however it was spawned.
+    """
+    needle = f"{key}={value}".encode()
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
         try:
-            group.stop()
-        finally:
-            if installed:
-                signal.signal(signal.SIGTERM, previous)
+            env = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in env.split(b"\0") and int(entry.name) != os.getpid():
+            found.append(int(entry.name))
+    return found
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt inside the block, so ``with Cluster(...)`` unwinds
+    (and tears down) when a CLI run is terminated, exactly as on Ctrl-C. Main thread only."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _in_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()

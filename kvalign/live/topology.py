@@ -30,6 +30,9 @@ from kvalign.live.processes import ProcessSpec
 
 Role = Literal["agg", "prefill", "decode"]
 
+#: Set on every process of a run: finds leftovers of a run by environment, whatever their argv.
+RUN_MARKER_ENV = "KVALIGN_LIVE_RUN"
+
 #: Dynamo component per role, as ``dynamo.sglang`` names them (``args.py``).
 COMPONENT: dict[Role, str] = {"agg": "backend", "prefill": "prefill", "decode": "backend"}
 
@@ -128,6 +131,7 @@ class ClusterPlan:
     def plane_env(self) -> dict[str, str]:
         """Environment every process gets: file discovery, tcp/zmq planes, loopback only."""
         return {
+            RUN_MARKER_ENV: str(self.run_dir),
             "DYN_DISCOVERY_BACKEND": "file",
             "DYN_FILE_KV": str(self.file_kv),
             "DYN_REQUEST_PLANE": "tcp",
@@ -179,6 +183,8 @@ class ClusterPlan:
             "broker",
             [self.python, "-m", "kvalign.live.broker", "--xsub", f"tcp://{LOOPBACK}:{self.broker_xsub}",
              "--xpub", f"tcp://{LOOPBACK}:{self.broker_xpub}"],
+            {RUN_MARKER_ENV: str(self.run_dir)},
+            infrastructure=True,
         )
 
 

@@ -1,0 +1,127 @@
+"""``kvalign live``: run the real Dynamo frontend + KV router in front of CPU workers keyed by
+SGLang's real radix cache, on 127.0.0.1.
+
+* ``kvalign live plan ...`` prints every process it would start (env + command), starts nothing;
+* ``kvalign live up ...`` starts them, waits until the frontend serves, prints where everything
+  is, then either runs the prefix-extension scenario (``--scenario``: per-request table, checks,
+  exit 1 when a check fails) or holds until Ctrl-C / ``--hold`` seconds. Every process is torn
+  down on every exit path; logs stay in the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvalign.errors import UsageError
+from kvalign.live.cluster import Cluster, make_plan, plan_specs
+from kvalign.live.processes import ProcessExited, sigterm_as_interrupt
+from kvalign.live.topology import ClusterPlan, CpuWorkerKind, Topology
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("live", help="run Dynamo's frontend + KV router with CPU SGLang-radix-cache workers")
+    live = p.add_subparsers(dest="live_command", required=True, parser_class=type(p))
+    for name, help_ in (("plan", "print the processes a live run would start (dry run)"),
+                        ("up", "start a live cluster on 127.0.0.1 and run or hold it")):
+        q = live.add_parser(name, help=help_)
+        q.add_argument("--workers", type=int, default=2, help="aggregated workers (ignored with --prefill)")
+        q.add_argument("--prefill", type=int, default=0, help="prefill workers (disaggregated topology)")
+        q.add_argument("--decode", type=int, default=1, help="decode workers with --prefill")
+        q.add_argument("--eagle", action=argparse.BooleanOptionalAction, default=True,
+                       help="EAGLE engine: bigram-keyed radix cache (default on)")
+        q.add_argument("--register-eagle", choices=("auto", "on", "off"), default="auto",
+                       help="router-facing enable_eagle (auto = as dynamo.sglang derives it; off+--eagle = negative control)")
+        q.add_argument("--page-size", type=int, default=16, help="KV block / page size shared by router and workers")
+        q.add_argument("--run-dir", default=None, help="logs, discovery store, model dir (default: a new temp dir)")
+        q.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for readiness")
+        if name == "up":
+            q.add_argument("--scenario", action="store_true", help="run the 4-request prefix scenario and check it")
+            q.add_argument("--requests", type=int, default=4, help="requests in the scenario")
+            q.add_argument("--hold", type=float, default=None, help="without --scenario: seconds to stay up (default: until Ctrl-C)")
+        q.set_defaults(run=run)
+
+
+def _topology(args: argparse.Namespace) -> Topology:
+    if args.page_size < 1:
+        raise UsageError(f"--page-size must be >= 1, got {args.page_size}")
+    reg = {"auto": None, "on": True, "off": False}[args.register_eagle]
+    if args.prefill:
+        if args.prefill < 1 or args.decode < 1:
+            raise UsageError("a disaggregated topology needs --prefill >= 1 and --decode >= 1")
+        return Topology.disaggregated(args.prefill, args.decode, eagle=args.eagle, register_eagle=reg, page_size=args.page_size)
+    if args.workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    return Topology.aggregated(args.workers, eagle=args.eagle, register_eagle=reg, page_size=args.page_size)
+
+
+def _plan(args: argparse.Namespace) -> ClusterPlan:
+    topology = _topology(args)
+    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvalign-live-"))
+    return make_plan(topology, run_dir)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = _plan(args)
+    kind = CpuWorkerKind()
+    if args.live_command == "plan":
+        for spec in plan_specs(plan, kind):
+            print(f"# {spec.name}\n{spec.command_line()}\n")
+        return 0
+    return _up(args, plan, kind)
+
+
+def _up(args: argparse.Namespace, plan: ClusterPlan, kind: CpuWorkerKind) -> int:
+    from kvalign.live import scenario
+
+    print(f"kvalign live: starting {len(plan.topology.workers)} worker(s) + frontend; logs in {plan.run_dir / 'logs'}",
+          file=sys.stderr)
+    try:
+        with sigterm_as_interrupt(), Cluster(plan, kind, startup_timeout_s=args.startup_timeout) as cluster:
+            print(f"frontend  {cluster.frontend_url}  model {cluster.model!r}  ready in {cluster.ready_s:.1f}s")
+            for name, h in cluster.workers.items():
+                print(f"{name:<9} role={h.spec.role:<7} instance_id={h.instance_id} enable_eagle={h.enable_eagle} "
+                      f"kv_events={h.kv_events_endpoint}")
+            sys.stdout.flush()
+            if not args.scenario:
+                _hold(args.hold)
+                return 0
+            records = scenario.run_prefix_extension(cluster, args.requests)
+            print(scenario.table(records))
+            return _verdict(cluster, records, plan)
+    except ProcessExited as exc:
+        raise UsageError(f"{str(exc).splitlines()[0]} (logs kept in {plan.run_dir / 'logs'})") from None
+
+
+def _hold(seconds: float | None) -> None:
+    print("holding; Ctrl-C to stop", file=sys.stderr)
+    try:
+        if seconds is None:
+            while True:
+                time.sleep(3600)
+        time.sleep(seconds)
+    except KeyboardInterrupt:
+        pass
+
+
+def _verdict(cluster: Cluster, records: list, plan: ClusterPlan) -> int:
+    from kvalign.live import scenario
+
+    checks = [scenario.check_timing, scenario.check_prompt_tokens, scenario.check_same_worker,
+              scenario.check_hit_positive, scenario.check_prediction]
+    if plan.topology.disaggregated_mode:
+        checks.append(lambda rs: scenario.check_not_decode(rs, cluster.ids_by_role("decode")))
+    failed = False
+    for check in checks:
+        try:
+            check(records)
+        except AssertionError as exc:
+            failed = True
+            print(f"FAIL {getattr(check, '__name__', 'check_not_decode')}: {str(exc).splitlines()[0]}")
+    if failed and len(records) > 1:
+        print(scenario.diagnose(cluster, records[1]).line())
+    print("PASS" if not failed else f"FAIL (logs in {plan.run_dir / 'logs'})")
+    return 1 if failed else 0

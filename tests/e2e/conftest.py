@@ -1,0 +1,90 @@
+"""Fixtures for live e2e tests: a cluster launcher with per-test logs and guaranteed teardown.
+
+``live_cluster(topology, kind)`` starts a :class:`kvalign.live.cluster.Cluster` and returns it
+ready; every cluster a test started is torn down after the test whatever happened (pass, fail,
+timeout, Ctrl-C). Each test's run directory — process logs, discovery store, worker status
+files — lives under ``$KVALIGN_E2E_OUT`` (default ``out/e2e``) / ``<test name>``; it is deleted
+when the test passes and kept (its path printed in the report) when it fails.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvalign.live.cluster import Cluster, make_plan
+from kvalign.live.topology import CpuWorkerKind, Topology, WorkerKind
+
+OUT_ROOT = Path(os.environ.get("KVALIGN_E2E_OUT", Path(__file__).resolve().parents[2] / "out" / "e2e"))
+
+
+def cpu_stack_missing() -> str | None:
+    """Why the CPU live stack cannot run here (None when it can)."""
+    from kvalign.oracles.base import OracleUnavailable
+    from kvalign.oracles.dynamo import dynamo_version
+    from kvalign.oracles.sglang import sglang_version
+
+    try:
+        dynamo_version()
+        sglang_version()
+    except OracleUnavailable as exc:
+        return str(exc)
+    for mod in ("dynamo.frontend", "dynamo.llm", "dynamo.runtime", "transformers"):
+        if importlib.util.find_spec(mod) is None:
+            return f"{mod} is not importable: run scripts/setup.sh"
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    report = yield
+    setattr(item, f"kvalign_report_{report.when}", report)
+    return report
+
+
+@pytest.fixture
+def live_run_dir(request: pytest.FixtureRequest) -> Iterator[Path]:
+    """This test's run directory; removed after a pass, kept (and reported) after a failure."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.name)
+    path = OUT_ROOT / name
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    yield path
+    failed = any(getattr(getattr(request.node, f"kvalign_report_{w}", None), "failed", False) for w in ("setup", "call"))
+    if failed:
+        request.node.add_report_section("teardown", "kvalign live logs", f"kept process logs under {path}/logs")
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def cpu_live_stack() -> None:
+    """Skip (with the exact reason) where the CPU live stack is not installed."""
+    reason = cpu_stack_missing()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def live_cluster(cpu_live_stack: None, live_run_dir: Path) -> Iterator[Callable[..., Cluster]]:
+    """Factory: ``live_cluster(topology, kind=CpuWorkerKind(), **plan_kw)`` -> a ready cluster."""
+    started: list[Cluster] = []
+
+    def start(topology: Topology, kind: WorkerKind | None = None, *, startup_timeout_s: float = 90.0, **plan_kw: object) -> Cluster:
+        run_dir = live_run_dir / f"cluster{len(started)}"
+        cluster = Cluster(make_plan(topology, run_dir, **plan_kw), kind or CpuWorkerKind(),
+                          startup_timeout_s=startup_timeout_s)
+        started.append(cluster)
+        return cluster.__enter__()
+
+    try:
+        yield start
+    finally:
+        for cluster in reversed(started):
+            cluster.close()

@@ -1,0 +1,56 @@
+"""``kvalign live`` end to end: the scenario verdict, and teardown when the CLI is interrupted."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvalign.live.processes import pids_with_env
+from kvalign.live.topology import RUN_MARKER_ENV
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+
+def _kvalign(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kvalign", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kw)
+
+
+def test_live_up_scenario_passes_and_negative_control_fails(live_run_dir, cpu_live_stack):
+    ok = _kvalign("live", "up", "--workers", "2", "--scenario", "--run-dir", str(live_run_dir / "ok"))
+    out, err = ok.communicate(timeout=100)
+    assert ok.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    assert out.rstrip().endswith("PASS")
+
+    neg = _kvalign("live", "up", "--workers", "2", "--register-eagle", "off", "--scenario",
+                   "--run-dir", str(live_run_dir / "neg"))
+    out, err = neg.communicate(timeout=100)
+    assert neg.returncode == 1, f"stdout:\n{out}\nstderr:\n{err}"
+    assert "FAIL check_hit_positive" in out and "ROUTER_EAGLE_OFF" in out, out
+    assert not pids_with_env(RUN_MARKER_ENV, str(live_run_dir / "neg"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_live_up_interrupted_tears_everything_down(live_run_dir, cpu_live_stack, sig):
+    run_dir = live_run_dir / "held"
+    proc = _kvalign("live", "up", "--workers", "1", "--run-dir", str(run_dir))
+    try:
+        deadline = time.monotonic() + 90
+        line = ""
+        while time.monotonic() < deadline and not line.startswith("frontend"):
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, f"kvalign exited early: {proc.stderr.read()}"
+        assert line.startswith("frontend"), "cluster never became ready"
+        started = pids_with_env(RUN_MARKER_ENV, str(run_dir))
+        assert len(started) == 3, f"expected broker + worker + frontend, found pids {started}"
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+        assert not pids_with_env(RUN_MARKER_ENV, str(run_dir)), "processes survived the interrupted CLI"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

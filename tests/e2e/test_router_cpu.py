@@ -1,0 +1,95 @@
+"""Live router decisions on CPU: real Dynamo frontend + KV router, workers keyed by SGLang's
+real radix cache (``kvalign.live.cpu_worker``), real processes and sockets on 127.0.0.1.
+
+Thin per-topology tests over the shared scenario and checks in :mod:`kvalign.live.scenario`;
+the GPU nightly runs the same scenario with ``dynamo.sglang`` workers.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from kvalign.causes import Cause
+from kvalign.live import scenario
+from kvalign.live.processes import group_alive, pids_with_env
+from kvalign.live.topology import RUN_MARKER_ENV, CpuWorkerKind, Topology
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+
+def _listening_ports(pids: list[int]) -> list[str]:
+    """``ss -ltnp`` lines owned by ``pids`` (empty when ss is missing)."""
+    try:
+        out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line for line in out.splitlines() if any(f"pid={p}," in line for p in pids)]
+
+
+def _assert_aligned(cluster, records) -> None:
+    scenario.check_timing(records)
+    scenario.check_prompt_tokens(records)
+    scenario.check_same_worker(records)
+    scenario.check_hit_positive(records)
+    scenario.check_prediction(records, tolerance_blocks=1)
+    assert not cluster.capture.errors, f"undecodable KV-event frames: {cluster.capture.errors[:3]}"
+
+
+@pytest.mark.parametrize("eagle", [True, False], ids=["eagle", "plain"])
+def test_prefix_requests_stick_to_one_worker_with_predicted_hit_rate(live_cluster, eagle):
+    cluster = live_cluster(Topology.aggregated(2, eagle=eagle))
+    assert all(h.enable_eagle is eagle for h in cluster.workers.values()), "registered enable_eagle != engine mode"
+    pids = cluster.group.pids()
+    listening = _listening_ports(pids)
+    assert listening, "ss found no listening socket of the cluster (is iproute2 installed?)"
+    assert all(" 127.0.0.1:" in line for line in listening), "a socket listens beyond loopback:\n" + "\n".join(listening)
+
+    records = scenario.run_prefix_extension(cluster, 4)
+    print(scenario.table(records))
+    _assert_aligned(cluster, records)
+    assert all(r.router_eagle is eagle for r in records)
+    assert scenario.diagnose(cluster, records[1]).cause is None
+
+
+def test_negative_control_bigram_cache_registered_without_eagle_is_cache_blind(live_cluster):
+    cluster = live_cluster(Topology.aggregated(2, eagle=True, register_eagle=False))
+    assert not any(h.enable_eagle for h in cluster.workers.values())
+
+    records = scenario.run_prefix_extension(cluster, 4)
+    print(scenario.table(records))
+    scenario.check_timing(records)
+    scenario.check_hit_zero(records)
+    scenario.check_prediction(records, tolerance_blocks=0)  # kvalign also predicts 0: same flags, same miss
+    with pytest.raises(AssertionError, match="kv_hit_rate not > 0"):
+        scenario.check_hit_positive(records)
+    for r in records[1:]:
+        d = scenario.diagnose(cluster, r)
+        print(f"request {r.index + 1}: {d.line()}")
+        assert d.cause is Cause.ROUTER_EAGLE_OFF, d.line()
+        assert d.engine_bigram and not d.router_eagle and not d.first_query_hash_indexed
+
+
+@pytest.mark.parametrize("bootstrap_endpoint", [True, False], ids=["bootstrap-endpoint", "prefill-returns-params"])
+def test_disaggregated_prefill_routing(live_cluster, bootstrap_endpoint):
+    cluster = live_cluster(Topology.disaggregated(2, 1, eagle=True), CpuWorkerKind(bootstrap_endpoint=bootstrap_endpoint))
+    records = scenario.run_prefix_extension(cluster, 4)
+    print(scenario.table(records))
+    _assert_aligned(cluster, records)
+    scenario.check_not_decode(records, cluster.ids_by_role("decode"))
+    assert scenario.check_same_worker(records) in cluster.ids_by_role("prefill")
+    for r in records:
+        assert r.result.timing.get("kv_transfer_estimated_latency_ms", 0) >= 0
+
+
+def test_teardown_leaves_no_process_behind(live_cluster):
+    cluster = live_cluster(Topology.aggregated(1, eagle=True))
+    pids = cluster.group.pids()
+    marked = pids_with_env(RUN_MARKER_ENV, str(cluster.plan.run_dir))
+    assert sorted(marked) == sorted(pids), "the run marker does not find exactly the cluster's processes"
+    cluster.close()
+    assert not [p for p in pids if group_alive(p)], "process groups survived teardown"
+    assert not pids_with_env(RUN_MARKER_ENV, str(cluster.plan.run_dir)), "a process of the run survived"
+    assert cluster.group.killed == [], f"needed SIGKILL (no graceful exit on SIGTERM): {cluster.group.killed}"
+    cluster.close()  # idempotent
