@@ -24,6 +24,7 @@ from kvalign.live.cluster import Cluster, plan_specs
 from kvalign.live.client import SseError
 from kvalign.live.disagg_eagle import E2eOptions
 from kvalign.live.processes import ProcessExited, ProcessSpec
+from kvalign.live.topology import ClusterPlan
 from kvalign.live.sglang_worker import ROUTER_EAGLE_ENV, default_models, router_eagle_from
 
 RUN_DIR_VAR = "$RUN_DIR"
@@ -97,18 +98,9 @@ def _format_argv(argv: list[str]) -> str:
     return " \\\n      ".join(parts)
 
 
-def _common_env(specs: list[ProcessSpec]) -> dict[str, str]:
-    with_env = [s.env for s in specs if s.env]
-    if not with_env:
-        return {}
-    common = dict(with_env[0])
-    for env in with_env[1:]:
-        common = {k: v for k, v in common.items() if env.get(k) == v}
-    return common
-
-
-def render_plan(opts: E2eOptions, specs: list[ProcessSpec], plan, problems: list[str], checked_import: bool) -> str:
-    common = _common_env(specs)
+def render_plan(opts: E2eOptions, specs: list[ProcessSpec], plan: ClusterPlan, problems: list[str],
+                checked_import: bool) -> str:
+    common = plan.plane_env()
     out = [f"kvalign e2e plan: {opts.describe()}"]
     if not opts.cpu:
         out += [f"model:       {opts.model} -> --model-path {plan.model_path}",
@@ -122,15 +114,14 @@ def render_plan(opts: E2eOptions, specs: list[ProcessSpec], plan, problems: list
         out += [f"  - {p}" for p in problems]
     else:
         out.append("prerequisites: all present" + ("" if checked_import else " (dynamo.sglang import not tried; use --check)"))
-    out.append("environment of every worker and the frontend (on top of the inherited one):")
+    out.append("plane environment (PLANE below; on top of the inherited one):")
     out += [f"  {k}={v}" for k, v in sorted(common.items())]
     for i, s in enumerate(specs, 1):
-        own = {k: v for k, v in s.env.items() if k not in common}
+        has_plane = all(s.env.get(k) == v for k, v in common.items())
+        own = {k: v for k, v in s.env.items() if not (has_plane and k in common)}
         out.append(f"[{i}/{len(specs)}] {s.name}")
-        if own:
-            out.append("  env: " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(own.items())))
-        elif not s.env:
-            out.append("  env: inherited only")
+        words = (["PLANE"] if has_plane else []) + [f"{k}={shlex.quote(v)}" for k, v in sorted(own.items())]
+        out.append("  env: " + (" ".join(words) if words else "inherited only"))
         out.append("  $ " + _format_argv(s.argv))
     out.append("then: wait for every worker in discovery, start the KV-event capture and the frontend, "
                "wait for /v1/models + one probe; send the requests; scrape decode /metrics after each")

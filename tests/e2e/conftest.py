@@ -41,6 +41,14 @@ def cpu_stack_missing() -> str | None:
     return None
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--kvalign-router-eagle", choices=("on", "off"), default=None,
+        help="GPU EAGLE e2e negative control: off = workers register enable_eagle=False, so the router "
+             "hashes plain blocks (same as env KVALIGN_ROUTER_EAGLE=off, which works for any invocation)",
+    )
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
     report = yield
