@@ -17,6 +17,9 @@ from kvalign.oracles.base import OracleUnavailable
 
 # Each module exposes register(subparsers) -> None and sets a `run(args) -> int` default.
 COMMAND_MODULES = [
+    "kvalign.commands.capture",
+    "kvalign.commands.replay",
+    "kvalign.commands.diagnose",
     "kvalign.commands.check",
     "kvalign.commands.hash",
     "kvalign.commands.live",

@@ -1,0 +1,126 @@
+"""Benchmark: replay + diagnose on a capture of 1,000,000 stored blocks.
+
+The capture is made the way a real one is: SGLang's real radix cache (CPU) serves a synthetic
+multi-tenant workload (shared system prompts + unique continuations, EAGLE bigram keys, page 16),
+its events are encoded by SGLang's own msgpack encoder into ``[topic, seq, payload]`` frames
+exactly as ``ZmqEventPublisher`` sends them (0.5.23 tagged-map encoding), decoded by kvalign and
+written by the capture writer. Generation is not timed.
+
+Then ``kvalign replay FILE --json`` and ``kvalign diagnose`` run as child processes; each one's
+peak RSS comes from ``wait4``. blocks/s = stored blocks / replay seconds as measured inside the
+replay process (interpreter start-up excluded; the wall time is printed too).
+
+Usage: .venv/bin/python bench/bench_replay.py [--blocks N] [--keep FILE]
+The last line is exactly ``blocks/s: N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+import msgspec
+
+from kvalign.capture import CaptureWriter
+from kvalign.events import decode_frames
+from kvalign.oracles.sglang import SglangRadixCache, _modules
+
+PAGE = 16
+PREFIXES = 64
+PREFIX_TOKENS = 8 * PAGE
+REQUEST_TOKENS = 64 * PAGE + 1  # 64 bigram pages per request
+VOCAB = 151_000
+
+
+def generate(path: str, blocks: int, seed: int = 0) -> tuple[int, list[int]]:
+    """Fill ``path`` with a capture of at least ``blocks`` stored blocks; returns (stored, a cached prompt)."""
+    _modules()
+    from sglang.srt.disaggregation.kv_events import KVEventBatch
+
+    encode = msgspec.msgpack.Encoder().encode  # what ZmqEventPublisher's thread uses
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(VOCAB) for _ in range(PREFIX_TOKENS)] for _ in range(PREFIXES)]
+    cache = SglangRadixCache(PAGE, eagle=True)
+    writer = CaptureWriter(path, force=True, endpoint="tcp://127.0.0.1:5557 (bench)", topic="kv-events")
+    stored, seq, prompt = 0, 0, []
+    while stored < blocks:
+        events = []
+        for _ in range(8):  # a scheduler step publishes what several requests cached
+            toks = prefixes[rng.randrange(PREFIXES)] + [rng.randrange(VOCAB) for _ in range(REQUEST_TOKENS - PREFIX_TOKENS)]
+            cache.insert(toks)
+            prompt = toks
+            events += cache.take_raw_events()
+        if seq % 16 == 15:  # some memory pressure: whole leaves are evicted
+            cache.evict(4 * REQUEST_TOKENS)
+            events += cache.take_raw_events()
+        stored += sum(len(e.block_hashes) for e in events if type(e).__name__.startswith("BlockStored"))
+        payload = encode(KVEventBatch(ts=time.time(), events=events, attn_dp_rank=0))
+        writer.write_batch(decode_frames([b"kv-events", seq.to_bytes(8, "big"), payload]))
+        seq += 1
+    writer.close()
+    return stored, prompt
+
+
+def run_child(argv: list[str]) -> tuple[str, float, float, int]:
+    """Run a kvalign command; (stdout, wall seconds, peak RSS MiB, exit code)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "kvalign", *argv], stdout=subprocess.PIPE, text=True)
+    out = proc.stdout.read() if proc.stdout else ""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return out, time.perf_counter() - start, usage.ru_maxrss / 1024, proc.returncode
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=1_000_000)
+    ap.add_argument("--keep", default=None, help="write the capture here and keep it")
+    args = ap.parse_args()
+    tmp = None
+    if args.keep:
+        path = args.keep
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="kvalign-bench-")
+        path = os.path.join(tmp.name, "bench.jsonl")
+    t0 = time.perf_counter()
+    stored, prompt = generate(path, args.blocks)
+    print(f"generated {stored} stored blocks with SGLang's real radix cache + encoder in "
+          f"{time.perf_counter() - t0:.1f}s: {path} ({os.path.getsize(path) / 2**20:.0f} MiB)")
+    prompt_path = path + ".prompt.json"
+    with open(prompt_path, "w") as f:
+        json.dump(prompt, f)
+
+    out, wall, rss, rc = run_child(["replay", path, "--json"])
+    if rc != 0:
+        print(f"replay failed with exit code {rc}", file=sys.stderr)
+        return 1
+    rep = json.loads(out)
+    secs = rep["seconds"]
+    w = rep["workers"][0]
+    print(f"replay: {w['blocks_stored']} stored / {w['blocks_indexed']} indexed / {w['blocks_removed']} removed blocks, "
+          f"{w['batches']} batches in {secs:.2f}s (wall {wall:.2f}s incl. start-up); peak RSS {rss:.0f} MiB")
+
+    out, dwall, drss, drc = run_child(["diagnose", "--capture", path, "--prompt", prompt_path, "--json"])
+    if drc not in (0, 1):
+        print(f"diagnose failed with exit code {drc}", file=sys.stderr)
+        return 1
+    diag = json.loads(out)
+    print(f"diagnose: {dwall:.2f}s wall; peak RSS {drss:.0f} MiB; router overlap {diag['router']['overlap']}/"
+          f"{diag['router']['blocks']}, cause {diag['cause']['name'] if diag['cause'] else None}")
+    print(f"peak RSS: {max(rss, drss):.0f} MiB")
+    if tmp is not None:
+        tmp.cleanup()
+    else:
+        os.unlink(prompt_path)
+    print(f"blocks/s: {int(w['blocks_stored'] / secs)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,382 @@
+"""Diagnose one prompt against one worker's capture: where router and engine keys part, and why.
+
+The router credits a worker with the leading blocks of a prompt whose keys it finds in the index it
+rebuilt from that worker's events. ``diagnose`` replays the capture twice over in one pass — once
+with the router's settings, once with the engine's own framing read from its events (block size,
+bigram pages, LoRA name and cache namespace) — and compares, block by block:
+
+* the router's prediction (overlap, ``kv_hit_rate``) under the settings given;
+* what a correctly aligned router would see: the overlap the engine actually has;
+* what the engine ever stored for this prompt (from the events, including later removals);
+* pages the engine stored whose windows are this prompt's tokens at an unaligned offset (a
+  prompt shifted by k tokens) or that hang under a parent the stream never delivered (a gap).
+
+The first block where the router loses credit is the *first divergent block*, shown with both
+token windows and both keys, and the reason is named from :class:`kvalign.causes.Cause`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from kvalign.capture import Batch, Cleared, Removed, Stored
+from kvalign.causes import Cause
+from kvalign.hashing import U64_MASK, as_u32_tokens, block_hashes, salt_seed
+from kvalign.replay import WorkerReplay, replay_capture
+from kvalign.replay_index import ReplayIndex, StoredPages, chain_nodes
+
+WORKER = 1
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """How the router under test hashes prompts (``block_size`` None = the engine's)."""
+
+    block_size: int | None = None
+    eagle: str = "auto"  # auto | on | off
+    lora: str | None = None
+    namespace: str | None = None
+
+
+@dataclass
+class PageSeen:
+    """An engine page whose token window occurs in the prompt."""
+
+    ext: int  # SGLang block hash, as u64
+    parent_ext: int | None
+    node: int | None  # None: its event was an orphan (parent never seen)
+    depth: int | None
+    offsets: list[int]  # prompt offsets where its window occurs
+    local: int  # the router key the relay computed for it
+    lora: str | None
+    namespace: str | None
+    seq: int | None
+    removed_seq: int | None = None
+    cleared_seq: int | None = None
+
+
+@dataclass
+class BlockView:
+    """One side of the first divergent block."""
+
+    index: int
+    start: int
+    end: int
+    tokens: list[int | None]
+    hash: int | None  # router local hash (the key the index is matched on)
+    engine_block_hash: int | None = None  # SGLang's own hash of the page, when the engine stored it
+    stored_seq: int | None = None
+    removed_seq: int | None = None
+
+
+@dataclass
+class Diagnosis:
+    capture: str
+    prompt_tokens: int
+    router: dict[str, Any]
+    engine: dict[str, Any]
+    first_divergent: int | None
+    router_block: BlockView | None
+    engine_block: BlockView | None
+    cause: Cause | None
+    detail: str
+    shift: int | None = None
+    notes: list[str] = field(default_factory=list)
+    capture_stats: dict[str, Any] = field(default_factory=dict)
+
+
+class _PromptPages:
+    """Replay observer: remembers the engine pages whose windows occur in the prompt."""
+
+    def __init__(self, tokens: list[int], block_size: int):
+        self.tokens, self.block_size = tokens, block_size
+        self._buf = memoryview(as_u32_tokens(tokens)).cast("B")
+        self._lookups: dict[tuple[str | None, str | None, bool], dict[int, list[int]]] = {}
+        self.depth: dict[int, int] = {}
+        self.pages: dict[int, PageSeen] = {}
+        self.roots: dict[int, tuple[int, bytes, int, int | None]] = {}  # node -> (ext, window, local, seq)
+        self.framing: Counter[bool] = Counter()  # bigram? -> events
+        self.seq: int | None = None
+
+    def _lookup(self, lora: str | None, ns: str | None, bigram: bool) -> dict[int, list[int]]:
+        key = (lora, ns, bigram)
+        found = self._lookups.get(key)
+        if found is None:
+            win = (self.block_size + 1 if bigram else self.block_size) * 4
+            seed = salt_seed(lora, ns)
+            found = {}
+            for j in range(0, len(self._buf) - win + 1, 4):
+                found.setdefault(_xxh3(self._buf[j : j + win], seed), []).append(j // 4)
+            self._lookups[key] = found
+        return found
+
+    def __call__(self, sp: StoredPages) -> None:
+        if sp.event.h:
+            self.framing[sp.bigram] += 1
+        nodes, d0 = sp.nodes, 0
+        if nodes:
+            d0 = 0 if sp.parent_node is None else self.depth.get(sp.parent_node, 0)
+            self.depth.update(zip(nodes, range(d0 + 1, d0 + 1 + len(nodes))))
+            if sp.parent_node is None:
+                win = (self.block_size + 1 if sp.bigram else self.block_size) * 4
+                self.roots[nodes[0]] = (sp.ext[0], sp.raw[:win], sp.local[0], self.seq)
+        look = self._lookup(sp.event.lora, sp.namespace, sp.bigram)
+        parent = None if sp.event.p is None else sp.event.p & U64_MASK
+        for i, h in enumerate(sp.local):
+            offsets = look.get(h)
+            if offsets is None:
+                continue
+            self.pages[sp.ext[i]] = PageSeen(
+                ext=sp.ext[i], parent_ext=sp.ext[i - 1] if i else parent,
+                node=nodes[i] if nodes else None, depth=d0 + 1 + i if nodes else None, offsets=offsets,
+                local=h, lora=sp.event.lora, namespace=sp.namespace, seq=self.seq,
+            )
+
+    def before(self, batch: Batch) -> None:
+        self.seq = batch.seq
+
+    def after(self, batch: Batch, applied: bool) -> None:
+        if not applied:
+            return
+        for ev in batch.ev:
+            if type(ev) is Removed:
+                for h in ev.h:
+                    page = self.pages.get(h & U64_MASK)
+                    if page is not None:
+                        page.removed_seq = batch.seq
+            elif type(ev) is Cleared:
+                for page in self.pages.values():
+                    page.cleared_seq = batch.seq
+
+
+def _window(tokens: list[int], index: int, block_size: int, eagle: bool) -> tuple[int, int, list[int | None]]:
+    start = index * block_size
+    end = start + block_size + (1 if eagle else 0)
+    return start, end, list(tokens[start:end])
+
+
+def diagnose(capture: str, tokens: list[int], router: RouterSettings) -> Diagnosis:
+    """Compare the router's keys for ``tokens`` with what the captured engine stored."""
+    from kvalign.replay import resolve_block_size
+
+    as_u32_tokens(tokens)  # bad prompt ids fail before any work
+    engine_b = resolve_block_size([capture], None)
+    router_b = router.block_size or engine_b
+    seen = _PromptPages(tokens, engine_b)
+    idx_e = ReplayIndex(engine_b, seen)
+    idx_r = idx_e if router_b == engine_b else ReplayIndex(router_b)
+    rep = replay_capture(idx_e, capture, "engine", WORKER, before_batch=seen.before, after_batch=seen.after)
+    if idx_r is not idx_e:
+        replay_capture(idx_r, capture, "router", WORKER)
+    engine_eagle = seen.framing.most_common(1)[0][0] if seen.framing else False
+    router_eagle = engine_eagle if router.eagle == "auto" else router.eagle == "on"
+
+    h_r = block_hashes(tokens, router_b, eagle=router_eagle, lora_name=router.lora, cache_namespace=router.namespace)
+    overlap_r = idx_r.overlap(h_r).get(WORKER, 0)
+
+    roots = [p for p in seen.pages.values() if p.depth == 1 and 0 in p.offsets]
+    seeds = Counter((p.lora or None, p.namespace or None) for p in roots)
+    router_seed = (router.lora or None, router.namespace or None)
+    lora_e, ns_e = router_seed if (router_seed in seeds or not seeds) else seeds.most_common(1)[0][0]
+    h_e = block_hashes(tokens, engine_b, eagle=engine_eagle, lora_name=lora_e, cache_namespace=ns_e)
+    path_e = chain_nodes(h_e)
+    overlap_e = idx_e.overlap(h_e).get(WORKER, 0)
+    by_node = {p.node: p for p in seen.pages.values() if p.node is not None}
+    ever = 0
+    while ever < len(path_e) and path_e[ever] in by_node:
+        ever += 1
+
+    def rate(overlap: int, n: int) -> float | None:
+        return None if n == 0 else round(overlap / n, 6)
+
+    d = Diagnosis(
+        capture=capture, prompt_tokens=len(tokens),
+        router={"block_size": router_b, "eagle": router_eagle, "eagle_mode": router.eagle, "lora": router.lora,
+                "namespace": router.namespace, "blocks": len(h_r), "overlap": overlap_r,
+                "kv_hit_rate": rate(overlap_r, len(h_r))},
+        engine={"block_size": engine_b, "eagle": engine_eagle, "lora": lora_e, "namespace": ns_e,
+                "blocks": len(h_e), "overlap": overlap_e, "kv_hit_rate": rate(overlap_e, len(h_e)),
+                "ever_stored": ever, "stored_events": sum(seen.framing.values())},
+        first_divergent=None, router_block=None, engine_block=None, cause=None, detail="",
+        notes=_capture_notes(rep), capture_stats=_capture_stats(rep),
+    )
+
+    def router_view(i: int) -> BlockView:
+        s, e, toks = _window(tokens, i, router_b, router_eagle)
+        return BlockView(i, s, e, toks, h_r[i] if i < len(h_r) else None)
+
+    def engine_view(i: int) -> BlockView:
+        s, e, toks = _window(tokens, i, engine_b, engine_eagle)
+        page = by_node.get(path_e[i]) if i < len(path_e) else None
+        return BlockView(i, s, e, toks, h_e[i] if i < len(h_e) else None,
+                         page.ext if page else None, page.seq if page else None, page.removed_seq if page else None)
+
+    def found(i: int, cause: Cause, detail: str, engine: BlockView | None = None) -> Diagnosis:
+        d.first_divergent, d.cause, d.detail = i, cause, detail
+        d.router_block, d.engine_block = router_view(i), engine or engine_view(i)
+        return d
+
+    units = "bigrams" if engine_eagle else "tokens"
+    if seen.framing:
+        if router_b != engine_b:
+            return found(0, Cause.BLOCK_SIZE,
+                         f"the engine publishes pages of {engine_b} {units} but the router's kv_block_size is "
+                         f"{router_b}; Dynamo's relay drops every event whose block_size differs, so the router "
+                         f"indexes nothing from this worker (set the router's block size to {engine_b})")
+        if router_eagle != engine_eagle:
+            if engine_eagle:
+                return found(0, Cause.ROUTER_EAGLE_OFF,
+                             f"the engine keys pages by bigrams (EAGLE): a page of {engine_b} bigrams spans "
+                             f"{engine_b + 1} tokens, but the router hashes {router_b}-token windows, so no key "
+                             "matches (the router needs enable_eagle: --router-eagle on)")
+            return found(0, Cause.ROUTER_EAGLE_ON,
+                         f"the engine stores plain pages of {engine_b} tokens, but the router hashes "
+                         f"{router_b + 1}-token EAGLE windows, so no key matches (enable_eagle must be off "
+                         "for this worker)")
+    if not h_r:
+        need = router_b + 1 if router_eagle else router_b
+        return found(0, Cause.PROMPT_TOO_SHORT,
+                     f"the prompt has {len(tokens)} tokens; with block size {router_b}"
+                     f"{' and EAGLE windows' if router_eagle else ''} the router needs at least {need} "
+                     "tokens for one block, so it hashes none and kv_hit_rate is 0")
+    if (lora_e, ns_e) != router_seed:
+        cause = (Cause.LORA_DROPPED if lora_e and not router.lora and ns_e == (router.namespace or None) else
+                 Cause.NAMESPACE_DROPPED if ns_e and not router.namespace and lora_e == (router.lora or None) else
+                 Cause.SEED_DRIFT)
+        return found(0, cause,
+                     f"the engine stored this prompt under lora={lora_e!r}, namespace={ns_e!r} but the router "
+                     f"hashes with lora={router.lora!r}, namespace={router.namespace!r}; both enter the hash "
+                     "seed, so every key differs")
+    if overlap_r == len(h_r):
+        d.detail = f"router and engine agree on all {len(h_r)} blocks of this prompt"
+        return d
+    i = overlap_r
+    if i < ever:
+        page = by_node[path_e[i]]
+        if page.removed_seq is not None:
+            when = f"removed by BlockRemoved at seq {page.removed_seq}"
+        elif page.cleared_seq is not None:
+            when = f"dropped by AllBlocksCleared at seq {page.cleared_seq}"
+        else:
+            when = "no longer held"
+        return found(i, Cause.EVICTED,
+                     f"the engine stored block {i} (SGLang hash {_signed(page.ext)}, seq {page.seq}) and then "
+                     f"evicted it ({when}); the router correctly stops crediting at block {i}")
+    gap = _gap_evidence(seen, h_e, i, rep)
+    if gap is not None:
+        orphan, missing = gap
+        view = engine_view(i)
+        if orphan.parent_ext is not None and min(orphan.offsets) == (i + 1) * engine_b:
+            view.engine_block_hash = orphan.parent_ext
+        return found(i, Cause.SEQUENCE_GAP,
+                     f"block {i} never reached the router: {missing}; block {min(orphan.offsets) // engine_b} "
+                     f"(SGLang hash {_signed(orphan.ext)}, seq {orphan.seq}) arrived under parent "
+                     f"{_signed(orphan.parent_ext)}, which the stream never delivered, so Dynamo drops it as "
+                     "an orphan", view)
+    shift = _shift_evidence(seen, engine_b)
+    if shift is not None:
+        k, page = shift
+        d.shift = k
+        lead = (f"the engine's sequence has {k} more leading tokens than this prompt (a BOS or template "
+                "prefix the router's prompt lacks)" if k > 0 else
+                f"this prompt has {-k} leading tokens the engine's sequence lacks")
+        return found(i, Cause.PROMPT_SHIFT,
+                     f"{lead}: the engine cached these tokens shifted by {k} (its block {page.depth - 1} "
+                     f"holds prompt tokens [{min(page.offsets)}, {min(page.offsets) + engine_b + engine_eagle})), "
+                     "so every page boundary differs",
+                     _shifted_view(seen, tokens, i, k, engine_b, engine_eagle))
+    d.detail = (f"router and engine agree: the engine never stored block {i} of this prompt "
+                f"({overlap_r}/{len(h_r)} blocks cached)")
+    return d
+
+
+def _signed(h: int | None) -> int | None:
+    """SGLang prints its block hashes as signed int64; show them the same way."""
+    return None if h is None else (h - (1 << 64) if h >= 1 << 63 else h)
+
+
+def _gap_evidence(seen: _PromptPages, h_e: list[int], i: int, rep: WorkerReplay) -> tuple[PageSeen, str] | None:
+    """A later prompt page that arrived as an orphan, plus what the stream is missing."""
+    later = set(h_e[i + 1 :])
+    orphans = [p for p in seen.pages.values() if p.node is None and p.local in later]
+    if not orphans:
+        return None
+    missing = []
+    if rep.seq.gaps:
+        missing.append(f"the stream skips {rep.seq.missing_batches} batches ({rep.seq.describe_gaps()})")
+    if rep.malformed:
+        seqs = ", ".join(str(s) for s in rep.malformed_seqs[:3])
+        missing.append(f"{sum(rep.malformed.values())} batches could not be decoded and were dropped (seq {seqs})")
+    if rep.seq.first:
+        missing.append(f"the capture starts at seq {rep.seq.first}")
+    return min(orphans, key=lambda p: min(p.offsets)), "; ".join(missing) or "a batch was lost before the capture"
+
+
+def _shift_evidence(seen: _PromptPages, b: int) -> tuple[int, PageSeen] | None:
+    """The dominant offset between engine page boundaries and the prompt's, when not zero.
+
+    A page whose window also occurs at its aligned offset is aligned (a repetitive prompt puts
+    the same window at several offsets), so only pages with no aligned occurrence count.
+    """
+    deltas: Counter[int] = Counter()
+    first: dict[int, PageSeen] = {}
+    for p in seen.pages.values():
+        if p.depth is None:
+            continue
+        ks = {(p.depth - 1) * b - j for j in p.offsets}
+        if 0 in ks:
+            continue
+        for k in ks:
+            deltas[k] += 1
+            if k not in first or p.depth < (first[k].depth or 0):
+                first[k] = p
+    if not deltas:
+        return None
+    k = deltas.most_common(1)[0][0]
+    return k, first[k]
+
+
+def _shifted_view(seen: _PromptPages, tokens: list[int], i: int, k: int, b: int, eagle: bool) -> BlockView:
+    """The engine's block ``i`` on the shifted chain: prompt tokens moved by k, unknown ones as None."""
+    start, end = i * b, i * b + b + (1 if eagle else 0)
+    toks = [tokens[x - k] if 0 <= x - k < len(tokens) else None for x in range(start, end)]
+    view = BlockView(i, start - k, end - k, toks, None)
+    for p in seen.pages.values():
+        if p.depth == i + 1 and (i * b - k) in p.offsets:
+            view.hash, view.engine_block_hash, view.stored_seq, view.removed_seq = p.local, p.ext, p.seq, p.removed_seq
+            return view
+    if i == 0:
+        for node, (ext, window, local, seq) in seen.roots.items():
+            if all(t is None or bytes(window[4 * n : 4 * n + 4]) == int(t).to_bytes(4, "little") for n, t in enumerate(toks)):
+                view.tokens = [int.from_bytes(window[n : n + 4], "little") for n in range(0, len(window), 4)]
+                view.hash, view.engine_block_hash, view.stored_seq = local, ext, seq
+                break
+    return view
+
+
+def _capture_notes(rep: WorkerReplay) -> list[str]:
+    notes = list(rep.issues.describe(rep.path))
+    if rep.seq.first:
+        notes.append(f"the capture starts at seq {rep.seq.first}: earlier batches were not seen")
+    if rep.seq.gaps:
+        notes.append(f"{len(rep.seq.gaps)} sequence gaps, {rep.seq.missing_batches} batches missing ({rep.seq.describe_gaps()})")
+    if rep.seq.restarts:
+        notes.append(f"publisher restarted {len(rep.seq.restarts)} times (sequence reset)")
+    if rep.malformed:
+        notes.append(f"{sum(rep.malformed.values())} malformed batches skipped "
+                     f"({', '.join(f'{k}: {n}' for k, n in rep.malformed.items())})")
+    return notes
+
+
+def _capture_stats(rep: WorkerReplay) -> dict[str, Any]:
+    s = rep.stats
+    return {"batches": rep.batches, "seq_first": rep.seq.first, "seq_last": rep.seq.last, "gaps": len(rep.seq.gaps),
+            "missing_batches": rep.seq.missing_batches, "restarts": len(rep.seq.restarts),
+            "malformed_skipped": sum(rep.malformed.values()), "blocks_stored": s.blocks_stored,
+            "blocks_removed": s.blocks_removed, "held_blocks": rep.held, "orphan_events": s.dropped_orphans}
+
