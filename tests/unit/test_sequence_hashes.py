@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 import xxhash
 from hypothesis import given, settings
-from dynamo_router import DynamoRouterOracle
 from hypothesis import strategies as st
 
+from dynamo_router import DynamoRouterOracle
 from kvalign.hashing import XXH3_SEED, block_hashes, salt_seed, sequence_hashes
 from kvalign.strategies import HashCase, mm_infos, names, token_ids
 

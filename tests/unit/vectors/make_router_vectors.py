@@ -1,10 +1,10 @@
-"""Regenerate ``router_vectors.jsonl`` from the REAL router binding (ai-dynamo-runtime).
+"""Regenerate ``router_vectors.jsonl`` from the REAL router (ai-dynamo-runtime), not from kvalign.
 
-The file is the only place expected hashes are written down, and every value in it was computed
-by ``dynamo._core.compute_block_hash_for_seq`` — run this script against the pinned package to
-re-record them:  ``.venv/bin/python tests/unit/vectors/make_router_vectors.py``.
-Sequence hashes are the router's chain over those local hashes (kvalign.hashing.sequence_hashes;
-the chain is checked against the router by dynamo-router-hashing.md §5).
+The file is the only place expected hashes are written down. Local hashes come from
+``dynamo._core.compute_block_hash_for_seq``; sequence hashes are read back from a real in-process
+``KvRouter`` that routed the same request (``tests/unit/dynamo_router.py``, the oracle
+``test_sequence_hashes.py`` uses). Run against the pinned package to re-record them:
+``.venv/bin/python tests/unit/vectors/make_router_vectors.py``.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import random
+import sys
 from pathlib import Path
 
-from dynamo._core import compute_block_hash_for_seq as H
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/unit, for the shared router oracle
 
-from kvalign.hashing import sequence_hashes
+from dynamo_router import DynamoRouterOracle  # noqa: E402
 
 OUT = Path(__file__).with_name("router_vectors.jsonl")
 
@@ -49,14 +50,27 @@ def cases() -> list[dict]:
     ]
 
 
+def router_seq_hashes(oracle: DynamoRouterOracle, c: dict, local: list[int]) -> list[int]:
+    """The sequence hashes the real router stored for this request, block by block."""
+    got = oracle.chain(c["tokens"], c["block_size"], local, eagle=bool(c.get("is_eagle")), lora_name=c.get("lora_name"),
+                       cache_namespace=c.get("cache_namespace"), mm_infos=c.get("block_mm_infos"))
+    if [t for _, t in got.pairs] != local:
+        raise SystemExit(f"{c['name']}: router stored tokens_hash path {got.pairs}, binding gives local hashes {local}")
+    return [s for s, _ in got.pairs]
+
+
 def main() -> None:
     version = importlib.metadata.version("ai-dynamo-runtime")
-    with OUT.open("w") as f:
+    records = []
+    with DynamoRouterOracle() as oracle:  # first: it sets DYN_LOG etc. before dynamo._core is imported
+        from dynamo._core import compute_block_hash_for_seq as H
+
         for c in cases():
             local = H(c["tokens"], c["block_size"], c.get("block_mm_infos"), c.get("lora_name"), c.get("is_eagle"), c.get("cache_namespace"))
-            rec = {**c, "local_hashes": local, "seq_hashes": sequence_hashes(local), "recorded_with": f"ai-dynamo-runtime {version}"}
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    print(f"wrote {OUT} ({len(cases())} vectors, ai-dynamo-runtime {version})")
+            seq = router_seq_hashes(oracle, c, local)
+            records.append({**c, "local_hashes": local, "seq_hashes": seq, "recorded_with": f"ai-dynamo-runtime {version}"})
+    OUT.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    print(f"wrote {OUT} ({len(records)} vectors, ai-dynamo-runtime {version}; seq_hashes read from the real KvRouter)")
 
 
 if __name__ == "__main__":
