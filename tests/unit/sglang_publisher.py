@@ -178,14 +178,25 @@ class Stream:
         return self.publisher.publish(events)
 
 
+@pytest.fixture(scope="module")
+def sglang_publisher() -> Iterator[RealPublisher]:
+    """One real publisher per test module (its shutdown alone costs SGLang's 1 s sentinel wait)."""
+    publisher = RealPublisher()
+    yield publisher
+    publisher.close()
+
+
 @contextmanager
-def captured(tmp_path: Any, *, name: str = "worker.jsonl", lossy: bool = False, topic: str = TOPIC) -> Iterator[Stream]:
-    """A real SGLang publisher and a running kvalign capture of it.
+def captured(tmp_path: Any, publisher: RealPublisher | None = None, *, name: str = "worker.jsonl",
+             lossy: bool = False) -> Iterator[Stream]:
+    """A real SGLang publisher (``publisher``, or a fresh one) and a running kvalign capture of it.
 
     On exit the capture is waited for up to the last batch that was not dropped, then closed, so
     ``stream.path`` is complete when the ``with`` block ends.
     """
-    publisher = RealPublisher(topic)
+    owned = publisher is None
+    publisher = publisher or RealPublisher()
+    topic = TOPIC
     forwarder = LossyForwarder(publisher.endpoint, set()) if lossy else None
     path = os.path.join(str(tmp_path), name)
     session = CaptureSession(forwarder.endpoint if forwarder else publisher.endpoint, path, topic)
@@ -201,4 +212,5 @@ def captured(tmp_path: Any, *, name: str = "worker.jsonl", lossy: bool = False, 
         session.close()
         if forwarder:
             forwarder.close()
-        publisher.close()
+        if owned:
+            publisher.close()

@@ -1,0 +1,175 @@
+"""``diagnose`` names every catalog cause, on misalignments built for real.
+
+Each capture comes from SGLang's real radix cache through its real ZmqEventPublisher over loopback
+ZMQ into kvalign's capture loop; the misalignment is made the way it happens in a deployment (a
+router flag, a dropped batch, an eviction, a BOS the router's prompt lacks), never by editing
+events. Each test asserts the named cause *and* the first divergent block with its windows.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sglang_publisher import captured, sglang_publisher  # noqa: F401 - fixture
+
+from kvalign.causes import Cause
+from kvalign.cli import main
+from kvalign.diagnose import RouterSettings, diagnose
+from kvalign.hashing import block_hashes
+from kvalign.oracles.sglang import SglangRadixCache
+
+B = 4
+PROMPT = list(range(100, 121))  # 21 tokens: 5 plain pages, 5 bigram pages
+
+
+def capture_of(tmp_path, publisher, *, eagle: bool, inserts, name: str = "w.jsonl", evict: int | None = None):
+    """Capture of a real cache after ``inserts`` [(tokens, kwargs)], one batch each."""
+    cache = SglangRadixCache(B, eagle=eagle)
+    with captured(tmp_path, publisher, name=name) as stream:
+        for tokens, kw in inserts:
+            cache.insert(tokens, **kw)
+            stream.publish(cache.take_raw_events())
+        if evict is not None:
+            cache.evict(evict)
+            stream.publish(cache.take_raw_events())
+    return stream.path
+
+
+@pytest.mark.parametrize("eagle", [False, True])
+def test_aligned_router_reports_no_divergence(tmp_path, sglang_publisher, eagle):
+    path = capture_of(tmp_path, sglang_publisher, eagle=eagle, inserts=[(PROMPT, {})])
+    d = diagnose(path, PROMPT, RouterSettings())
+    assert d.cause is None and d.first_divergent is None
+    assert d.router["eagle"] is eagle and d.router["overlap"] == d.router["blocks"] == 5
+    assert d.router["kv_hit_rate"] == 1.0 and d.engine["overlap"] == 5
+
+
+def test_router_eagle_off_against_bigram_keys(tmp_path, sglang_publisher):
+    path = capture_of(tmp_path, sglang_publisher, eagle=True, inserts=[(PROMPT, {})])
+    d = diagnose(path, PROMPT, RouterSettings(eagle="off"))
+    assert d.cause is Cause.ROUTER_EAGLE_OFF and d.first_divergent == 0
+    assert d.router["overlap"] == 0 and d.engine["overlap"] == 5
+    assert d.router_block.tokens == PROMPT[:B] and d.engine_block.tokens == PROMPT[: B + 1]
+    assert d.router_block.hash == block_hashes(PROMPT, B)[0]
+    assert d.engine_block.hash == block_hashes(PROMPT, B, eagle=True)[0]
+    assert d.engine_block.engine_block_hash is not None
+
+
+def test_router_eagle_on_against_plain_keys(tmp_path, sglang_publisher):
+    path = capture_of(tmp_path, sglang_publisher, eagle=False, inserts=[(PROMPT, {})])
+    d = diagnose(path, PROMPT, RouterSettings(eagle="on"))
+    assert d.cause is Cause.ROUTER_EAGLE_ON and d.first_divergent == 0
+    assert d.router["overlap"] == 0 and d.engine["overlap"] == 5
+    assert d.router_block.tokens == PROMPT[: B + 1] and d.engine_block.tokens == PROMPT[:B]
+
+
+def test_block_size_mismatch(tmp_path, sglang_publisher):
+    path = capture_of(tmp_path, sglang_publisher, eagle=True, inserts=[(PROMPT, {})])
+    d = diagnose(path, PROMPT, RouterSettings(block_size=8))
+    assert d.cause is Cause.BLOCK_SIZE and d.first_divergent == 0
+    assert (d.router["block_size"], d.engine["block_size"]) == (8, 4)
+    assert d.router["overlap"] == 0 and d.engine["overlap"] == 5
+    assert d.router_block.end - d.router_block.start == 9 and d.engine_block.end == 5
+
+
+@pytest.mark.parametrize(
+    ("engine_kw", "router", "cause"),
+    [
+        ({"lora_name": "loraA"}, RouterSettings(), Cause.LORA_DROPPED),
+        ({"cache_salt": "tenant-1"}, RouterSettings(), Cause.NAMESPACE_DROPPED),
+        ({"cache_salt": "tenant-1"}, RouterSettings(namespace="tenant-2"), Cause.SEED_DRIFT),
+        ({}, RouterSettings(lora="loraA"), Cause.SEED_DRIFT),
+    ],
+    ids=["lora-dropped", "namespace-dropped", "namespace-drift", "lora-added"],
+)
+def test_seed_drift(tmp_path, sglang_publisher, engine_kw, router, cause):
+    path = capture_of(tmp_path, sglang_publisher, eagle=True, inserts=[(PROMPT, engine_kw)])
+    d = diagnose(path, PROMPT, router)
+    assert d.cause is cause and d.first_divergent == 0
+    assert d.router["overlap"] == 0 and d.engine["overlap"] == 5
+    assert d.engine["lora"] == engine_kw.get("lora_name") and d.engine["namespace"] == engine_kw.get("cache_salt")
+    assert d.router_block.tokens == d.engine_block.tokens and d.router_block.hash != d.engine_block.hash
+    aligned = diagnose(path, PROMPT, RouterSettings(lora=engine_kw.get("lora_name"), namespace=engine_kw.get("cache_salt")))
+    assert aligned.cause is None and aligned.router["overlap"] == 5
+
+
+def test_prompt_shifted_by_a_bos_the_router_lacks(tmp_path, sglang_publisher):
+    bos = 1
+    path = capture_of(tmp_path, sglang_publisher, eagle=True, inserts=[([bos, *PROMPT], {})])
+    d = diagnose(path, PROMPT, RouterSettings())
+    assert d.cause is Cause.PROMPT_SHIFT and d.shift == 1 and d.first_divergent == 0
+    assert d.router["overlap"] == 0
+    assert d.engine_block.tokens == [bos, *PROMPT[:B]]  # the engine's real first page
+    assert d.engine_block.engine_block_hash is not None
+
+
+def test_prompt_with_extra_leading_tokens(tmp_path, sglang_publisher):
+    path = capture_of(tmp_path, sglang_publisher, eagle=False, inserts=[(PROMPT[2:], {})])
+    d = diagnose(path, PROMPT, RouterSettings())
+    assert d.cause is Cause.PROMPT_SHIFT and d.shift == -2 and d.first_divergent == 0
+    assert d.engine_block.tokens == PROMPT[2 : 2 + B]
+
+
+def test_evicted_blocks(tmp_path, sglang_publisher):
+    other = PROMPT[: 2 * B] + [7] * 12  # shares 2 pages, so the prompt's tail is its own leaf
+    path = capture_of(tmp_path, sglang_publisher, eagle=False, inserts=[(PROMPT, {}), (other, {})], evict=1)
+    d = diagnose(path, PROMPT, RouterSettings())
+    assert d.cause is Cause.EVICTED and d.first_divergent == 2
+    assert d.router["overlap"] == d.engine["overlap"] == 2 and d.engine["ever_stored"] == 5
+    assert d.engine_block.tokens == PROMPT[2 * B : 3 * B] and d.engine_block.removed_seq is not None
+
+
+def test_sequence_gap(tmp_path, sglang_publisher):
+    cache = SglangRadixCache(B, eagle=True)
+    with captured(tmp_path, sglang_publisher, lossy=True) as stream:
+        for end, drop in ((2 * B + 1, False), (3 * B + 1, True), (len(PROMPT), False)):
+            cache.insert(PROMPT[:end])
+            stream.publish(cache.take_raw_events(), drop=drop)
+    d = diagnose(stream.path, PROMPT, RouterSettings())
+    assert d.cause is Cause.SEQUENCE_GAP and d.first_divergent == 2
+    assert d.router["overlap"] == d.engine["overlap"] == 2 and d.capture_stats["gaps"] == 1
+    assert d.engine_block.tokens == PROMPT[2 * B : 3 * B + 1] and d.engine_block.engine_block_hash is not None
+    assert "skips 1 batches" in d.detail
+
+
+def test_prompt_shorter_than_one_eagle_block(tmp_path, sglang_publisher):
+    path = capture_of(tmp_path, sglang_publisher, eagle=True, inserts=[(PROMPT, {})])
+    d = diagnose(path, PROMPT[:B], RouterSettings())
+    assert d.cause is Cause.PROMPT_TOO_SHORT and d.first_divergent == 0
+    assert d.router["blocks"] == 0 and d.router["kv_hit_rate"] is None
+    assert d.router_block.tokens == PROMPT[:B] and d.router_block.hash is None
+
+
+def test_uncached_prompt_is_agreement_not_divergence(tmp_path, sglang_publisher):
+    path = capture_of(tmp_path, sglang_publisher, eagle=True, inserts=[(PROMPT[: 2 * B + 1], {})])
+    d = diagnose(path, PROMPT, RouterSettings())
+    assert d.cause is None and d.router["overlap"] == 2 and "never stored block 2" in d.detail
+
+
+def test_cli_exit_codes_and_json(tmp_path, sglang_publisher, capsys):
+    path = capture_of(tmp_path, sglang_publisher, eagle=True, inserts=[(PROMPT, {})])
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text(json.dumps(PROMPT))
+    assert main(["diagnose", "--capture", path, "--prompt", str(prompt)]) == 0
+    assert "no divergence" in capsys.readouterr().out
+    assert main(["diagnose", "--capture", path, "--prompt", str(prompt), "--router-eagle", "off", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["cause"]["name"] == "ROUTER_EAGLE_OFF" and out["first_divergent"] == 0
+    assert out["router"]["kv_hit_rate"] == 0 and out["engine"]["kv_hit_rate"] == 1
+
+
+def test_text_prompt_through_a_local_tokenizer(tmp_path, sglang_publisher):
+    tokenizers = pytest.importorskip("tokenizers")
+    words = [f"w{i}" for i in range(len(PROMPT))]
+    vocab = {w: t for w, t in zip(words, PROMPT)} | {"[UNK]": 0}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    tok.save(str(tok_dir / "tokenizer.json"))
+    text = tmp_path / "prompt.txt"
+    text.write_text(" ".join(words))
+    path = capture_of(tmp_path, sglang_publisher, eagle=True, inserts=[(PROMPT, {})])
+    assert main(["diagnose", "--capture", path, "--prompt", str(text), "--tokenizer", str(tok_dir),
+                 "--router-eagle", "off"]) == 1
