@@ -62,6 +62,7 @@ class DynamoRadixTree:
     def __init__(self) -> None:
         self._tree = _core().RadixTree()
         self._ids = count(1)
+        self.rejected: list[str] = []
 
     def apply(self, worker_id: int, event: RouterEvent) -> None:
         if isinstance(event, RouterStored):
@@ -74,7 +75,12 @@ class DynamoRadixTree:
         else:
             raise TypeError(f"not a router event: {event!r}")
         payload = {"event_id": next(self._ids), "data": data, "dp_rank": 0}
-        self._tree.apply_event(worker_id, json.dumps(payload).encode())
+        try:
+            self._tree.apply_event(worker_id, json.dumps(payload).encode())
+        except RuntimeError as exc:
+            # The router's event loop logs such an event and carries on (e.g. removing a block it
+            # never indexed because a misaligned store collapsed two blocks into one); so do we.
+            self.rejected.append(str(exc))
 
     def overlap(self, local_hashes: Sequence[int]) -> dict[int, int]:
         scores = self._tree.find_matches(list(local_hashes)).scores
