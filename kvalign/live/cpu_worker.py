@@ -80,12 +80,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _sglang_shim() -> None:
+    """SGLang imports only behind kvalign's torchvision shim (see :mod:`kvalign.oracles.sglang`)."""
+    from kvalign.oracles.sglang import _modules
+
+    _modules()
+
+
 def eagle_enabled_for(speculative_algorithm: str | None) -> bool:
     """``dynamo.sglang.register._eagle_enabled_for``: SGLang's own ``is_eagle()`` predicate.
 
     That module cannot be imported without SGLang's full server stack, so its two lines are
     mirrored here, calling the same SGLang predicate the radix cache uses to bigram-key pages.
     """
+    _sglang_shim()
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     try:
@@ -102,6 +110,7 @@ def relay_endpoint(kv_events_config: str) -> str:
     127.0.0.1 and a concrete host becomes ``get_local_ip_auto()`` (which honours
     ``SGLANG_HOST_IP``, so the harness sets it to 127.0.0.1).
     """
+    _sglang_shim()
     from sglang.srt.disaggregation.kv_events import ZmqEventPublisher
     from sglang.srt.utils.network import NetworkAddress, get_local_ip_auto
 
@@ -116,9 +125,9 @@ class Engine:
     """The fake engine: SGLang's radix cache + SGLang's ZMQ event publisher, no model."""
 
     def __init__(self, args: argparse.Namespace):
-        from kvalign.oracles.sglang import SglangRadixCache, _modules
+        from kvalign.oracles.sglang import SglangRadixCache
 
-        _modules()  # torchvision shim before any other sglang import
+        _sglang_shim()
         from sglang.srt.disaggregation.kv_events import EventPublisherFactory, KVEventBatch
 
         self.cache_eagle = eagle_enabled_for(args.speculative_algorithm)

@@ -137,6 +137,9 @@ class ProcessGroup:
                 _signal_group(p.pid, signal.SIGKILL)
                 if p.popen.poll() is None:
                     p.popen.wait(timeout=5)
+        deadline = time.monotonic() + 5.0
+        while any(group_alive(p.pid) for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.02)  # grandchildren re-parented to init: wait until reaped
         self.killed = killed
         return killed
 

@@ -161,7 +161,9 @@ def check_timing(records: list[RequestRecord]) -> None:
 def check_prompt_tokens(records: list[RequestRecord]) -> None:
     """kvalign tokenised each prompt to as many tokens as the frontend did (else no prediction holds)."""
     for r in records:
-        if r.result.prompt_tokens is not None and r.result.prompt_tokens != len(r.tokens):
+        if r.result.prompt_tokens is None:
+            raise _fail(f"request {r.index + 1}: no usage.prompt_tokens in the stream (stream_options.include_usage)", records)
+        if r.result.prompt_tokens != len(r.tokens):
             raise _fail(f"request {r.index + 1}: frontend counted {r.result.prompt_tokens} prompt tokens, "
                         f"kvalign {len(r.tokens)} (template/BOS drift)", records)
 

@@ -1,0 +1,105 @@
+"""Live capture: SGLang's real cache + real ZmqEventPublisher -> EventCapture -> kvalign index,
+checked against Dynamo's real hasher; and the loopback broker relaying real ZMQ traffic."""
+
+from __future__ import annotations
+
+import atexit
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from kvalign.hashing import block_hashes
+from kvalign.live.capture import EventCapture
+from kvalign.live.ports import PortPool
+from kvalign.live.scenario import router_kv_hit_rate
+
+
+@pytest.fixture
+def sglang_publisher():
+    from kvalign.oracles.sglang import _modules
+
+    _modules()
+    from sglang.srt.disaggregation.kv_events import EventPublisherFactory, KVEventBatch
+
+    port = PortPool().take("kv")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    pub = EventPublisherFactory.create(f'{{"publisher":"zmq","endpoint":"{endpoint}","bind":true}}', 0)
+    yield endpoint, pub, KVEventBatch
+    pub.shutdown()
+    atexit.unregister(pub.shutdown)  # SGLang registers it too; a second call would wait on a dead thread
+
+
+@pytest.mark.parametrize("eagle", [True, False], ids=["eagle", "plain"])
+def test_captured_sglang_events_predict_the_router_overlap(sglang_publisher, eagle):
+    from kvalign.oracles.dynamo import load_router_hasher
+    from kvalign.oracles.sglang import SglangRadixCache
+
+    endpoint, pub, batch_cls = sglang_publisher
+    b, worker = 4, 7
+    cache = SglangRadixCache(b, eagle=eagle)
+    doc = list(range(100, 100 + 5 * b + 1))
+    with EventCapture({"w": endpoint}) as cap:
+        time.sleep(0.3)  # PUB/SUB slow joiner
+        cache.insert(doc)
+        pub.publish(batch_cls(ts=time.time(), events=cache.take_raw_events()))
+        assert cap.wait_for(lambda snap: len(snap) >= 1, 5.0), "no batch captured"
+        assert not cap.errors
+        units = cap.stored_token_units("w")
+        assert units and all(isinstance(u, (list, tuple)) == eagle for u in units[0])
+        idx = cap.index({"w": worker}, b, load_router_hasher())
+    real = load_router_hasher()
+    prompt = doc[: 3 * b + 1] + [9] * 6
+    query = [int(h) for h in real(prompt, b, None, None, eagle, None)]
+    assert query == block_hashes(prompt, b, eagle=eagle)
+    assert idx.overlap(query) == {worker: 3}
+    assert idx.overlap([int(h) for h in real(prompt, b, None, None, not eagle, None)]) == {}  # flag mismatch: blind
+    assert router_kv_hit_rate(3, len(prompt), b) == 3 / 5
+
+
+def test_malformed_frames_are_recorded_not_fatal():
+    port = PortPool().take("kv")
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        with EventCapture({"w": f"tcp://127.0.0.1:{port}"}) as cap:
+            time.sleep(0.3)
+            pub.send_multipart([b"", (0).to_bytes(8, "big"), b"\xc1not msgpack"])
+            assert cap.wait_for(lambda _: bool(cap.errors), 5.0)
+            assert cap.errors[0][0] == "w" and "msgpack" in cap.errors[0][1] and cap.count() == 0
+    finally:
+        pub.close()
+
+
+def test_broker_relays_publishers_to_subscribers_on_loopback():
+    pool = PortPool()
+    xsub, xpub = (f"tcp://127.0.0.1:{pool.take(n)}" for n in ("xsub", "xpub"))
+    broker = subprocess.Popen([sys.executable, "-m", "kvalign.live.broker", "--xsub", xsub, "--xpub", xpub])
+    ctx = zmq.Context()
+    pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
+    try:
+        pub.connect(xsub)
+        sub.connect(xpub)
+        sub.setsockopt(zmq.SUBSCRIBE, b"t")
+        sub.setsockopt(zmq.RCVTIMEO, 200)
+        got = None
+        deadline = time.monotonic() + 10
+        while got is None and time.monotonic() < deadline:
+            pub.send_multipart([b"t", b"hello"])
+            try:
+                got = sub.recv_multipart()
+            except zmq.Again:
+                pass
+        assert got == [b"t", b"hello"]
+        broker.terminate()
+        assert broker.wait(timeout=5) == 0
+    finally:
+        if broker.poll() is None:
+            broker.kill()
+        for s in (pub, sub):
+            s.close(linger=0)
+        ctx.term()

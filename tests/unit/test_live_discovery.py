@@ -1,0 +1,61 @@
+"""Reading the file discovery store, fed by the real Dynamo runtime's own registration."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvalign.live import discovery
+from kvalign.live.model_dir import write_model_dir
+from kvalign.live.ports import PortPool
+
+
+def test_instance_and_card_as_registered_by_dynamo(tmp_path, monkeypatch):
+    """One in-process runtime (a second one in the same process reuses the first's TCP server);
+    the registered-False reading is exercised by the e2e negative control."""
+    enable_eagle = True
+    pytest.importorskip("dynamo.llm", reason="ai-dynamo is not installed: run scripts/setup.sh")
+    from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
+    from dynamo.runtime import DistributedRuntime
+
+    kv = tmp_path / "kv"
+    rpc = PortPool().take("rpc")
+    for k, v in {"DYN_FILE_KV": str(kv), "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_TCP_RPC_PORT": str(rpc),
+                 "DYN_EVENT_PLANE_HOST": "127.0.0.1"}.items():
+        monkeypatch.setenv(k, v)
+    model = write_model_dir(tmp_path / "model")
+
+    async def register() -> int:
+        rt = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp", event_plane="zmq")
+        ep = rt.endpoint("ns1.backend.generate")
+        rc = ModelRuntimeConfig()
+        rc.enable_eagle = enable_eagle
+        serving = asyncio.ensure_future(ep.serve_endpoint(lambda req, ctx=None: iter(()), graceful_shutdown=False))
+        await register_model(ModelInput.Tokens, ModelType.Chat, ep, str(model), "tiny", kv_cache_block_size=16,
+                             runtime_config=rc, worker_type=WorkerType.Aggregated)
+        for _ in range(100):
+            if discovery.instance_on_port(kv, rpc):
+                break
+            await asyncio.sleep(0.05)
+        iid = ep.connection_id()
+        inst = discovery.instance_on_port(kv, rpc)
+        card = discovery.card_for(kv, iid)
+        serving.cancel()
+        rt.shutdown()
+        assert inst is not None and inst.instance_id == iid and inst.address == f"127.0.0.1:{rpc}"
+        assert (inst.namespace, inst.component, inst.endpoint) == ("ns1", "backend", "generate")
+        assert card is not None and card.enable_eagle is enable_eagle and card.kv_cache_block_size == 16
+        assert card.model_name == "tiny" and card.worker_type == "aggregated"
+        assert discovery.instance_on_port(kv, rpc + 1) is None and discovery.card_for(kv, iid + 1) is None
+        return iid
+
+    asyncio.run(register())
+
+
+def test_empty_or_partial_store_reads_as_nothing(tmp_path):
+    assert discovery.instances(tmp_path) == [] and discovery.cards(tmp_path) == []
+    d = tmp_path / "v1" / "instances"
+    d.mkdir(parents=True)
+    (d / "half-written").write_text('{"type": "Endpoint", "instance_')
+    assert discovery.instances(tmp_path) == []
