@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "kvalign.commands.capture",
     "kvalign.commands.replay",
     "kvalign.commands.diagnose",
+    "kvalign.commands.watch",
     "kvalign.commands.check",
     "kvalign.commands.hash",
     "kvalign.commands.live",
