@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import zmq
 from sglang_publisher import RealPublisher
 
 from kvalign.oracles.sglang import SglangRadixCache
@@ -44,9 +45,22 @@ class LineReader:
         raise AssertionError(f"no line containing {needle!r} within {timeout_s}s; got {self.lines}")
 
 
+def _rebind(port: int, timeout_s: float = 10.0) -> RealPublisher:
+    """A new publisher on ``port``, once ZMQ's I/O thread has released the old socket."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return RealPublisher(port=port)
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 @pytest.mark.timeout(120)
 def test_watch_survives_a_publisher_restart_and_exits_0_on_ctrl_c():
-    first = RealPublisher()
+    first: RealPublisher | None = RealPublisher()
+    port = first.port
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvalign", "watch", "--endpoint", first.endpoint, "--router-eagle", "off"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -69,8 +83,9 @@ def test_watch_survives_a_publisher_restart_and_exits_0_on_ctrl_c():
         line = out.wait_for(f"seq {seq}:")
         assert "+5 stored" in line and "bigram pages" in line and "5 blocks can never match" in line
         first.close()
+        first = None
 
-        second = RealPublisher(port=first.port)  # the engine restarts on the same endpoint
+        second = _rebind(port)  # the engine restarts on the same endpoint
         fresh = SglangRadixCache(B, eagle=True)
         fresh.insert(list(range(50, 59)))
         events = [second.warm_up_event(), *fresh.take_raw_events()]
@@ -88,7 +103,7 @@ def test_watch_survives_a_publisher_restart_and_exits_0_on_ctrl_c():
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=10)
         for pub in (first, second):
-            if pub is not None and pub is not first:
+            if pub is not None:
                 pub.close()
     summary = out.wait_for("watch summary")
     assert rc == 0, proc.stderr.read()
