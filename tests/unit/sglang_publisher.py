@@ -32,6 +32,17 @@ from kvalign.subscribe import Subscription
 
 TOPIC = "kv-events"
 
+# Byte-exact batch payloads recorded from the real sglang 0.5.19 (positional events) and 0.5.23
+# (tagged maps) publishers: P=4, insert tokens 1..10, evict(4), ts=1700000000.0 (shared reference
+# sglang-radix-keys.md §5). A 0.5.19 publisher cannot run beside 0.5.23, so its wire form is
+# replayed from these recordings.
+RECORDED = {
+    ("0.5.19", False): "93cb41d954fc400000009391b0416c6c426c6f636b73436c656172656497ab426c6f636b53746f72656492d3cf97adeedb59e05bcf4ebfa8a1f3c34151c098010203040506070804c0a347505593ac426c6f636b52656d6f76656492d3cf97adeedb59e05bcf4ebfa8a1f3c34151a347505500",
+    ("0.5.19", True): "93cb41d954fc400000009391b0416c6c426c6f636b73436c656172656497ab426c6f636b53746f72656492d3f721fe42aac11dcbd3c35ad698917936a4c09892010292020392030492040592050692060792070892080904c0a347505593ac426c6f636b52656d6f76656492d3f721fe42aac11dcbd3c35ad698917936a4a347505500",
+    ("0.5.23", False): "93cb41d954fc400000009381a474797065b0416c6c426c6f636b73436c656172656487a474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392d3cf97adeedb59e05bcf4ebfa8a1f3c34151b1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f696473980102030405060708aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da347505583a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368657392d3cf97adeedb59e05bcf4ebfa8a1f3c34151a66d656469756da347505500",
+    ("0.5.23", True): "93cb41d954fc400000009381a474797065b0416c6c426c6f636b73436c656172656487a474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392d3f721fe42aac11dcbd3c35ad698917936a4b1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f69647398920102920203920304920405920506920607920708920809aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da347505583a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368657392d3f721fe42aac11dcbd3c35ad698917936a4a66d656469756da347505500",
+}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -73,6 +84,49 @@ class RealPublisher:
 
     def close(self) -> None:
         self.pub.shutdown()
+
+
+class RawPublisher:
+    """A plain ZMQ PUB for frames SGLang cannot produce here (0.5.19 recordings, broken payloads)."""
+
+    def __init__(self, topic: str = TOPIC):
+        self.topic = topic.encode()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self.port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.sent = 0
+
+    def publish_payload(self, payload: bytes) -> int:
+        """Send ``[topic, seq, payload]`` with the next sequence number; returns it."""
+        self._sock.send_multipart([self.topic, self.sent.to_bytes(8, "big"), payload])
+        self.sent += 1
+        return self.sent - 1
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+def raw_capture(tmp_path: Any, payloads: list[bytes], *, name: str = "raw.jsonl") -> str:
+    """Capture of ``payloads`` sent over real ZMQ (first one repeated until subscribed)."""
+    pub = RawPublisher()
+    path = os.path.join(str(tmp_path), name)
+    session = CaptureSession(pub.endpoint, path)
+    try:
+        deadline = time.monotonic() + 10
+        while session.writer.stats.batches == 0:
+            assert time.monotonic() < deadline, "capture never subscribed"
+            pub.publish_payload(payloads[0])
+            time.sleep(0.05)
+        for payload in payloads[1:]:
+            pub.publish_payload(payload)
+        session.wait_seq(pub.sent - 1)
+    finally:
+        session.close()
+        pub.close()
+    return path
 
 
 class LossyForwarder:
