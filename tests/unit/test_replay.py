@@ -1,0 +1,187 @@
+"""Replay: the fused relay+index must equal the reference Relay+PrefixIndex and Dynamo's RadixTree.
+
+``ReplayIndex`` re-implements the relay and index rules for speed, so it is held to the readable
+reference on adversarial event streams (duplicate and re-used engine hashes, orphans, block-size
+mismatches, namespace inheritance, removals, clears) and on streams from SGLang's real radix cache,
+where the real Dynamo ``RadixTree`` is a third, independent opinion.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from sglang_publisher import RECORDED, captured, raw_capture, sglang_publisher  # noqa: F401 - fixture
+
+from kvalign.capture import CaptureError, compact_event
+from kvalign.cli import main
+from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvalign.hashing import block_hashes
+from kvalign.index import PrefixIndex
+from kvalign.oracles.sglang import SglangRadixCache
+from kvalign.relay import Relay
+from kvalign.replay import replay_captures
+from kvalign.replay_index import BatchRejected, ReplayIndex
+
+KV_B = 2
+SALTS = [None, "a"]
+
+
+def reference(batches, kv_block_size=KV_B):
+    """Relay + PrefixIndex, per worker, batch by batch."""
+    relays: dict[int, Relay] = {}
+    index = PrefixIndex()
+    for worker, events in batches:
+        relay = relays.setdefault(worker, Relay(kv_block_size))
+        for ev in events:
+            out = relay.convert(ev)
+            if out is not None:
+                index.apply(worker, out)
+    return index, relays
+
+
+def fused(batches, kv_block_size=KV_B):
+    index = ReplayIndex(kv_block_size)
+    for worker, events in batches:
+        index.apply_batch(worker, [compact_event(e) for e in events])
+    return index
+
+
+@st.composite
+def event_streams(draw):
+    """Events cut from a few token documents, with deliberate damage mixed in."""
+    docs = draw(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=11), min_size=1, max_size=3))
+    ext_pool = st.integers(-3, 12)  # tiny: re-used and colliding engine hashes happen often
+    batches = []
+    for _ in range(draw(st.integers(1, 12))):
+        worker = draw(st.sampled_from([1, 2]))
+        kind = draw(st.sampled_from(["stored"] * 6 + ["removed", "cleared"]))
+        if kind == "removed":
+            events = [BlockRemoved(draw(st.lists(ext_pool, max_size=3)))]
+        elif kind == "cleared":
+            events = [AllBlocksCleared()]
+        else:
+            doc = draw(st.sampled_from(docs))
+            eagle = draw(st.booleans())
+            bs = draw(st.sampled_from([KV_B, KV_B, KV_B, 1, 3]))
+            pages = (max(len(doc) - 1, 0) if eagle else len(doc)) // bs
+            if pages == 0:
+                continue
+            start = draw(st.integers(0, pages - 1))
+            n = draw(st.integers(1, pages - start))
+            units = [(doc[i], doc[i + 1]) for i in range(len(doc) - 1)] if eagle else list(doc)
+            parent = None if start == 0 and draw(st.booleans()) else draw(ext_pool)
+            events = [BlockStored(draw(st.lists(ext_pool, min_size=n, max_size=n)), parent,
+                                  units[start * bs : (start + n) * bs], bs,
+                                  cache_salt=draw(st.sampled_from(SALTS)), lora_name=draw(st.sampled_from([None, "L"])))]
+        batches.append((worker, events))
+    return docs, batches
+
+
+def queries(docs):
+    for doc in docs:
+        for eagle in (False, True):
+            for lora in (None, "L"):
+                for ns in SALTS:
+                    yield block_hashes(doc, KV_B, eagle=eagle, lora_name=lora, cache_namespace=ns)
+
+
+@given(event_streams())
+def test_fused_index_equals_relay_and_prefix_index(count_case, stream):
+    count_case()
+    docs, batches = stream
+    ref, relays = reference(batches)
+    got = fused(batches)
+    for q in queries(docs):
+        assert got.overlap(q) == ref.overlap(q), q
+    for worker, relay in relays.items():
+        s = got.stats(worker)
+        assert (s.dropped_block_size, s.dropped_short_window, s.dropped_duplicate_events) == (
+            relay.stats.dropped_block_size, relay.stats.dropped_short_window, relay.stats.dropped_duplicate_events)
+        assert got.blocks(worker) == ref.blocks(worker)
+    assert sum(got.stats(w).dropped_orphans for w in relays) == ref.dropped_orphans
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("insert"), st.lists(st.integers(0, 4), min_size=1, max_size=20), st.sampled_from([None, "t1"])),
+    st.tuples(st.just("evict"), st.integers(1, 12), st.none()),
+), min_size=1, max_size=10)
+
+
+@pytest.mark.parametrize("eagle", [False, True], ids=["plain", "eagle"])
+@given(seq_ops=ops)
+def test_real_cache_streams_agree_with_reference_and_dynamo(count_case, cache_factory, dynamo_tree, eagle, seq_ops):
+    count_case()
+    cache = cache_factory("unified")(KV_B, eagle)
+    batches, inserted = [], []
+    for op, arg, salt in seq_ops:
+        if op == "insert":
+            cache.insert(arg, cache_salt=salt)
+            inserted.append((arg, salt))
+        else:
+            cache.evict(arg)
+        batches.append((1, cache.take_events()))
+    ref, _ = reference(batches)
+    got = fused(batches)
+    tree = dynamo_tree()
+    relay = Relay(KV_B)
+    for _, events in batches:
+        for ev in events:
+            out = relay.convert(ev)
+            if out is not None:
+                tree.apply(1, out)
+    for tokens, salt in inserted:
+        q = block_hashes(tokens, KV_B, eagle=eagle, cache_namespace=salt)
+        assert got.overlap(q) == ref.overlap(q) == tree.overlap(q)
+        assert got.overlap(q).get(1, 0) * KV_B == cache.match(tokens, cache_salt=salt)  # and the engine itself
+
+
+def test_batch_with_out_of_range_token_is_dropped_whole():
+    ok = BlockStored([1], None, [1, 2], KV_B)
+    wide = BlockStored([2], None, [5, 2**32], KV_B)
+    index = ReplayIndex(KV_B)
+    with pytest.raises(BatchRejected, match="u32"):
+        index.apply_batch(1, [compact_event(ok), compact_event(wide)])
+    assert index.blocks(1) == 0  # nothing of the batch was applied
+
+
+def test_replay_cli_reports_workers_gaps_and_malformed(tmp_path, sglang_publisher, capsys):
+    cache = SglangRadixCache(4, eagle=True)
+    with captured(tmp_path, sglang_publisher, name="a.jsonl", lossy=True) as a:
+        for end, drop in ((9, False), (13, True), (21, False)):
+            cache.insert(list(range(100, 100 + end)))
+            a.publish(cache.take_raw_events(), drop=drop)
+        cache.evict(100)
+        a.publish(cache.take_raw_events())
+    good = bytes.fromhex(RECORDED[("0.5.23", True)])
+    unknown = good.replace(b"BlockRemoved", b"BlockMissing")
+    b = raw_capture(tmp_path, [good, good[:-9], unknown, good], name="b.jsonl")
+
+    assert main(["replay", a.path, b, "--worker", "prefill", "--worker", "decode", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    w_a, w_b = out["workers"]
+    assert (w_a["worker"], w_b["worker"]) == ("prefill", "decode") and out["kv_block_size"] == 4
+    assert w_a["gaps"] == [{"after": w_a["gaps"][0]["after"], "next": w_a["gaps"][0]["after"] + 2, "missing": 1}]
+    assert w_a["blocks_stored"] == 4 and w_a["dropped_orphans"] == 1  # page 2 was lost on the way
+    assert w_a["blocks_removed"] == 5 and w_a["held_blocks"] == 0
+    assert w_b["malformed_skipped"] == {"payload is not valid msgpack": 1, "unknown event type 'BlockMissing'": 1}
+    assert w_b["blocks_stored"] == 2 * (w_b["batches"] - 2) and w_b["held_blocks"] == 0
+
+    assert main(["replay", b]) == 0
+    text = capsys.readouterr().out
+    assert "malformed batches skipped: 2" in text and "blocks/s" in text
+    with pytest.raises(CaptureError, match="is malformed: payload is not valid msgpack"):
+        replay_captures([b], strict=True)
+
+
+def test_replay_with_a_router_block_size_the_engine_does_not_use(tmp_path, sglang_publisher):
+    cache = SglangRadixCache(4, eagle=False)
+    with captured(tmp_path, sglang_publisher) as stream:
+        cache.insert(list(range(16)))
+        stream.publish(cache.take_raw_events())
+    index, (rep,) = replay_captures([stream.path], block_size=8)
+    assert rep.stats.blocks_stored == 4 and rep.stats.dropped_block_size == 4 and rep.held == 0
+    index, (rep,) = replay_captures([stream.path])
+    assert index.kv_block_size == 4 and rep.held == 4
