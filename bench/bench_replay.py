@@ -68,35 +68,46 @@ def generate(path: str, blocks: int, seed: int = 0) -> tuple[int, list[int]]:
 
 
 def run_child(argv: list[str]) -> tuple[str, float, float, int]:
-    """Run a kvalign command; (stdout, wall seconds, peak RSS MiB, exit code)."""
+    """Run a child process; (stdout, wall seconds, its own peak RSS in MiB, exit code)."""
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "kvalign", *argv], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     out = proc.stdout.read() if proc.stdout else ""
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     return out, time.perf_counter() - start, usage.ru_maxrss / 1024, proc.returncode
 
 
+def kvalign(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvalign", *args]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=1_000_000)
     ap.add_argument("--keep", default=None, help="write the capture here and keep it")
+    ap.add_argument("--generate-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.generate_only:  # runs as its own process, so the timed children never inherit its memory
+        stored, prompt = generate(args.keep, args.blocks)
+        with open(args.keep + ".prompt.json", "w") as f:
+            json.dump(prompt, f)
+        print(stored)
+        return 0
     tmp = None
     if args.keep:
         path = args.keep
     else:
         tmp = tempfile.TemporaryDirectory(prefix="kvalign-bench-")
         path = os.path.join(tmp.name, "bench.jsonl")
-    t0 = time.perf_counter()
-    stored, prompt = generate(path, args.blocks)
-    print(f"generated {stored} stored blocks with SGLang's real radix cache + encoder in "
-          f"{time.perf_counter() - t0:.1f}s: {path} ({os.path.getsize(path) / 2**20:.0f} MiB)")
     prompt_path = path + ".prompt.json"
-    with open(prompt_path, "w") as f:
-        json.dump(prompt, f)
+    out, gen_s, gen_rss, rc = run_child([sys.executable, __file__, "--generate-only", "--keep", path, "--blocks", str(args.blocks)])
+    if rc != 0:
+        print(f"generation failed with exit code {rc}", file=sys.stderr)
+        return 1
+    print(f"generated {int(out)} stored blocks with SGLang's real radix cache + encoder in {gen_s:.1f}s: "
+          f"{path} ({os.path.getsize(path) / 2**20:.0f} MiB)")
 
-    out, wall, rss, rc = run_child(["replay", path, "--json"])
+    out, wall, rss, rc = run_child(kvalign("replay", path, "--json"))
     if rc != 0:
         print(f"replay failed with exit code {rc}", file=sys.stderr)
         return 1
@@ -104,16 +115,17 @@ def main() -> int:
     secs = rep["seconds"]
     w = rep["workers"][0]
     print(f"replay: {w['blocks_stored']} stored / {w['blocks_indexed']} indexed / {w['blocks_removed']} removed blocks, "
-          f"{w['batches']} batches in {secs:.2f}s (wall {wall:.2f}s incl. start-up); peak RSS {rss:.0f} MiB")
+          f"{w['batches']} batches in {secs:.2f}s ({rep['cpu_seconds']:.2f}s CPU; wall {wall:.2f}s incl. "
+          f"interpreter start-up); peak RSS {rss:.0f} MiB")
 
-    out, dwall, drss, drc = run_child(["diagnose", "--capture", path, "--prompt", prompt_path, "--json"])
+    out, dwall, drss, drc = run_child(kvalign("diagnose", "--capture", path, "--prompt", prompt_path, "--json"))
     if drc not in (0, 1):
         print(f"diagnose failed with exit code {drc}", file=sys.stderr)
         return 1
     diag = json.loads(out)
-    print(f"diagnose: {dwall:.2f}s wall; peak RSS {drss:.0f} MiB; router overlap {diag['router']['overlap']}/"
-          f"{diag['router']['blocks']}, cause {diag['cause']['name'] if diag['cause'] else None}")
-    print(f"peak RSS: {max(rss, drss):.0f} MiB")
+    print(f"diagnose: {dwall:.2f}s wall incl. start-up; peak RSS {drss:.0f} MiB; router overlap "
+          f"{diag['router']['overlap']}/{diag['router']['blocks']}, cause {diag['cause']['name'] if diag['cause'] else None}")
+    print(f"peak RSS: replay {rss:.0f} MiB, diagnose {drss:.0f} MiB")
     if tmp is not None:
         tmp.cleanup()
     else:
