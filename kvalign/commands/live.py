@@ -122,6 +122,10 @@ def _verdict(cluster: Cluster, records: list, plan: ClusterPlan) -> int:
             failed = True
             print(f"FAIL {getattr(check, '__name__', 'check_not_decode')}: {str(exc).splitlines()[0]}")
     if failed and len(records) > 1:
-        print(scenario.diagnose(cluster, records[1]).line())
+        from kvalign.commands.diagnose import render
+
+        d = scenario.diagnose(cluster, records[1])
+        print(f"$ kvalign {' '.join(d.cli_args)}")
+        print(render(d.report))
     print("PASS" if not failed else f"FAIL (logs in {plan.run_dir / 'logs'})")
     return 1 if failed else 0

@@ -7,6 +7,10 @@ converts them with :class:`kvalign.relay.Relay` and applies them to a
 :class:`kvalign.index.PrefixIndex` keyed by the worker's Dynamo instance id. Malformed frames are
 kept as errors (a finding, not a crash).
 
+With ``capture_dir`` each worker's stream is also written as a standard kvalign capture
+(:class:`kvalign.capture.CaptureWriter`, ``<label>.capture.jsonl``), so ``kvalign diagnose`` and
+``kvalign replay`` can be run on exactly what the live router saw.
+
 ZMQ PUB/SUB drops what is published before a subscription arrives, so a capture must be started
 before the first request (the harness starts it before the readiness probe).
 """
@@ -17,9 +21,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
+from kvalign.capture import CaptureWriter
 from kvalign.events import BlockStored, EventBatch, EventDecodeError, decode_frames
 from kvalign.index import PrefixIndex
 from kvalign.relay import Relay
@@ -37,8 +43,14 @@ class Captured:
 class EventCapture:
     """Background SUB sockets on several workers' SGLang KV-event endpoints."""
 
-    def __init__(self, endpoints: Mapping[str, str], *, topic: bytes = b""):
+    def __init__(self, endpoints: Mapping[str, str], *, topic: bytes = b"", capture_dir: str | Path | None = None):
         self.endpoints = dict(endpoints)
+        self._writers: dict[str, CaptureWriter] = {}
+        if capture_dir is not None:
+            Path(capture_dir).mkdir(parents=True, exist_ok=True)
+            for label, ep in self.endpoints.items():
+                self._writers[label] = CaptureWriter(str(Path(capture_dir) / f"{label}.capture.jsonl"),
+                                                     endpoint=ep, topic=topic.decode())
         self.topic = topic
         self.batches: list[Captured] = []
         self.errors: list[tuple[str, str]] = []
@@ -63,14 +75,20 @@ class EventCapture:
             for sock, _ in poller.poll(100):
                 label = self._socks[sock]
                 frames = sock.recv_multipart()
+                writer = self._writers.get(label)
                 try:
                     batch = decode_frames(frames)
                 except EventDecodeError as exc:
                     with self._lock:
                         self.errors.append((label, str(exc)))
+                    if writer is not None:
+                        seq = int.from_bytes(frames[1], "big", signed=True) if len(frames) == 3 and len(frames[1]) == 8 else None
+                        writer.write_bad(seq, str(exc), frames[-1])
                     continue
                 if batch.seq is not None and batch.seq < 0:
                     continue  # SGLang's end-of-stream marker on shutdown
+                if writer is not None:
+                    writer.write_batch(batch)
                 with self._lock:
                     self.batches.append(Captured(label, batch, time.monotonic()))
 
@@ -80,6 +98,13 @@ class EventCapture:
         for s in self._socks:
             s.close(linger=0)
         self._ctx.term()
+        for w in self._writers.values():
+            w.discard_if_empty()
+
+    def capture_path(self, label: str) -> str | None:
+        """The kvalign capture file of ``label`` (None without ``capture_dir``)."""
+        w = self._writers.get(label)
+        return None if w is None else w.path
 
     def __enter__(self) -> "EventCapture":
         return self

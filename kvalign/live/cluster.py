@@ -109,7 +109,7 @@ class Cluster:
         for w in self.plan.topology.workers:
             self.workers[w.name] = self._await_registration(w, deadline)
         endpoints = {name: h.kv_events_endpoint for name, h in self.workers.items() if h.kv_events_endpoint}
-        self.capture = EventCapture(endpoints)
+        self.capture = EventCapture(endpoints, capture_dir=self.plan.run_dir / "captures")
         self.group.start(self.plan.frontend_spec())
         self.ready_s = wait_ready(self.frontend_url, self.model, timeout_s=max(1.0, deadline - time.monotonic()),
                                   alive=self.group.check_alive)

@@ -15,18 +15,17 @@ hashed blocks (``N // B``, or ``(N-1) // B`` under EAGLE).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any
 
-from kvalign.causes import Cause, classify_hash_mismatch
 from kvalign.hashing import block_hashes
 from kvalign.live.client import ChatResult, stream_chat
-from kvalign.relay import Relay, RouterStored
-from kvalign.sglang_keys import is_bigram_payload
 
 #: 18 in-vocabulary words (see :mod:`kvalign.live.model_dir`): with the chat framing, request 1
 #: is 21 tokens (> B+1 = 17, so it holds one EAGLE block at B=16) and each repeat adds 18.
@@ -214,50 +213,58 @@ def check_prediction(records: list[RequestRecord], tolerance_blocks: int = 1) ->
 
 
 @dataclass(frozen=True)
-class Diagnosis:
-    """Why a request's router query matched none of the worker's indexed blocks."""
+class LiveDiagnosis:
+    """``kvalign diagnose`` of one live request against one worker's capture."""
 
-    cause: Cause | None
-    engine_bigram: bool
-    router_eagle: bool
-    query_blocks: int
-    indexed_blocks: int
-    first_query_hash_indexed: bool
+    worker: str
+    report: Any  # kvalign.diagnose.Diagnosis
+    cli_args: list[str]
+
+    @property
+    def cause(self) -> Any:
+        return self.report.cause
 
     def line(self) -> str:
-        name = self.cause.name if self.cause else "none (query blocks are indexed)"
-        return (f"cause: {name} - {self.cause.value if self.cause else 'aligned'}; engine keys "
-                f"{'bigram' if self.engine_bigram else 'plain'}, router enable_eagle={self.router_eagle}, "
-                f"query blocks {self.query_blocks}, worker blocks indexed {self.indexed_blocks}")
+        r, e = self.report.router, self.report.engine
+        head = (f"cause: {self.cause.name} - {self.cause.value}" if self.cause
+                else f"cause: none - {self.report.detail}")
+        return (f"{head}; {self.worker}: router eagle {'on' if r['eagle'] else 'off'} overlap {r['overlap']}/{r['blocks']}, "
+                f"engine eagle {'on' if e['eagle'] else 'off'} overlap {e['overlap']}/{e['blocks']}")
 
 
-def diagnose(cluster: Any, record: RequestRecord, *, hasher: Any = None) -> Diagnosis:
-    """Name the mismatch between the router's query hashes and the worker's published blocks.
+def _diagnose_on(cluster: Any, record: RequestRecord, label: str) -> LiveDiagnosis:
+    from kvalign.diagnose import RouterSettings
+    from kvalign.diagnose import diagnose as run_diagnose
 
-    Query side: the *real* router hasher (``dynamo._core.compute_block_hash_for_seq``) with
-    the ``enable_eagle`` the worker registered. Engine side: kvalign's relay of the captured
-    SGLang events. If the query's first block is not among the indexed blocks, the hypothesis
-    catalog of :func:`kvalign.causes.classify_hash_mismatch` names the cause.
-    """
-    from kvalign.oracles.dynamo import load_router_hasher
-
-    hasher = hasher or load_router_hasher()
-    b = cluster.plan.topology.page_size
-    label = next((n for n, h in cluster.workers.items() if h.instance_id == record.worker), None)
-    if label is None:
-        raise ValueError(f"request {record.index + 1} was served by an unknown worker {record.worker}")
     handle = cluster.workers[label]
-    units = cluster.capture.stored_token_units(label)
-    engine_bigram = any(is_bigram_payload(u) for u in units if u)
-    relay = Relay(b)
-    indexed: set[int] = set()
-    for c in cluster.capture.snapshot():
-        if c.label == label:
-            for ev in c.batch.events:
-                out = relay.convert(ev)
-                if isinstance(out, RouterStored):
-                    indexed.update(local for _, local in out.blocks)
-    query = [int(h) for h in hasher(record.tokens, b, None, None, handle.enable_eagle, None)]
-    hit = bool(query) and query[0] in indexed
-    cause = None if hit or not query else classify_hash_mismatch(query, record.tokens, b, eagle=engine_bigram)
-    return Diagnosis(cause, engine_bigram, handle.enable_eagle, len(query), len(indexed), hit)
+    path = cluster.capture.capture_path(label)
+    if path is None:
+        raise ValueError(f"no kvalign capture was recorded for {label}")
+    b, eagle = cluster.plan.topology.page_size, "on" if handle.enable_eagle else "off"
+    report = run_diagnose(path, record.tokens, RouterSettings(block_size=b, eagle=eagle))
+    prompt = Path(path).with_name(f"request{record.index + 1}.prompt.json")
+    prompt.write_text(json.dumps(record.tokens))
+    args = ["diagnose", "--capture", path, "--prompt", str(prompt), "--block-size", str(b), "--router-eagle", eagle]
+    return LiveDiagnosis(label, report, args)
+
+
+def diagnose(cluster: Any, record: RequestRecord, worker: int | None = None) -> LiveDiagnosis:
+    """Why the router credited ``record`` with the overlap it did, by ``kvalign diagnose``.
+
+    Router settings are what the worker *registered* (``enable_eagle`` from its model card) and
+    the router's block size; the engine side is the worker's live capture. ``worker`` (an
+    instance id) picks the capture; by default the publishing worker that actually holds most of
+    the prompt — the cache the router should have seen (blind routing scatters requests, so the
+    serving worker may hold nothing).
+    """
+    labels = [n for n, h in cluster.workers.items()
+              if h.kv_events_endpoint and cluster.capture.capture_path(n) and cluster.capture.count(n)]
+    if worker is not None:
+        labels = [n for n in labels if cluster.workers[n].instance_id == worker]
+        if not labels:
+            raise ValueError(f"request {record.index + 1}: worker {worker} has no captured events")
+    served = [n for n in labels if cluster.workers[n].instance_id == record.worker]
+    found = [_diagnose_on(cluster, record, n) for n in served + [n for n in labels if n not in served]]
+    if not found:
+        raise ValueError("no worker published any KV event to diagnose against")
+    return max(found, key=lambda d: d.report.engine["overlap"])  # first (served) wins ties

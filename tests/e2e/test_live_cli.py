@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from kvalign.causes import Cause
 from kvalign.live.processes import pids_with_env
 from kvalign.live.topology import RUN_MARKER_ENV
 
@@ -30,7 +31,7 @@ def test_live_up_scenario_passes_and_negative_control_fails(live_run_dir, cpu_li
                    "--run-dir", str(live_run_dir / "neg"))
     out, err = neg.communicate(timeout=100)
     assert neg.returncode == 1, f"stdout:\n{out}\nstderr:\n{err}"
-    assert "FAIL check_hit_positive" in out and "ROUTER_EAGLE_OFF" in out, out
+    assert "FAIL check_hit_positive" in out and f"cause: {Cause.ROUTER_EAGLE_OFF.value}" in out, out
     assert not pids_with_env(RUN_MARKER_ENV, str(live_run_dir / "neg"))
 
 

@@ -8,6 +8,7 @@ the GPU nightly runs the same scenario with ``dynamo.sglang`` workers.
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 
@@ -50,7 +51,8 @@ def test_prefix_requests_stick_to_one_worker_with_predicted_hit_rate(live_cluste
     print(scenario.table(records))
     _assert_aligned(cluster, records)
     assert all(r.router_eagle is eagle for r in records)
-    assert scenario.diagnose(cluster, records[1]).cause is None
+    d = scenario.diagnose(cluster, records[1])
+    assert d.cause is None and d.report.router["overlap"] == d.report.engine["overlap"] == d.report.router["blocks"] > 0, d.line()
 
 
 def test_negative_control_bigram_cache_registered_without_eagle_is_cache_blind(live_cluster):
@@ -68,7 +70,14 @@ def test_negative_control_bigram_cache_registered_without_eagle_is_cache_blind(l
         d = scenario.diagnose(cluster, r)
         print(f"request {r.index + 1}: {d.line()}")
         assert d.cause is Cause.ROUTER_EAGLE_OFF, d.line()
-        assert d.engine_bigram and not d.router_eagle and not d.first_query_hash_indexed
+        rep = d.report
+        assert rep.first_divergent == 0 and rep.router["eagle"] is False and rep.engine["eagle"] is True
+        assert rep.router["overlap"] == 0 and rep.engine["overlap"] >= 1  # the cache the router could not see
+    cli = subprocess.run([sys.executable, "-m", "kvalign", *scenario.diagnose(cluster, records[1]).cli_args],
+                         capture_output=True, text=True, timeout=60)
+    print(cli.stdout)
+    assert cli.returncode == 1, cli.stderr
+    assert f"cause: {Cause.ROUTER_EAGLE_OFF.value}" in cli.stdout
 
 
 @pytest.mark.parametrize("bootstrap_endpoint", [True, False], ids=["bootstrap-endpoint", "prefill-returns-params"])
