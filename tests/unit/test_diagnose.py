@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from cause_scenarios import SCENARIOS, diagnose_argv, record
 from sglang_publisher import captured, sglang_publisher  # noqa: F401 - fixture
 
 from kvalign.causes import Cause
@@ -173,3 +174,13 @@ def test_text_prompt_through_a_local_tokenizer(tmp_path, sglang_publisher):
     path = capture_of(tmp_path, sglang_publisher, eagle=True, inserts=[(PROMPT, {})])
     assert main(["diagnose", "--capture", path, "--prompt", str(text), "--tokenizer", str(tok_dir),
                  "--router-eagle", "off"]) == 1
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_every_cause_scenario_through_the_cli(tmp_path, sglang_publisher, capsys, scenario):
+    capture, prompt = record(scenario, str(tmp_path), sglang_publisher)
+    rc = main([*diagnose_argv(scenario, capture, prompt), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == (0 if scenario.cause is None else 1)
+    assert (out["cause"] or {}).get("name") == scenario.cause
+    assert out["first_divergent"] == scenario.first_block
