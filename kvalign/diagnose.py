@@ -69,7 +69,7 @@ class BlockView:
     end: int
     tokens: list[int | None]
     hash: int | None  # router local hash (the key the index is matched on)
-    engine_block_hash: int | None = None  # SGLang's own hash of the page, when the engine stored it
+    engine_block_hash: int | None = None  # SGLang's own hash of the page (signed, as SGLang logs it)
     stored_seq: int | None = None
     removed_seq: int | None = None
 
@@ -156,7 +156,7 @@ class _PromptPages:
 
 def _window(tokens: list[int], index: int, block_size: int, eagle: bool) -> tuple[int, int, list[int | None]]:
     start = index * block_size
-    end = start + block_size + (1 if eagle else 0)
+    end = min(start + block_size + (1 if eagle else 0), len(tokens))
     return start, end, list(tokens[start:end])
 
 
@@ -214,7 +214,8 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings) -> Diagnos
         s, e, toks = _window(tokens, i, engine_b, engine_eagle)
         page = by_node.get(path_e[i]) if i < len(path_e) else None
         return BlockView(i, s, e, toks, h_e[i] if i < len(h_e) else None,
-                         page.ext if page else None, page.seq if page else None, page.removed_seq if page else None)
+                         _signed(page.ext) if page else None, page.seq if page else None,
+                         page.removed_seq if page else None)
 
     def found(i: int, cause: Cause, detail: str, engine: BlockView | None = None) -> Diagnosis:
         d.first_divergent, d.cause, d.detail = i, cause, detail
@@ -243,7 +244,7 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings) -> Diagnos
         return found(0, Cause.PROMPT_TOO_SHORT,
                      f"the prompt has {len(tokens)} tokens; with block size {router_b}"
                      f"{' and EAGLE windows' if router_eagle else ''} the router needs at least {need} "
-                     "tokens for one block, so it hashes none and kv_hit_rate is 0")
+                     "tokens for one block, so it hashes none and can credit no cached block")
     if (lora_e, ns_e) != router_seed:
         cause = (Cause.LORA_DROPPED if lora_e and not router.lora and ns_e == (router.namespace or None) else
                  Cause.NAMESPACE_DROPPED if ns_e and not router.namespace and lora_e == (router.lora or None) else
@@ -272,7 +273,7 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings) -> Diagnos
         orphan, missing = gap
         view = engine_view(i)
         if orphan.parent_ext is not None and min(orphan.offsets) == (i + 1) * engine_b:
-            view.engine_block_hash = orphan.parent_ext
+            view.engine_block_hash = _signed(orphan.parent_ext)
         return found(i, Cause.SEQUENCE_GAP,
                      f"block {i} never reached the router: {missing}; block {min(orphan.offsets) // engine_b} "
                      f"(SGLang hash {_signed(orphan.ext)}, seq {orphan.seq}) arrived under parent "
@@ -282,9 +283,11 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings) -> Diagnos
     if shift is not None:
         k, page = shift
         d.shift = k
-        lead = (f"the engine's sequence has {k} more leading tokens than this prompt (a BOS or template "
+        n = abs(k)
+        tokens_word = "token" if n == 1 else "tokens"
+        lead = (f"the engine's sequence has {n} more leading {tokens_word} than this prompt (a BOS or template "
                 "prefix the router's prompt lacks)" if k > 0 else
-                f"this prompt has {-k} leading tokens the engine's sequence lacks")
+                f"this prompt has {n} leading {tokens_word} the engine's sequence lacks")
         return found(i, Cause.PROMPT_SHIFT,
                      f"{lead}: the engine cached these tokens shifted by {k} (its block {page.depth - 1} "
                      f"holds prompt tokens [{min(page.offsets)}, {min(page.offsets) + engine_b + engine_eagle})), "
@@ -312,9 +315,9 @@ def _gap_evidence(seen: _PromptPages, h_e: list[int], i: int, rep: WorkerReplay)
     if rep.malformed:
         seqs = ", ".join(str(s) for s in rep.malformed_seqs[:3])
         missing.append(f"{sum(rep.malformed.values())} batches could not be decoded and were dropped (seq {seqs})")
-    if rep.seq.first:
-        missing.append(f"the capture starts at seq {rep.seq.first}")
-    return min(orphans, key=lambda p: min(p.offsets)), "; ".join(missing) or "a batch was lost before the capture"
+    if not missing and rep.seq.first:
+        missing.append(f"the capture joined at seq {rep.seq.first}, after the batch that stored it")
+    return min(orphans, key=lambda p: min(p.offsets)), "; ".join(missing) or "a batch was lost before it was published"
 
 
 def _shift_evidence(seen: _PromptPages, b: int) -> tuple[int, PageSeen] | None:
@@ -348,13 +351,13 @@ def _shifted_view(seen: _PromptPages, tokens: list[int], i: int, k: int, b: int,
     view = BlockView(i, start - k, end - k, toks, None)
     for p in seen.pages.values():
         if p.depth == i + 1 and (i * b - k) in p.offsets:
-            view.hash, view.engine_block_hash, view.stored_seq, view.removed_seq = p.local, p.ext, p.seq, p.removed_seq
+            view.hash, view.engine_block_hash, view.stored_seq, view.removed_seq = p.local, _signed(p.ext), p.seq, p.removed_seq
             return view
     if i == 0:
         for node, (ext, window, local, seq) in seen.roots.items():
             if all(t is None or bytes(window[4 * n : 4 * n + 4]) == int(t).to_bytes(4, "little") for n, t in enumerate(toks)):
                 view.tokens = [int.from_bytes(window[n : n + 4], "little") for n in range(0, len(window), 4)]
-                view.hash, view.engine_block_hash, view.stored_seq = local, ext, seq
+                view.hash, view.engine_block_hash, view.stored_seq = local, _signed(ext), seq
                 break
     return view
 
@@ -362,7 +365,7 @@ def _shifted_view(seen: _PromptPages, tokens: list[int], i: int, k: int, b: int,
 def _capture_notes(rep: WorkerReplay) -> list[str]:
     notes = list(rep.issues.describe(rep.path))
     if rep.seq.first:
-        notes.append(f"the capture starts at seq {rep.seq.first}: earlier batches were not seen")
+        notes.append(f"the capture joined the stream at seq {rep.seq.first} (earlier batches were not seen)")
     if rep.seq.gaps:
         notes.append(f"{len(rep.seq.gaps)} sequence gaps, {rep.seq.missing_batches} batches missing ({rep.seq.describe_gaps()})")
     if rep.seq.restarts:

@@ -41,9 +41,8 @@ def _fmt_view(side: str, v: BlockView) -> str:
     h = "none" if v.hash is None else f"{v.hash:#018x}"
     line = f"  {side:<6} tokens[{v.start}:{v.end}] {_fmt_tokens(v.tokens)}  key {h}"
     if v.engine_block_hash is not None:
-        ext = v.engine_block_hash - (1 << 64) if v.engine_block_hash >= 1 << 63 else v.engine_block_hash
-        line += f"  (SGLang block hash {ext}"
-        line += f", stored at seq {v.stored_seq}" if v.stored_seq is not None else ""
+        line += f"  (SGLang block hash {v.engine_block_hash}"
+        line += f", stored at seq {v.stored_seq}" if v.stored_seq is not None else ", never received"
         line += f", removed at seq {v.removed_seq}" if v.removed_seq is not None else ""
         line += ")"
     return line
