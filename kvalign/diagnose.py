@@ -26,7 +26,7 @@ import xxhash
 from kvalign.capture import Batch, Cleared, Removed, Stored
 from kvalign.causes import Cause
 from kvalign.hashing import U64_MASK, as_u32_tokens, block_hashes, salt_seed
-from kvalign.replay import WorkerReplay, replay_capture
+from kvalign.replay import WorkerReplay, replay_capture, resolve_block_size
 from kvalign.replay_index import ReplayIndex, StoredPages, chain_nodes
 
 WORKER = 1
@@ -162,8 +162,6 @@ def _window(tokens: list[int], index: int, block_size: int, eagle: bool) -> tupl
 
 def diagnose(capture: str, tokens: list[int], router: RouterSettings) -> Diagnosis:
     """Compare the router's keys for ``tokens`` with what the captured engine stored."""
-    from kvalign.replay import resolve_block_size
-
     as_u32_tokens(tokens)  # bad prompt ids fail before any work
     engine_b = resolve_block_size([capture], None)
     router_b = router.block_size or engine_b

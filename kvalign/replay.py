@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvalign.capture import Batch, CaptureError, CaptureReader, Cleared, Header, ReadIssues
+from kvalign.capture import Batch, CaptureError, CaptureReader, Cleared, Header, ReadIssues, capture_block_size
 from kvalign.replay_index import BatchRejected, Observer, ReplayIndex, WorkerStats
 from kvalign.sequence import SequenceTracker
 
@@ -65,8 +65,6 @@ def resolve_block_size(paths: Sequence[str], block_size: int | None) -> int:
         if block_size < 1:
             raise CaptureError(f"block size must be >= 1, got {block_size}")
         return block_size
-    from kvalign.capture import capture_block_size
-
     for path in paths:
         found = capture_block_size(path)
         if found:
