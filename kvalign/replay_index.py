@@ -9,10 +9,11 @@ seconds, so this module applies the *same rules* to capture events directly:
   the seed derived once per event (the relay's per-page hasher call gives identical hashes);
 * a radix-tree node is named by the router's own sequence hash of its path (``seq[0] = local[0]``,
   ``seq[i] = xxh3(seq[i-1] || local[i], 1337)``), so the tree needs no child tables: walking a
-  prompt is hashing its chain, and storing an event is two bulk dict updates in C (a 2^-64
+  prompt is hashing its chain, and storing an event is a bulk dict and set update in C (a 2^-64
   collision is the only way two paths could share a name);
-* a worker holds a node while one of its engine hashes maps to it (reference counts replace
-  PrefixIndex's ``node not in nodes.values()`` scan, which is linear per removal);
+* a worker holds a node while one of its engine hashes maps to it: a set of held nodes plus a
+  count for the rare node several engine hashes map to replace PrefixIndex's
+  ``node not in nodes.values()`` scan, which is linear per removal;
 * relay rules are kept exactly: per-event EAGLE from the payload shape, ``block_size`` mismatch
   and short windows drop the rest of the event, duplicate hashes drop the event, unsalted events
   inherit the parent's namespace, engine hashes are read as u64, orphans (unknown parent) are
@@ -30,6 +31,7 @@ import sys
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
 import xxhash
 
 from kvalign.capture import Cleared, CompactEvent, Removed, Stored
