@@ -10,7 +10,7 @@ Start order: broker, then workers, then (once every worker is registered in disc
 event capture and the frontend, then readiness = ``/v1/models`` lists the model and one tiny
 request returns 200. Any process dying during startup fails at once with its log tail. On exit —
 success, exception, timeout or Ctrl-C — every process group is stopped; ``keep_logs`` decides
-whether the run directory (logs, discovery store, status files) survives.
+whether the run directory (logs, discovery store, captures) survives.
 """
 
 from __future__ import annotations

@@ -66,7 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prefill: do not advertise the bootstrap endpoint in the card (frontend then waits "
                         "for the prefill response's disaggregated_params instead of pre-computing them)")
     p.add_argument("--token-delay-ms", type=float, default=2.0, help="pause between streamed tokens")
-    p.add_argument("--status-file", default=None, help="write a JSON line with the instance id once registered")
     p.add_argument("--discovery-backend", default=os.environ.get("DYN_DISCOVERY_BACKEND", "file"))
     p.add_argument("--request-plane", default=os.environ.get("DYN_REQUEST_PLANE", "tcp"))
     p.add_argument("--event-plane", default=os.environ.get("DYN_EVENT_PLANE", "zmq"))
@@ -255,10 +254,6 @@ async def serve(args: argparse.Namespace) -> None:
             "page_size": args.page_size, "pid": os.getpid(), **flags,
         }
         log.info("registered: %s", json.dumps(status))
-        if args.status_file:
-            tmp = Path(args.status_file + ".tmp")
-            tmp.write_text(json.dumps(status) + "\n")
-            tmp.replace(args.status_file)
         await stop.wait()
 
     serving = asyncio.ensure_future(endpoint.serve_endpoint(handler.generate, graceful_shutdown=False))

@@ -214,7 +214,6 @@ class CpuWorkerKind:
             "--component", worker.component, "--page-size", str(plan.topology.page_size),
             "--disaggregation-mode", mode, "--disaggregation-bootstrap-port", str(ports.bootstrap),
             "--token-delay-ms", str(self.token_delay_ms),
-            "--status-file", str(plan.run_dir / f"{worker.name}.status.json"),
         ]
         if worker.eagle:
             argv += ["--speculative-algorithm", "EAGLE3"]

@@ -2,8 +2,8 @@
 
 ``live_cluster(topology, kind)`` starts a :class:`kvalign.live.cluster.Cluster` and returns it
 ready; every cluster a test started is torn down after the test whatever happened (pass, fail,
-timeout, Ctrl-C). Each test's run directory — process logs, discovery store, worker status
-files — lives under ``$KVALIGN_E2E_OUT`` (default ``out/e2e``) / ``<test name>``; it is deleted
+timeout, Ctrl-C). Each test's run directory — process logs, discovery store, KV-event
+captures — lives under ``$KVALIGN_E2E_OUT`` (default ``out/e2e``) / ``<test name>``; it is deleted
 when the test passes and kept (its path printed in the report) when it fails.
 """
 
