@@ -13,7 +13,8 @@ disk) and never overwrite an earlier one:
 Events are stored decoded and normalised — not as the raw msgpack — because replay must run at
 millions of blocks per second in Python: each ``BlockStored`` keeps its raw token window as one
 base64 string of little-endian u32 (exactly the bytes the router hashes), so replay hashes slices
-of it without creating a Python int per token. EAGLE bigram pages are stored as that flattened
+of it without creating a Python int per token; engine block hashes are base64 of little-endian
+u64 (how Dynamo reads SGLang's signed int64), decoded with one C call per event. EAGLE bigram pages are stored as that flattened
 window plus ``pairs: true`` (Dynamo's own flattening: all first elements, then the last second).
 Anything this form cannot hold losslessly (pairs that do not chain, token ids outside u32) falls
 back to plain JSON in ``tok``; a batch that does not decode at all is kept as its raw payload with
@@ -35,6 +36,7 @@ import msgspec
 
 from kvalign.errors import UsageError
 from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
+from kvalign.hashing import U64_MASK
 from kvalign.sequence import SequenceTracker
 from kvalign.sglang_keys import is_bigram_payload
 
@@ -61,10 +63,13 @@ class Header(msgspec.Struct, kw_only=True):
     block_size: int | None = None
 
 
-class Stored(msgspec.Struct, tag_field="k", tag="stored", kw_only=True, omit_defaults=True):
-    """A ``BlockStored``: ``t`` is the raw token window (u32 LE); ``tok`` the lossless fallback."""
+class Stored(msgspec.Struct, tag_field="k", tag="stored", kw_only=True, omit_defaults=True, gc=False):
+    """A ``BlockStored``: ``h`` engine hashes (u64 LE), ``p`` parent (u64), ``t`` raw tokens (u32 LE).
 
-    h: list[int]
+    ``tok`` is the lossless fallback for tokens ``t`` cannot hold.
+    """
+
+    h: bytes
     p: int | None = None
     bs: int
     t: bytes = b""
@@ -77,19 +82,19 @@ class Stored(msgspec.Struct, tag_field="k", tag="stored", kw_only=True, omit_def
     sid: str | None = None
 
 
-class Removed(msgspec.Struct, tag_field="k", tag="removed", kw_only=True, omit_defaults=True):
-    h: list[int]
+class Removed(msgspec.Struct, tag_field="k", tag="removed", kw_only=True, omit_defaults=True, gc=False):
+    h: bytes  # engine hashes, u64 LE
     m: str | None = None
 
 
-class Cleared(msgspec.Struct, tag_field="k", tag="cleared"):
+class Cleared(msgspec.Struct, tag_field="k", tag="cleared", gc=False):
     pass
 
 
 CompactEvent = Stored | Removed | Cleared
 
 
-class Batch(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Batch(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """One received batch: decoded events, or ``bad`` + ``raw`` when it did not decode."""
 
     seq: int | None = None
@@ -117,6 +122,31 @@ def _u32_bytes(tokens: list[int]) -> bytes | None:
     return arr.tobytes()
 
 
+def pack_u64(hashes: list[int]) -> bytes:
+    """Engine hashes (signed int64 or u64) as little-endian u64 bytes."""
+    arr = array("Q", [h & U64_MASK for h in hashes])
+    if not _LITTLE:
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def u64_list(data: bytes) -> list[int]:
+    """The u64 engine hashes packed by :func:`pack_u64`."""
+    arr = array("Q")
+    arr.frombytes(data)
+    if not _LITTLE:
+        arr.byteswap()
+    return arr.tolist()
+
+
+def n_blocks(ev: Stored | Removed) -> int:
+    return len(ev.h) // 8
+
+
+def _signed(h: int) -> int:
+    return h - (1 << 64) if h >= 1 << 63 else h
+
+
 def _chained(pairs: list[Any]) -> bool:
     return all(pairs[i][1] == pairs[i + 1][0] for i in range(len(pairs) - 1))
 
@@ -124,7 +154,7 @@ def _chained(pairs: list[Any]) -> bool:
 def compact_event(ev: KVEvent) -> CompactEvent:
     """The capture form of one decoded event (lossless)."""
     if isinstance(ev, BlockRemoved):
-        return Removed(h=list(ev.block_hashes), m=ev.medium)
+        return Removed(h=pack_u64(ev.block_hashes), m=ev.medium)
     if isinstance(ev, AllBlocksCleared):
         return Cleared()
     tokens = ev.token_ids
@@ -136,7 +166,8 @@ def compact_event(ev: KVEvent) -> CompactEvent:
         raw = _u32_bytes(list(tokens))
     fallback = None if raw is not None else [list(t) if isinstance(t, (list, tuple)) else t for t in tokens]
     return Stored(
-        h=list(ev.block_hashes), p=ev.parent_block_hash, bs=ev.block_size, t=raw or b"", pairs=pairs,
+        h=pack_u64(ev.block_hashes), p=None if ev.parent_block_hash is None else ev.parent_block_hash & U64_MASK,
+        bs=ev.block_size, t=raw or b"", pairs=pairs,
         tok=fallback, lid=ev.lora_id, m=ev.medium, salt=ev.cache_salt, lora=ev.lora_name, sid=ev.session_id,
     )
 
@@ -154,13 +185,14 @@ def stored_units(ev: Stored) -> list[Any]:
 
 
 def expand_event(ev: CompactEvent) -> KVEvent:
-    """Back to :mod:`kvalign.events` form (for display and for the reference relay)."""
+    """Back to :mod:`kvalign.events` form, hashes signed as SGLang sends them (display, reference relay)."""
     if isinstance(ev, Removed):
-        return BlockRemoved(list(ev.h), ev.m)
+        return BlockRemoved([_signed(h) for h in u64_list(ev.h)], ev.m)
     if isinstance(ev, Cleared):
         return AllBlocksCleared()
     return BlockStored(
-        block_hashes=list(ev.h), parent_block_hash=ev.p, token_ids=stored_units(ev), block_size=ev.bs,
+        block_hashes=[_signed(h) for h in u64_list(ev.h)], parent_block_hash=None if ev.p is None else _signed(ev.p),
+        token_ids=stored_units(ev), block_size=ev.bs,
         lora_id=ev.lid, medium=ev.m, cache_salt=ev.salt, lora_name=ev.lora, session_id=ev.sid,
     )
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import xxhash
 
-from kvalign.capture import Batch, Cleared, Removed, Stored
+from kvalign.capture import Batch, Cleared, Removed, u64_list
 from kvalign.causes import Cause
-from kvalign.hashing import U64_MASK, as_u32_tokens, block_hashes, salt_seed
+from kvalign.hashing import as_u32_tokens, block_hashes, salt_seed
 from kvalign.replay import WorkerReplay, replay_capture, resolve_block_size
 from kvalign.replay_index import ReplayIndex, StoredPages, chain_nodes
 
@@ -126,7 +126,7 @@ class _PromptPages:
                 win = (self.block_size + 1 if sp.bigram else self.block_size) * 4
                 self.roots[nodes[0]] = (sp.ext[0], sp.raw[:win], sp.local[0], self.seq)
         look = self._lookup(sp.event.lora, sp.namespace, sp.bigram)
-        parent = None if sp.event.p is None else sp.event.p & U64_MASK
+        parent = sp.event.p
         for i, h in enumerate(sp.local):
             offsets = look.get(h)
             if offsets is None:
@@ -145,8 +145,8 @@ class _PromptPages:
             return
         for ev in batch.ev:
             if type(ev) is Removed:
-                for h in ev.h:
-                    page = self.pages.get(h & U64_MASK)
+                for h in u64_list(ev.h):
+                    page = self.pages.get(h)
                     if page is not None:
                         page.removed_seq = batch.seq
             elif type(ev) is Cleared:

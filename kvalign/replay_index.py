@@ -11,9 +11,10 @@ seconds, so this module applies the *same rules* to capture events directly:
   ``seq[i] = xxh3(seq[i-1] || local[i], 1337)``), so the tree needs no child tables: walking a
   prompt is hashing its chain, and storing an event is a bulk dict and set update in C (a 2^-64
   collision is the only way two paths could share a name);
-* a worker holds a node while one of its engine hashes maps to it: a set of held nodes plus a
-  count for the rare node several engine hashes map to replace PrefixIndex's
-  ``node not in nodes.values()`` scan, which is linear per removal;
+* a worker holds a node while one of its engine hashes maps to it; storing touches only the
+  engine-hash map, and the held set is derived when a prompt is matched (reference counts, which
+  replace PrefixIndex's linear ``node not in nodes.values()`` scan, are kept only once an engine
+  hash is stored again while still mapped);
 * relay rules are kept exactly: per-event EAGLE from the payload shape, ``block_size`` mismatch
   and short windows drop the rest of the event, duplicate hashes drop the event, unsalted events
   inherit the parent's namespace, engine hashes are read as u64, orphans (unknown parent) are
@@ -29,13 +30,14 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
 
-from kvalign.capture import Cleared, CompactEvent, Removed, Stored
-from kvalign.hashing import U64_MASK, XXH3_SEED, salt_seed
+from kvalign.capture import Cleared, CompactEvent, Removed, Stored, u64_list
+from kvalign.hashing import XXH3_SEED, salt_seed
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _pack2 = struct.Struct("<QQ").pack
@@ -79,44 +81,74 @@ Observer = Callable[[StoredPages], None]
 
 
 class _Worker:
-    __slots__ = ("ext2node", "held", "multi", "stale", "namespace", "stats")
+    """One worker's side of the index.
+
+    A node is held while one of the worker's engine hashes maps to it. Stores only touch
+    ``ext2node`` (one bulk update per event); which nodes are held is derived when a prompt is
+    matched. Reference counts are kept only after the first engine hash that is stored again
+    while still mapped: from then on a removal must know whether another hash still maps to its
+    node, and PrefixIndex keeps the worker on the overwritten node (``stale``).
+    """
+
+    __slots__ = ("ext2node", "refs", "stale", "namespace", "stats", "_held")
 
     def __init__(self) -> None:
         self.ext2node: dict[int, int] = {}
-        self.held: set[int] = set()  # nodes at least one of this worker's engine hashes maps to
-        self.multi: dict[int, int] = {}  # node -> extra engine hashes mapping to it (rare)
+        self.refs: Counter[int] | None = None  # node -> engine hashes mapping to it (exact mode only)
         self.stale: set[int] = set()  # nodes PrefixIndex keeps the worker on after an overwrite
         self.namespace: dict[int, str] = {}  # relay: engine hash -> cache namespace (None omitted)
         self.stats = WorkerStats()
+        self._held: set[int] | None = None  # cache of ext2node's values, for matching
 
     def holds(self, node: int) -> bool:
-        return node in self.held or node in self.stale
+        if self.refs is not None:
+            return node in self.refs or node in self.stale
+        if self._held is None:
+            self._held = set(self.ext2node.values())
+        return node in self._held
 
-    def map(self, e: int, child: int) -> None:
-        """Point engine hash ``e`` at ``child`` (the slow path of :meth:`ReplayIndex._link`)."""
-        old = self.ext2node.get(e)
-        if old == child:
-            return
-        self.ext2node[e] = child
-        if child in self.held:
-            self.multi[child] = self.multi.get(child, 0) + 1
-        else:
-            self.held.add(child)
-        if old is not None:  # an engine hash re-used for other content: PrefixIndex keeps the old node
-            if not self.unmap(old):
-                self.stale.add(old)
+    def store(self, ext: list[int], nodes: list[int]) -> None:
+        self._held = None
+        ext2node = self.ext2node
+        if self.refs is None:
+            if ext2node.keys().isdisjoint(ext):
+                ext2node.update(zip(ext, nodes))  # the common case, all in C
+                return
+            self.refs = Counter(ext2node.values())  # an engine hash stored again: exact from now on
+        for e, child in zip(ext, nodes):
+            old = ext2node.get(e)
+            if old == child:
+                continue
+            ext2node[e] = child
+            self.refs[child] += 1
+            if old is not None and not self._unref(old):
+                self.stale.add(old)  # PrefixIndex keeps the worker on the overwritten node
 
-    def unmap(self, node: int) -> bool:
+    def remove(self, e: int) -> None:
+        node = self.ext2node.pop(e, None)
+        if node is not None:
+            self._held = None
+            if self.refs is not None and not self._unref(node):
+                self.stale.discard(node)
+
+    def _unref(self, node: int) -> bool:
         """One engine hash stopped mapping to ``node``; False when none maps to it any more."""
-        extra = self.multi.get(node)
-        if extra:
-            if extra > 1:
-                self.multi[node] = extra - 1
-            else:
-                del self.multi[node]
+        refs = self.refs
+        assert refs is not None
+        if refs[node] > 1:
+            refs[node] -= 1
             return True
-        self.held.discard(node)
+        del refs[node]
         return False
+
+    def clear(self) -> None:
+        if self.stale and self.refs is not None:
+            self.stale.difference_update(self.refs)
+        if self.refs is not None:
+            self.refs.clear()
+        self.ext2node.clear()
+        self.namespace.clear()
+        self._held = None
 
 
 def _raw_tokens(ev: Stored) -> bytes:
@@ -140,8 +172,10 @@ def _raw_tokens(ev: Stored) -> bytes:
         if _BIG_ENDIAN:
             arr.byteswap()
         raw = arr.tobytes()
-    if len(raw) % 4 or units != ev.bs * len(ev.h):
-        raise BatchRejected(f"BlockStored carries {units} token units for {len(ev.h)} blocks of size {ev.bs}")
+    if len(ev.h) % 8:
+        raise BatchRejected("BlockStored.block_hashes is not a whole number of u64 values")
+    if len(raw) % 4 or units != ev.bs * (len(ev.h) // 8):
+        raise BatchRejected(f"BlockStored carries {units} token units for {len(ev.h) // 8} blocks of size {ev.bs}")
     return raw
 
 
@@ -180,19 +214,14 @@ class ReplayIndex:
                 self._removed(w, ev)
             elif type(ev) is Cleared:
                 w.stats.clears += 1
-                if w.stale:
-                    w.stale.difference_update(w.held)
-                w.held.clear()
-                w.multi.clear()
-                w.ext2node.clear()
-                w.namespace.clear()
+                w.clear()
 
     def _stored(self, worker_id: int, w: _Worker, ev: Stored, raw: bytes) -> None:
         st = w.stats
-        n_ev = len(ev.h)
+        ext = u64_list(ev.h)
+        n_ev = len(ext)
         st.blocks_stored += n_ev
-        parent = None if ev.p is None else ev.p & U64_MASK
-        ext = [h & U64_MASK for h in ev.h]
+        parent = ev.p
         if len(set(ext)) != n_ev or (parent is not None and parent in ext):
             st.dropped_duplicate_events += 1
             return
@@ -240,31 +269,18 @@ class ReplayIndex:
                     node = xxh3(pack2(node, xxh3(mv[s : s + win], seed)), chain_seed)
                     append(node)
             if nodes:
-                self._link(w, ext, nodes)
+                w.store(ext, nodes)
                 st.blocks_indexed += n
         if self.observer is not None:
             self.observer(StoredPages(worker_id, ev, ext[:n], local, nodes, parent_node, ns, raw, bigram))
 
-    @staticmethod
-    def _link(w: _Worker, ext: list[int], nodes: list[int]) -> None:
-        ext2node = w.ext2node
-        if ext2node.keys().isdisjoint(ext) and w.held.isdisjoint(nodes):  # the common case, all in C
-            ext2node.update(zip(ext, nodes))
-            w.held.update(nodes)
-        else:
-            for e, child in zip(ext, nodes):
-                w.map(e, child)
-
     def _removed(self, w: _Worker, ev: Removed) -> None:
-        w.stats.blocks_removed += len(ev.h)
-        ext2node = w.ext2node
-        for h in ev.h:
-            e = h & U64_MASK
+        hashes = u64_list(ev.h)
+        w.stats.blocks_removed += len(hashes)
+        for e in hashes:
             if w.namespace:
                 w.namespace.pop(e, None)
-            node = ext2node.pop(e, None)
-            if node is not None and not w.unmap(node):
-                w.stale.discard(node)
+            w.remove(e)
 
     def overlap(self, local_hashes: Sequence[int]) -> dict[int, int]:
         """Leading blocks of the prompt each worker holds (workers with 0 omitted)."""

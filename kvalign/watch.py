@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvalign.capture import Cleared, Removed, Stored, compact_event
+from kvalign.capture import Cleared, Removed, Stored, compact_event, n_blocks
 from kvalign.events import EventBatch, EventDecodeError, decode_frames
 from kvalign.replay_index import BatchRejected, ReplayIndex
 from kvalign.sequence import SequenceTracker
@@ -74,8 +74,8 @@ class Watcher:
         if self.index is None and stored_events:
             self.block_size = stored_events[0].bs
             self.index = ReplayIndex(self.block_size)
-        stored = sum(len(e.h) for e in stored_events)
-        removed = sum(len(e.h) for e in events if type(e) is Removed)
+        stored = sum(n_blocks(e) for e in stored_events)
+        removed = sum(n_blocks(e) for e in events if type(e) is Removed)
         framed = [(e, e.pairs or bool(e.tok and isinstance(e.tok[0], list))) for e in stored_events if e.h]
         bigram = [b for _, b in framed]
         t = self.totals
@@ -93,7 +93,7 @@ class Watcher:
             parts.append("bigram pages" if all(bigram) else "plain pages" if not any(bigram) else "mixed pages")
             if self.router_eagle != "auto":
                 want = self.router_eagle == "on"
-                blind = sum(len(e.h) for e, b in framed if b != want)
+                blind = sum(n_blocks(e) for e, b in framed if b != want)
                 if blind:
                     t.invisible += blind
                     parts.append(f"[router eagle {self.router_eagle}: {blind} blocks can never match]")

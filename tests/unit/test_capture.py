@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from sglang_publisher import RECORDED, RealPublisher, captured, raw_capture, sglang_publisher  # noqa: F401
 
 from kvalign.capture import (
-    FORMAT_VERSION, Batch, CaptureError, CaptureReader, CaptureWriter, Stored, compact_event, expand_event,
+    FORMAT_VERSION, Batch, CaptureError, CaptureReader, CaptureWriter, Stored, compact_event, expand_event, n_blocks,
 )
 from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_payload
 from kvalign.oracles.sglang import SglangRadixCache
@@ -63,7 +63,7 @@ def test_real_publisher_capture_header_and_events(tmp_path, sglang_publisher):
     last = batches[-1]
     assert last.seq == seq and last.rank == 0
     (ev,) = last.ev
-    assert ev.salt == "s1" and ev.pairs and ev.bs == B and len(ev.h) == 2
+    assert ev.salt == "s1" and ev.pairs and ev.bs == B and n_blocks(ev) == 2
     assert expand_event(ev).token_ids == [(i, i + 1) for i in range(1, 9)]
 
 
@@ -188,7 +188,7 @@ def test_kill_9_mid_stream_leaves_a_parseable_capture(tmp_path, sglang_publisher
     assert len(batches) >= 19 and reader.header.encoding == "map"
     seqs = [b.seq for b in batches]
     assert seqs == sorted(seqs)
-    assert all(isinstance(e, Stored) and len(e.t) == 4 * (16 * len(e.h) + 1) for b in batches for e in b.ev if isinstance(e, Stored))
+    assert all(isinstance(e, Stored) and len(e.t) == 4 * (16 * n_blocks(e) + 1) for b in batches for e in b.ev if isinstance(e, Stored))
     before = open(path, "rb").read()
     rc = subprocess.run([sys.executable, "-m", "kvalign", "capture", "--endpoint", sglang_publisher.endpoint,
                          "--out", path, "--timeout", "1"], capture_output=True, text=True).returncode
