@@ -3,7 +3,7 @@
 ``live_cluster(topology, kind)`` starts a :class:`kvalign.live.cluster.Cluster` and returns it
 ready; every cluster a test started is torn down after the test whatever happened (pass, fail,
 timeout, Ctrl-C). Each test's run directory — process logs, discovery store, KV-event
-captures — lives under ``$KVALIGN_E2E_OUT`` (default ``out/e2e``) / ``<test name>``; it is deleted
+captures — lives under ``$KVALIGN_E2E_OUT`` (default ``out/e2e``) / ``<test name>-<random>``; it is deleted
 when the test passes and kept (its path printed in the report) when it fails.
 """
 
@@ -13,6 +13,7 @@ import importlib.util
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -60,9 +61,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytes
 def live_run_dir(request: pytest.FixtureRequest) -> Iterator[Path]:
     """This test's run directory; removed after a pass, kept (and reported) after a failure."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.name)
-    path = OUT_ROOT / name
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
+    OUT_ROOT.mkdir(parents=True, exist_ok=True)
+    # Unique per run: two pytest sessions in one checkout must never share (or delete) a run dir.
+    path = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=OUT_ROOT))
     yield path
     failed = any(getattr(getattr(request.node, f"kvalign_report_{w}", None), "failed", False) for w in ("setup", "call"))
     if failed:
