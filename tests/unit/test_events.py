@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_frames, decode_payload
+from kvalign.live.ports import PortPool
 from kvalign.strategies import PAGE_SIZES, token_ids
 
 # Recorded from sglang 0.5.19 (positional) and 0.5.23 (map): P=4, insert 1..10, evict(4).
@@ -86,9 +87,7 @@ def sglang_publisher(sglang_available):
     from sglang.srt.disaggregation.kv_events import EventPublisherFactory
 
     ctx = zmq.Context.instance()
-    probe = ctx.socket(zmq.PUB)
-    port = probe.bind_to_random_port("tcp://127.0.0.1")
-    probe.close(linger=0)
+    port = PortPool().take("sglang-kv-events")
     publisher = EventPublisherFactory.create(
         f'{{"publisher": "zmq", "topic": "kv-events", "endpoint": "tcp://127.0.0.1:{port}", "bind": true}}', attn_dp_rank=0)
     sub = ctx.socket(zmq.SUB)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from itertools import count
 
@@ -20,18 +19,13 @@ from hypothesis import given, settings
 
 from kvalign.hashing import block_hashes
 from kvalign.index import PrefixIndex
+from kvalign.live.ports import PortPool
 from kvalign.oracles.sglang import to_kvalign_event
 from kvalign.relay import Relay
 from kvalign.strategies import PAGE_SIZES, scenarios
 
 _sentinels = count(10**6, 97)
 CARD_EAGLE_OFF = (True, 4, "card-eagle-off")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class DynamoRelayedWorkers:
@@ -50,8 +44,9 @@ class DynamoRelayedWorkers:
         self.publishers, self.workers = {}, {}
         keys = [(e, p) for e in (False, True) for p in PAGE_SIZES]
         keys.append(CARD_EAGLE_OFF)  # bigram events, but the model card says enable_eagle=False
+        ports = PortPool()
         for n, key in enumerate(keys):
-            port = _free_port()
+            port = ports.take(self.model(key))
             self.publishers[key] = EventPublisherFactory.create(json.dumps(
                 {"publisher": "zmq", "topic": "kv-events", "endpoint": f"tcp://127.0.0.1:{port}", "bind": True}), attn_dp_rank=0)
             self.workers[key] = 100 + n
