@@ -26,6 +26,7 @@ import xxhash
 from kvalign.capture import Batch, Cleared, Removed, u64_list
 from kvalign.causes import Cause
 from kvalign.hashing import as_u32_tokens, block_hashes, salt_seed
+from kvalign.index import router_kv_hit_rate
 from kvalign.replay import WorkerReplay, replay_capture, resolve_block_size
 from kvalign.replay_index import ReplayIndex, StoredPages, chain_nodes
 
@@ -189,16 +190,17 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings) -> Diagnos
     while ever < len(path_e) and path_e[ever] in by_node:
         ever += 1
 
-    def rate(overlap: int, n: int) -> float | None:
-        return None if n == 0 else round(overlap / n, 6)
+    def rate(overlap: int, block_size: int) -> float | None:
+        value = router_kv_hit_rate(overlap, len(tokens), block_size)
+        return None if value is None else round(value, 6)
 
     d = Diagnosis(
         capture=capture, prompt_tokens=len(tokens),
         router={"block_size": router_b, "eagle": router_eagle, "eagle_mode": router.eagle, "lora": router.lora,
                 "namespace": router.namespace, "blocks": len(h_r), "overlap": overlap_r,
-                "kv_hit_rate": rate(overlap_r, len(h_r))},
+                "kv_hit_rate": rate(overlap_r, router_b)},
         engine={"block_size": engine_b, "eagle": engine_eagle, "lora": lora_e, "namespace": ns_e,
-                "blocks": len(h_e), "overlap": overlap_e, "kv_hit_rate": rate(overlap_e, len(h_e)),
+                "blocks": len(h_e), "overlap": overlap_e, "kv_hit_rate": rate(overlap_e, engine_b),
                 "ever_stored": ever, "stored_events": sum(seen.framing.values())},
         first_divergent=None, router_block=None, engine_block=None, cause=None, detail="",
         notes=_capture_notes(rep), capture_stats=_capture_stats(rep),

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvalign.hashing import block_hashes
+from kvalign.index import router_kv_hit_rate
 from kvalign.live.client import ChatResult, stream_chat
 
 #: 18 in-vocabulary words (see :mod:`kvalign.live.model_dir`): with the chat framing, request 1
@@ -50,12 +51,6 @@ def prompt_tokens(model_path: str, content: str) -> list[int]:
         [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True)
     ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
     return [int(t) for t in ids]
-
-
-def router_kv_hit_rate(overlap_blocks: int, n_tokens: int, block_size: int) -> float | None:
-    """What the router reports for ``overlap_blocks`` on an ``n_tokens`` prompt."""
-    isl_blocks = math.ceil(n_tokens / block_size)
-    return None if isl_blocks == 0 else overlap_blocks / isl_blocks
 
 
 @dataclass

@@ -43,7 +43,8 @@ def test_aligned_router_reports_no_divergence(tmp_path, sglang_publisher, eagle)
     d = diagnose(path, PROMPT, RouterSettings())
     assert d.cause is None and d.first_divergent is None
     assert d.router["eagle"] is eagle and d.router["overlap"] == d.router["blocks"] == 5
-    assert d.router["kv_hit_rate"] == 1.0 and d.engine["overlap"] == 5
+    # the router's arithmetic: overlap / ceil(prompt tokens / B) = 5 / ceil(21 / 4)
+    assert d.router["kv_hit_rate"] == round(5 / 6, 6) and d.engine["overlap"] == 5
 
 
 def test_router_eagle_off_against_bigram_keys(tmp_path, sglang_publisher):
@@ -138,7 +139,7 @@ def test_prompt_shorter_than_one_eagle_block(tmp_path, sglang_publisher):
     path = capture_of(tmp_path, sglang_publisher, eagle=True, inserts=[(PROMPT, {})])
     d = diagnose(path, PROMPT[:B], RouterSettings())
     assert d.cause is Cause.PROMPT_TOO_SHORT and d.first_divergent == 0
-    assert d.router["blocks"] == 0 and d.router["kv_hit_rate"] is None
+    assert d.router["blocks"] == 0 and d.router["kv_hit_rate"] == 0.0  # the router still counts 1 block
     assert d.router_block.tokens == PROMPT[:B] and d.router_block.hash is None
 
 
@@ -157,7 +158,7 @@ def test_cli_exit_codes_and_json(tmp_path, sglang_publisher, capsys):
     assert main(["diagnose", "--capture", path, "--prompt", str(prompt), "--router-eagle", "off", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["cause"]["name"] == "ROUTER_EAGLE_OFF" and out["first_divergent"] == 0
-    assert out["router"]["kv_hit_rate"] == 0 and out["engine"]["kv_hit_rate"] == 1
+    assert out["router"]["kv_hit_rate"] == 0 and out["engine"]["kv_hit_rate"] == round(5 / 6, 6)
 
 
 def test_text_prompt_through_a_local_tokenizer(tmp_path, sglang_publisher):

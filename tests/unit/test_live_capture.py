@@ -14,7 +14,7 @@ import zmq
 from kvalign.hashing import block_hashes
 from kvalign.live.capture import EventCapture
 from kvalign.live.ports import PortPool
-from kvalign.live.scenario import router_kv_hit_rate
+from kvalign.index import router_kv_hit_rate
 
 
 @pytest.fixture

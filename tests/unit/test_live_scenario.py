@@ -6,7 +6,7 @@ import pytest
 
 from kvalign.live import scenario
 from kvalign.live.client import ChatResult
-from kvalign.live.scenario import RequestRecord, router_kv_hit_rate
+from kvalign.live.scenario import RequestRecord
 
 
 def _rec(i, n_tokens, worker, observed, overlap, decode=None, prompt_tokens=None):
@@ -18,11 +18,6 @@ def _rec(i, n_tokens, worker, observed, overlap, decode=None, prompt_tokens=None
 
 # The live eagle run at B=16: 21/39/57/75 tokens, overlap 0/1/2/3 -> 0, 1/3, 1/2, 3/5.
 LIVE = [_rec(0, 21, 5, 0.0, 0), _rec(1, 39, 5, 1 / 3, 1), _rec(2, 57, 5, 0.5, 2), _rec(3, 75, 5, 0.6, 3)]
-
-
-def test_router_denominator_counts_the_partial_block():
-    assert [router_kv_hit_rate(o, n, 16) for o, n in [(0, 21), (1, 39), (2, 57), (3, 75)]] == [0.0, 1 / 3, 0.5, 0.6]
-    assert router_kv_hit_rate(1, 32, 16) == 0.5 and router_kv_hit_rate(0, 0, 16) is None
 
 
 def test_live_shaped_records_pass_every_check():
