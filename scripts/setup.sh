@@ -8,7 +8,7 @@ VENV=$ROOT/.venv
 SGLANG_VERSION=${KVALIGN_SGLANG_VERSION:-0.5.23}
 DYNAMO_VERSION=1.6.1
 TORCH_PIN="torch==2.13.0+cpu"
-STAMP=$VENV/.kvalign-setup-$SGLANG_VERSION-$DYNAMO_VERSION-$(sha1sum scripts/setup.sh pyproject.toml | sha1sum | cut -c1-12)
+STAMP=$VENV/.kvalign-setup-$SGLANG_VERSION-$DYNAMO_VERSION-$(cat scripts/setup.sh pyproject.toml scripts/requirements-cpu.txt scripts/constraints-cpu.txt | sha1sum | cut -c1-12)
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
@@ -31,6 +31,9 @@ fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 echo "$TORCH_PIN" > "$VENV/torch-cpu-pin.txt"
+# Exact versions the suite is green with; only for the pinned SGLang (another version brings its own).
+CONSTRAINTS=("-c" "$VENV/torch-cpu-pin.txt")
+[ "$SGLANG_VERSION" = 0.5.23 ] && CONSTRAINTS+=("-c" "scripts/constraints-cpu.txt")
 
 # pip, quietly: keep real errors, drop the expected noise (sglang's CUDA-only requirements that
 # --no-deps skips on purpose, and mirror locations that do not exist on this machine).
@@ -52,13 +55,13 @@ fi
 #    would pull a CUDA torch). Dynamo likewise: ai-dynamo depends on `aisimulate`, which cannot
 #    be installed from PyPI, so both Dynamo wheels go in with --no-deps plus their real deps below.
 log "installing sglang $SGLANG_VERSION, ai-dynamo(-runtime) $DYNAMO_VERSION (--no-deps)"
-pipq -c "$VENV/torch-cpu-pin.txt" --no-deps "sglang==$SGLANG_VERSION" torchvision==0.28.0 \
+pipq "${CONSTRAINTS[@]}" --no-deps "sglang==$SGLANG_VERSION" torchvision==0.28.0 \
   "ai-dynamo-runtime==$DYNAMO_VERSION" "ai-dynamo==$DYNAMO_VERSION"
 
 # 3. What SGLang's radix cache / event publisher import chain and Dynamo's Python runtime need,
 #    plus kvalign itself with its test extras.
 log "installing runtime dependencies and kvalign"
-pipq -c "$VENV/torch-cpu-pin.txt" -r scripts/requirements-cpu.txt -e ".[test]"
+pipq "${CONSTRAINTS[@]}" -r scripts/requirements-cpu.txt -e ".[test]"
 
 "$VENV/bin/python" -c "import torch; assert torch.__version__=='2.13.0+cpu', torch.__version__"
 rm -f "$VENV"/.kvalign-setup-*
