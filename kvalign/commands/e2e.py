@@ -24,7 +24,7 @@ from kvalign.live.cluster import Cluster, plan_specs
 from kvalign.live.client import SseError
 from kvalign.live.disagg_eagle import E2eOptions
 from kvalign.live.processes import ProcessExited, ProcessSpec
-from kvalign.live.topology import ClusterPlan
+from kvalign.live.topology import CONTROL_PLANES, ClusterPlan, control_plane_missing
 from kvalign.live.sglang_worker import ROUTER_EAGLE_ENV, default_models, router_eagle_from
 
 RUN_DIR_VAR = "$RUN_DIR"
@@ -65,6 +65,9 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-length", type=int, default=4096, help="SGLang --context-length (0 = model default)")
     p.add_argument("--cuda-graph", action="store_true", help="keep CUDA graphs (default: --disable-cuda-graph)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for workers + frontend to be ready")
+    p.add_argument("--control-plane", choices=CONTROL_PLANES, default="file",
+                   help="file: file discovery + zmq events, no service (default); etcd-nats: start etcd + "
+                        "nats-server on loopback, etcd discovery + NATS events")
 
 
 def options(args: argparse.Namespace) -> E2eOptions:
@@ -76,7 +79,7 @@ def options(args: argparse.Namespace) -> E2eOptions:
         prefill=args.prefill, decode=args.decode, router_eagle=eagle, page_size=args.page_size,
         requests=args.requests, max_tokens=args.max_tokens, bind_host=args.bind_host,
         mem_fraction_static=args.mem_fraction_static, context_length=args.context_length or None,
-        cuda_graph=args.cuda_graph, startup_timeout_s=args.startup_timeout,
+        cuda_graph=args.cuda_graph, startup_timeout_s=args.startup_timeout, control_plane=args.control_plane,
     )
 
 
@@ -107,8 +110,10 @@ def render_plan(opts: E2eOptions, specs: list[ProcessSpec], plan: ClusterPlan, p
                 f"draft model: {opts.draft_model}"]
     out += [f"namespace {plan.namespace}; frontend {plan.frontend_url}; ports were free at planning time "
             "(`e2e run` allocates its own); RUN_DIR = the run's --run-dir"]
+    out.append(f"control plane: {plan.control_plane} (" + ", ".join(f"{k} {v}" for k, v in plan.planes.items()) + ")")
     if opts.cpu:
         out.append("prerequisites: the CPU live stack (scripts/setup.sh); checked when the run starts")
+        out += [f"  - missing: {p}" for p in problems]
     elif problems:
         out.append("prerequisites missing on this machine (a run would stop; pytest would skip):")
         out += [f"  - {p}" for p in problems]
@@ -123,7 +128,8 @@ def render_plan(opts: E2eOptions, specs: list[ProcessSpec], plan: ClusterPlan, p
         words = (["PLANE"] if has_plane else []) + [f"{k}={shlex.quote(v)}" for k, v in sorted(own.items())]
         out.append("  env: " + (" ".join(words) if words else "inherited only"))
         out.append("  $ " + _format_argv(s.argv))
-    out.append("then: wait for every worker in discovery, start the KV-event capture and the frontend, "
+    first = "wait for etcd /health and the NATS INFO greeting, then " if plan.control_plane == "etcd-nats" else ""
+    out.append(f"then: {first}wait for every worker in discovery, start the KV-event capture and the frontend, "
                "wait for /v1/models + one probe; send the requests; scrape decode /metrics after each")
     return "\n".join(out)
 
@@ -136,6 +142,7 @@ def run_plan(args: argparse.Namespace) -> int:
         specs = plan_specs(plan, kind)
         pre = disagg_eagle.prerequisites(opts, import_check=args.check)
         problems = list(pre.problems) if pre else []
+        problems += [m for m in [control_plane_missing(opts.control_plane)] if m]
         if args.json:
             text = json.dumps({
                 "description": opts.describe(), "router_eagle": opts.router_eagle,
@@ -155,8 +162,9 @@ def run_run(args: argparse.Namespace) -> int:
     progress = disagg_eagle.Progress(lambda m: print(m, file=sys.stderr, flush=True))
     progress(f"kvalign e2e run: {opts.describe()}")
     pre = disagg_eagle.prerequisites(opts)
-    if pre is not None and pre.problems:
-        raise UsageError("cannot run here: " + "; ".join(pre.problems))
+    problems = [*(pre.problems if pre is not None else []), *[m for m in [control_plane_missing(opts.control_plane)] if m]]
+    if problems:
+        raise UsageError("cannot run here: " + "; ".join(problems))
     run_dir = Path(args.run_dir or Path("out") / "e2e" / f"run-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     plan, kind = disagg_eagle.build(opts, run_dir)
     specs = plan_specs(plan, kind)

@@ -19,7 +19,7 @@ from pathlib import Path
 from kvalign.errors import UsageError
 from kvalign.live.cluster import Cluster, make_plan, plan_specs
 from kvalign.live.processes import ProcessExited, sigterm_as_interrupt
-from kvalign.live.topology import ClusterPlan, CpuWorkerKind, Topology
+from kvalign.live.topology import CONTROL_PLANES, ClusterPlan, CpuWorkerKind, Topology, control_plane_missing
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--page-size", type=int, default=16, help="KV block / page size shared by router and workers")
         q.add_argument("--run-dir", default=None, help="logs, discovery store, model dir (default: a new temp dir)")
         q.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for readiness")
+        q.add_argument("--control-plane", choices=CONTROL_PLANES, default="file",
+                       help="file: file discovery + zmq events, no service (default); etcd-nats: start etcd + "
+                            "nats-server on loopback, etcd discovery + NATS events")
         if name == "up":
             q.add_argument("--scenario", action="store_true", help="run the 4-request prefix scenario and check it")
             q.add_argument("--requests", type=int, default=4, help="requests in the scenario")
@@ -61,7 +64,7 @@ def _topology(args: argparse.Namespace) -> Topology:
 def _plan(args: argparse.Namespace) -> ClusterPlan:
     topology = _topology(args)
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvalign-live-"))
-    return make_plan(topology, run_dir)
+    return make_plan(topology, run_dir, control_plane=args.control_plane)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace, plan: ClusterPlan, kind: CpuWorkerKind) -> int:
     from kvalign.live import scenario
 
+    missing = control_plane_missing(plan.control_plane)
+    if missing:
+        raise UsageError(f"cannot run here: {missing}")
     print(f"kvalign live: starting {len(plan.topology.workers)} worker(s) + frontend; logs in {plan.run_dir / 'logs'}",
           file=sys.stderr)
     try:

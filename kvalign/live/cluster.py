@@ -6,16 +6,19 @@ Usage (the same for CPU tests, ``kvalign live up`` and the GPU nightly)::
     with Cluster(plan, CpuWorkerKind()) as cluster:   # ready when the block is entered
         cluster.frontend_url, cluster.workers["worker0"].instance_id, cluster.capture
 
-Start order: broker, then workers, then (once every worker is registered in discovery) the KV
-event capture and the frontend, then readiness = ``/v1/models`` lists the model and one tiny
+Start order: the control plane's own processes (the event-plane broker; or etcd and nats-server
+with ``control_plane="etcd-nats"``, each waited for until it serves), then workers, then (once
+every worker is registered in discovery) the KV event capture and the frontend, then readiness = ``/v1/models`` lists the model and one tiny
 request returns 200. Any process dying during startup fails at once with its log tail. On exit —
 success, exception, timeout or Ctrl-C — every process group is stopped; ``keep_logs`` decides
-whether the run directory (logs, discovery store, captures) survives.
+whether the run directory (logs, discovery store, captures) survives. The control-plane
+processes are stopped last, after every Dynamo process (they are ``infrastructure``).
 """
 
 from __future__ import annotations
 
 import shutil
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,26 +28,34 @@ from kvalign.live import discovery
 from kvalign.live.capture import EventCapture
 from kvalign.live.client import wait_ready
 from kvalign.live.model_dir import MODEL_NAME, write_model_dir
-from kvalign.live.ports import PortPool
+from kvalign.live.discovery import EtcdStore
+from kvalign.live.ports import LOOPBACK, PortPool
 from kvalign.live.processes import ProcessGroup, ProcessSpec
-from kvalign.live.topology import ClusterPlan, Topology, WorkerKind, WorkerPorts, WorkerSpec
+from kvalign.live.topology import ClusterPlan, ControlPlane, Topology, WorkerKind, WorkerPorts, WorkerSpec
 
 
 def make_plan(
     topology: Topology, run_dir: str | Path, model_path: str | Path | None = None, *,
-    model_name: str | None = None, namespace: str | None = None,
+    model_name: str | None = None, namespace: str | None = None, control_plane: ControlPlane = "file",
 ) -> ClusterPlan:
-    """Allocate ports and names for ``topology``; builds the tiny model dir if no model is given."""
+    """Allocate ports and names for ``topology``; builds the tiny model dir if no model is given.
+
+    ``control_plane``: ``"file"`` (no service) or ``"etcd-nats"`` (etcd + nats-server processes).
+    """
     run = Path(run_dir).resolve()
     run.mkdir(parents=True, exist_ok=True)
     if model_path is None:
         model_path = write_model_dir(run / "model")
         model_name = model_name or MODEL_NAME
     pool = PortPool()
+    if control_plane == "etcd-nats":
+        control = {name: pool.take(name.replace("_", ".")) for name in ("etcd_client", "etcd_peer", "nats_port")}
+    else:
+        control = {"broker_xsub": pool.take("broker.xsub"), "broker_xpub": pool.take("broker.xpub")}
     plan = ClusterPlan(
         topology=topology, namespace=namespace or f"kvalign-{uuid.uuid4().hex[:10]}",
         model_path=str(model_path), model_name=model_name or Path(model_path).name, run_dir=run,
-        http_port=pool.take("frontend.http"), broker_xsub=pool.take("broker.xsub"), broker_xpub=pool.take("broker.xpub"),
+        http_port=pool.take("frontend.http"), control_plane=control_plane, **control,
     )
     for w in topology.workers:
         plan.worker_ports[w.name] = WorkerPorts.allocate(pool, w.name)
@@ -53,7 +64,17 @@ def make_plan(
 
 def plan_specs(plan: ClusterPlan, kind: WorkerKind) -> list[ProcessSpec]:
     """Every process of the plan in start order (a dry run prints these)."""
-    return [plan.broker_spec(), *(kind.command(w, plan) for w in plan.topology.workers), plan.frontend_spec()]
+    return [*plan.infrastructure_specs(), *(kind.command(w, plan) for w in plan.topology.workers), plan.frontend_spec()]
+
+
+def nats_ready(port: int, host: str = LOOPBACK, timeout_s: float = 1.0) -> bool:
+    """A NATS server greets every client with an ``INFO {...}`` line as soon as it serves."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as s:
+            s.settimeout(timeout_s)
+            return s.recv(5) == b"INFO "
+    except OSError:
+        return False
 
 
 @dataclass
@@ -103,7 +124,10 @@ class Cluster:
 
     def _start(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
-        self.group.start(self.plan.broker_spec())
+        for spec in self.plan.infrastructure_specs():
+            self.group.start(spec)
+        if self.plan.control_plane == "etcd-nats":
+            self._await_control_plane(deadline)
         for w in self.plan.topology.workers:
             self.group.start(self.kind.command(w, self.plan))
         for w in self.plan.topology.workers:
@@ -114,12 +138,27 @@ class Cluster:
         self.ready_s = wait_ready(self.frontend_url, self.model, timeout_s=max(1.0, deadline - time.monotonic()),
                                   alive=self.group.check_alive)
 
+    def _await_control_plane(self, deadline: float) -> None:
+        """Dynamo retries etcd/NATS at start-up, but a worker that outlives its retry budget dies
+        with a confusing error; waiting here names the service that did not come up."""
+        etcd = EtcdStore(self.plan.etcd_url)
+        pending = {"etcd": etcd.healthy, "nats": lambda: nats_ready(self.plan.nats_port)}
+        while pending and time.monotonic() < deadline:
+            self.group.check_alive()
+            pending = {name: probe for name, probe in pending.items() if not probe()}
+            if pending:
+                time.sleep(0.1)
+        if pending:
+            raise TimeoutError(f"{' and '.join(pending)} did not serve within {self.startup_timeout_s:.0f}s "
+                               f"(logs: {self.group.log_dir})")
+
     def _await_registration(self, w: WorkerSpec, deadline: float) -> WorkerHandle:
         ports = self.plan.worker_ports[w.name]
+        store = self.plan.discovery_store
         while time.monotonic() < deadline:
             self.group.check_alive()
-            inst = discovery.instance_on_port(self.plan.file_kv, ports.rpc)
-            card = discovery.card_for(self.plan.file_kv, inst.instance_id) if inst else None
+            inst = discovery.instance_on_port(store, ports.rpc)
+            card = discovery.card_for(store, inst.instance_id) if inst else None
             if inst and card:
                 ep = self.plan.kv_events_connect(w) if w.publishes_kv_events else None
                 return WorkerHandle(w, ports, inst.instance_id, card.enable_eagle, ep)

@@ -37,7 +37,7 @@ from kvalign.live.metrics import (
 )
 from kvalign.live.ports import LOOPBACK
 from kvalign.live.sglang_worker import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, SglangWorkerKind, gpu_topology
-from kvalign.live.topology import ClusterPlan, CpuWorkerKind, Topology, WorkerKind
+from kvalign.live.topology import ClusterPlan, ControlPlane, CpuWorkerKind, Topology, WorkerKind
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ class E2eOptions:
     context_length: int | None = 4096
     cuda_graph: bool = False
     startup_timeout_s: float = 900.0
+    control_plane: ControlPlane = "file"
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -85,17 +86,19 @@ class E2eOptions:
         else:
             dgpu = 0 if self.single_gpu else 1
             where = f"{self.prefill} prefill (GPU 0) + {self.decode} decode (GPU {dgpu}), EAGLE3"
+        planes = "" if self.control_plane == "file" else f", control plane {self.control_plane}"
         control = "" if self.router_eagle else " [NEGATIVE CONTROL: router eagle forced off]"
-        return f"{where}, page size {self.page_size}, {self.requests} requests x {self.max_tokens} tokens{control}"
+        return f"{where}, page size {self.page_size}, {self.requests} requests x {self.max_tokens} tokens{planes}{control}"
 
 
 def build(opts: E2eOptions, run_dir: str | Path) -> tuple[ClusterPlan, WorkerKind]:
     """The plan (ports, env) and worker kind of one run."""
     if opts.cpu:
-        return make_plan(opts.topology(), run_dir), CpuWorkerKind()
+        return make_plan(opts.topology(), run_dir, control_plane=opts.control_plane), CpuWorkerKind()
     model_dir, _ = resolve_model_dir(opts.model)
     draft_dir, _ = resolve_model_dir(opts.draft_model)
-    plan = make_plan(opts.topology(), run_dir, str(model_dir or opts.model), model_name=Path(opts.model).name)
+    plan = make_plan(opts.topology(), run_dir, str(model_dir or opts.model), model_name=Path(opts.model).name,
+                     control_plane=opts.control_plane)
     kind = SglangWorkerKind(
         str(draft_dir or opts.draft_model), bind_host=opts.bind_host, mem_fraction_static=opts.mem_fraction_static,
         context_length=opts.context_length, cuda_graph=opts.cuda_graph,

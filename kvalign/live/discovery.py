@@ -1,7 +1,11 @@
-"""Read Dynamo's file-backed discovery store: which instances exist, and what each registered.
+"""Read Dynamo's discovery store: which instances exist, and what each registered.
 
 With ``DYN_DISCOVERY_BACKEND=file`` every registration is one JSON file under
-``$DYN_FILE_KV/v1/<bucket>/<url-encoded key>``. Reading it is how the harness learns, for any
+``$DYN_FILE_KV/v1/<bucket>/<url-encoded key>``; with ``etcd`` it is one key
+``v1/<bucket>/<namespace>/<component>/<endpoint>/<instance id hex>`` holding the same JSON
+(checked against ai-dynamo-runtime 1.6.1 with etcd 3.4.23), read here through etcd's v3 JSON
+gateway (``POST /v3/kv/range``) so no etcd client library is needed. A store is a directory
+(file backend) or an :class:`EtcdStore`. Reading it is how the harness learns, for any
 worker kind and without scraping logs, (a) a worker's Dynamo instance id — matched by the
 request-plane port the harness pinned with ``DYN_TCP_RPC_PORT`` — and (b) the model card the
 router will use for that worker: ``kv_cache_block_size`` and ``runtime_config.enable_eagle``,
@@ -10,10 +14,13 @@ the two flags whose mismatch makes routing cache-blind.
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
+
+import requests
 
 
 @dataclass(frozen=True)
@@ -44,9 +51,49 @@ class Card:
     raw: dict[str, Any]
 
 
-def _records(root: Path, bucket: str) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class EtcdStore:
+    """Dynamo's etcd discovery store at ``endpoint`` (``ETCD_ENDPOINTS``, one URL)."""
+
+    endpoint: str
+    timeout_s: float = 2.0
+
+    def records(self, bucket: str) -> list[dict[str, Any]]:
+        """Every JSON value under ``v1/<bucket>/``; an unreachable etcd reads as empty (polled)."""
+        prefix = f"v1/{bucket}/".encode()
+        end = prefix[:-1] + bytes([prefix[-1] + 1])  # etcd's "every key with this prefix"
+        body = {"key": base64.b64encode(prefix).decode(), "range_end": base64.b64encode(end).decode()}
+        try:
+            resp = requests.post(f"{self.endpoint.rstrip('/')}/v3/kv/range", json=body, timeout=self.timeout_s)
+            resp.raise_for_status()
+            kvs = resp.json().get("kvs", [])
+        except (requests.RequestException, ValueError):
+            return []
+        out = []
+        for kv in sorted(kvs, key=lambda kv: kv.get("key", "")):
+            try:
+                out.append(json.loads(base64.b64decode(kv["value"])))
+            except (KeyError, ValueError):
+                continue
+        return out
+
+    def healthy(self) -> bool:
+        """etcd's own ``/health`` says the member serves (readiness before Dynamo starts)."""
+        try:
+            return requests.get(f"{self.endpoint.rstrip('/')}/health", timeout=self.timeout_s).json().get("health") == "true"
+        except (requests.RequestException, ValueError, AttributeError):
+            return False
+
+
+#: Where discovery lives: the ``DYN_FILE_KV`` directory or an etcd store.
+Store = Union[str, Path, EtcdStore]
+
+
+def _records(store: Store, bucket: str) -> list[dict[str, Any]]:
+    if isinstance(store, EtcdStore):
+        return store.records(bucket)
     out = []
-    d = root / "v1" / bucket
+    d = Path(store) / "v1" / bucket
     if not d.is_dir():
         return out
     for f in sorted(d.iterdir()):
@@ -57,10 +104,10 @@ def _records(root: Path, bucket: str) -> list[dict[str, Any]]:
     return out
 
 
-def instances(file_kv: str | Path) -> list[Instance]:
+def instances(store: Store) -> list[Instance]:
     """All registered endpoint instances with a tcp transport."""
     res = []
-    for r in _records(Path(file_kv), "instances"):
+    for r in _records(store, "instances"):
         tcp = (r.get("transport") or {}).get("tcp")
         if r.get("type") != "Endpoint" or not isinstance(tcp, str):
             continue
@@ -68,10 +115,10 @@ def instances(file_kv: str | Path) -> list[Instance]:
     return res
 
 
-def cards(file_kv: str | Path) -> list[Card]:
+def cards(store: Store) -> list[Card]:
     """All registered model cards."""
     res = []
-    for r in _records(Path(file_kv), "mdc"):
+    for r in _records(store, "mdc"):
         card = r.get("card_json") or {}
         rc = card.get("runtime_config") or {}
         res.append(Card(
@@ -82,16 +129,16 @@ def cards(file_kv: str | Path) -> list[Card]:
     return res
 
 
-def instance_on_port(file_kv: str | Path, port: int, *, endpoint: str = "generate") -> Instance | None:
+def instance_on_port(store: Store, port: int, *, endpoint: str = "generate") -> Instance | None:
     """The ``endpoint`` instance served on request-plane ``port``, if registered yet."""
-    for inst in instances(file_kv):
+    for inst in instances(store):
         if inst.endpoint == endpoint and inst.port == port:
             return inst
     return None
 
 
-def card_for(file_kv: str | Path, instance_id: int) -> Card | None:
-    for c in cards(file_kv):
+def card_for(store: Store, instance_id: int) -> Card | None:
+    for c in cards(store):
         if c.instance_id == instance_id:
             return c
     return None

@@ -2,8 +2,8 @@
 
 One harness serves the CPU live tests and the GPU nightly. Everything except the worker's
 command line is shared and lives here or in :mod:`kvalign.live.cluster`: the roles and their
-Dynamo components, the ports each worker needs, the NATS/etcd-free plane settings, the
-127.0.0.1-only host settings, and the frontend command. A :class:`WorkerKind` turns one
+Dynamo components, the ports each worker needs, the control-plane settings (:data:`CONTROL_PLANES`),
+the 127.0.0.1-only host settings, and the frontend command. A :class:`WorkerKind` turns one
 :class:`WorkerSpec` into a :class:`~kvalign.live.processes.ProcessSpec`; the CPU kind is
 :class:`CpuWorkerKind` (``python -m kvalign.live.cpu_worker``), the GPU kind builds
 ``python -m dynamo.sglang``.
@@ -14,21 +14,34 @@ plane bind and advertised address), ``DYN_TCP_RESPONSE_STREAM_HOST``, ``DYN_SYST
 ``--http-host``, and the event-plane broker (:mod:`kvalign.live.broker`), because a direct-mode
 event-plane publisher always binds ``tcp://0.0.0.0:0``. SGLang side: ``SGLANG_HOST_IP`` /
 ``HOST_IP`` (what ``get_local_ip_auto`` returns).
+
+Control planes (env names read from the 1.6.1 binary): ``file`` (default) needs no service —
+``DYN_DISCOVERY_BACKEND=file`` + ``DYN_FILE_KV``, tcp request plane, zmq event plane through the
+loopback broker. ``etcd-nats`` is Dynamo's own test setup: an ``etcd`` and a ``nats-server`` on
+loopback ports, ``DYN_DISCOVERY_BACKEND=etcd`` + ``ETCD_ENDPOINTS``, ``NATS_SERVER``, KV events on
+the NATS event plane (NATS Core, no JetStream — Dynamo's default, non-durable events). The
+request plane stays tcp in both: instance records then carry the worker's pinned
+``DYN_TCP_RPC_PORT``, which is how the harness tells workers apart in discovery (a nats request
+plane registers only a subject, ``ns_component.generate-<id>``, nothing that names the process).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
 from kvalign.live.broker import broker_url
+from kvalign.live.discovery import EtcdStore, Store
 from kvalign.live.ports import LOOPBACK, PortPool
 from kvalign.live.processes import ProcessSpec
 
 Role = Literal["agg", "prefill", "decode"]
+ControlPlane = Literal["file", "etcd-nats"]
+CONTROL_PLANES: tuple[ControlPlane, ...] = ("file", "etcd-nats")
 
 #: Set on every process of a run: finds leftovers of a run by environment, whatever their argv.
 RUN_MARKER_ENV = "KVALIGN_LIVE_RUN"
@@ -115,28 +128,65 @@ class ClusterPlan:
     model_name: str
     run_dir: Path
     http_port: int
-    broker_xsub: int
-    broker_xpub: int
+    broker_xsub: int | None = None  # file control plane: the zmq event-plane broker
+    broker_xpub: int | None = None
     worker_ports: dict[str, WorkerPorts] = field(default_factory=dict)
     python: str = sys.executable
+    control_plane: ControlPlane = "file"
+    etcd_client: int | None = None  # etcd-nats control plane
+    etcd_peer: int | None = None
+    nats_port: int | None = None
+
+    def __post_init__(self) -> None:
+        need = {"file": ("broker_xsub", "broker_xpub"), "etcd-nats": ("etcd_client", "etcd_peer", "nats_port")}
+        if self.control_plane not in need:
+            raise ValueError(f"unknown control plane {self.control_plane!r} (choose from {', '.join(CONTROL_PLANES)})")
+        missing = [f for f in need[self.control_plane] if getattr(self, f) is None]
+        if missing:
+            raise ValueError(f"control plane {self.control_plane!r} needs ports {missing}")
 
     @property
     def file_kv(self) -> Path:
         return self.run_dir / "discovery"
 
     @property
+    def discovery_store(self) -> Store:
+        """Where the harness reads registrations: the file store or etcd."""
+        return EtcdStore(self.etcd_url) if self.control_plane == "etcd-nats" else self.file_kv
+
+    @property
+    def etcd_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.etcd_client}"
+
+    @property
+    def nats_url(self) -> str:
+        return f"nats://{LOOPBACK}:{self.nats_port}"
+
+    @property
+    def planes(self) -> dict[str, str]:
+        """Discovery backend, request plane and event plane, as the Dynamo CLIs name them."""
+        if self.control_plane == "etcd-nats":
+            return {"discovery-backend": "etcd", "request-plane": "tcp", "event-plane": "nats"}
+        return {"discovery-backend": "file", "request-plane": "tcp", "event-plane": "zmq"}
+
+    @property
     def frontend_url(self) -> str:
         return f"http://{LOOPBACK}:{self.http_port}"
 
     def plane_env(self) -> dict[str, str]:
-        """Environment every process gets: file discovery, tcp/zmq planes, loopback only."""
+        """Environment every Dynamo process gets: the control plane's settings, loopback only."""
+        planes = self.planes
+        if self.control_plane == "etcd-nats":
+            control = {"ETCD_ENDPOINTS": self.etcd_url, "NATS_SERVER": self.nats_url}
+        else:
+            control = {"DYN_FILE_KV": str(self.file_kv), "DYN_ZMQ_BROKER_URL": broker_url(
+                f"tcp://{LOOPBACK}:{self.broker_xsub}", f"tcp://{LOOPBACK}:{self.broker_xpub}")}
         return {
             RUN_MARKER_ENV: str(self.run_dir),
-            "DYN_DISCOVERY_BACKEND": "file",
-            "DYN_FILE_KV": str(self.file_kv),
-            "DYN_REQUEST_PLANE": "tcp",
-            "DYN_EVENT_PLANE": "zmq",
-            "DYN_ZMQ_BROKER_URL": broker_url(f"tcp://{LOOPBACK}:{self.broker_xsub}", f"tcp://{LOOPBACK}:{self.broker_xpub}"),
+            "DYN_DISCOVERY_BACKEND": planes["discovery-backend"],
+            "DYN_REQUEST_PLANE": planes["request-plane"],
+            "DYN_EVENT_PLANE": planes["event-plane"],
+            **control,
             "DYN_NAMESPACE": self.namespace,
             "DYN_TCP_RPC_HOST": LOOPBACK,
             "DYN_TCP_RESPONSE_STREAM_HOST": LOOPBACK,
@@ -173,9 +223,37 @@ class ClusterPlan:
             "frontend",
             [self.python, "-m", "dynamo.frontend", "--router-mode", "kv", "--http-host", LOOPBACK,
              "--http-port", str(self.http_port), "--namespace", self.namespace,
-             "--kv-cache-block-size", str(self.topology.page_size), "--discovery-backend", "file",
-             "--request-plane", "tcp", "--event-plane", "zmq"],
+             "--kv-cache-block-size", str(self.topology.page_size),
+             *(a for flag, value in self.planes.items() for a in (f"--{flag}", value))],
             {**self.plane_env(), "DYN_ROUTER_MIN_INITIAL_WORKERS": str(min_workers)},
+        )
+
+    def infrastructure_specs(self) -> list[ProcessSpec]:
+        """The control plane's own processes, started first and stopped last."""
+        if self.control_plane == "etcd-nats":
+            return [self.etcd_spec(), self.nats_spec()]
+        return [self.broker_spec()]
+
+    def etcd_spec(self) -> ProcessSpec:
+        """A single-member etcd whose client and peer URLs are loopback, data under the run dir."""
+        peer = f"http://{LOOPBACK}:{self.etcd_peer}"
+        return ProcessSpec(
+            "etcd",
+            [control_binary("etcd"), "--name", "kvalign", "--data-dir", str(self.run_dir / "etcd"),
+             "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"kvalign={peer}", "--initial-cluster-state", "new", "--logger", "zap"],
+            {RUN_MARKER_ENV: str(self.run_dir)},
+            infrastructure=True,
+        )
+
+    def nats_spec(self) -> ProcessSpec:
+        """NATS Core on loopback: Dynamo's non-durable KV events need no JetStream."""
+        return ProcessSpec(
+            "nats",
+            [control_binary("nats-server"), "-a", LOOPBACK, "-p", str(self.nats_port)],
+            {RUN_MARKER_ENV: str(self.run_dir)},
+            infrastructure=True,
         )
 
     def broker_spec(self) -> ProcessSpec:
@@ -186,6 +264,26 @@ class ClusterPlan:
             {RUN_MARKER_ENV: str(self.run_dir)},
             infrastructure=True,
         )
+
+
+#: Debian's nats-server lives in /usr/sbin, which is not on an unprivileged user's PATH.
+_SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/sbin")
+
+
+def control_binary(name: str) -> str:
+    """Absolute path of ``etcd`` / ``nats-server`` if installed, else the bare name (for plans)."""
+    return shutil.which(name) or shutil.which(name, path=":".join(_SBIN_DIRS)) or name
+
+
+def control_plane_missing(control_plane: ControlPlane) -> str | None:
+    """Why ``control_plane`` cannot run here (None when it can): the binaries it needs."""
+    if control_plane == "file":
+        return None
+    absent = [b for b in ("etcd", "nats-server") if control_binary(b) == b]
+    if not absent:
+        return None
+    return (f"--control-plane etcd-nats needs {' and '.join(absent)} on PATH or in /usr/sbin "
+            "(Debian: apt-get install etcd-server nats-server; scripts/setup.sh installs them)")
 
 
 class WorkerKind(Protocol):
