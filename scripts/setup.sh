@@ -18,10 +18,14 @@ if [ -f "$STAMP" ]; then
 fi
 
 # SGLang's KV-event hash JIT-compiles a C++ extension: it needs g++, ninja and OpenSSL headers.
+# etcd + nats-server: the live harness's `--control-plane etcd-nats` (tests/e2e/test_control_plane.py);
+# Debian puts nats-server in /usr/sbin, off an unprivileged PATH.
 need_apt=()
 command -v g++ >/dev/null || need_apt+=(g++)
 command -v ninja >/dev/null || need_apt+=(ninja-build)
 [ -f /usr/include/openssl/sha.h ] || need_apt+=(libssl-dev)
+command -v etcd >/dev/null || [ -x /usr/bin/etcd ] || need_apt+=(etcd-server)
+command -v nats-server >/dev/null || [ -x /usr/sbin/nats-server ] || need_apt+=(nats-server)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO=sudo; fi

@@ -133,3 +133,30 @@ def test_local_paths_never_leak_the_planning_dir(capsys):
     out = _plan(capsys, "--cpu")
     assert "--model-path $RUN_DIR/model" in out
     assert not re.search(r"kvalign-e2e-plan-\w+", out)
+
+
+@pytest.mark.parametrize("gpu_args", [[], ["--cpu"]], ids=["gpu", "cpu"])
+def test_etcd_nats_plan_prints_the_services_and_their_env(capsys, gpu_args):
+    out = _plan(capsys, *gpu_args, "--control-plane", "etcd-nats")
+    blocks = _blocks(out)
+    assert list(blocks) == ["etcd", "nats", "prefill0", "prefill1", "decode0", "frontend"]
+    assert "control plane etcd-nats" in out.splitlines()[0]
+    assert "control plane: etcd-nats (discovery-backend etcd, request-plane tcp, event-plane nats)" in out
+    etcd_port = re.search(r"\n  ETCD_ENDPOINTS=http://127\.0\.0\.1:(\d+)\n", out).group(1)
+    nats_port = re.search(r"\n  NATS_SERVER=nats://127\.0\.0\.1:(\d+)\n", out).group(1)
+    for line in ("DYN_DISCOVERY_BACKEND=etcd", "DYN_REQUEST_PLANE=tcp", "DYN_EVENT_PLANE=nats"):
+        assert f"\n  {line}\n" in out, line
+    assert "DYN_FILE_KV" not in out and "DYN_ZMQ_BROKER_URL" not in out
+    assert f"--listen-client-urls http://127.0.0.1:{etcd_port}" in blocks["etcd"]
+    assert "--data-dir $RUN_DIR/etcd" in blocks["etcd"]
+    assert f"-a 127.0.0.1 -p {nats_port}" in blocks["nats"]
+    assert "--discovery-backend etcd" in blocks["frontend"] and "--event-plane nats" in blocks["frontend"]
+    assert all(b.lstrip().startswith("env: PLANE") for n, b in blocks.items() if n not in ("etcd", "nats"))
+    assert "wait for etcd /health and the NATS INFO greeting" in out
+
+
+def test_etcd_nats_plan_json(capsys):
+    data = json.loads(_plan(capsys, "--cpu", "--json", "--control-plane", "etcd-nats"))
+    procs = {p["name"]: p for p in data["processes"]}
+    assert procs["etcd"]["argv"][0].endswith("etcd") and procs["nats"]["argv"][0].endswith("nats-server")
+    assert procs["frontend"]["env"]["DYN_DISCOVERY_BACKEND"] == "etcd"

@@ -89,3 +89,48 @@ def test_eagle_flag_is_derived_with_sglangs_own_predicate():
     _modules()
     assert cpu_worker.eagle_enabled_for("EAGLE3") and cpu_worker.eagle_enabled_for("EAGLE")
     assert not cpu_worker.eagle_enabled_for(None) and not cpu_worker.eagle_enabled_for("NOT-AN-ALGORITHM")
+
+
+def test_etcd_nats_plan_starts_both_services_on_loopback_first(tmp_path):
+    plan = make_plan(Topology.disaggregated(2, 1, eagle=True), tmp_path, control_plane="etcd-nats")
+    assert plan.broker_xsub is None and plan.broker_xpub is None
+    ports = [plan.http_port, plan.etcd_client, plan.etcd_peer, plan.nats_port]
+    ports += [p for wp in plan.worker_ports.values() for p in (wp.rpc, wp.kv_events, wp.system, wp.bootstrap)]
+    assert len(set(ports)) == len(ports) == 4 + 4 * 3
+    env = plan.plane_env()
+    assert (env["DYN_DISCOVERY_BACKEND"], env["DYN_REQUEST_PLANE"], env["DYN_EVENT_PLANE"]) == ("etcd", "tcp", "nats")
+    assert env["ETCD_ENDPOINTS"] == f"http://127.0.0.1:{plan.etcd_client}"
+    assert env["NATS_SERVER"] == f"nats://127.0.0.1:{plan.nats_port}"
+    assert "DYN_FILE_KV" not in env and "DYN_ZMQ_BROKER_URL" not in env
+    assert plan.discovery_store.endpoint == env["ETCD_ENDPOINTS"]
+
+    specs = plan_specs(plan, CpuWorkerKind())
+    assert [s.name for s in specs] == ["etcd", "nats", "prefill0", "prefill1", "decode0", "frontend"]
+    assert [s.infrastructure for s in specs] == [True, True, False, False, False, False]  # stopped last
+    etcd, nats, fe = specs[0].argv, specs[1].argv, specs[-1].argv
+    opt = lambda argv, flag: argv[argv.index(flag) + 1]  # noqa: E731
+    for flag in ("--listen-client-urls", "--advertise-client-urls"):
+        assert opt(etcd, flag) == f"http://127.0.0.1:{plan.etcd_client}"
+    assert opt(etcd, "--listen-peer-urls") == opt(etcd, "--initial-advertise-peer-urls") == f"http://127.0.0.1:{plan.etcd_peer}"
+    assert opt(etcd, "--data-dir") == str(tmp_path.resolve() / "etcd")
+    assert (opt(nats, "-a"), opt(nats, "-p")) == ("127.0.0.1", str(plan.nats_port)) and "-js" not in nats
+    assert [opt(fe, f) for f in ("--discovery-backend", "--request-plane", "--event-plane")] == ["etcd", "tcp", "nats"]
+    assert all(s.env[RUN_MARKER_ENV] == str(plan.run_dir) for s in specs)
+    assert all(s.env["ETCD_ENDPOINTS"] == env["ETCD_ENDPOINTS"] for s in specs[2:])
+
+
+def test_file_plane_is_the_default_and_unknown_planes_are_refused(tmp_path):
+    plan = make_plan(Topology.aggregated(1, eagle=True), tmp_path / "a")
+    assert plan.control_plane == "file" and plan.discovery_store == plan.file_kv and plan.etcd_client is None
+    with pytest.raises(ValueError, match="unknown control plane 'consul'"):
+        make_plan(Topology.aggregated(1, eagle=True), tmp_path / "b", control_plane="consul")
+
+
+def test_missing_control_plane_binaries_are_named(monkeypatch):
+    from kvalign.live import topology
+
+    assert topology.control_plane_missing("file") is None
+    monkeypatch.setattr(topology.shutil, "which", lambda name, path=None: None)
+    reason = topology.control_plane_missing("etcd-nats")
+    assert reason is not None and "needs etcd and nats-server" in reason and "apt-get install etcd-server nats-server" in reason
+    assert topology.control_binary("etcd") == "etcd"  # a plan still prints the bare name
