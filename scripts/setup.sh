@@ -12,11 +12,6 @@ STAMP=$VENV/.kvalign-setup-$SGLANG_VERSION-$DYNAMO_VERSION-$(cat scripts/setup.s
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
-if [ -f "$STAMP" ]; then
-  log "reusing $VENV (sglang $SGLANG_VERSION, ai-dynamo-runtime $DYNAMO_VERSION)"
-  exit 0
-fi
-
 # SGLang's KV-event hash JIT-compiles a C++ extension: it needs g++, ninja and OpenSSL headers.
 # etcd + nats-server: the live harness's `--control-plane etcd-nats` (tests/e2e/test_control_plane.py);
 # Debian puts nats-server in /usr/sbin, off an unprivileged PATH.
@@ -30,6 +25,12 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO=sudo; fi
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+# System packages are checked every time (cheap); the venv is reused once complete.
+if [ -f "$STAMP" ]; then
+  log "reusing $VENV (sglang $SGLANG_VERSION, ai-dynamo-runtime $DYNAMO_VERSION)"
+  exit 0
 fi
 
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
