@@ -13,8 +13,8 @@ module mirrors ``dynamo._core.compute_block_hash_for_seq`` rule for rule:
   bigrams spans B+1 raw tokens; partial tails are dropped;
 * sequence hash chain: ``seq[0] = local[0]``, ``seq[i] = xxh3(u64le(seq[i-1]) || u64le(local[i]), 1337)``.
 
-Tokens are packed once into a little-endian u32 buffer (one C loop); blocks are cut from it in C
-and each is one xxhash call (no per-token Python work).
+Tokens are packed once into a little-endian u32 buffer (one C loop); numpy cuts it into block
+windows in C and each block is one xxhash call (no per-token Python work).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import sys
 from array import array
 from collections.abc import Mapping, Sequence
 from itertools import repeat
-from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -36,7 +35,6 @@ U64_MASK = 0xFFFFFFFFFFFFFFFF
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _pair = struct.Struct("<QQ")
-_first = itemgetter(0)
 _BIG_ENDIAN = sys.byteorder == "big"
 assert array("I").itemsize == 4, "array('I') must be 32-bit on this platform"
 
@@ -149,17 +147,17 @@ def block_hashes(
         return []
     seed = salt_seed(lora_name, cache_namespace)
     win = (b + 1 if eagle else b) * 4
-    stride = b * 4
     if mm_infos:
-        return _hashes_with_mm(memoryview(buf).cast("B"), n, stride, win, seed, mm_infos)
-    if eagle:
-        # Windows overlap by one token: lay them out contiguously with one strided copy.
-        flat = np.frombuffer(buf, dtype="<u4")
-        buf = np.lib.stride_tricks.as_strided(flat, shape=(n, b + 1), strides=(4 * b, 4)).tobytes()
-        stride = win
-    # Cut the buffer into block windows in C (struct.iter_unpack), one xxhash call per block.
-    chunks = struct.iter_unpack(f"{win}s", memoryview(buf).cast("B")[: n * stride])
-    return list(map(_xxh3, map(_first, chunks), repeat(seed)))
+        return _hashes_with_mm(memoryview(buf).cast("B"), n, b * 4, win, seed, mm_infos)
+    flat = np.frombuffer(buf, dtype="<u4")
+    if eagle:  # windows overlap by one token: a strided view, made contiguous by one copy
+        windows = np.lib.stride_tricks.as_strided(flat, shape=(n, b + 1), strides=(4 * b, 4))
+    else:
+        windows = flat[: n * b].reshape(n, b)
+    # One opaque (void) item per block; .tolist() turns them into bytes objects in C, then it is
+    # one xxhash call per block.
+    blocks = np.ascontiguousarray(windows).view(f"V{win}").ravel().tolist()
+    return list(map(_xxh3, blocks, repeat(seed)))
 
 
 def _hashes_with_mm(mv: memoryview, n: int, stride: int, win: int, seed: int, mm_infos: MmInfos) -> list[int]:
