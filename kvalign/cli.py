@@ -37,7 +37,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvalign", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = _Parser(prog="kvalign", description="Prove Dynamo's KV router and SGLang's radix cache key the same KV "
+                     "blocks, and say where and why they stop agreeing.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)

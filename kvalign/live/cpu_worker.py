@@ -8,8 +8,8 @@ keeps both real and drops the rest:
 * runtime: ``dynamo.runtime.DistributedRuntime`` (file discovery, tcp request plane, zmq event
   plane), endpoint ``{namespace}.{component}.generate`` served with ``serve_endpoint``;
 * registration: ``register_model(ModelInput.Tokens, ...)`` with a ``ModelRuntimeConfig`` whose
-  ``enable_eagle`` is derived exactly as ``dynamo.sglang.register`` derives it
-  (``SpeculativeAlgorithm.from_string(alg).is_eagle()``), ``kv_event_publishing_enabled`` and
+  ``enable_eagle`` from ``dynamo.sglang.register``'s own derivation (imported, not copied:
+  ``SpeculativeAlgorithm.from_string(alg).is_eagle()``), ``kv_event_publishing_enabled`` and
   ``enable_local_indexer`` as ``dynamo.sglang`` sets them, and the same worker types / ``needs``
   per disaggregation mode as ``dynamo.sglang.init_llm``;
 * cache: SGLang's server-default ``UnifiedRadixCache`` (bigram keys when the speculative
@@ -87,19 +87,15 @@ def _sglang_shim() -> None:
 
 
 def eagle_enabled_for(speculative_algorithm: str | None) -> bool:
-    """``dynamo.sglang.register._eagle_enabled_for``: SGLang's own ``is_eagle()`` predicate.
+    """``enable_eagle`` exactly as ``dynamo.sglang`` registers it: its own function, imported.
 
-    That module cannot be imported without SGLang's full server stack, so its two lines are
-    mirrored here, calling the same SGLang predicate the radix cache uses to bigram-key pages.
+    ``dynamo.sglang.register._eagle_enabled_for`` calls SGLang's ``is_eagle()``, the predicate
+    the radix cache uses to bigram-key pages (Dynamo #10982 replaced a hand-kept name set).
     """
     _sglang_shim()
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from dynamo.sglang.register import _eagle_enabled_for
 
-    try:
-        return SpeculativeAlgorithm.from_string(speculative_algorithm).is_eagle()
-    except Exception as exc:  # dynamo.sglang degrades to False on an unknown name, and so do we
-        log.warning("cannot derive enable_eagle from %r: %s; leaving it disabled", speculative_algorithm, exc)
-        return False
+    return _eagle_enabled_for(speculative_algorithm)
 
 
 def relay_endpoint(kv_events_config: str) -> str:
