@@ -41,15 +41,30 @@ def stored_pages(cache: SglangRadixCache) -> list[tuple[int, list]]:
 )
 def test_fresh_prompt_pages_payloads_and_hashes_equal_sglang(sglang_available, count_case, tokens, page_size, eagle, lora, salt, dynamo_format):
     count_case()
+    assert_engine_matches_page_model(tokens, page_size, eagle, lora, salt, dynamo_format)
+
+
+def assert_engine_matches_page_model(tokens, page_size, eagle, lora, salt, dynamo_format, *, model_eagle=None):
+    """Real SGLang's pages for ``tokens`` == kvalign's page model (framed as ``model_eagle``)."""
+    model_eagle = eagle if model_eagle is None else model_eagle
     cache = SglangRadixCache(page_size, eagle=eagle, dynamo_format=dynamo_format)
     cache.insert(tokens, lora_name=lora, cache_salt=salt)
     pages = stored_pages(cache)
     namespace = event_namespace(lora_id_for(lora) if lora else None, salt, lora_registered=bool(lora), dynamo_format=dynamo_format)
-    assert [h for h, _ in pages] == engine_block_hashes(tokens, page_size, eagle=eagle, cache_salt=salt, namespace=namespace)
-    assert [list(u) for _, u in pages] == page_units(tokens, page_size, eagle=eagle)
-    assert [tuple(raw_window(u)) for _, u in pages] == page_windows(tokens, page_size, eagle=eagle)
-    assert len(pages) == page_count(len(tokens), page_size, eagle=eagle)
+    assert [h for h, _ in pages] == engine_block_hashes(tokens, page_size, eagle=model_eagle, cache_salt=salt, namespace=namespace)
+    assert [list(u) for _, u in pages] == page_units(tokens, page_size, eagle=model_eagle)
+    assert [tuple(raw_window(u)) for _, u in pages] == page_windows(tokens, page_size, eagle=model_eagle)
+    assert len(pages) == page_count(len(tokens), page_size, eagle=model_eagle)
     assert cache.match(tokens, lora_name=lora, cache_salt=salt) == len(pages) * page_size
+
+
+@pytest.mark.parametrize("eagle", [False, True])
+def test_negative_control_misframed_page_model_is_detected(sglang_available, eagle):
+    """The comparison above fails when kvalign frames pages the other way (B vs B+1 windows)."""
+    tokens = list(range(1, 18))
+    assert_engine_matches_page_model(tokens, 4, eagle, None, None, False)
+    with pytest.raises(AssertionError):
+        assert_engine_matches_page_model(tokens, 4, eagle, None, None, False, model_eagle=not eagle)
 
 
 @given(doc=token_ids(min_size=1, max_size=40, vocab=3), cut=st.integers(0, 40), page_size=st.sampled_from(PAGE_SIZES), eagle=st.booleans())
