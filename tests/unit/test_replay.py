@@ -185,3 +185,17 @@ def test_replay_with_a_router_block_size_the_engine_does_not_use(tmp_path, sglan
     assert rep.stats.blocks_stored == 4 and rep.stats.dropped_block_size == 4 and rep.held == 0
     index, (rep,) = replay_captures([stream.path])
     assert index.kv_block_size == 4 and rep.held == 4
+
+
+def test_negative_control_misaligned_router_query_disagrees_with_the_engine(cache_factory):
+    """The agreement above is not vacuous: a router that ignores is_eagle, querying the same
+    replayed index, no longer reproduces SGLang's reuse."""
+    from kvalign.misaligned import ignore_eagle
+
+    cache = cache_factory("unified")(KV_B, True)
+    doc = list(range(1, 12))
+    cache.insert(doc)
+    got = fused([(1, cache.take_events())])
+    engine = cache.match(doc)
+    assert engine == 10 and got.overlap(block_hashes(doc, KV_B, eagle=True)).get(1, 0) * KV_B == engine
+    assert got.overlap(ignore_eagle(doc, KV_B, None, None, True, None)).get(1, 0) * KV_B != engine
