@@ -17,7 +17,7 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-from kvalign.hashing import TokenInput, as_u32_tokens
+from kvalign.hashing import U32_MAX, TokenInput, as_u32_tokens
 
 SALT_DOMAIN = b"sglang-cache-salt-v1\0"
 NAMESPACE_DOMAIN = b"sglang-kv-event-namespace-v1"
@@ -92,7 +92,7 @@ def _to_int64(digest: bytes) -> int:
 
 def _page_bytes(units: Sequence[Any]) -> bytes:
     flat = [x for u in units for x in u] if is_bigram_payload(units) else list(units)
-    if any(int(x) > 0xFFFFFFFF for x in flat):
+    if any(int(x) > U32_MAX for x in flat):
         # sglang 0.5.23's wide-token path: a 0xff tag, then u64-LE words.
         return b"\xff" + struct.pack(f"<{len(flat)}Q", *flat)
     return struct.pack(f"<{len(flat)}I", *flat)

@@ -28,9 +28,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"stdin is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     if not isinstance(tokens, list):
         raise UsageError(f"stdin must be a JSON list of token ids, got {type(tokens).__name__}")
-    if any(isinstance(t, float) for t in tokens):
-        pos = next(i for i, t in enumerate(tokens) if isinstance(t, float))
-        raise UsageError(f"token at position {pos} is not an integer: {tokens[pos]!r}")
     hashes = block_hashes(tokens, args.block_size, eagle=args.eagle, lora_name=args.lora, cache_namespace=args.namespace)
     json.dump(sequence_hashes(hashes) if args.sequence else hashes, sys.stdout)
     sys.stdout.write("\n")
