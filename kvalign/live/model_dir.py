@@ -40,26 +40,42 @@ CHAT_TEMPLATE = (
 MODEL_NAME = "kvalign-tiny"
 
 
-def vocab() -> dict[str, int]:
-    """Token string -> id for the whole vocabulary (special tokens first)."""
-    return {tok: i for i, tok in enumerate([*SPECIAL, *WORDS])}
+def vocab(leading_word: str | None = None) -> dict[str, int]:
+    """Token string -> id for the whole vocabulary (special tokens first).
+
+    ``leading_word`` moves one word to id 0 (the real-engine model: its zeroed LM head always
+    argmaxes to id 0, and a normal word there keeps the generated text visible).
+    """
+    if leading_word is None:
+        order = [*SPECIAL, *WORDS]
+    else:
+        if leading_word not in WORDS:
+            raise ValueError(f"{leading_word!r} is not a vocabulary word")
+        order = [leading_word, *SPECIAL, *(w for w in WORDS if w != leading_word)]
+    return {tok: i for i, tok in enumerate(order)}
 
 
-def build_tokenizer() -> Tokenizer:
+def build_tokenizer(leading_word: str | None = None) -> Tokenizer:
     """The word-level tokenizer: whitespace split, one id per word, space-joined decode."""
-    tok = Tokenizer(models.WordLevel(vocab(), unk_token="<unk>"))
+    tok = Tokenizer(models.WordLevel(vocab(leading_word), unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins tokens with single spaces
     tok.add_special_tokens(SPECIAL)
     return tok
 
 
-def write_model_dir(path: str | Path, *, name: str = MODEL_NAME) -> Path:
-    """Write config, tokenizer and chat template into ``path`` (created if missing); return it."""
+def write_model_dir(path: str | Path, *, name: str = MODEL_NAME, leading_word: str | None = None,
+                    config: dict | None = None) -> Path:
+    """Write config, tokenizer and chat template into ``path`` (created if missing); return it.
+
+    ``config`` overrides ``config.json`` keys (the real-engine model's shapes, see
+    :mod:`kvalign.live.engine_model`).
+    """
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    v = vocab()
-    build_tokenizer().save(str(root / "tokenizer.json"))
+    v = vocab(leading_word)
+    bos, eos = v["<s>"], v["</s>"]
+    build_tokenizer(leading_word).save(str(root / "tokenizer.json"))
     (root / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
@@ -74,8 +90,9 @@ def write_model_dir(path: str | Path, *, name: str = MODEL_NAME) -> Path:
         "vocab_size": len(v), "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 64,
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "float32",
-        "bos_token_id": BOS, "eos_token_id": EOS, "tie_word_embeddings": True,
+        "bos_token_id": bos, "eos_token_id": eos, "tie_word_embeddings": True,
+        **(config or {}),
     }, indent=1))
     (root / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": BOS, "eos_token_id": EOS, "max_new_tokens": 64}, indent=1))
+        {"bos_token_id": bos, "eos_token_id": eos, "max_new_tokens": 64}, indent=1))
     return root

@@ -1,0 +1,105 @@
+"""The real-engine CPU worker kind: ``python -m dynamo.sglang --device cpu`` with EAGLE3.
+
+The same Dynamo worker, SGLang scheduler, speculative decoder, radix cache and KV-event publisher
+as the GPU nightly, on this machine's CPU, serving the tiny offline models of
+:mod:`kvalign.live.engine_model`. Everything kvalign adds to the SGLang processes comes from
+:mod:`kvalign.sglang_cpu_standin` (kernel stand-ins + patches), loaded through ``PYTHONPATH`` of
+these worker processes only.
+
+Settings and why (sglang-cpu-engine.md):
+
+* ``--attention-backend torch_native --disable-cuda-graph --disable-overlap-schedule``: the only
+  attention backend and schedule that run without the CPU build of sgl-kernel;
+* EAGLE3 with ``--speculative-num-steps 1 --speculative-eagle-topk 1
+  --speculative-num-draft-tokens 2``: num-steps >= 2 needs a multi-step draft-decode attention
+  backend and topk > 1 a tree mask, neither of which torch_native has;
+* prefill/decode with ``--disaggregation-transfer-backend fake`` (no KV bytes move; the target's
+  zero LM head makes outputs independent of the decode worker's KV) and decode
+  ``--disaggregation-decode-retraction-backup cpu_tensor`` (the default host pool calls
+  ``torch.cuda.cudart()``);
+* ``--host 127.0.0.1`` and the KV-event PUB bound on loopback; ``--enable-metrics
+  --decode-log-interval 1`` so the spec gauges refresh every verify step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvalign import sglang_cpu_standin
+from kvalign.live.engine_model import Draft, write_models
+from kvalign.live.processes import ProcessSpec
+from kvalign.live.topology import ClusterPlan, WorkerSpec
+
+
+@dataclass(frozen=True)
+class CpuEagle:
+    """EAGLE3 settings that run on torch_native (one draft step, a chain of one draft token)."""
+
+    num_steps: int = 1
+    eagle_topk: int = 1
+    num_draft_tokens: int = 2
+
+    def __post_init__(self) -> None:
+        if (self.num_steps, self.eagle_topk) != (1, 1) or self.num_draft_tokens != 2:
+            raise ValueError("on CPU, EAGLE3 runs only with --speculative-num-steps 1 --speculative-eagle-topk 1 "
+                             "--speculative-num-draft-tokens 2 (torch_native has no multi-step draft or tree mask)")
+
+    def args(self, draft_model: str) -> list[str]:
+        return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft_model,
+                "--speculative-num-steps", str(self.num_steps), "--speculative-eagle-topk", str(self.eagle_topk),
+                "--speculative-num-draft-tokens", str(self.num_draft_tokens)]
+
+
+def torch_extensions_dir() -> str:
+    """One JIT build of SGLang's event-hash extension per venv and SGLang version (shared with
+    the unit layer's oracle, :mod:`kvalign.oracles.sglang`)."""
+    return os.path.join(sys.prefix, "torch-extensions", f"sglang-{sglang_cpu_standin.SGLANG_VERSION}")
+
+
+class SglangCpuWorkerKind:
+    """Builds each worker's real ``dynamo.sglang`` command on CPU (a :class:`WorkerKind`)."""
+
+    name = "sglang-cpu"
+
+    def __init__(self, draft_model: str | None, *, eagle: CpuEagle = CpuEagle(), max_total_tokens: int = 4096,
+                 threads: int = 2) -> None:
+        self.draft_model, self.eagle = draft_model, eagle
+        self.max_total_tokens, self.threads = max_total_tokens, threads
+
+    def command(self, worker: WorkerSpec, plan: ClusterPlan) -> ProcessSpec:
+        if worker.eagle and not self.draft_model:
+            raise ValueError(f"{worker.name} runs EAGLE3 but no draft model was given")
+        ports = plan.worker_ports[worker.name]
+        forced_off = worker.eagle and worker.register_eagle is False
+        entry = ["-m", "kvalign.live.sglang_worker"] if forced_off else ["-m", "dynamo.sglang"]
+        argv = [
+            plan.python, *entry, "--model-path", plan.model_path, "--served-model-name", plan.model_name,
+            "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+            "--disable-overlap-schedule", "--page-size", str(plan.topology.page_size),
+            "--max-total-tokens", str(self.max_total_tokens), "--host", "127.0.0.1", "--enable-metrics",
+        ]
+        if worker.publishes_kv_events:
+            argv += ["--kv-events-config", plan.kv_events_config(worker)]
+        if worker.role != "agg":
+            argv += ["--disaggregation-mode", worker.role, "--disaggregation-transfer-backend", "fake",
+                     "--disaggregation-bootstrap-port", str(ports.bootstrap)]
+        if worker.role == "decode":
+            argv += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+        if worker.role != "prefill":
+            argv += ["--decode-log-interval", "1"]
+        if worker.eagle:
+            argv += self.eagle.args(str(self.draft_model))
+        env = {
+            **plan.worker_env(worker), **sglang_cpu_standin.worker_env(os.environ.get("PYTHONPATH")),
+            "OMP_NUM_THREADS": str(self.threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
+        }
+        return ProcessSpec(worker.name, argv, env)
+
+
+def build_models(root: str | Path, draft: Draft = "agree") -> tuple[Path, Path]:
+    """Target + draft dirs for a run (fast: a few hundred KB of weights, built every time)."""
+    return write_models(Path(root), draft)
