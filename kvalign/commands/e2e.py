@@ -22,7 +22,7 @@ from kvalign.errors import UsageError
 from kvalign.live import disagg_eagle
 from kvalign.live.cluster import Cluster, plan_specs
 from kvalign.live.client import SseError
-from kvalign.live.disagg_eagle import E2eOptions
+from kvalign.live.disagg_eagle import ENGINES, E2eOptions
 from kvalign.live.processes import ProcessExited, ProcessSpec
 from kvalign.live.topology import CONTROL_PLANES, ClusterPlan, control_plane_missing
 from kvalign.live.sglang_worker import ROUTER_EAGLE_ENV, default_models, router_eagle_from
@@ -49,9 +49,15 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     model, draft = default_models()
     p.add_argument("--model", default=model, help=f"target model path or HF id (env KVALIGN_MODEL; default {model})")
     p.add_argument("--draft-model", default=draft, help=f"EAGLE3 draft (env KVALIGN_DRAFT_MODEL; default {draft})")
+    p.add_argument("--engine", choices=ENGINES, default=None,
+                   help="sglang-gpu: real dynamo.sglang on GPUs (default); sglang-cpu: the same real engine on "
+                        "this CPU with a tiny offline Llama + EAGLE3 draft; fake-cpu: kvalign's fake workers "
+                        "(SGLang radix cache, no model, no speculation)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--single-gpu", action="store_true", help="everything on GPU 0, memory fractions split")
-    mode.add_argument("--cpu", action="store_true", help="the same harness with the CPU workers (no model, no speculation)")
+    mode.add_argument("--cpu", action="store_true", help="same as --engine fake-cpu")
+    p.add_argument("--draft", choices=("agree", "disagree"), default="agree",
+                   help="sglang-cpu: disagree = a draft the target never accepts (negative control for assertion 4)")
     p.add_argument("--prefill", type=int, default=2, help="prefill workers (default 2)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--router-eagle", choices=("on", "off"), default=None,
@@ -74,8 +80,20 @@ def options(args: argparse.Namespace) -> E2eOptions:
     eagle = router_eagle_from(args.router_eagle if args.router_eagle is not None else os.environ.get(ROUTER_EAGLE_ENV))
     if args.page_size < 1:
         raise UsageError(f"--page-size must be >= 1, got {args.page_size}")
+    if args.cpu and args.engine not in (None, "fake-cpu"):
+        raise UsageError(f"--cpu means --engine fake-cpu; it conflicts with --engine {args.engine}")
+    engine = "fake-cpu" if args.cpu else args.engine or "sglang-gpu"
+    if args.single_gpu and engine != "sglang-gpu":
+        raise UsageError(f"--single-gpu applies to --engine sglang-gpu, not {engine}")
+    try:
+        return _options(args, eagle, engine)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _options(args: argparse.Namespace, eagle: bool, engine: str) -> E2eOptions:
     return E2eOptions(
-        model=args.model, draft_model=args.draft_model, cpu=args.cpu, single_gpu=args.single_gpu,
+        model=args.model, draft_model=args.draft_model, engine=engine, draft=args.draft, single_gpu=args.single_gpu,
         prefill=args.prefill, decode=args.decode, router_eagle=eagle, page_size=args.page_size,
         requests=args.requests, max_tokens=args.max_tokens, bind_host=args.bind_host,
         mem_fraction_static=args.mem_fraction_static, context_length=args.context_length or None,
@@ -108,6 +126,8 @@ def render_plan(opts: E2eOptions, specs: list[ProcessSpec], plan: ClusterPlan, p
     if not opts.cpu:
         out += [f"model:       {opts.model} -> --model-path {plan.model_path}",
                 f"draft model: {opts.draft_model}"]
+    elif opts.engine == "sglang-cpu":
+        out.append(f"models: tiny Llama target + {opts.draft}ing EAGLE3 draft, built offline under RUN_DIR/models")
     out += [f"namespace {plan.namespace}; frontend {plan.frontend_url}; ports were free at planning time "
             "(`e2e run` allocates its own); RUN_DIR = the run's --run-dir"]
     out.append(f"control plane: {plan.control_plane} (" + ", ".join(f"{k} {v}" for k, v in plan.planes.items()) + ")")

@@ -1,5 +1,8 @@
-"""``kvalign live``: run the real Dynamo frontend + KV router in front of CPU workers keyed by
-SGLang's real radix cache, on 127.0.0.1.
+"""``kvalign live``: run the real Dynamo frontend + KV router in front of CPU workers, on 127.0.0.1.
+
+Workers (``--engine``): ``fake-cpu`` (default) are kvalign's fake workers keyed by SGLang's real
+radix cache (seconds to start, no model); ``sglang-cpu`` is the real ``dynamo.sglang`` engine on
+CPU with a tiny offline Llama and EAGLE3 draft (about a minute to start, ~2.4 GB per worker).
 
 * ``kvalign live plan ...`` prints every process it would start (env + command), starts nothing;
 * ``kvalign live up ...`` starts them, waits until the frontend serves, prints where everything
@@ -19,15 +22,27 @@ from pathlib import Path
 from kvalign.errors import UsageError
 from kvalign.live.cluster import Cluster, make_plan, plan_specs
 from kvalign.live.processes import ProcessExited, sigterm_as_interrupt
-from kvalign.live.topology import CONTROL_PLANES, ClusterPlan, CpuWorkerKind, Topology, control_plane_missing
+from kvalign.live.sglang_cpu_worker import plan_cluster
+from kvalign.live.topology import (
+    CONTROL_PLANES,
+    ClusterPlan,
+    CpuWorkerKind,
+    Topology,
+    WorkerKind,
+    control_plane_missing,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("live", help="run Dynamo's frontend + KV router with CPU SGLang-radix-cache workers")
+    p = sub.add_parser("live", help="run Dynamo's frontend + KV router with CPU workers (fake or real SGLang)")
     live = p.add_subparsers(dest="live_command", required=True, parser_class=type(p))
     for name, help_ in (("plan", "print the processes a live run would start (dry run)"),
                         ("up", "start a live cluster on 127.0.0.1 and run or hold it")):
         q = live.add_parser(name, help=help_)
+        q.add_argument("--engine", choices=("fake-cpu", "sglang-cpu"), default="fake-cpu",
+                       help="fake-cpu: SGLang radix cache, no model (default); sglang-cpu: real dynamo.sglang on CPU")
+        q.add_argument("--draft", choices=("agree", "disagree"), default="agree",
+                       help="sglang-cpu: EAGLE3 draft that the target accepts, or never accepts (negative control)")
         q.add_argument("--workers", type=int, default=2, help="aggregated workers (ignored with --prefill)")
         q.add_argument("--prefill", type=int, default=0, help="prefill workers (disaggregated topology)")
         q.add_argument("--decode", type=int, default=1, help="decode workers with --prefill")
@@ -37,7 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="router-facing enable_eagle (auto = as dynamo.sglang derives it; off+--eagle = negative control)")
         q.add_argument("--page-size", type=int, default=16, help="KV block / page size shared by router and workers")
         q.add_argument("--run-dir", default=None, help="logs, discovery store, model dir (default: a new temp dir)")
-        q.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for readiness")
+        q.add_argument("--startup-timeout", type=float, default=None,
+                       help="seconds to wait for readiness (default 120 fake-cpu, 400 sglang-cpu)")
         q.add_argument("--control-plane", choices=CONTROL_PLANES, default="file",
                        help="file: file discovery + zmq events, no service (default); etcd-nats: start etcd + "
                             "nats-server on loopback, etcd discovery + NATS events")
@@ -61,15 +77,23 @@ def _topology(args: argparse.Namespace) -> Topology:
     return Topology.aggregated(args.workers, eagle=args.eagle, register_eagle=reg, page_size=args.page_size)
 
 
-def _plan(args: argparse.Namespace) -> ClusterPlan:
+def _plan(args: argparse.Namespace) -> tuple[ClusterPlan, WorkerKind]:
     topology = _topology(args)
+    if args.draft != "agree" and args.engine != "sglang-cpu":
+        raise UsageError("--draft disagree needs --engine sglang-cpu")
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvalign-live-"))
-    return make_plan(topology, run_dir, control_plane=args.control_plane)
+    if args.engine == "sglang-cpu":
+        try:
+            return plan_cluster(topology, run_dir, draft=args.draft, control_plane=args.control_plane)
+        except RuntimeError as exc:
+            raise UsageError(str(exc)) from None
+    return make_plan(topology, run_dir, control_plane=args.control_plane), CpuWorkerKind()
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = _plan(args)
-    kind = CpuWorkerKind()
+    plan, kind = _plan(args)
+    if args.startup_timeout is None:
+        args.startup_timeout = 400.0 if args.engine == "sglang-cpu" else 120.0
     if args.live_command == "plan":
         for spec in plan_specs(plan, kind):
             print(f"# {spec.name}\n{spec.command_line()}\n")
@@ -77,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     return _up(args, plan, kind)
 
 
-def _up(args: argparse.Namespace, plan: ClusterPlan, kind: CpuWorkerKind) -> int:
+def _up(args: argparse.Namespace, plan: ClusterPlan, kind: WorkerKind) -> int:
     from kvalign.live import scenario
 
     missing = control_plane_missing(plan.control_plane)

@@ -2,18 +2,27 @@
 
 ``tests/e2e/test_disagg_eagle.py`` and ``kvalign e2e run`` both call this module; the cluster,
 requests, kvalign's prediction and the routing checks are the shared harness's
-(:mod:`kvalign.live.cluster`, :mod:`kvalign.live.scenario`), so the only difference between a
-GPU run and a CPU run is the worker kind: :class:`~kvalign.live.sglang_worker.SglangWorkerKind`
-(real ``dynamo.sglang`` with EAGLE3) or :class:`~kvalign.live.topology.CpuWorkerKind` (SGLang's
-real radix cache, no model — so no speculative decoding and no assertion 3).
+(:mod:`kvalign.live.cluster`, :mod:`kvalign.live.scenario`), so runs differ only in the engine
+(:data:`ENGINES`), i.e. the worker kind and model:
 
-Assertions (issue 5):
+* ``sglang-gpu`` — real ``dynamo.sglang`` with EAGLE3 on GPUs (the nightly; Qwen3-8B + its draft);
+* ``sglang-cpu`` — the same real ``dynamo.sglang`` on this machine's CPU
+  (:class:`~kvalign.live.sglang_cpu_worker.SglangCpuWorkerKind`), serving the tiny offline
+  target + EAGLE3 draft of :mod:`kvalign.live.engine_model`;
+* ``fake-cpu`` — kvalign's fake worker keyed by SGLang's real radix cache, no model (no
+  speculation, so assertions 3 and 4 do not apply).
+
+Assertions (issue 8):
 1. all requests are prefilled on one worker, and it is not a decode worker;
-2. ``kv_hit_rate`` > 0 on requests 2..N and kvalign's prediction agrees within one block; a
-   failure names its cause from the catalog (the negative control must fail here);
-3. decode keeps speculating over the window (:func:`kvalign.live.metrics.speculation_failures`);
-4. responses carry timing, and ``kv_transfer_estimated_latency_ms`` >= 0 where present (0 or
-   absent is legitimate on SGLang's bootstrap path).
+2. ``kv_hit_rate`` > 0 on requests 2..N and kvalign's prediction from the captured events agrees
+   within one block; a failure names its cause from the catalog (the router-eagle-off negative
+   control must fail here, naming ROUTER_EAGLE_OFF);
+3. Δ``spec_verify_calls_total`` > 0 on the decode worker(s) (:func:`kvalign.live.metrics.verify_failures`);
+4. tokens per verify from the accepted-draft metric (``spec_accept_length``, cross-checked by the
+   unbiased counter form) > 1.2 (:func:`kvalign.live.metrics.accept_failures`); the
+   never-agreeing-draft negative control must fail here while assertion 3 still holds.
+Every response also carries timing, and ``kv_transfer_estimated_latency_ms`` >= 0 where present
+(the "response" check).
 """
 
 from __future__ import annotations
@@ -22,22 +31,28 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from kvalign.live import scenario
+from kvalign.live import scenario, sglang_cpu_worker
 from kvalign.live.cluster import make_plan
 from kvalign.live.gpu import Prereqs, check_prereqs, resolve_model_dir
+from kvalign.live.engine_model import Draft
 from kvalign.live.metrics import (
     MetricsSnapshot,
     SpecDecodeWindow,
+    accept_failures,
     merge_snapshots,
     scrape,
     spec_window,
-    speculation_failures,
+    verify_failures,
 )
 from kvalign.live.ports import LOOPBACK
+from kvalign.live.processes import pids_with_env, rss_bytes
 from kvalign.live.sglang_worker import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, SglangWorkerKind, gpu_topology
-from kvalign.live.topology import ClusterPlan, ControlPlane, CpuWorkerKind, Topology, WorkerKind
+from kvalign.live.topology import RUN_MARKER_ENV, ClusterPlan, ControlPlane, CpuWorkerKind, Topology, WorkerKind
+
+Engine = Literal["sglang-gpu", "sglang-cpu", "fake-cpu"]
+ENGINES: tuple[Engine, ...] = ("sglang-gpu", "sglang-cpu", "fake-cpu")
 
 
 @dataclass(frozen=True)
@@ -46,7 +61,8 @@ class E2eOptions:
 
     model: str = DEFAULT_MODEL
     draft_model: str = DEFAULT_DRAFT_MODEL
-    cpu: bool = False
+    engine: Engine = "sglang-gpu"
+    draft: Draft = "agree"  # sglang-cpu: "disagree" is the never-agreeing draft (negative control)
     single_gpu: bool = False
     prefill: int = 2
     decode: int = 1
@@ -62,12 +78,25 @@ class E2eOptions:
     control_plane: ControlPlane = "file"
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.draft != "agree" and self.engine != "sglang-cpu":
+            raise ValueError("--draft disagree builds the tiny CPU draft: it needs --engine sglang-cpu")
         if self.prefill < 1 or self.decode < 1:
             raise ValueError(f"need at least 1 prefill and 1 decode worker, got {self.prefill} and {self.decode}")
         if self.requests < 2:
             raise ValueError(f"the scenario needs at least 2 requests (request 2 is the first cache hit), got {self.requests}")
         if self.max_tokens < 2:
             raise ValueError(f"--max-tokens must be >= 2 so decode runs verify steps, got {self.max_tokens}")
+
+    @property
+    def cpu(self) -> bool:
+        return self.engine != "sglang-gpu"
+
+    @property
+    def speculates(self) -> bool:
+        """The workers run a real speculative decoder (assertions 3 and 4 apply)."""
+        return self.engine != "fake-cpu"
 
     @property
     def gpus_needed(self) -> int:
@@ -81,20 +110,27 @@ class E2eOptions:
                             router_eagle=self.router_eagle, page_size=self.page_size)
 
     def describe(self) -> str:
-        if self.cpu:
+        if self.engine == "fake-cpu":
             where = f"{self.prefill} prefill + {self.decode} decode CPU workers (SGLang radix cache, no model)"
+        elif self.engine == "sglang-cpu":
+            where = (f"{self.prefill} prefill + {self.decode} decode real SGLang CPU workers, EAGLE3 "
+                     f"(tiny Llama, {self.draft}ing draft)")
         else:
             dgpu = 0 if self.single_gpu else 1
             where = f"{self.prefill} prefill (GPU 0) + {self.decode} decode (GPU {dgpu}), EAGLE3"
         planes = "" if self.control_plane == "file" else f", control plane {self.control_plane}"
         control = "" if self.router_eagle else " [NEGATIVE CONTROL: router eagle forced off]"
+        if self.draft == "disagree":
+            control += " [NEGATIVE CONTROL: the draft never agrees with the target]"
         return f"{where}, page size {self.page_size}, {self.requests} requests x {self.max_tokens} tokens{planes}{control}"
 
 
 def build(opts: E2eOptions, run_dir: str | Path) -> tuple[ClusterPlan, WorkerKind]:
     """The plan (ports, env) and worker kind of one run."""
-    if opts.cpu:
+    if opts.engine == "fake-cpu":
         return make_plan(opts.topology(), run_dir, control_plane=opts.control_plane), CpuWorkerKind()
+    if opts.engine == "sglang-cpu":
+        return sglang_cpu_worker.plan_cluster(opts.topology(), run_dir, draft=opts.draft, control_plane=opts.control_plane)
     model_dir, _ = resolve_model_dir(opts.model)
     draft_dir, _ = resolve_model_dir(opts.draft_model)
     plan = make_plan(opts.topology(), run_dir, str(model_dir or opts.model), model_name=Path(opts.model).name,
@@ -127,6 +163,8 @@ class E2eResult:
     per_request: list[SpecDecodeWindow | None]
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    peak_rss_bytes: int = 0  # all processes of the run, sampled after start-up and after each request
+    worker_ids: dict[str, set[int]] = field(default_factory=dict)  # role -> Dynamo instance ids
 
     @property
     def passed(self) -> bool:
@@ -150,9 +188,14 @@ class E2eResult:
             w = self.window
             tpv = "n/a" if w.tokens_per_verify is None else f"{w.tokens_per_verify:.3f}"
             acc = "n/a" if w.accept_length is None else f"{w.accept_length:.3f}"
+            naive = "n/a" if w.naive_tokens_per_verify is None else f"{w.naive_tokens_per_verify:.3f}"
             out.append(f"decode window: Δverify {w.verify_calls:g}, Δgeneration_tokens {w.generation_tokens:g}, "
                        f"Δfinished {w.finished_requests:g}; spec_accept_length {acc} "
-                       f"(readings {list(w.accept_lengths)}); (Δgen − Δfinished)/Δverify {tpv}")
+                       f"(readings {list(w.accept_lengths)}); (Δgen − Δfinished)/Δverify {tpv}; "
+                       f"naive Δgen/Δverify {naive} (not asserted: counts each prefill hand-off token)")
+        if self.peak_rss_bytes:
+            out.append(f"peak RSS of the run's processes: {self.peak_rss_bytes / 2**30:.2f} GiB "
+                       "(sampled after start-up and after each request)")
         out += [f"note: {n}" for n in self.notes]
         out += [f"FAIL {f}" for f in self.failures] or ["PASS: all assertions hold"]
         return "\n".join(out)
@@ -160,15 +203,19 @@ class E2eResult:
 
 def run(cluster: Any, opts: E2eOptions, progress: Callable[[str], None] = lambda _msg: None) -> E2eResult:
     """Send the scenario through a ready ``cluster`` and evaluate every assertion."""
-    urls = [] if opts.cpu else decode_metrics_urls(cluster.plan)
+    urls = decode_metrics_urls(cluster.plan) if opts.speculates else []
 
     def snapshot() -> MetricsSnapshot:
         return merge_snapshots(scrape(u) for u in urls)
 
     before = snapshot() if urls else None
     snaps: list[MetricsSnapshot] = []
+    run_pids = lambda: pids_with_env(RUN_MARKER_ENV, str(cluster.plan.run_dir))  # noqa: E731
+    peak = rss_bytes(run_pids())
 
     def after(rec: scenario.RequestRecord) -> None:
+        nonlocal peak
+        peak = max(peak, rss_bytes(run_pids()))
         if urls:
             snaps.append(snapshot())
         progress(f"request {rec.index + 1}/{opts.requests}: {len(rec.tokens)} prompt tokens, prefill worker "
@@ -181,7 +228,8 @@ def run(cluster: Any, opts: E2eOptions, progress: Callable[[str], None] = lambda
         [spec_window(prev, [cur]) for prev, cur in zip([before, *snaps[:-1]], snaps)] if before is not None
         else [None] * len(records)
     )
-    result = E2eResult(records, window, per_request)
+    result = E2eResult(records, window, per_request, peak_rss_bytes=peak,
+                       worker_ids={role: cluster.ids_by_role(role) for role in ("prefill", "decode")})
     check(cluster, opts, result)
     return result
 
@@ -219,11 +267,15 @@ def check(cluster: Any, opts: E2eOptions, result: E2eResult) -> None:
                                f"within one block): {_first_line(exc)}")
 
     if result.window is None:
-        result.notes.append("assertion 3 not applicable: CPU workers run no speculative decoding (no sglang:spec_* metrics)")
+        result.notes.append("assertions 3 and 4 not applicable: fake CPU workers run no speculative decoding "
+                            "(no sglang:spec_* metrics)")
     else:
-        spec = speculation_failures(result.window)
-        if spec:
-            result.failures.append("assertion 3 (decode keeps speculating after the hand-off): " + "; ".join(spec))
+        for n, (what, failures) in enumerate([
+            ("Δspec_verify_calls_total > 0 on the decode worker", verify_failures(result.window)),
+            ("tokens per verify from the accepted-draft metric > 1.2", accept_failures(result.window)),
+        ], start=3):
+            if failures:
+                result.failures.append(f"assertion {n} ({what}): " + "; ".join(failures))
 
     try:
         scenario.check_timing(records)
@@ -232,7 +284,7 @@ def check(cluster: Any, opts: E2eOptions, result: E2eResult) -> None:
             if xfer is not None and not (isinstance(xfer, (int, float)) and xfer >= 0):
                 raise AssertionError(f"request {r.index + 1}: kv_transfer_estimated_latency_ms = {xfer!r}, not >= 0")
     except AssertionError as exc:
-        result.failures.append(f"assertion 4 (timing, kv_transfer_estimated_latency_ms >= 0): {_first_line(exc)}")
+        result.failures.append(f"response check (timing, kv_transfer_estimated_latency_ms >= 0): {_first_line(exc)}")
 
 
 def _diagnosis(cluster: Any, record: scenario.RequestRecord) -> str:

@@ -149,6 +149,12 @@ class SpecDecodeWindow:
             return None
         return (self.generation_tokens - self.finished_requests) / self.verify_calls
 
+    @property
+    def naive_tokens_per_verify(self) -> float | None:
+        """``Δgen / Δverify``: biased upward by each request's prefill hand-off token (5-token
+        outputs at zero acceptance give 1.25). Reported only to show why it is not used."""
+        return None if self.verify_calls <= 0 else self.generation_tokens / self.verify_calls
+
 
 def spec_window(before: MetricsSnapshot, after_each: Sequence[MetricsSnapshot]) -> SpecDecodeWindow:
     """The window from ``before`` to the last of ``after_each`` (one scrape after each request).
@@ -176,19 +182,24 @@ def spec_window(before: MetricsSnapshot, after_each: Sequence[MetricsSnapshot]) 
     )
 
 
-def speculation_failures(window: SpecDecodeWindow, minimum: float = MIN_TOKENS_PER_VERIFY) -> list[str]:
-    """Why ``window`` does not show decode speculating (empty list = it does).
+def verify_failures(window: SpecDecodeWindow) -> list[str]:
+    """Why ``window`` shows no verify step on decode (assertion 3; empty list = it ran some)."""
+    if window.verify_calls > 0:
+        return []
+    return [f"Δ{SPEC_VERIFY_CALLS} = {window.verify_calls:g}: decode ran no verify step "
+            "(speculation off after the hand-off, or metrics not enabled on decode)"]
+
+
+def accept_failures(window: SpecDecodeWindow, minimum: float = MIN_TOKENS_PER_VERIFY) -> list[str]:
+    """Why ``window`` does not show accepted drafts (assertion 4; empty list = it does).
 
     Both the gauge and the counter cross-check must exceed ``minimum``: the gauge alone is one
-    verify step per request, the counters alone cannot see acceptance directly.
+    verify step per request, the counters alone cannot see acceptance directly. The naive
+    ``Δgeneration_tokens / Δverify`` is never used (:attr:`SpecDecodeWindow.naive_tokens_per_verify`).
     """
-    out: list[str] = []
     if window.verify_calls <= 0:
-        out.append(
-            f"Δ{SPEC_VERIFY_CALLS} = {window.verify_calls:g}: decode ran no verify step "
-            "(speculation off after the hand-off, or metrics not enabled on decode)"
-        )
-        return out
+        return ["no verify step in the window, so no acceptance to measure"]
+    out: list[str] = []
     if window.accept_length is None:
         out.append(
             f"{SPEC_ACCEPT_LENGTH} never refreshed during the window: start decode with "
@@ -207,3 +218,8 @@ def speculation_failures(window: SpecDecodeWindow, minimum: float = MIN_TOKENS_P
             f"= {tpv:.3f}, not > {minimum:g}"
         )
     return out
+
+
+def speculation_failures(window: SpecDecodeWindow, minimum: float = MIN_TOKENS_PER_VERIFY) -> list[str]:
+    """Why ``window`` does not show decode speculating: no verify step, else too few accepted."""
+    return verify_failures(window) or accept_failures(window, minimum)

@@ -183,6 +183,18 @@ def pids_with_env(key: str, value: str) -> list[int]:
     return found
 
 
+def rss_bytes(pids: list[int]) -> int:
+    """Resident memory of ``pids`` summed (Linux /proc; processes that exited count 0)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for pid in pids:
+        try:
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
 @contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """Turn SIGTERM into KeyboardInterrupt inside the block, so ``with Cluster(...)`` unwinds

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvalign import sglang_cpu_standin
-from kvalign.live.engine_model import Draft, write_models
+from kvalign.live.cluster import make_plan
+from kvalign.live.engine_model import TARGET_NAME, Draft, write_models
 from kvalign.live.processes import ProcessSpec
-from kvalign.live.topology import ClusterPlan, WorkerSpec
+from kvalign.live.topology import ClusterPlan, ControlPlane, Topology, WorkerSpec
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,14 @@ class SglangCpuWorkerKind:
         return ProcessSpec(worker.name, argv, env)
 
 
-def build_models(root: str | Path, draft: Draft = "agree") -> tuple[Path, Path]:
-    """Target + draft dirs for a run (fast: a few hundred KB of weights, built every time)."""
-    return write_models(Path(root), draft)
+def plan_cluster(topology: Topology, run_dir: str | Path, *, draft: Draft = "agree",
+                 control_plane: ControlPlane = "file") -> tuple[ClusterPlan, SglangCpuWorkerKind]:
+    """Plan a real-engine CPU run: the tiny models are built under ``run_dir/models`` (a few
+    hundred KB, so every run builds its own) and served as :data:`TARGET_NAME`."""
+    problem = sglang_cpu_standin.version_problem()
+    if problem:
+        raise RuntimeError(problem)
+    run = Path(run_dir).resolve()
+    target, draft_dir = write_models(run / "models", draft)
+    plan = make_plan(topology, run, str(target), model_name=TARGET_NAME, control_plane=control_plane)
+    return plan, SglangCpuWorkerKind(str(draft_dir))

@@ -13,6 +13,7 @@ import importlib.util
 import os
 import re
 import shutil
+import signal
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,6 +41,30 @@ def cpu_stack_missing() -> str | None:
         if importlib.util.find_spec(mod) is None:
             return f"{mod} is not importable: run scripts/setup.sh"
     return None
+
+
+def sglang_cpu_missing() -> str | None:
+    """Why the real SGLang engine cannot run on this CPU (None when it can)."""
+    from kvalign.sglang_cpu_standin import version_problem
+
+    reason = cpu_stack_missing() or version_problem()
+    if reason:
+        return reason
+    for mod in ("dynamo.sglang", "safetensors", "jsonschema", "blake3"):
+        if importlib.util.find_spec(mod) is None:
+            return f"{mod} is not importable: run scripts/setup.sh (it installs the real engine's CPU packages)"
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM (a CI runner cancelling the job) unwinds like Ctrl-C, so every cluster fixture's
+    teardown still runs; pytest finalises fixtures on KeyboardInterrupt."""
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -70,6 +95,29 @@ def live_run_dir(request: pytest.FixtureRequest) -> Iterator[Path]:
         request.node.add_report_section("teardown", "kvalign live logs", f"kept process logs under {path}/logs")
     else:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def module_run_dir(request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A run directory shared by one test module (one cluster per module); kept when any test
+    of the session failed meanwhile, removed otherwise."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.name.rsplit("/", 1)[-1])
+    OUT_ROOT.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=OUT_ROOT))
+    failed_before = request.session.testsfailed
+    yield path
+    if request.session.testsfailed > failed_before:
+        print(f"\nkvalign live logs kept under {path}")
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def sglang_cpu_engine() -> None:
+    """Skip (with the exact reason) where the real SGLang engine cannot run on this CPU."""
+    reason = sglang_cpu_missing()
+    if reason:
+        pytest.skip(reason)
 
 
 @pytest.fixture

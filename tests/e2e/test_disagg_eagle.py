@@ -1,16 +1,19 @@
-"""EAGLE3 with prefill/decode disaggregation through Dynamo's KV router (the gpu_2 nightly).
+"""EAGLE3 with prefill/decode disaggregation through Dynamo's KV router: one scenario, three engines.
 
-2 SGLang prefill workers on GPU 0, 1 decode worker on GPU 1 (or all on GPU 0 for gpu_1), EAGLE3
-on both sides, behind ``dynamo.frontend --router-mode kv``; the scenario and its assertions are
-:mod:`kvalign.live.disagg_eagle` over the shared harness. The GPU tests skip, naming every
-missing prerequisite, on machines without the GPUs, a CUDA SGLang, ``dynamo.sglang`` or the
-weights (``KVALIGN_MODEL`` / ``KVALIGN_DRAFT_MODEL``; default Qwen/Qwen3-8B + its EAGLE3 draft).
+2 SGLang prefill workers + 1 decode worker, EAGLE3 on both sides, behind
+``dynamo.frontend --router-mode kv``; the scenario and its four assertions are
+:mod:`kvalign.live.disagg_eagle` over the shared harness. Only the engine differs:
 
-Negative control: ``KVALIGN_ROUTER_EAGLE=off`` (or ``--kvalign-router-eagle off``) makes the
-workers register ``enable_eagle=False``, so the router hashes plain blocks against bigram-keyed
-caches; the GPU tests must then fail on assertion 2 with the cause named.
-
-The CPU tests run the very same scenario code through the CPU workers, in CI.
+* ``sglang-gpu`` (gpu_2 / gpu_1 nightly): real ``dynamo.sglang`` on GPUs with Qwen3-8B + its EAGLE3
+  draft (``KVALIGN_MODEL`` / ``KVALIGN_DRAFT_MODEL``); skips, naming every missing prerequisite,
+  on machines without the GPUs, a CUDA SGLang, ``dynamo.sglang`` or the weights. Negative
+  control: ``KVALIGN_ROUTER_EAGLE=off`` (or ``--kvalign-router-eagle off``) must fail assertion 2.
+* ``sglang-cpu`` (CI): the same real ``dynamo.sglang`` on this CPU with the tiny offline Llama +
+  EAGLE3 draft; one cluster per scenario, shared by the tests that read it. What stays GPU-only:
+  real KV transfer (NIXL/Mooncake RDMA; CPU prefill/decode uses SGLang's ``fake`` backend, so no
+  KV bytes move), multi-step / tree EAGLE (CPU runs num-steps 1, topk 1, 2 draft tokens), CUDA
+  graphs and the production attention kernels.
+* ``fake-cpu`` (CI): kvalign's fake workers (SGLang's real radix cache, no model, no speculation).
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from kvalign.causes import Cause
 from kvalign.live import disagg_eagle
 from kvalign.live.cluster import Cluster
-from kvalign.live.disagg_eagle import E2eOptions
+from kvalign.live.disagg_eagle import E2eOptions, E2eResult
+from kvalign.live.metrics import MIN_TOKENS_PER_VERIFY
 from kvalign.live.sglang_worker import ROUTER_EAGLE_ENV, default_models, router_eagle_from
 from kvalign.live.topology import CpuWorkerKind
 
@@ -48,6 +53,8 @@ def _run_on_gpus(opts: E2eOptions, run_dir: Path) -> None:
         pytest.fail(result.report(), pytrace=False)
 
 
+# ---- sglang-gpu: the nightly ------------------------------------------------------------------
+
 @pytest.mark.gpu_2
 @pytest.mark.nightly
 @pytest.mark.timeout(1800)
@@ -64,21 +71,90 @@ def test_router_decisions_sglang_disagg_eagle_single_gpu(live_run_dir, router_ea
     _run_on_gpus(E2eOptions(model=model, draft_model=draft, single_gpu=True, router_eagle=router_eagle), live_run_dir)
 
 
+# ---- sglang-cpu: the real engine on this CPU (CI) ---------------------------------------------
+
+def _run_sglang_cpu(opts: E2eOptions, run_dir: Path) -> E2eResult:
+    plan, kind = disagg_eagle.build(opts, run_dir)
+    with Cluster(plan, kind, startup_timeout_s=opts.startup_timeout_s) as cluster:
+        result = disagg_eagle.run(cluster, opts, print)
+    print(result.report())
+    return result
+
+
+@pytest.fixture(scope="module")
+def sglang_cpu_aligned(sglang_cpu_engine: None, module_run_dir: Path) -> E2eResult:
+    """The seed scenario on real SGLang CPU workers, router and engine aligned."""
+    return _run_sglang_cpu(E2eOptions(engine="sglang-cpu", startup_timeout_s=400), module_run_dir / "aligned")
+
+
+@pytest.fixture(scope="module")
+def sglang_cpu_controls(sglang_cpu_engine: None, module_run_dir: Path) -> E2eResult:
+    """Both live negative controls in one cluster (each breaks a different, independent
+    assertion): workers register ``enable_eagle`` off, and the draft never agrees with the
+    target. 5-token outputs make the naive gen/verify ratio 5/4 = 1.25 at zero acceptance."""
+    opts = E2eOptions(engine="sglang-cpu", router_eagle=False, draft="disagree", max_tokens=5, startup_timeout_s=400)
+    return _run_sglang_cpu(opts, module_run_dir / "controls")
+
+
+def _failure(result: E2eResult, n: int) -> list[str]:
+    return [f for f in result.failures if f.startswith(f"assertion {n} ")]
+
+
+@pytest.mark.timeout(420)
+def test_real_engine_cpu_routes_by_prefix_and_keeps_speculating(sglang_cpu_aligned):
+    result = sglang_cpu_aligned
+    assert result.passed, result.report()
+    records, window = result.records, result.window
+    # (1) one prefill worker for all four, never a decode worker; decode on the decode worker
+    assert {r.worker for r in records} <= result.worker_ids["prefill"] and len({r.worker for r in records}) == 1
+    assert {r.result.decode_worker_id for r in records} <= result.worker_ids["decode"]
+    # (2) the router's kv_hit_rate is kvalign's prediction from the captured events, exactly
+    assert records[0].observed == 0.0 and all(r.observed > 0 for r in records[1:]), result.report()
+    assert [r.observed for r in records] == pytest.approx([r.predicted for r in records], abs=1e-9), result.report()
+    # (3) decode ran verify steps; (4) every draft token was accepted: 2 tokens per verify
+    assert window.verify_calls > 0
+    assert window.accept_length == pytest.approx(2.0) and window.tokens_per_verify > MIN_TOKENS_PER_VERIFY
+
+
+@pytest.mark.timeout(420)
+def test_real_engine_negative_control_router_eagle_off_fails_assertion_2_naming_the_cause(sglang_cpu_controls):
+    result = sglang_cpu_controls
+    second = _failure(result, 2)
+    assert len(second) == 1, result.report()
+    assert "kv_hit_rate not > 0 on requests [2, 3, 4]" in second[0], result.report()
+    assert f"cause: {Cause.ROUTER_EAGLE_OFF.name} - {Cause.ROUTER_EAGLE_OFF.value}" in second[0], result.report()
+    assert all(r.router_eagle is False for r in result.records)
+
+
+@pytest.mark.timeout(420)
+def test_real_engine_negative_control_disagreeing_draft_fails_assertion_4_only(sglang_cpu_controls):
+    result, window = sglang_cpu_controls, sglang_cpu_controls.window
+    assert not _failure(result, 3) and window.verify_calls > 0, result.report()  # still speculating...
+    fourth = _failure(result, 4)
+    assert len(fourth) == 1 and "draft tokens are not being accepted" in fourth[0], result.report()
+    assert window.accept_length <= MIN_TOKENS_PER_VERIFY and window.accept_rate == 0.0, result.report()
+    # ...and the naive ratio would have passed it: each request's prefill hand-off token counts
+    assert window.naive_tokens_per_verify > MIN_TOKENS_PER_VERIFY, result.report()
+
+
+# ---- fake-cpu: kvalign's fake workers (CI) ------------------------------------------------------
+
 @pytest.mark.timeout(150)
 def test_same_scenario_through_cpu_workers_passes(live_cluster):
-    opts = E2eOptions(cpu=True)
+    opts = E2eOptions(engine="fake-cpu")
     cluster = live_cluster(opts.topology(), CpuWorkerKind())
     result = disagg_eagle.run(cluster, opts, print)
     print(result.report())
     assert result.passed, result.report()
-    assert result.notes == ["assertion 3 not applicable: CPU workers run no speculative decoding (no sglang:spec_* metrics)"]
+    assert result.notes == ["assertions 3 and 4 not applicable: fake CPU workers run no speculative decoding "
+                            "(no sglang:spec_* metrics)"]
     assert [r.observed for r in result.records][0] == 0.0
     assert all(r.observed > 0 for r in result.records[1:])
 
 
 @pytest.mark.timeout(150)
 def test_negative_control_fails_assertion_2_naming_the_cause(live_cluster):
-    opts = E2eOptions(cpu=True, router_eagle=False)
+    opts = E2eOptions(engine="fake-cpu", router_eagle=False)
     cluster = live_cluster(opts.topology(), CpuWorkerKind())
     assert not any(h.enable_eagle for h in cluster.workers.values())
     result = disagg_eagle.run(cluster, opts, print)
@@ -87,4 +163,4 @@ def test_negative_control_fails_assertion_2_naming_the_cause(live_cluster):
     assert len(second) == 1, result.report()
     assert "kv_hit_rate not > 0 on requests [2, 3, 4]" in second[0]
     assert "cause: ROUTER_EAGLE_OFF - router eagle off vs engine bigram keys" in second[0]
-    assert not [f for f in result.failures if f.startswith(("assertion 3", "assertion 4"))], result.report()
+    assert not [f for f in result.failures if f.startswith(("assertion 3", "assertion 4", "response"))], result.report()

@@ -42,7 +42,8 @@ def test_report_shows_per_request_spec_columns_and_the_window():
     assert lines[1].split()[-4:] == ["10", "3", "3.000", "0"]
     assert lines[2].split()[-4:] == ["10", "3", "2.000", "absent"]
     assert ("decode window: Δverify 6, Δgeneration_tokens 20, Δfinished 2; spec_accept_length 2.500 "
-            "(readings [3.0, 2.0]); (Δgen − Δfinished)/Δverify 3.000") in lines
+            "(readings [3.0, 2.0]); (Δgen − Δfinished)/Δverify 3.000; naive Δgen/Δverify 3.333 "
+            "(not asserted: counts each prefill hand-off token)") in lines
     assert lines[-1] == "PASS: all assertions hold"
     res.failures.append("assertion 3 (x): y")
     assert res.report().splitlines()[-1] == "FAIL assertion 3 (x): y" and not res.passed
@@ -50,7 +51,14 @@ def test_report_shows_per_request_spec_columns_and_the_window():
 
 def test_options_describe_and_validate():
     assert E2eOptions().gpus_needed == 2 and E2eOptions(single_gpu=True).gpus_needed == 1
-    assert E2eOptions(cpu=True).gpus_needed == 0
+    assert E2eOptions(engine="fake-cpu").gpus_needed == 0 == E2eOptions(engine="sglang-cpu").gpus_needed
+    assert not E2eOptions(engine="fake-cpu").speculates and E2eOptions(engine="sglang-cpu").speculates
+    assert "[NEGATIVE CONTROL: the draft never agrees with the target]" in E2eOptions(
+        engine="sglang-cpu", draft="disagree").describe()
+    with pytest.raises(ValueError, match="sglang-cpu"):
+        E2eOptions(draft="disagree")
+    with pytest.raises(ValueError, match="engine must be one of"):
+        E2eOptions(engine="tpu")
     assert "[NEGATIVE CONTROL: router eagle forced off]" in E2eOptions(router_eagle=False).describe()
     topo = E2eOptions(router_eagle=False).topology()
     assert [(w.role, w.gpu, w.register_eagle) for w in topo.workers] == [

@@ -1,0 +1,600 @@
+"""The CPU kernel stand-ins against SGLang's own Triton kernels, run by Triton's interpreter.
+
+For every ``*_cpu`` name in :mod:`kvalign.sglang_cpu_standin.kernels`, Hypothesis draws inputs
+shaped as SGLang 0.5.23 builds them (int32/int64 index tensors, small batches, topk=1 chains and
+topk>1 trees), and SGLang's ``*_func`` wrapper runs twice on identical copies: once down its
+Triton branch (the reference: SGLang's Triton kernel under ``TRITON_INTERPRET=1`` on CPU tensors)
+and once down its CPU branch with the stand-in bound where SGLang imports it from ``sgl_kernel``.
+Every output and every mutated buffer must be equal, dtype included. Going through SGLang's own
+call sites also checks argument order, keyword names and out-parameter conventions.
+
+Triton decides interpreted-or-compiled when a ``@triton.jit`` function is *created*, including
+its standard library (``tl.sum`` is one), so the reference cannot run in a pytest process that
+may already have imported triton/SGLang normally. It runs in one child process (this file run
+as a script) started with ``TRITON_INTERPRET=1`` and without ``SGLANG_USE_CPU_ENGINE`` (so
+SGLang's modules take their GPU imports and never need ``sgl_kernel``).
+
+Negative controls: each kernel has an off-by-one (or write-before-read) mutant of the stand-in,
+and the same comparison must catch it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from kvalign.sglang_cpu_standin import kernels as standin
+
+VOCAB = 512  # the tiny test models' vocabulary
+REQUEST_TIMEOUT_S = 120.0
+
+# --------------------------------------------------------------------------------------------
+# Mutants: the negative controls. Each wraps the stand-in with one classic off-by-one.
+
+
+def _mutant_fill_bonus(accept_tokens, accept_lens, bonus_tokens, accept_stride):
+    """Takes the token before the bonus (accept_len - 2 instead of - 1)."""
+    standin.fill_bonus_tokens_cpu(accept_tokens, (accept_lens - 1).clamp(min=1), bonus_tokens, accept_stride)
+
+
+def _mutant_fill_accept(accept_index, out_cache_loc, accept_out_cache_loc):
+    """Reads the slot one to the right of each accepted node."""
+    standin.fill_accept_out_cache_loc_cpu(accept_index, out_cache_loc.roll(-1), accept_out_cache_loc)
+
+
+def _mutant_assign_req_to_token_pool(req_pool_indices, req_to_token, start, end, out_cache_loc, pool_len):
+    """Writes one slot fewer per request (exclusive end treated as inclusive-minus-one)."""
+    standin.assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start, end - 1, out_cache_loc, pool_len)
+
+
+def _mutant_assign_extend(req_pool_indices, req_to_token, start, end, out_cache_loc, pool_len):
+    """Reads each request's row one column to the right."""
+    standin.assign_extend_cache_locs_cpu(req_pool_indices, req_to_token.roll(-1, 1), start, end, out_cache_loc, pool_len)
+
+
+def _mutant_assign_draft(req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len, topk, num_cols):
+    """Starts the draft slots one column after seq_len."""
+    standin.assign_draft_cache_locs_contiguous_cpu(
+        req_pool_indices, req_to_token.roll(-1, 1), seq_lens, out_cache_loc, pool_len, topk, num_cols)
+
+
+def _mutant_copy_kv(data_ptrs, strides, tgt_loc, src_loc):
+    """Moves rows one by one, so a row moved earlier is read back as the source of a later move."""
+    for j in range(tgt_loc.numel()):
+        standin.copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc[j : j + 1], src_loc[j : j + 1])
+
+
+def _mutant_build_tree(parent_list, selected_index, seq_lens, *buffers_and_sizes):
+    """Walks one level less of each token's ancestry (depth - 1)."""
+    *buffers, topk, depth, draft_token_num, mode = buffers_and_sizes
+    standin.build_tree_kernel_efficient_cpu(parent_list, selected_index, seq_lens, *buffers, topk, depth - 1,
+                                            draft_token_num, mode)
+
+
+def _mutant_verify(*, target_predict, **kwargs):
+    """Checks each draft against the target's prediction at the neighbouring node."""
+    standin.verify_tree_greedy_cpu(target_predict=target_predict.roll(1, 1), **kwargs)
+
+
+MUTANTS: dict[str, Callable[..., None]] = {
+    "fill_bonus_tokens_cpu": _mutant_fill_bonus,
+    "fill_accept_out_cache_loc_cpu": _mutant_fill_accept,
+    "assign_req_to_token_pool_cpu": _mutant_assign_req_to_token_pool,
+    "assign_extend_cache_locs_cpu": _mutant_assign_extend,
+    "assign_draft_cache_locs_contiguous_cpu": _mutant_assign_draft,
+    "copy_all_layer_kv_cache_cpu": _mutant_copy_kv,
+    "build_tree_kernel_efficient_cpu": _mutant_build_tree,
+    "verify_tree_greedy_cpu": _mutant_verify,
+}
+
+# --------------------------------------------------------------------------------------------
+# Child side: SGLang's call sites, each run down its Triton branch or its CPU branch.
+
+#: PyPI torchvision is a CUDA build whose op-registration modules fail beside torch+cpu; SGLang
+#: only needs its Python parts (same shim as kvalign.oracles.sglang and the stand-in's hooks).
+_TORCHVISION_SHIM = ("torchvision._meta_registrations", "torchvision._autograd_registrations")
+_SGLANG_MODULES = {
+    "eagle": "sglang.kernels.ops.speculative.eagle",
+    "spec_tree": "sglang.kernels.ops.speculative.spec_tree",
+    "cache_locs": "sglang.kernels.ops.speculative.cache_locs",
+    "cache_move": "sglang.kernels.ops.kvcache.cache_move",
+    "allocation": "sglang.srt.mem_cache.allocation",
+}
+#: The Triton kernels the references launch (module key, attribute).
+_REFERENCE_KERNELS = (
+    ("eagle", "fill_bonus_tokens"), ("eagle", "fill_accept_out_cache_loc"),
+    ("allocation", "assign_req_to_token_pool"), ("cache_locs", "assign_extend_cache_locs"),
+    ("cache_locs", "assign_draft_cache_locs_contiguous"), ("cache_move", "copy_all_layer_kv_cache_tiled"),
+    ("spec_tree", "sgl_build_tree_kernel_efficient_triton"), ("spec_tree", "verify_tree_greedy_kernel_triton"),
+)
+_PLATFORM_FLAGS = ("_is_cpu", "_is_cuda", "_is_hip", "_is_musa", "_is_npu", "_is_xpu")
+_M: dict[str, types.ModuleType] = {}
+
+
+@contextmanager
+def _branch(module: str, impl: str, bound_as: str, kernel: str, triton_flag: str | None = None) -> Iterator[None]:
+    """Route ``module``'s dispatch to its Triton branch (``impl == "triton"``) or to its CPU branch
+    with ``kernel`` (stand-in or mutant) bound under the name SGLang imported it as."""
+    mod = _M[module]
+    saved = {name: getattr(mod, name) for name in (*_PLATFORM_FLAGS, bound_as) if hasattr(mod, name)}
+    for name in _PLATFORM_FLAGS:
+        if hasattr(mod, name):
+            setattr(mod, name, False)
+    if impl == "triton":
+        if triton_flag:  # the platform whose branch launches the Triton kernel
+            setattr(mod, triton_flag, True)
+    else:
+        mod._is_cpu = True
+        setattr(mod, bound_as, MUTANTS[kernel] if impl == "mutant" else getattr(standin, kernel))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(mod, name, value)
+        if bound_as not in saved and hasattr(mod, bound_as):
+            delattr(mod, bound_as)
+
+
+def _call_fill_bonus(impl, accept_tokens, accept_lens, bonus_tokens, accept_stride):
+    with _branch("eagle", impl, "fill_bonus_tokens_cpu", "fill_bonus_tokens_cpu"):
+        _M["eagle"].fill_bonus_tokens_func(accept_tokens, accept_lens, bonus_tokens, accept_stride, accept_lens.numel())
+    return bonus_tokens
+
+
+def _call_fill_accept(impl, accept_index, out_cache_loc, accept_out_cache_loc):
+    with _branch("eagle", impl, "fill_accept_out_cache_loc_cpu", "fill_accept_out_cache_loc_cpu"):
+        _M["eagle"].fill_accept_out_cache_loc_func(accept_index, out_cache_loc, accept_out_cache_loc, accept_index.numel())
+    return accept_out_cache_loc
+
+
+def _call_assign_req_to_token_pool(impl, req_pool_indices, req_to_token, start, end, out_cache_loc):
+    with _branch("allocation", impl, "assign_req_to_token_pool_cpu", "assign_req_to_token_pool_cpu"):
+        _M["allocation"].assign_req_to_token_pool_func(req_pool_indices, req_to_token, start, end, out_cache_loc,
+                                                       req_pool_indices.numel())
+    return req_to_token
+
+
+def _call_assign_extend(impl, req_pool_indices, req_to_token, start, end, draft_token_num):
+    # The GPU branch is taken on CUDA; here it only allocates the output and launches the kernel.
+    with _branch("cache_locs", impl, "assign_extend_cache_locs_cpu", "assign_extend_cache_locs_cpu", "_is_cuda"):
+        return _M["cache_locs"].assign_extend_cache_locs_func(
+            req_pool_indices=req_pool_indices, req_to_token=req_to_token, start_offset=start, end_offset=end,
+            batch_size=req_pool_indices.numel(), draft_token_num=draft_token_num, device="cpu")
+
+
+def _call_fill_front(impl, num_front, out_cache_loc, front_out_cache_loc):
+    with _branch("cache_locs", impl, "assign_extend_cache_locs_cpu", "assign_extend_cache_locs_cpu"):
+        _M["cache_locs"].fill_front_out_cache_loc_func(num_front, out_cache_loc, front_out_cache_loc)
+    return front_out_cache_loc
+
+
+def _call_assign_draft(impl, req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_cols):
+    with _branch("cache_locs", impl, "assign_draft_cache_locs_contiguous_cpu", "assign_draft_cache_locs_contiguous_cpu"):
+        _M["cache_locs"].assign_draft_cache_locs_contiguous_func(req_pool_indices, req_to_token, seq_lens,
+                                                                 out_cache_loc, topk, num_cols)
+    return out_cache_loc
+
+
+def _call_copy_kv(impl, buffers, tgt_loc, src_loc):
+    # The pool's pointer and stride tensors (memory_pool._init_data_ptrs_and_strides), and its
+    # tiling for rows under 4 KiB (_KV_COPY_TILE_SIZE_SMALL, _KV_COPY_NUM_WARPS_SMALL_TILE).
+    data_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64)
+    strides = torch.tensor([b.stride(0) * b.dtype.itemsize for b in buffers])
+    stride_bytes = int(strides[0])
+    config = {"bytes_per_tile": 128, "byte_tiles": (stride_bytes + 127) // 128, "num_warps": 4}
+    n = tgt_loc.numel()
+    with _branch("cache_move", impl, "copy_all_layer_kv_cache_cpu", "copy_all_layer_kv_cache_cpu"):
+        _M["cache_move"].copy_all_layer_kv_cache_func(data_ptrs, strides, tgt_loc, src_loc, n,
+                                                      1 << (n - 1).bit_length(), config)
+    return buffers
+
+
+def _call_build_tree(impl, parent_list, selected_index, seq_lens, tree_mask, positions, retrieve_buf, topk, steps,
+                     draft_token_num, mode):
+    spec_tree = _M["spec_tree"]
+    with _branch("spec_tree", impl, "sgl_build_tree_kernel_efficient_cpu", "build_tree_kernel_efficient_cpu", "_is_xpu"):
+        spec_tree.build_tree_kernel_efficient_func(parent_list, selected_index, seq_lens, tree_mask, positions,
+                                                   *retrieve_buf, topk, steps, draft_token_num,
+                                                   spec_tree.TreeMaskMode(mode))
+    return tree_mask, positions, retrieve_buf
+
+
+def _call_verify(impl, predicts, accept_index, accept_token_num, candidates, retrieve_buf, target_predict, topk):
+    with _branch("spec_tree", impl, "sgl_verify_tree_greedy_cpu", "verify_tree_greedy_cpu", "_is_xpu"):
+        return _M["spec_tree"].verify_tree_greedy_func(
+            predicts=predicts, accept_index=accept_index, accept_token_num=accept_token_num, candidates=candidates,
+            retrieve_index=retrieve_buf[0], retrieve_next_token=retrieve_buf[1],
+            retrieve_next_sibling=retrieve_buf[2], target_predict=target_predict, topk=topk)
+
+
+#: call site -> (stand-in name, runner). fill_front is a second call site of assign_extend.
+CALLS: dict[str, tuple[str, Callable[..., Any]]] = {
+    "fill_bonus_tokens_func": ("fill_bonus_tokens_cpu", _call_fill_bonus),
+    "fill_accept_out_cache_loc_func": ("fill_accept_out_cache_loc_cpu", _call_fill_accept),
+    "assign_req_to_token_pool_func": ("assign_req_to_token_pool_cpu", _call_assign_req_to_token_pool),
+    "assign_extend_cache_locs_func": ("assign_extend_cache_locs_cpu", _call_assign_extend),
+    "fill_front_out_cache_loc_func": ("assign_extend_cache_locs_cpu", _call_fill_front),
+    "assign_draft_cache_locs_contiguous_func": ("assign_draft_cache_locs_contiguous_cpu", _call_assign_draft),
+    "copy_all_layer_kv_cache_func": ("copy_all_layer_kv_cache_cpu", _call_copy_kv),
+    "build_tree_kernel_efficient_func": ("build_tree_kernel_efficient_cpu", _call_build_tree),
+    "verify_tree_greedy_func": ("verify_tree_greedy_cpu", _call_verify),
+}
+
+
+def _send(stream, obj: Any) -> None:
+    data = pickle.dumps(obj)
+    stream.write(struct.pack("<Q", len(data)) + data)
+    stream.flush()
+
+
+def _read_exact(stream, n: int) -> bytes:
+    data = stream.read(n)
+    if len(data) != n:
+        raise EOFError("reference process closed its pipe")
+    return data
+
+
+def _recv(stream) -> Any:
+    (n,) = struct.unpack("<Q", _read_exact(stream, 8))
+    return pickle.loads(_read_exact(stream, n))
+
+
+def _serve() -> None:
+    """Child main: import SGLang's kernel modules interpreted, then answer requests on stdin."""
+    protocol_out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # anything SGLang prints goes to stderr, not into the protocol
+    for name in _TORCHVISION_SHIM:
+        sys.modules.setdefault(name, types.ModuleType(name))
+    from triton.runtime.interpreter import InterpretedFunction
+
+    _M.update({key: importlib.import_module(path) for key, path in _SGLANG_MODULES.items()})
+    _send(protocol_out, {
+        "sgl_kernel_imported": "sgl_kernel" in sys.modules,
+        "not_interpreted": [f"{m}.{k}" for m, k in _REFERENCE_KERNELS
+                            if not isinstance(getattr(_M[m], k), InterpretedFunction)],
+        "is_cpu": [key for key, mod in _M.items() if getattr(mod, "_is_cpu", False)],
+    })
+    while True:
+        try:
+            call, impl, args = _recv(sys.stdin.buffer)
+        except EOFError:
+            return
+        try:
+            reply = ("ok", CALLS[call][1](impl, *args))
+        except Exception as exc:  # reported to the parent, which fails the test with it
+            reply = ("error", f"{type(exc).__name__}: {exc}")
+        _send(protocol_out, reply)
+
+
+# --------------------------------------------------------------------------------------------
+# Parent side.
+
+
+class KernelMismatch(AssertionError):
+    """A stand-in's outputs differ from SGLang's Triton kernel's."""
+
+
+class ReferenceProcess:
+    """The child that runs SGLang's call sites; one per test module."""
+
+    def __init__(self, stderr_path: Path) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_USE_CPU_ENGINE", "KVALIGN_SGLANG_STANDIN")}
+        env["TRITON_INTERPRET"] = "1"
+        self.stderr_path = stderr_path
+        self._stderr = stderr_path.open("wb")
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._stderr, env=env)
+        self.hello = self._reply()
+
+    def _reply(self) -> Any:
+        ready, _, _ = select.select([self.proc.stdout], [], [], REQUEST_TIMEOUT_S)
+        if not ready:
+            raise RuntimeError(f"reference process silent for {REQUEST_TIMEOUT_S:.0f} s{self._tail()}")
+        try:
+            return _recv(self.proc.stdout)
+        except EOFError:
+            raise RuntimeError(f"reference process exited (rc {self.proc.wait()}){self._tail()}") from None
+
+    def _tail(self) -> str:
+        self._stderr.flush()
+        return "; its stderr ends:\n" + self.stderr_path.read_text(errors="replace")[-3000:]
+
+    def run(self, call: str, impl: str, args: tuple) -> Any:
+        _send(self.proc.stdin, (call, impl, args))
+        status, value = self._reply()
+        if status != "ok":
+            raise RuntimeError(f"{call} ({impl}) raised in the reference process: {value}")
+        return value
+
+    def close(self) -> None:
+        self.proc.stdin.close()  # the child returns on EOF; SGLang's interpreter teardown is slow,
+        try:  # and the child holds nothing worth a clean exit
+            self.proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._stderr.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReferenceProcess]:
+    for package in ("sglang", "triton"):
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"{package} is not installed: run scripts/setup.sh (SGLang's Triton kernels are the reference)")
+    ref = ReferenceProcess(tmp_path_factory.mktemp("triton-reference") / "stderr.log")
+    yield ref
+    ref.close()
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def check(reference: ReferenceProcess, call: str, args: tuple, impl: str = "standin") -> None:
+    """Run ``call`` down its Triton branch and with ``impl`` on copies of ``args``; all equal."""
+    expected = _tensors(reference.run(call, "triton", args))
+    actual = _tensors(reference.run(call, impl, args))
+    assert len(expected) == len(actual) > 0
+    for i, (want, got) in enumerate(zip(expected, actual, strict=True)):
+        if want.dtype != got.dtype or want.shape != got.shape or not torch.equal(want, got):
+            raise KernelMismatch(f"{call} output {i}: {CALLS[call][0]} ({impl}) gave {got.dtype} {got.tolist()}, "
+                                 f"SGLang's Triton kernel {want.dtype} {want.tolist()}")
+
+
+# --------------------------------------------------------------------------------------------
+# Strategies: inputs as SGLang builds them.
+
+
+def _ints(shape: tuple[int, ...], lo: int, hi: int, dtype: torch.dtype) -> st.SearchStrategy[torch.Tensor]:
+    n = 1
+    for d in shape:
+        n *= d
+    return st.lists(st.integers(lo, hi), min_size=n, max_size=n).map(
+        lambda v: torch.tensor(v, dtype=dtype).reshape(shape))
+
+
+index_dtypes = st.sampled_from([torch.int64, torch.int32])
+
+
+@st.composite
+def fill_bonus_args(draw):
+    # eagle_worker_common: accept_tokens = predict[accept_index] (int32, bs x (steps + 1)),
+    # accept_lens int32 in [1, steps + 1], bonus_tokens = empty_like(accept_lens, int32).
+    bs, width = draw(st.integers(1, 6)), draw(st.integers(1, 5))
+    tokens = draw(_ints((bs, width), 0, VOCAB - 1, torch.int32))
+    lens = draw(_ints((bs,), 1, width, torch.int32))
+    return tokens, lens, torch.full((bs,), -7, dtype=torch.int32), width
+
+
+@st.composite
+def fill_accept_args(draw):
+    # spec_utils.move_accept_tokens: accept_index int32 (bs, steps + 1), each row the root node
+    # then increasing accepted nodes of that request's tree, -1 padded; out_cache_loc int64 with
+    # one slot per verify token; accept_out_cache_loc = zeros(accept_index.numel()).
+    bs, width = draw(st.integers(1, 6)), draw(st.integers(1, 5))
+    num_draft = draw(st.integers(width, width + 3))
+    rows = []
+    for b in range(bs):
+        accepted = draw(st.integers(0, min(width, num_draft) - 1))
+        nodes = sorted(draw(st.lists(st.integers(1, num_draft - 1), unique=True, min_size=accepted,
+                                     max_size=accepted))) if num_draft > 1 else []
+        row = [b * num_draft] + [b * num_draft + n for n in nodes]
+        rows.append(row + [-1] * (width - len(row)))
+    slots = draw(st.lists(st.integers(0, 1 << 20), unique=True, min_size=bs * num_draft, max_size=bs * num_draft))
+    return (torch.tensor(rows, dtype=torch.int32), torch.tensor(slots, dtype=torch.int64),
+            torch.zeros(bs * width, dtype=torch.int64))
+
+
+@st.composite
+def req_to_token_pool(draw, min_len: int = 1):
+    """(req_to_token int32 pool prefilled with slot ids, distinct request rows int64)."""
+    rows, pool_len = draw(st.integers(1, 6)), draw(st.integers(min_len, 48))
+    table = draw(_ints((rows, pool_len), 0, 1 << 20, torch.int32))
+    order = draw(st.permutations(range(rows)))
+    bs = draw(st.integers(1, rows))
+    return table, torch.tensor(order[:bs], dtype=torch.int64)
+
+
+@st.composite
+def assign_req_to_token_pool_args(draw):
+    # allocation.alloc_for_decode/extend: row i gets columns [cur_kv_len, nxt_kv_len) from
+    # the freshly allocated out_cache_loc (int64), packed in request order.
+    table, req = draw(req_to_token_pool())
+    pool_len, bs = table.shape[1], req.numel()
+    start = [draw(st.integers(0, pool_len)) for _ in range(bs)]
+    end = [draw(st.integers(s, pool_len)) for s in start]
+    dtype = draw(index_dtypes)
+    total = sum(e - s for s, e in zip(start, end))
+    out = draw(_ints((total + draw(st.integers(0, 2)),), 0, 1 << 20, torch.int64))
+    return req, table, torch.tensor(start, dtype=dtype), torch.tensor(end, dtype=dtype), out
+
+
+@st.composite
+def assign_extend_args(draw):
+    # eagle_utils/ngram_worker: every request extends by draft_token_num slots from seq_len on.
+    table, req = draw(req_to_token_pool())
+    pool_len, bs = table.shape[1], req.numel()
+    num = draw(st.integers(1, min(pool_len, 8)))
+    start = torch.tensor([draw(st.integers(0, pool_len - num)) for _ in range(bs)], dtype=draw(index_dtypes))
+    return req, table, start, start + num, num
+
+
+@st.composite
+def fill_front_args(draw):
+    # spec_utils.move_accept_tokens: num_front = num_correct_drafts + 1 (int32), the verify window
+    # out_cache_loc (int64, bs x num_draft_tokens), tgt_cache_loc = zeros int64.
+    bs, width = draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    window = draw(st.lists(st.integers(0, 1 << 20), unique=True, min_size=bs * width, max_size=bs * width))
+    num_front = draw(_ints((bs,), 1, width, torch.int32))
+    return num_front, torch.tensor(window, dtype=torch.int64), torch.zeros(bs * width, dtype=torch.int64)
+
+
+@st.composite
+def assign_draft_args(draw):
+    # eagle_worker_common (page_size == 1 or topk == 1): topk * num_cols slots per request from
+    # seq_len on, into out_cache_loc int64.
+    topk, num_cols = draw(st.sampled_from([1, 2, 4])), draw(st.integers(1, 4))
+    table, req = draw(req_to_token_pool(min_len=topk * num_cols))
+    pool_len, bs = table.shape[1], req.numel()
+    seq_lens = torch.tensor([draw(st.integers(0, pool_len - topk * num_cols)) for _ in range(bs)], dtype=torch.int64)
+    return req, table, seq_lens, torch.full((bs * topk * num_cols,), -7, dtype=torch.int64), topk, num_cols
+
+
+@st.composite
+def copy_kv_args(draw):
+    # MHATokenToKVPool: one k and one v buffer per layer, (rows, heads, head_dim), all one dtype;
+    # move_kv_cache(tgt, src) with distinct targets (sources may be targets: overlapping moves).
+    layers, rows = draw(st.integers(1, 3)), draw(st.integers(2, 10))
+    heads, head_dim = draw(st.integers(1, 2)), draw(st.sampled_from([2, 4, 8]))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
+    buffers = [torch.randn(rows, heads, head_dim, generator=gen).to(dtype) for _ in range(2 * layers)]
+    n = draw(st.integers(1, rows))
+    tgt = draw(st.permutations(range(rows)))[:n]
+    src = draw(st.lists(st.integers(0, rows - 1), min_size=n, max_size=n))
+    return buffers, torch.tensor(tgt, dtype=torch.int64), torch.tensor(src, dtype=torch.int64)
+
+
+def _draft_tree(gen: torch.Generator, bs: int, topk: int, steps: int, num_verify: int):
+    """parent_list and top_scores_index as EAGLE's draft loop builds them from random scores:
+    spec_utils._select_top_k_tokens_first/_later, then eagle_utils.organize_draft_results."""
+    scores = torch.rand(bs, topk, generator=gen).sort(dim=-1, descending=True).values
+    score_list = [scores.unsqueeze(1)]
+    parents = [torch.arange(-1, topk, dtype=torch.long).expand(bs, -1)]
+    for i in range(1, steps):
+        topk_p = torch.rand(bs, topk, topk, generator=gen).sort(dim=-1, descending=True).values
+        expand = scores.unsqueeze(2) * topk_p
+        scores, cs_index = torch.topk(expand.flatten(1), topk, dim=-1)
+        score_list.append(expand)
+        parents.append(cs_index + (topk * topk * (i - 1) + topk))
+    flat = torch.cat(score_list, dim=1).flatten(1)
+    top = torch.sort(torch.topk(flat, num_verify - 1, dim=-1).indices).values
+    parent_list = torch.cat(parents[:-1], dim=1) if steps > 1 else torch.empty(bs, 0, dtype=torch.long)
+    return parent_list, top
+
+
+@st.composite
+def build_tree_args(draw):
+    # eagle_utils.build_tree_kernel_efficient: seq_lens int64, retrieve_buf full of -1 (3, bs, n),
+    # positions int64; QLEN_ONLY (SGLang's CPU default) or FULL_MASK. Trees: topk=1 chains and
+    # topk>1 trees from EAGLE's own selection, plus arbitrary sorted selections (which also reach
+    # the kernel's "parent not selected" path).
+    bs, topk, steps = draw(st.integers(1, 4)), draw(st.sampled_from([1, 1, 2, 3])), draw(st.integers(1, 4))
+    candidates = topk + (steps - 1) * topk * topk
+    num_verify = draw(st.integers(2, min(candidates + 1, 8)))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
+    parent_list, top = _draft_tree(gen, bs, topk, steps, num_verify)
+    if draw(st.booleans()):
+        top = torch.tensor([sorted(draw(st.lists(st.integers(0, candidates - 1), unique=True, min_size=num_verify - 1,
+                                                  max_size=num_verify - 1))) for _ in range(bs)], dtype=torch.long)
+    seq_lens = draw(_ints((bs,), 1, 24, draw(index_dtypes)))
+    mode = draw(st.sampled_from([0, 1]))  # TreeMaskMode.FULL_MASK, QLEN_ONLY
+    cells = (int(seq_lens.sum()) * num_verify if mode == 0 else 0) + num_verify * num_verify * bs
+    tree_mask = torch.rand(cells, generator=gen) < 0.5  # untouched cells must stay as they were
+    positions = torch.full((bs * num_verify,), -3, dtype=torch.int64)
+    retrieve_buf = torch.full((3, bs, num_verify), -1, dtype=torch.long)
+    return parent_list, top, seq_lens, tree_mask, positions, retrieve_buf, topk, steps, num_verify, mode
+
+
+@st.composite
+def verify_args(draw):
+    # eagle_utils.verify: a draft tree per request as build_tree links it (next_token = first child,
+    # siblings in index order), candidates = draft tokens, target_predict = argmax (int64),
+    # predict int32 zeros, accept_index int32 (bs, steps + 1) of -1, accept_token_num int32.
+    bs, topk, steps = draw(st.integers(1, 4)), draw(st.sampled_from([1, 1, 2, 4])), draw(st.integers(1, 4))
+    num_verify = steps + 1 if topk == 1 else draw(st.integers(2, 8))
+    retrieve = torch.full((3, bs, num_verify), -1, dtype=torch.long)
+    retrieve[0] = torch.arange(bs * num_verify).view(bs, num_verify)
+    for b in range(bs):
+        depth = [0]
+        for i in range(1, num_verify):
+            if topk == 1:
+                parent = i - 1
+            else:
+                parent = draw(st.sampled_from([j for j in range(i) if depth[j] < steps]))
+            depth.append(depth[parent] + 1)
+            if retrieve[1, b, parent] == -1:
+                retrieve[1, b, parent] = i
+            else:
+                last = int(retrieve[1, b, parent])
+                while retrieve[2, b, last] != -1:
+                    last = int(retrieve[2, b, last])
+                retrieve[2, b, last] = i
+    small_vocab = draw(st.integers(1, 3))  # few distinct tokens: drafts are often accepted
+    candidates = draw(_ints((bs, num_verify), 0, small_vocab, torch.int64))
+    target = draw(_ints((bs, num_verify), 0, small_vocab, torch.int64))
+    return (torch.zeros(bs * num_verify, dtype=torch.int32), torch.full((bs, steps + 1), -1, dtype=torch.int32),
+            torch.full((bs,), -9, dtype=torch.int32), candidates, retrieve, target, topk)
+
+
+STRATEGIES: dict[str, st.SearchStrategy[tuple]] = {
+    "fill_bonus_tokens_func": fill_bonus_args(),
+    "fill_accept_out_cache_loc_func": fill_accept_args(),
+    "assign_req_to_token_pool_func": assign_req_to_token_pool_args(),
+    "assign_extend_cache_locs_func": assign_extend_args(),
+    "fill_front_out_cache_loc_func": fill_front_args(),
+    "assign_draft_cache_locs_contiguous_func": assign_draft_args(),
+    "copy_all_layer_kv_cache_func": copy_kv_args(),
+    "build_tree_kernel_efficient_func": build_tree_args(),
+    "verify_tree_greedy_func": verify_args(),
+}
+
+# --------------------------------------------------------------------------------------------
+# Tests.
+
+
+def test_every_stand_in_is_checked_against_a_call_site():
+    assert {name for name, _ in CALLS.values()} == set(standin.__all__) == set(MUTANTS)
+    assert set(STRATEGIES) == set(CALLS)
+
+
+def test_reference_is_sglangs_triton_kernels_interpreted_without_sgl_kernel(reference):
+    hello = reference.hello
+    assert hello["not_interpreted"] == [], "these references would not run SGLang's Triton kernels interpreted"
+    assert hello["is_cpu"] == [], "SGLang's modules took their CPU branch at import (SGLANG_USE_CPU_ENGINE leaked)"
+    assert hello["sgl_kernel_imported"] is False
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_stand_in_equals_sglang_triton_kernel(reference, count_case, call):
+    @given(args=STRATEGIES[call])
+    def prop(args):
+        count_case()
+        check(reference, call, args)
+
+    prop()
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_negative_control_off_by_one_stand_in_is_caught(reference, call):
+    @settings(settings.default, max_examples=50, derandomize=True, database=None, report_multiple_bugs=False,
+              phases=(Phase.generate,))  # detection is the point here: skip shrinking
+    @given(args=STRATEGIES[call])
+    def prop(args):
+        check(reference, call, args, impl="mutant")
+
+    with pytest.raises(KernelMismatch):
+        prop()
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:
+    _serve()
