@@ -8,7 +8,7 @@ VENV=$ROOT/.venv
 SGLANG_VERSION=${KVALIGN_SGLANG_VERSION:-0.5.23}
 DYNAMO_VERSION=1.6.1
 TORCH_PIN="torch==2.13.0+cpu"
-STAMP=$VENV/.kvalign-setup-$SGLANG_VERSION-$DYNAMO_VERSION-$(cat scripts/setup.sh pyproject.toml scripts/requirements-cpu.txt scripts/constraints-cpu.txt | sha1sum | cut -c1-12)
+STAMP=$VENV/.kvalign-setup-$SGLANG_VERSION-$DYNAMO_VERSION-$(cat scripts/setup.sh pyproject.toml scripts/requirements-cpu.txt scripts/requirements-engine-cpu.txt scripts/constraints-cpu.txt | sha1sum | cut -c1-12)
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
@@ -64,9 +64,10 @@ pipq "${CONSTRAINTS[@]}" --no-deps "sglang==$SGLANG_VERSION" torchvision==0.28.0
   "ai-dynamo-runtime==$DYNAMO_VERSION" "ai-dynamo==$DYNAMO_VERSION"
 
 # 3. What SGLang's radix cache / event publisher import chain and Dynamo's Python runtime need,
+#    what the real SGLang server + dynamo.sglang need on CPU (the real-engine live layer),
 #    plus kvalign itself with its test extras.
 log "installing runtime dependencies and kvalign"
-pipq "${CONSTRAINTS[@]}" -r scripts/requirements-cpu.txt -e ".[test]"
+pipq "${CONSTRAINTS[@]}" -r scripts/requirements-cpu.txt -r scripts/requirements-engine-cpu.txt -e ".[test]"
 
 "$VENV/bin/python" -c "import torch; assert torch.__version__=='2.13.0+cpu', torch.__version__"
 rm -f "$VENV"/.kvalign-setup-*
