@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -62,9 +63,10 @@ TORCHVISION_SHIM = ("torchvision._meta_registrations", "torchvision._autograd_re
 def install() -> None:
     """Refuse a different SGLang, shim torchvision, then patch SGLang's modules as they load."""
     problem = version_problem()
-    if problem:
+    if problem:  # site.py would turn SystemExit into a traceback: leave with one line instead
         sys.stderr.write(f"kvalign: {problem}\n")
-        raise SystemExit(2)
+        sys.stderr.flush()
+        os._exit(2)
     for name in TORCHVISION_SHIM:
         sys.modules.setdefault(name, ModuleType(name))
     if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):

@@ -55,3 +55,27 @@ def test_live_up_interrupted_tears_everything_down(live_run_dir, cpu_live_stack,
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.timeout(300)
+def test_real_engine_live_up_terminated_tears_every_process_down(live_run_dir, sglang_cpu_engine):
+    """``dynamo.sglang`` ignores SIGTERM for seconds and forks SGLang's scheduler and
+    detokenizer: a terminated ``kvalign live up --engine sglang-cpu`` must still leave nothing."""
+    run_dir = live_run_dir / "real"
+    proc = _kvalign("live", "up", "--engine", "sglang-cpu", "--workers", "1", "--run-dir", str(run_dir))
+    try:
+        deadline = time.monotonic() + 240
+        line = ""
+        while time.monotonic() < deadline and not line.startswith("frontend"):
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, f"kvalign exited early: {proc.stderr.read()}"
+        assert line.startswith("frontend"), "cluster never became ready"
+        started = pids_with_env(RUN_MARKER_ENV, str(run_dir))
+        assert len(started) > 3, f"expected SGLang's children besides broker, worker and frontend: {started}"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        assert not pids_with_env(RUN_MARKER_ENV, str(run_dir)), "processes survived the terminated CLI"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

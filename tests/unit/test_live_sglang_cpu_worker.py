@@ -1,0 +1,86 @@
+"""The real-engine CPU worker kind's commands and the tiny offline models it serves.
+
+The workers themselves run in tests/e2e/test_disagg_eagle.py (``sglang-cpu``); here: what they are
+started with, and that the models are what the negative controls rely on.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from kvalign import sglang_cpu_standin
+from kvalign.live import engine_model
+from kvalign.live.scenario import prompt_tokens
+from kvalign.live.sglang_cpu_worker import CpuEagle, plan_cluster
+from kvalign.live.topology import Topology
+
+
+def _flags(argv: list[str]) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for i, a in enumerate(argv):
+        if a.startswith("--"):
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            out[a] = None if nxt is None or nxt.startswith("--") else nxt
+    return out
+
+
+def test_disaggregated_commands(tmp_path):
+    plan, kind = plan_cluster(Topology.disaggregated(2, 1, eagle=True), tmp_path)
+    specs = {w.name: kind.command(w, plan) for w in plan.topology.workers}
+    assert plan.model_name == engine_model.TARGET_NAME
+    for name, spec in specs.items():
+        f = _flags(spec.argv)
+        assert spec.argv[1:3] == ["-m", "dynamo.sglang"]
+        assert f["--device"] == "cpu" and f["--attention-backend"] == "torch_native" and f["--host"] == "127.0.0.1"
+        assert f["--disaggregation-transfer-backend"] == "fake" and f["--speculative-algorithm"] == "EAGLE3"
+        assert (f["--speculative-num-steps"], f["--speculative-eagle-topk"], f["--speculative-num-draft-tokens"]) == ("1", "1", "2")
+        assert spec.env["PYTHONPATH"].split(":")[0] == str(sglang_cpu_standin.SITE_DIR)
+        assert spec.env["SGLANG_USE_CPU_ENGINE"] == "1" and spec.env[sglang_cpu_standin.ENABLE_ENV] == "1"
+        assert json.loads(f["--kv-events-config"] or "null") if name.startswith("prefill") else "--kv-events-config" not in f
+    decode = _flags(specs["decode0"].argv)
+    assert decode["--disaggregation-decode-retraction-backup"] == "cpu_tensor" and decode["--decode-log-interval"] == "1"
+    assert json.loads(_flags(specs["prefill0"].argv)["--kv-events-config"])["endpoint"].startswith("tcp://127.0.0.1:")
+
+
+def test_negative_control_worker_forces_the_card_off_and_plain_workers_have_no_draft(tmp_path):
+    plan, kind = plan_cluster(Topology.aggregated(2, eagle=True, register_eagle=False), tmp_path / "a")
+    assert all(kind.command(w, plan).argv[1:3] == ["-m", "kvalign.live.sglang_worker"] for w in plan.topology.workers)
+    plan, kind = plan_cluster(Topology.aggregated(1, eagle=False), tmp_path / "b")
+    argv = kind.command(plan.topology.workers[0], plan).argv
+    assert "--speculative-algorithm" not in argv and "--disaggregation-mode" not in argv
+
+
+def test_only_the_eagle_settings_torch_native_can_run():
+    with pytest.raises(ValueError, match="num-steps 1"):
+        CpuEagle(num_steps=3)
+    with pytest.raises(ValueError, match="num-steps 1"):
+        CpuEagle(eagle_topk=2)
+
+
+def test_models_are_deterministic_and_heads_set_acceptance(tmp_path):
+    t1, agree = engine_model.write_models(tmp_path / "1", "agree")
+    t2, _ = engine_model.write_models(tmp_path / "2", "agree")
+    _, disagree = engine_model.write_models(tmp_path / "3", "disagree")
+    assert (t1 / "model.safetensors").read_bytes() == (t2 / "model.safetensors").read_bytes()
+    target, good, bad = (load_file(str(d / "model.safetensors")) for d in (t1, agree, disagree))
+    assert not target["lm_head.weight"].any() and not good["lm_head.weight"].any()  # both argmax to id 0
+    assert bad["lm_head.weight"].abs().min() > 0  # the negative control's draft proposes other tokens
+    assert target["model.embed_tokens.weight"].shape == (engine_model.VOCAB, engine_model.HIDDEN)
+    assert good["fc.weight"].shape == (engine_model.HIDDEN, 3 * engine_model.HIDDEN)
+    assert good["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * engine_model.HIDDEN
+    cfg = json.loads((agree / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert json.loads((t1 / "config.json").read_text())["num_hidden_layers"] == 4
+
+
+def test_id_zero_is_the_word_the_zero_head_generates(tmp_path):
+    target, _ = engine_model.write_models(tmp_path, "agree")
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(target))
+    assert tok.decode([0]) == engine_model.LEADING_WORD
+    assert len(prompt_tokens(str(target), "the quick brown fox")) == 4 + 3
