@@ -52,6 +52,8 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     """1-D view of the memory a Triton kernel reaches from ``t``'s base pointer (writes go through)."""
     if t.is_contiguous():
         return t.view(-1)
+    if t.numel() == 0:
+        return t.reshape(-1)
     extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
     return t.as_strided((extent,), (1,))
 
@@ -73,7 +75,8 @@ def _pool_runs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat ``req_to_token`` index and packed ``out_cache_loc`` index of every copied token.
 
-    Request ``i`` covers pool columns ``[start_i, end_i)`` and packed positions from
+    The batch is ``req_pool_indices.numel()`` (the kernels' grid; the CPU call sites pass no
+    batch size). Request ``i`` covers pool columns ``[start_i, end_i)`` and packed positions from
     ``sum_{k<i} (end_k - start_k)`` on: the kernels sum the raw differences, so a negative run
     (never produced by SGLang) shifts later requests exactly as on GPU.
     """

@@ -6,6 +6,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -19,6 +21,24 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 def _kvalign(*args: str, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "kvalign", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, **kw)
+
+
+@contextmanager
+def _held_cluster(args: list[str], run_dir, *, ready_s: float) -> Iterator[subprocess.Popen]:
+    """``kvalign live up ARGS`` holding a ready cluster (killed on the way out if still running)."""
+    proc = _kvalign("live", "up", *args, "--run-dir", str(run_dir))
+    try:
+        deadline = time.monotonic() + ready_s
+        line = ""
+        while time.monotonic() < deadline and not line.startswith("frontend"):
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, f"kvalign exited early: {proc.stderr.read()}"
+        assert line.startswith("frontend"), "cluster never became ready"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_live_up_scenario_passes_and_negative_control_fails(live_run_dir, cpu_live_stack):
@@ -38,23 +58,12 @@ def test_live_up_scenario_passes_and_negative_control_fails(live_run_dir, cpu_li
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_live_up_interrupted_tears_everything_down(live_run_dir, cpu_live_stack, sig):
     run_dir = live_run_dir / "held"
-    proc = _kvalign("live", "up", "--workers", "1", "--run-dir", str(run_dir))
-    try:
-        deadline = time.monotonic() + 90
-        line = ""
-        while time.monotonic() < deadline and not line.startswith("frontend"):
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, f"kvalign exited early: {proc.stderr.read()}"
-        assert line.startswith("frontend"), "cluster never became ready"
+    with _held_cluster(["--workers", "1"], run_dir, ready_s=90) as proc:
         started = pids_with_env(RUN_MARKER_ENV, str(run_dir))
         assert len(started) == 3, f"expected broker + worker + frontend, found pids {started}"
         proc.send_signal(sig)
         proc.wait(timeout=30)
         assert not pids_with_env(RUN_MARKER_ENV, str(run_dir)), "processes survived the interrupted CLI"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.timeout(300)
@@ -62,20 +71,9 @@ def test_real_engine_live_up_terminated_tears_every_process_down(live_run_dir, s
     """``dynamo.sglang`` ignores SIGTERM for seconds and forks SGLang's scheduler and
     detokenizer: a terminated ``kvalign live up --engine sglang-cpu`` must still leave nothing."""
     run_dir = live_run_dir / "real"
-    proc = _kvalign("live", "up", "--engine", "sglang-cpu", "--workers", "1", "--run-dir", str(run_dir))
-    try:
-        deadline = time.monotonic() + 240
-        line = ""
-        while time.monotonic() < deadline and not line.startswith("frontend"):
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, f"kvalign exited early: {proc.stderr.read()}"
-        assert line.startswith("frontend"), "cluster never became ready"
+    with _held_cluster(["--engine", "sglang-cpu", "--workers", "1"], run_dir, ready_s=240) as proc:
         started = pids_with_env(RUN_MARKER_ENV, str(run_dir))
         assert len(started) > 3, f"expected SGLang's children besides broker, worker and frontend: {started}"
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
         assert not pids_with_env(RUN_MARKER_ENV, str(run_dir)), "processes survived the terminated CLI"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -463,14 +463,17 @@ def assign_draft_args(draw):
 def copy_kv_args(draw):
     # MHATokenToKVPool: one k and one v buffer per layer, (rows, heads, head_dim), all one dtype;
     # move_kv_cache(tgt, src) with distinct targets (sources may be targets: overlapping moves).
+    # spec_utils.move_accept_tokens pads both with zeros (slot 0 -> slot 0: SGLang's padding slot).
     layers, rows = draw(st.integers(1, 3)), draw(st.integers(2, 10))
     heads, head_dim = draw(st.integers(1, 2)), draw(st.sampled_from([2, 4, 8]))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
     buffers = [torch.randn(rows, heads, head_dim, generator=gen).to(dtype) for _ in range(2 * layers)]
-    n = draw(st.integers(1, rows))
-    tgt = draw(st.permutations(range(rows)))[:n]
-    src = draw(st.lists(st.integers(0, rows - 1), min_size=n, max_size=n))
+    pad = draw(st.integers(0, 2))
+    first = 1 if pad else 0
+    n = draw(st.integers(1, rows - first))
+    tgt = draw(st.permutations(range(first, rows)))[:n] + [0] * pad
+    src = draw(st.lists(st.integers(first, rows - 1), min_size=n, max_size=n)) + [0] * pad
     return buffers, torch.tensor(tgt, dtype=torch.int64), torch.tensor(src, dtype=torch.int64)
 
 
