@@ -47,7 +47,7 @@ from kvalign.live.metrics import (
     verify_failures,
 )
 from kvalign.live.ports import LOOPBACK
-from kvalign.live.processes import pids_with_env, rss_bytes
+from kvalign.live.processes import rss_bytes, run_pids
 from kvalign.live.sglang_worker import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, SglangWorkerKind, gpu_topology
 from kvalign.live.topology import RUN_MARKER_ENV, ClusterPlan, ControlPlane, CpuWorkerKind, Topology, WorkerKind
 
@@ -210,12 +210,11 @@ def run(cluster: Any, opts: E2eOptions, progress: Callable[[str], None] = lambda
 
     before = snapshot() if urls else None
     snaps: list[MetricsSnapshot] = []
-    run_pids = lambda: pids_with_env(RUN_MARKER_ENV, str(cluster.plan.run_dir))  # noqa: E731
-    peak = rss_bytes(run_pids())
+    peak = rss_bytes(run_pids(RUN_MARKER_ENV, str(cluster.plan.run_dir)))
 
     def after(rec: scenario.RequestRecord) -> None:
         nonlocal peak
-        peak = max(peak, rss_bytes(run_pids()))
+        peak = max(peak, rss_bytes(run_pids(RUN_MARKER_ENV, str(cluster.plan.run_dir))))
         if urls:
             snaps.append(snapshot())
         progress(f"request {rec.index + 1}/{opts.requests}: {len(rec.tokens)} prompt tokens, prefill worker "

@@ -183,6 +183,34 @@ def pids_with_env(key: str, value: str) -> list[int]:
     return found
 
 
+def run_pids(key: str, value: str) -> list[int]:
+    """Every live process of a run: those carrying its marker and every member of their process
+    groups. Markers alone miss SGLang's scheduler and detokenizer: ``setproctitle`` overwrites
+    the memory ``/proc/<pid>/environ`` reads, while the process group survives."""
+    marked = pids_with_env(key, value)
+    groups = set()
+    for pid in marked:
+        try:
+            groups.add(os.getpgid(pid))
+        except ProcessLookupError:
+            continue
+    return sorted(set(marked) | set(pids_in_groups(groups)))
+
+
+def pids_in_groups(pgids: set[int]) -> list[int]:
+    """Live PIDs whose process group is in ``pgids`` (Linux /proc; [] elsewhere)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
+        if len(fields) > 2 and int(fields[2]) in pgids and int(entry.name) != os.getpid():
+            found.append(int(entry.name))
+    return found
+
+
 def rss_bytes(pids: list[int]) -> int:
     """Resident memory of ``pids`` summed (Linux /proc; processes that exited count 0)."""
     page = os.sysconf("SC_PAGE_SIZE")

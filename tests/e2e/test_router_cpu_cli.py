@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
 from kvalign.causes import Cause
-from kvalign.live.processes import pids_with_env
+from kvalign.live.processes import group_alive, pids_with_env, run_pids
 from kvalign.live.topology import RUN_MARKER_ENV
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -72,8 +74,11 @@ def test_real_engine_live_up_terminated_tears_every_process_down(live_run_dir, s
     detokenizer: a terminated ``kvalign live up --engine sglang-cpu`` must still leave nothing."""
     run_dir = live_run_dir / "real"
     with _held_cluster(["--engine", "sglang-cpu", "--workers", "1"], run_dir, ready_s=240) as proc:
-        started = pids_with_env(RUN_MARKER_ENV, str(run_dir))
-        assert len(started) > 3, f"expected SGLang's children besides broker, worker and frontend: {started}"
+        started = run_pids(RUN_MARKER_ENV, str(run_dir))
+        names = {Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0] for p in started}
+        assert {b"sglang::scheduler", b"sglang::detokenizer"} <= names, f"SGLang's children not found: {names}"
+        groups = {os.getpgid(p) for p in started}
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-        assert not pids_with_env(RUN_MARKER_ENV, str(run_dir)), "processes survived the terminated CLI"
+        assert not run_pids(RUN_MARKER_ENV, str(run_dir)), "processes survived the terminated CLI"
+        assert not [g for g in groups if group_alive(g)], "a process group survived the terminated CLI"
