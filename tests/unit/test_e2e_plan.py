@@ -106,7 +106,21 @@ def test_cpu_plan_uses_the_same_harness_with_cpu_workers(capsys):
     assert "CUDA_VISIBLE_DEVICES" not in "".join(blocks.values())
 
 
+def test_sglang_cpu_plan_runs_the_real_engine_with_the_stand_in(capsys):
+    out = _plan(capsys, "--engine", "sglang-cpu", "--draft", "disagree")
+    blocks = _blocks(out)
+    assert "[NEGATIVE CONTROL: the draft never agrees with the target]" in out.splitlines()[0]
+    for name in ("prefill0", "prefill1", "decode0"):
+        assert "-m dynamo.sglang" in blocks[name] and "--device cpu" in blocks[name]
+        assert "SGLANG_USE_CPU_ENGINE=1" in blocks[name] and "sglang_cpu_standin/site" in blocks[name]
+        assert "--speculative-draft-model-path $RUN_DIR/models/draft-disagree" in blocks[name]
+    assert "sglang_cpu_standin" not in blocks["frontend"] + blocks["broker"]  # only the workers load it
+
+
 @pytest.mark.parametrize("args,message", [
+    (["--engine", "sglang-cpu", "--single-gpu"], "--single-gpu applies to --engine sglang-gpu"),
+    (["--engine", "sglang-cpu", "--cpu"], "--cpu means --engine fake-cpu"),
+    (["--draft", "disagree"], "it needs --engine sglang-cpu"),
     (["--prefill", "0"], "need at least 1 prefill and 1 decode worker"),
     (["--requests", "1"], "at least 2 requests"),
     (["--page-size", "0"], "--page-size must be >= 1"),
