@@ -74,8 +74,9 @@ def render(d: Diagnosis) -> str:
             lines.append(_fmt_view("router", d.router_block))
         if d.engine_block:
             lines.append(_fmt_view("engine", d.engine_block))
-        shift = f" (k = {d.shift})" if d.shift is not None else ""
-        lines.append(f"cause: {d.cause.value if d.cause else 'unknown'}{shift}")
+        qualifier = f" (k = {d.shift:+d})" if d.shift is not None else ""
+        qualifier += f" ({d.confidence})" if d.confidence else ""
+        lines.append(f"cause: {d.cause.value if d.cause else 'unknown'}{qualifier}")
         lines.append(f"  {d.detail}")
     lines += [f"note: {n}" for n in d.notes]
     return "\n".join(lines)
