@@ -224,7 +224,7 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings) -> Diagnos
                 "kv_hit_rate": rate(overlap_r, router_b)},
         engine={"block_size": engine_b, "eagle": engine_eagle, "lora": lora_e, "namespace": ns_e,
                 "blocks": len(h_e), "overlap": overlap_e, "kv_hit_rate": rate(overlap_e, engine_b),
-                "ever_stored": ever, "stored_events": sum(seen.framing.values())},
+                "ever_stored": ever, "holds": overlap_e, "stored_events": sum(seen.framing.values())},
         first_divergent=None, router_block=None, engine_block=None, cause=None, detail="",
         notes=_capture_notes(rep), capture_stats=_capture_stats(rep),
     )
@@ -297,6 +297,7 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings) -> Diagnos
         if gap.block_hash is not None:
             view.engine_block_hash = _signed(gap.block_hash)
         d.confidence = gap.confidence
+        d.engine["holds"] = max(gap.holds, overlap_e)
         return found(i, Cause.SEQUENCE_GAP, gap.detail, view)
     shift = _shift_evidence(seen, engine_b)
     if shift is not None:
@@ -336,6 +337,7 @@ class _Gap:
     confidence: str  # confirmed | likely | possible
     detail: str
     block_hash: int | None  # SGLang's hash of that block (u64), when recomputed
+    holds: int  # leading prompt blocks the engine holds at least, lost batches included
 
 
 def _lost_ranges(rep: WorkerReplay) -> list[tuple[int, int, str]]:
@@ -394,7 +396,7 @@ def _gap_evidence(
                         f"{_signed(o.parent_ext)}, which is SGLang's own hash of this prompt's block {j} "
                         f"(recomputed from the prompt); Dynamo does not resync its index after a gap and drops "
                         f"that event as an orphan, so the router is cache-blind for this worker from block {i} on",
-                        sg[i])
+                        sg[i], _holds(h_e, b, seen, j + 1))
     # 2. A later block of this prompt (by its window) arrived under a parent the stream never delivered.
     later = set(h_e[i + 1 :])
     orphans = [p for p in seen.pages.values() if p.node is None and p.local in later]
@@ -406,7 +408,7 @@ def _gap_evidence(
                     f"block {min(p.offsets) // b} of this prompt (SGLang hash {_signed(p.ext)}, seq {p.seq}) "
                     f"arrived under parent {_signed(p.parent_ext)}, which the stream never delivered, so Dynamo "
                     "drops it as an orphan (its window matches this prompt; its parent could not be tied to this "
-                    "prompt by hash)", None)
+                    "prompt by hash)", None, _holds(h_e, b, seen, min(p.offsets) // b + 1))
     # 3. Stores after the loss hang under parents never delivered, but none ties to this prompt.
     after = [o for o in seen.orphans if lost_before(o.seq)]
     if after:
@@ -415,8 +417,16 @@ def _gap_evidence(
                     f"the engine may have stored block {i} in a batch the router never received "
                     f"({lost_before(o.seq)}): {len(after)} later event(s) (first at seq {o.seq}) hang under "
                     "parents the stream never delivered, so the lost batches stored blocks, but none of them can "
-                    "be tied to this prompt", None)
+                    "be tied to this prompt", None, i)
     return lost_before(None) or None
+
+
+def _holds(h_e: list[int], b: int, seen: _PromptPages, k: int) -> int:
+    """Blocks 0..k-1 are held; extend through still-held orphan pages that continue this prompt."""
+    held = {p.local: p for p in seen.pages.values() if p.node is None and p.removed_seq is None and p.cleared_seq is None}
+    while k < len(h_e) and h_e[k] in held and k * b in held[h_e[k]].offsets:
+        k += 1
+    return k
 
 
 def _shift_evidence(seen: _PromptPages, b: int) -> tuple[int, PageSeen] | None:
@@ -463,7 +473,7 @@ def _shifted_view(seen: _PromptPages, tokens: list[int], i: int, k: int, b: int,
 
 def _capture_notes(rep: WorkerReplay) -> list[str]:
     notes = list(rep.issues.describe(rep.path))
-    if rep.seq.first:
+    if rep.seq.first and rep.seq.first not in rep.cleared_at[:1]:  # harmless when it starts with a full clear
         notes.append(f"the capture joined the stream at seq {rep.seq.first} (earlier batches were not seen)")
     if rep.seq.gaps:
         notes.append(f"{len(rep.seq.gaps)} sequence gaps, {rep.seq.missing_batches} batches missing ({rep.seq.describe_gaps()})")

@@ -155,6 +155,7 @@ def test_sequence_gap(tmp_path, sglang_publisher):
     assert d.router["overlap"] == d.engine["overlap"] == 2 and d.capture_stats["gaps"] == 1
     assert d.engine_block.tokens == PROMPT[2 * B : 3 * B + 1] and d.engine_block.engine_block_hash is not None
     assert d.engine_block.stored_seq is None  # never received
+    assert d.engine["holds"] == 5  # blocks 2 (lost) and 3..4 (orphaned) count too
     assert d.detail.startswith("the engine stored block 2 of this prompt in a batch the router never received "
                                "(the stream skips seq ")
 
