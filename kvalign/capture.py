@@ -35,7 +35,7 @@ from typing import Any
 import msgspec
 
 from kvalign.errors import UsageError
-from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
+from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, EventDecodeError, KVEvent, decode_frames
 from kvalign.hashing import U64_MASK
 from kvalign.sequence import SequenceTracker
 from kvalign.sglang_keys import is_bigram_payload
@@ -281,6 +281,23 @@ class CaptureWriter:
         self.stats.batches += 1
         self.stats.malformed += 1
         self.stats.seq.observe(seq)
+
+    def write_frames(self, frames: list[bytes], received: float | None = None) -> bool:
+        """Record one ZMQ multipart message as it arrived; False when it is not a batch (skipped).
+
+        Untrusted bytes: anything that does not decode is kept as a ``bad`` line with its payload
+        and reason, never raised. A negative sequence number is SGLang's end-of-replay marker.
+        """
+        try:
+            batch = decode_frames(frames)
+        except EventDecodeError as exc:
+            seq = int.from_bytes(frames[1], "big", signed=True) if len(frames) == 3 and len(frames[1]) == 8 else None
+            self.write_bad(seq, str(exc), frames[-1] if frames else b"", received)
+            return True
+        if batch.seq is not None and batch.seq < 0:
+            return False
+        self.write_batch(batch, received)
+        return True
 
     def close(self) -> None:
         if self._fd is not None:

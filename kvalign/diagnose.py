@@ -344,7 +344,7 @@ def _lost_ranges(rep: WorkerReplay) -> list[tuple[int, int, str]]:
     """Batches the router never applied, as (first seq, last seq, how it was lost)."""
     out = [(a + 1, b - 1, f"the stream skips {_seq_span(a + 1, b - 1)}") for a, b in rep.seq.gaps]
     out += [(s, s, f"seq {s} could not be decoded and was dropped") for s in rep.malformed_seqs]
-    if rep.seq.first:
+    if rep.seq.first is not None and rep.seq.first > 0:
         out.append((0, rep.seq.first - 1, f"the capture joined at seq {rep.seq.first}, after {_seq_span(0, rep.seq.first - 1)}"))
     return out
 

@@ -179,6 +179,12 @@ def _raw_tokens(ev: Stored) -> bytes:
     return raw
 
 
+def _check_removed(ev: CompactEvent) -> None:
+    if type(ev) is Removed and len(ev.h) % 8:
+        raise BatchRejected("BlockRemoved.block_hashes is not a whole number of u64 values")
+    return None
+
+
 def _is_bigram(ev: Stored) -> bool:
     return ev.pairs if ev.tok is None else bool(ev.tok) and isinstance(ev.tok[0], list)
 
@@ -205,7 +211,7 @@ class ReplayIndex:
 
     def apply_batch(self, worker_id: int, events: Sequence[CompactEvent]) -> None:
         """Apply one batch; raises :class:`BatchRejected` (nothing applied) like Dynamo's decoder."""
-        raws = [_raw_tokens(ev) if type(ev) is Stored else None for ev in events]
+        raws = [_raw_tokens(ev) if type(ev) is Stored else _check_removed(ev) for ev in events]
         w = self._worker(worker_id)
         for ev, raw in zip(events, raws):
             if raw is not None:
