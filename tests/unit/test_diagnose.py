@@ -268,3 +268,7 @@ def test_every_cause_scenario_through_the_cli(tmp_path, sglang_publisher, capsys
     assert rc == (0 if scenario.cause is None else 1)
     assert (out["cause"] or {}).get("name") == scenario.cause
     assert out["first_divergent"] == scenario.first_block
+    if scenario.cause == "PROMPT_SHIFT":  # k = the prompt's extra leading tokens, same sign everywhere
+        assert out["shift"] == {"prompt-shift": -1, "prompt-extra-token": 1}[scenario.name]
+    if scenario.cause == "SEQUENCE_GAP":
+        assert out["confidence"] == "confirmed"
