@@ -398,12 +398,15 @@ class CaptureReader:
 
 
 def capture_block_size(path: str) -> int | None:
-    """The engine block size: the header's, else the first stored event's (None if none)."""
+    """The engine block size: the header's, else the first stored event's (None if none).
+
+    Values below 1 cannot come from SGLang (a damaged or hand-edited file) and are passed over.
+    """
     with CaptureReader(path) as reader:
-        if reader.header.block_size:
+        if reader.header.block_size is not None and reader.header.block_size >= 1:
             return reader.header.block_size
         for batch in reader.batches():
             for ev in batch.ev:
-                if isinstance(ev, Stored):
+                if isinstance(ev, Stored) and ev.bs >= 1:
                     return ev.bs
     return None

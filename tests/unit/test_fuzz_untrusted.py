@@ -19,8 +19,10 @@ example counts follow the Hypothesis profile (``ci``: 100 per test).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import io
+import json
 import os
 import tempfile
 import time
@@ -231,6 +233,40 @@ def test_replay_and_diagnose_survive_any_capture_file(count_case, real_capture, 
                 assert n + reader.issues.bad_lines <= content.count(b"\n")
         except CaptureError as exc:
             assert "\n" not in str(exc)
+        prompt = os.path.join(tmp, "prompt.json")
+        with open(prompt, "w") as f:
+            f.write(str(PROMPT))
+        _check_cli(path, prompt)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+_ints = st.one_of(st.integers(-3, 70), st.integers(-(2**70), 2**70))
+_stored = st.fixed_dictionaries(
+    {"k": st.just("stored"), "h": st.binary(max_size=40).map(_b64), "bs": st.one_of(st.integers(-2, 5), _ints)},
+    optional={"p": st.one_of(st.none(), _ints), "t": st.binary(max_size=90).map(_b64), "pairs": st.booleans(),
+              "tok": st.one_of(st.none(), st.lists(st.one_of(_ints, st.lists(_ints, max_size=3), st.text(max_size=2)),
+                                                   max_size=12)),
+              "lora": st.one_of(st.none(), st.text(max_size=3)), "salt": st.one_of(st.none(), st.text(max_size=3))})
+_removed = st.fixed_dictionaries({"k": st.just("removed"), "h": st.binary(max_size=40).map(_b64)})
+_batch = st.fixed_dictionaries(
+    {"seq": st.one_of(st.none(), _ints), "ev": st.lists(st.one_of(_stored, _removed, st.just({"k": "cleared"})), max_size=4)},
+    optional={"bad": st.text(max_size=5), "raw": st.binary(max_size=8).map(_b64), "ts": st.floats(allow_nan=False)})
+
+
+@_fixture_ok
+@given(header_bs=st.one_of(st.none(), _ints), batches=st.lists(_batch, max_size=8))
+def test_well_formed_lines_with_hostile_values(count_case, header_bs, batches):
+    """Valid JSON in the capture's own shape, with values no writer produces: still no traceback."""
+    count_case()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "hostile.jsonl")
+        with open(path, "w") as f:
+            f.write(json.dumps({"kvalign_capture": 1, "block_size": header_bs}) + "\n")
+            for b in batches:
+                f.write(json.dumps(b) + "\n")
         prompt = os.path.join(tmp, "prompt.json")
         with open(prompt, "w") as f:
             f.write(str(PROMPT))
