@@ -216,7 +216,8 @@ def _explain(rd: RoutingDiagnosis, by_name: dict[str, WorkerView]) -> None:
         else:
             parts.append(f"the router chose {chosen} although its own index credits {_names(fav or aligned)} with "
                          "more blocks, so load (active blocks) or --router-temperature decided, not the cache")
-    rd.misaligned = bool(under) or (rep is not None and rep.matches is False)
+    # an eviction is the router being right (the engine no longer holds the block): not a finding to fail on
+    rd.misaligned = any(v.cause is not Cause.EVICTED for v in under) or (rep is not None and rep.matches is False)
     rd.verdict = "; ".join(parts)
 
 

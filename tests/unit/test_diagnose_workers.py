@@ -138,3 +138,19 @@ def test_bad_routing_input_is_one_line(two_workers, tmp_path, capsys, extra, mes
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_an_evicted_worker_is_explained_but_not_a_misalignment(tmp_path, sglang_publisher):
+    other = PROMPT[: 2 * B + 1] + [7] * 12  # shares 2 pages, so the prompt's tail is its own leaf
+    cache = SglangRadixCache(B, eagle=True)
+    with captured(tmp_path, sglang_publisher, name="a.jsonl") as stream:
+        for tokens in (PROMPT, other):
+            cache.insert(tokens)
+            stream.publish(cache.take_raw_events())
+        cache.evict(1)
+        stream.publish(cache.take_raw_events())
+    b = worker_capture(tmp_path, sglang_publisher, "b.jsonl", [(PROMPT[: B + 1], False)])
+    rd = diagnose_workers([stream.path, b], PROMPT, RouterSettings(), names=["A", "B"])
+    assert [v.router_overlap for v in rd.workers] == [2, 1] and rd.workers[0].cause is Cause.EVICTED
+    assert rd.favoured == rd.aligned_favoured == ["A"] and not rd.misaligned
+    assert rd.findings[0].startswith("A: the router credits 2/5 blocks, the engine holds 2: blocks evicted")
