@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=positive_int, default=None,
                    help="router kv_block_size (default: the engine's, from the capture)")
     p.add_argument("--router-eagle", choices=("auto", "on", "off"), default="auto",
-                   help="router EAGLE hashing (auto: what the engine's events show)")
+                   help="router EAGLE hashing (auto: what the engine's events show; with several captures, the first one's)")
     p.add_argument("--lora", default=None, help="LoRA name the router hashes with")
     p.add_argument("--namespace", default=None, help="cache namespace (cache_salt) the router hashes with")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
