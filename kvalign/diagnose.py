@@ -26,7 +26,7 @@ from typing import Any
 
 import xxhash
 
-from kvalign.capture import Batch, Cleared, Removed, u64_list
+from kvalign.capture import Batch, Cleared, Removed, capture_block_size, u64_list
 from kvalign.causes import Cause
 from kvalign.hashing import as_u32_tokens, block_hashes, salt_seed
 from kvalign.index import router_kv_hit_rate
@@ -187,7 +187,8 @@ def _window(tokens: list[int], index: int, block_size: int, eagle: bool) -> tupl
 def diagnose(capture: str, tokens: list[int], router: RouterSettings) -> Diagnosis:
     """Compare the router's keys for ``tokens`` with what the captured engine stored."""
     as_u32_tokens(tokens)  # bad prompt ids fail before any work
-    engine_b = resolve_block_size([capture], None)
+    # a worker that stored nothing yet (fresh or cleared) still has an answer: overlap 0
+    engine_b = capture_block_size(capture) or resolve_block_size([capture], router.block_size)
     router_b = router.block_size or engine_b
     seen = _PromptPages(tokens, engine_b)
     idx_e = ReplayIndex(engine_b, seen)

@@ -154,3 +154,11 @@ def test_an_evicted_worker_is_explained_but_not_a_misalignment(tmp_path, sglang_
     assert [v.router_overlap for v in rd.workers] == [2, 1] and rd.workers[0].cause is Cause.EVICTED
     assert rd.favoured == rd.aligned_favoured == ["A"] and not rd.misaligned
     assert rd.findings[0].startswith("A: the router credits 2/5 blocks, the engine holds 2: blocks evicted")
+
+
+def test_a_worker_that_stored_nothing_counts_as_overlap_zero(two_workers, tmp_path, sglang_publisher):
+    with captured(tmp_path, sglang_publisher, name="idle.jsonl") as stream:
+        pass  # only SGLang's AllBlocksCleared (the warm-up) reaches this capture
+    rd = diagnose_workers([two_workers[0], stream.path], PROMPT, RouterSettings(), names=["A", "idle"])
+    assert [v.router_overlap for v in rd.workers] == [5, 0] and rd.workers[1].cause is None
+    assert rd.favoured == ["A"] and not rd.misaligned
