@@ -14,7 +14,9 @@ Every case is first checked for equal output. The last lines are ``min median ra
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
+import platform
 import random
 import sys
 
@@ -35,6 +37,9 @@ def main() -> int:
     parser.add_argument("--target-s", type=float, default=0.001, help="seconds per timed batch (default 0.001)")
     args = parser.parse_args()
     rng = random.Random(0)
+    versions = ", ".join(f"{pkg} {importlib.metadata.version(pkg)}" for pkg in ("ai-dynamo-runtime", "xxhash", "numpy"))
+    print(f"python {platform.python_version()}, {versions}; {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f}; {args.rounds} paired rounds per case")
     print(f"{'tokens':>6} {'B':>3} {'mode':>5} {'kvalign tok/s':>14} {'binding tok/s':>14} {'ratio':>6}  spread")
     medians: dict[tuple[str, int, bool], float] = {}
     for label in args.sizes.split(","):

@@ -80,6 +80,16 @@ def as_u32_tokens(tokens: TokenInput) -> array | np.ndarray:
     (the real binding raises ``OverflowError``/``TypeError`` with no position, which is useless
     for a 100k-token prompt).
     """
+    if type(tokens) is list:  # what a router hashes: the fast path, checked first
+        buf = array("I")
+        try:
+            buf.fromlist(tokens)  # direct list access: faster than array("I", tokens)
+        except (OverflowError, TypeError):
+            _raise_first_bad_token(tokens)
+            raise ValueError("tokens must be a sequence of integers") from None
+        if _BIG_ENDIAN:
+            buf.byteswap()
+        return buf
     if isinstance(tokens, (str, bytes)):
         raise ValueError(f"tokens must be a sequence of integers, got {type(tokens).__name__}")
     if isinstance(tokens, np.ndarray):
@@ -90,11 +100,7 @@ def as_u32_tokens(tokens: TokenInput) -> array | np.ndarray:
             _raise_first_bad_token(tokens.tolist())
         return np.ascontiguousarray(tokens, dtype="<u4")
     try:
-        if type(tokens) is list:
-            buf = array("I")
-            buf.fromlist(tokens)  # direct list access: faster than array("I", tokens)
-        else:
-            buf = array("I", tokens)
+        buf = array("I", tokens)
     except (OverflowError, TypeError):
         _raise_first_bad_token(tokens)
         raise ValueError("tokens must be a sequence of integers") from None
@@ -154,13 +160,14 @@ def block_hashes(
     Equal to ``compute_block_hash_for_seq(tokens, block_size, mm_infos, lora_name, eagle,
     cache_namespace)`` for every valid input; invalid input raises ``ValueError``.
     """
-    _check_block_size(block_size)
+    if type(block_size) is not int or not 1 <= block_size <= U32_MAX:  # the common case in one test
+        _check_block_size(block_size)
     b = int(block_size)
     buf = as_u32_tokens(tokens)
-    n = block_count(len(buf), b, eagle=bool(eagle))
+    n = (max(len(buf) - 1, 0) if eagle else len(buf)) // b  # block_count, without re-checking b
     if n == 0:
         return []
-    seed = salt_seed(lora_name, cache_namespace)
+    seed = salt_seed(lora_name, cache_namespace) if lora_name or cache_namespace else XXH3_SEED
     win = (b + 1 if eagle else b) * 4
     if mm_infos:
         return _hashes_with_mm(memoryview(buf).cast("B"), n, b * 4, win, seed, mm_infos)
