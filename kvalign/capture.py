@@ -35,7 +35,7 @@ from typing import Any
 import msgspec
 
 from kvalign.errors import UsageError
-from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
+from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, EventDecodeError, KVEvent, decode_frames
 from kvalign.hashing import U64_MASK
 from kvalign.sequence import SequenceTracker
 from kvalign.sglang_keys import is_bigram_payload
@@ -282,6 +282,23 @@ class CaptureWriter:
         self.stats.malformed += 1
         self.stats.seq.observe(seq)
 
+    def write_frames(self, frames: list[bytes], received: float | None = None) -> bool:
+        """Record one ZMQ multipart message as it arrived; False when it is not a batch (skipped).
+
+        Untrusted bytes: anything that does not decode is kept as a ``bad`` line with its payload
+        and reason, never raised. A negative sequence number is SGLang's end-of-replay marker.
+        """
+        try:
+            batch = decode_frames(frames)
+        except EventDecodeError as exc:
+            seq = int.from_bytes(frames[1], "big", signed=True) if len(frames) == 3 and len(frames[1]) == 8 else None
+            self.write_bad(seq, str(exc), frames[-1] if frames else b"", received)
+            return True
+        if batch.seq is not None and batch.seq < 0:
+            return False
+        self.write_batch(batch, received)
+        return True
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -381,12 +398,15 @@ class CaptureReader:
 
 
 def capture_block_size(path: str) -> int | None:
-    """The engine block size: the header's, else the first stored event's (None if none)."""
+    """The engine block size: the header's, else the first stored event's (None if none).
+
+    Values below 1 cannot come from SGLang (a damaged or hand-edited file) and are passed over.
+    """
     with CaptureReader(path) as reader:
-        if reader.header.block_size:
+        if reader.header.block_size is not None and reader.header.block_size >= 1:
             return reader.header.block_size
         for batch in reader.batches():
             for ev in batch.ev:
-                if isinstance(ev, Stored):
+                if isinstance(ev, Stored) and ev.bs >= 1:
                     return ev.bs
     return None

@@ -9,7 +9,10 @@ bigram pages, LoRA name and cache namespace) — and compares, block by block:
 * what a correctly aligned router would see: the overlap the engine actually has;
 * what the engine ever stored for this prompt (from the events, including later removals);
 * pages the engine stored whose windows are this prompt's tokens at an unaligned offset (a
-  prompt shifted by k tokens) or that hang under a parent the stream never delivered (a gap).
+  prompt shifted by k tokens, where k is the number of *extra leading tokens the prompt has*
+  compared with the engine's sequence: +1 for a BOS the engine's sequence lacks, negative when the
+  prompt lacks leading tokens the engine has) or that hang under a parent the stream never
+  delivered (a gap: a batch the router never applied, which Dynamo does not resync).
 
 The first block where the router loses credit is the *first divergent block*, shown with both
 token windows and both keys, and the reason is named from :class:`kvalign.causes.Cause`.
@@ -23,12 +26,13 @@ from typing import Any
 
 import xxhash
 
-from kvalign.capture import Batch, Cleared, Removed, u64_list
+from kvalign.capture import Batch, Cleared, Removed, capture_block_size, u64_list
 from kvalign.causes import Cause
 from kvalign.hashing import as_u32_tokens, block_hashes, salt_seed
 from kvalign.index import router_kv_hit_rate
 from kvalign.replay import WorkerReplay, replay_capture, resolve_block_size
 from kvalign.replay_index import ReplayIndex, StoredPages, chain_nodes
+from kvalign.sglang_keys import engine_block_hashes
 
 WORKER = 1
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -86,9 +90,22 @@ class Diagnosis:
     engine_block: BlockView | None
     cause: Cause | None
     detail: str
-    shift: int | None = None
+    shift: int | None = None  # the prompt's extra leading tokens vs the engine's sequence (PROMPT_SHIFT)
+    confidence: str | None = None  # SEQUENCE_GAP: confirmed | likely | possible
     notes: list[str] = field(default_factory=list)
     capture_stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """A ``BlockStored`` whose parent the stream never delivered: proof that a lost batch stored blocks."""
+
+    seq: int | None
+    parent_ext: int  # u64
+    blocks: int
+
+
+_MAX_ORPHANS = 10_000
 
 
 class _PromptPages:
@@ -103,6 +120,8 @@ class _PromptPages:
         self.roots: dict[int, tuple[int, bytes, int, int | None]] = {}  # node -> (ext, window, local, seq)
         self.framing: Counter[bool] = Counter()  # bigram? -> events
         self.seq: int | None = None
+        self.orphans: list[Orphan] = []  # stores under a parent the stream never delivered (capped)
+        self.orphan_events = 0
 
     def _lookup(self, lora: str | None, ns: str | None, bigram: bool) -> dict[int, list[int]]:
         key = (lora, ns, bigram)
@@ -119,6 +138,10 @@ class _PromptPages:
     def __call__(self, sp: StoredPages) -> None:
         if sp.event.h:
             self.framing[sp.bigram] += 1
+        if sp.nodes is None and sp.event.p is not None:
+            self.orphan_events += 1
+            if len(self.orphans) < _MAX_ORPHANS:
+                self.orphans.append(Orphan(self.seq, sp.event.p, len(sp.event.h) // 8))
         nodes, d0 = sp.nodes, 0
         if nodes:
             d0 = 0 if sp.parent_node is None else self.depth.get(sp.parent_node, 0)
@@ -164,7 +187,8 @@ def _window(tokens: list[int], index: int, block_size: int, eagle: bool) -> tupl
 def diagnose(capture: str, tokens: list[int], router: RouterSettings) -> Diagnosis:
     """Compare the router's keys for ``tokens`` with what the captured engine stored."""
     as_u32_tokens(tokens)  # bad prompt ids fail before any work
-    engine_b = resolve_block_size([capture], None)
+    # a worker that stored nothing yet (fresh or cleared) still has an answer: overlap 0
+    engine_b = capture_block_size(capture) or resolve_block_size([capture], router.block_size)
     router_b = router.block_size or engine_b
     seen = _PromptPages(tokens, engine_b)
     idx_e = ReplayIndex(engine_b, seen)
@@ -201,7 +225,7 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings) -> Diagnos
                 "kv_hit_rate": rate(overlap_r, router_b)},
         engine={"block_size": engine_b, "eagle": engine_eagle, "lora": lora_e, "namespace": ns_e,
                 "blocks": len(h_e), "overlap": overlap_e, "kv_hit_rate": rate(overlap_e, engine_b),
-                "ever_stored": ever, "stored_events": sum(seen.framing.values())},
+                "ever_stored": ever, "holds": overlap_e, "stored_events": sum(seen.framing.values())},
         first_divergent=None, router_block=None, engine_block=None, cause=None, detail="",
         notes=_capture_notes(rep), capture_stats=_capture_stats(rep),
     )
@@ -268,33 +292,37 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings) -> Diagnos
         return found(i, Cause.EVICTED,
                      f"the engine stored block {i} (SGLang hash {_signed(page.ext)}, seq {page.seq}) and then "
                      f"evicted it ({when}); the router correctly stops crediting at block {i}")
-    gap = _gap_evidence(seen, h_e, i, rep)
-    if gap is not None:
-        orphan, missing = gap
+    gap = _gap_evidence(seen, tokens, h_e, path_e, by_node, i, rep, engine_b, engine_eagle, ns_e)
+    if isinstance(gap, _Gap):
         view = engine_view(i)
-        if orphan.parent_ext is not None and min(orphan.offsets) == (i + 1) * engine_b:
-            view.engine_block_hash = _signed(orphan.parent_ext)
-        return found(i, Cause.SEQUENCE_GAP,
-                     f"block {i} never reached the router: {missing}; block {min(orphan.offsets) // engine_b} "
-                     f"(SGLang hash {_signed(orphan.ext)}, seq {orphan.seq}) arrived under parent "
-                     f"{_signed(orphan.parent_ext)}, which the stream never delivered, so Dynamo drops it as "
-                     "an orphan", view)
+        if gap.block_hash is not None:
+            view.engine_block_hash = _signed(gap.block_hash)
+        d.confidence = gap.confidence
+        d.engine["holds"] = max(gap.holds, overlap_e)
+        return found(i, Cause.SEQUENCE_GAP, gap.detail, view)
     shift = _shift_evidence(seen, engine_b)
     if shift is not None:
-        k, page = shift
+        k_engine, page = shift  # engine position - prompt position of the same tokens
+        k = -k_engine  # reported: the prompt's extra leading tokens
         d.shift = k
         n = abs(k)
         tokens_word = "token" if n == 1 else "tokens"
-        lead = (f"the engine's sequence has {n} more leading {tokens_word} than this prompt (a BOS or template "
-                "prefix the router's prompt lacks)" if k > 0 else
-                f"this prompt has {n} leading {tokens_word} the engine's sequence lacks")
+        lead = (f"this prompt has {n} extra leading {tokens_word} that the engine's sequence lacks" if k > 0 else
+                f"this prompt lacks {n} leading {tokens_word} that the engine's sequence has (a BOS or "
+                "template prefix the router's prompt does not carry)")
+        start = min(page.offsets)
         return found(i, Cause.PROMPT_SHIFT,
-                     f"{lead}: the engine cached these tokens shifted by {k} (its block {page.depth - 1} "
-                     f"holds prompt tokens [{min(page.offsets)}, {min(page.offsets) + engine_b + engine_eagle})), "
-                     "so every page boundary differs",
-                     _shifted_view(seen, tokens, i, k, engine_b, engine_eagle))
+                     f"{lead}, so k = {k:+d}: the engine's block {page.depth - 1} holds prompt tokens "
+                     f"[{start}, {start + engine_b + engine_eagle}) instead of [{(page.depth - 1) * engine_b}, "
+                     f"{(page.depth - 1) * engine_b + engine_b + engine_eagle}), and every page boundary differs",
+                     _shifted_view(seen, tokens, i, k_engine, engine_b, engine_eagle))
     d.detail = (f"router and engine agree: the engine never stored block {i} of this prompt "
                 f"({overlap_r}/{len(h_r)} blocks cached)")
+    if gap:  # lost batches after the last credited block, but nothing shows what they stored
+        d.detail += (f"; but the stream lost batches after block {i - 1} was stored ({gap}) and nothing later "
+                     f"shows what they held, so a lost store of block {i} cannot be ruled out" if i else
+                     f"; but the stream lost batches ({gap}) and nothing later shows what they held, so a lost "
+                     f"store of block {i} cannot be ruled out")
     return d
 
 
@@ -303,21 +331,103 @@ def _signed(h: int | None) -> int | None:
     return None if h is None else (h - (1 << 64) if h >= 1 << 63 else h)
 
 
-def _gap_evidence(seen: _PromptPages, h_e: list[int], i: int, rep: WorkerReplay) -> tuple[PageSeen, str] | None:
-    """A later prompt page that arrived as an orphan, plus what the stream is missing."""
+@dataclass(frozen=True)
+class _Gap:
+    """Evidence that a batch the router never applied stored the prompt's next block."""
+
+    confidence: str  # confirmed | likely | possible
+    detail: str
+    block_hash: int | None  # SGLang's hash of that block (u64), when recomputed
+    holds: int  # leading prompt blocks the engine holds at least, lost batches included
+
+
+def _lost_ranges(rep: WorkerReplay) -> list[tuple[int, int, str]]:
+    """Batches the router never applied, as (first seq, last seq, how it was lost)."""
+    out = [(a + 1, b - 1, f"the stream skips {_seq_span(a + 1, b - 1)}") for a, b in rep.seq.gaps]
+    out += [(s, s, f"seq {s} could not be decoded and was dropped") for s in rep.malformed_seqs]
+    if rep.seq.first is not None and rep.seq.first > 0:
+        out.append((0, rep.seq.first - 1, f"the capture joined at seq {rep.seq.first}, after {_seq_span(0, rep.seq.first - 1)}"))
+    return out
+
+
+def _seq_span(lo: int, hi: int) -> str:
+    return f"seq {lo}" if lo == hi else f"seq {lo}..{hi}"
+
+
+def _gap_evidence(
+    seen: _PromptPages, tokens: list[int], h_e: list[int], path_e: list[int], by_node: dict[int, PageSeen],
+    i: int, rep: WorkerReplay, b: int, eagle: bool, salt: str | None,
+) -> _Gap | str | None:
+    """Did a lost batch store block ``i``? A :class:`_Gap` when stores after the loss prove or suggest it.
+
+    Dynamo neither fences nor resyncs its index after a gap: an event whose parent was in the
+    lost batch is dropped as an orphan, so the router is blind to everything under it. A lost
+    batch counts only if it comes after the batch that stored block ``i - 1`` (block ``i`` needs
+    its parent first) and no ``AllBlocksCleared`` separates it from the orphan. Returns a string
+    (the lost batches, in words) when batches were lost there but no later store shows what
+    they held, and None when nothing was lost.
+    """
+    floor = by_node[path_e[i - 1]].seq if 0 < i <= len(path_e) and path_e[i - 1] in by_node else None
+    clears = [c for c in rep.cleared_at if c is not None]
+    lost = [r for r in _lost_ranges(rep) if floor is None or r[1] > floor]
+
+    def lost_before(seq: int | None) -> str:
+        end = float("inf") if seq is None else seq
+        hits = [words for lo, hi, words in lost if lo < end and not any(hi < c < end for c in clears)]
+        return "; ".join(hits)
+
+    # 1. An orphan's parent is SGLang's own hash of this prompt's block j >= i (recomputed from the
+    #    prompt, and checked against the blocks the stream did deliver): the engine holds i..j.
+    try:
+        sg = [h & ((1 << 64) - 1) for h in engine_block_hashes(tokens, b, eagle=eagle, cache_salt=salt)]
+    except ValueError:
+        sg = []
+    delivered = [by_node[n].ext for n in path_e[:i] if n in by_node]
+    if len(sg) > i and sg[: len(delivered)] == delivered:
+        where = {h: j for j, h in enumerate(sg) if j >= i}
+        for o in seen.orphans:
+            j = where.get(o.parent_ext)
+            if j is None:
+                continue
+            lost_words = lost_before(o.seq) or "no sequence number is missing, so it was lost before publishing"
+            blocks = f"block {i}" if j == i else f"blocks {i}..{j}"
+            return _Gap("confirmed",
+                        f"the engine stored {blocks} of this prompt in a batch the router never received "
+                        f"({lost_words}): the event at seq {o.seq} stores {o.blocks} block(s) under parent "
+                        f"{_signed(o.parent_ext)}, which is SGLang's own hash of this prompt's block {j} "
+                        f"(recomputed from the prompt); Dynamo does not resync its index after a gap and drops "
+                        f"that event as an orphan, so the router is cache-blind for this worker from block {i} on",
+                        sg[i], _holds(h_e, b, seen, j + 1))
+    # 2. A later block of this prompt (by its window) arrived under a parent the stream never delivered.
     later = set(h_e[i + 1 :])
     orphans = [p for p in seen.pages.values() if p.node is None and p.local in later]
-    if not orphans:
-        return None
-    missing = []
-    if rep.seq.gaps:
-        missing.append(f"the stream skips {rep.seq.missing_batches} batches ({rep.seq.describe_gaps()})")
-    if rep.malformed:
-        seqs = ", ".join(str(s) for s in rep.malformed_seqs[:3])
-        missing.append(f"{sum(rep.malformed.values())} batches could not be decoded and were dropped (seq {seqs})")
-    if not missing and rep.seq.first:
-        missing.append(f"the capture joined at seq {rep.seq.first}, after the batch that stored it")
-    return min(orphans, key=lambda p: min(p.offsets)), "; ".join(missing) or "a batch was lost before it was published"
+    if orphans:
+        p = min(orphans, key=lambda p: min(p.offsets))
+        lost_words = lost_before(p.seq) or "no sequence number is missing, so it was lost before publishing"
+        return _Gap("likely",
+                    f"the engine most likely stored block {i} in a batch the router never received ({lost_words}): "
+                    f"block {min(p.offsets) // b} of this prompt (SGLang hash {_signed(p.ext)}, seq {p.seq}) "
+                    f"arrived under parent {_signed(p.parent_ext)}, which the stream never delivered, so Dynamo "
+                    "drops it as an orphan (its window matches this prompt; its parent could not be tied to this "
+                    "prompt by hash)", None, _holds(h_e, b, seen, min(p.offsets) // b + 1))
+    # 3. Stores after the loss hang under parents never delivered, but none ties to this prompt.
+    after = [o for o in seen.orphans if lost_before(o.seq)]
+    if after:
+        o = after[0]
+        return _Gap("possible",
+                    f"the engine may have stored block {i} in a batch the router never received "
+                    f"({lost_before(o.seq)}): {len(after)} later event(s) (first at seq {o.seq}) hang under "
+                    "parents the stream never delivered, so the lost batches stored blocks, but none of them can "
+                    "be tied to this prompt", None, i)
+    return lost_before(None) or None
+
+
+def _holds(h_e: list[int], b: int, seen: _PromptPages, k: int) -> int:
+    """Blocks 0..k-1 are held; extend through still-held orphan pages that continue this prompt."""
+    held = {p.local: p for p in seen.pages.values() if p.node is None and p.removed_seq is None and p.cleared_seq is None}
+    while k < len(h_e) and h_e[k] in held and k * b in held[h_e[k]].offsets:
+        k += 1
+    return k
 
 
 def _shift_evidence(seen: _PromptPages, b: int) -> tuple[int, PageSeen] | None:
@@ -364,7 +474,7 @@ def _shifted_view(seen: _PromptPages, tokens: list[int], i: int, k: int, b: int,
 
 def _capture_notes(rep: WorkerReplay) -> list[str]:
     notes = list(rep.issues.describe(rep.path))
-    if rep.seq.first:
+    if rep.seq.first and rep.seq.first not in rep.cleared_at[:1]:  # harmless when it starts with a full clear
         notes.append(f"the capture joined the stream at seq {rep.seq.first} (earlier batches were not seen)")
     if rep.seq.gaps:
         notes.append(f"{len(rep.seq.gaps)} sequence gaps, {rep.seq.missing_batches} batches missing ({rep.seq.describe_gaps()})")

@@ -14,6 +14,7 @@ Every malformed input raises :class:`EventDecodeError` with a one-line reason.
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -71,30 +72,46 @@ class EventBatch:
 
 _decoder = msgspec.msgpack.Decoder()
 
+# Error messages quote the offending value; frames are untrusted, so the quote is bounded in size
+# and depth (a plain repr of a deeply nested value costs time and can overflow the stack).
+_repr = reprlib.Repr()
+_repr.maxlevel, _repr.maxlist, _repr.maxdict, _repr.maxstring, _repr.maxother = 2, 4, 4, 40, 40
+_repr.maxlong = 40
+
+
+def _show(value: Any) -> str:
+    return _repr.repr(value)
+
 _STORED_POSITIONAL = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
 
 
 def _int_list(value: Any, what: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise EventDecodeError(f"{what} must be a list of integers, got {value!r:.80}")
+        raise EventDecodeError(f"{what} must be a list of integers, got {_show(value)}")
     return value
 
 
 def _opt_int(value: Any, what: str) -> int | None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-        raise EventDecodeError(f"{what} must be an integer or nil, got {value!r:.80}")
+        raise EventDecodeError(f"{what} must be an integer or nil, got {_show(value)}")
+    return value
+
+
+def _opt_str(value: Any, what: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise EventDecodeError(f"{what} must be a string or nil, got {_show(value)}")
     return value
 
 
 def _token_ids(value: Any) -> list[Any]:
     if not isinstance(value, list):
-        raise EventDecodeError(f"token_ids must be a list, got {value!r:.80}")
+        raise EventDecodeError(f"token_ids must be a list, got {_show(value)}")
     for t in value:
         if isinstance(t, list):
             if len(t) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in t):
-                raise EventDecodeError(f"token_ids element is not an int or an int pair: {t!r:.80}")
+                raise EventDecodeError(f"token_ids element is not an int or an int pair: {_show(t)}")
         elif not isinstance(t, int) or isinstance(t, bool):
-            raise EventDecodeError(f"token_ids element is not an int or an int pair: {t!r:.80}")
+            raise EventDecodeError(f"token_ids element is not an int or an int pair: {_show(t)}")
     return value
 
 
@@ -102,7 +119,7 @@ def _stored(fields: dict[str, Any]) -> BlockStored:
     hashes = _int_list(fields.get("block_hashes"), "BlockStored.block_hashes")
     bs = fields.get("block_size")
     if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
-        raise EventDecodeError(f"BlockStored.block_size must be a positive integer, got {bs!r:.80}")
+        raise EventDecodeError(f"BlockStored.block_size must be a positive integer, got {_show(bs)}")
     tokens = _token_ids(fields.get("token_ids"))
     if len(tokens) != bs * len(hashes):
         raise EventDecodeError(
@@ -114,10 +131,10 @@ def _stored(fields: dict[str, Any]) -> BlockStored:
         token_ids=tokens,
         block_size=bs,
         lora_id=_opt_int(fields.get("lora_id"), "BlockStored.lora_id"),
-        medium=fields.get("medium"),
-        cache_salt=fields.get("cache_salt"),
-        lora_name=fields.get("lora_name"),
-        session_id=fields.get("session_id"),
+        medium=_opt_str(fields.get("medium"), "BlockStored.medium"),
+        cache_salt=_opt_str(fields.get("cache_salt"), "BlockStored.cache_salt"),
+        lora_name=_opt_str(fields.get("lora_name"), "BlockStored.lora_name"),
+        session_id=_opt_str(fields.get("session_id"), "BlockStored.session_id"),
     )
 
 
@@ -137,10 +154,11 @@ def _positional_event(raw: list[Any]) -> KVEvent:
     if tag == "BlockRemoved":
         if len(raw) < 2:
             raise EventDecodeError("positional BlockRemoved has no block_hashes")
-        return BlockRemoved(_int_list(raw[1], "BlockRemoved.block_hashes"), raw[2] if len(raw) > 2 else None)
+        return BlockRemoved(_int_list(raw[1], "BlockRemoved.block_hashes"),
+                            _opt_str(raw[2] if len(raw) > 2 else None, "BlockRemoved.medium"))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
-    raise EventDecodeError(f"unknown event type {tag!r:.60}")
+    raise EventDecodeError(f"unknown event type {_show(tag)}")
 
 
 def _map_event(raw: dict[str, Any]) -> KVEvent:
@@ -148,10 +166,11 @@ def _map_event(raw: dict[str, Any]) -> KVEvent:
     if tag == "BlockStored":
         return _stored(raw)
     if tag == "BlockRemoved":
-        return BlockRemoved(_int_list(raw.get("block_hashes"), "BlockRemoved.block_hashes"), raw.get("medium"))
+        return BlockRemoved(_int_list(raw.get("block_hashes"), "BlockRemoved.block_hashes"),
+                            _opt_str(raw.get("medium"), "BlockRemoved.medium"))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
-    raise EventDecodeError(f"unknown event type {tag!r:.60}")
+    raise EventDecodeError(f"unknown event type {_show(tag)}")
 
 
 def decode_payload(payload: bytes) -> EventBatch:
@@ -160,11 +179,13 @@ def decode_payload(payload: bytes) -> EventBatch:
         raw = _decoder.decode(payload)
     except msgspec.DecodeError as exc:
         raise EventDecodeError(f"payload is not valid msgpack ({exc})") from None
+    except RecursionError:
+        raise EventDecodeError("payload nests too deeply to be a KV-event batch") from None
     if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
         raise EventDecodeError("payload is not a [ts, events, dp_rank] batch")
     ts = raw[0]
     if not isinstance(ts, (int, float)) or isinstance(ts, bool):
-        raise EventDecodeError(f"batch timestamp is not a number: {ts!r:.60}")
+        raise EventDecodeError(f"batch timestamp is not a number: {_show(ts)}")
     dp_rank = _opt_int(raw[2] if len(raw) > 2 else None, "batch dp_rank")
     events: list[KVEvent] = []
     encoding: Encoding | None = None
@@ -176,7 +197,7 @@ def decode_payload(payload: bytes) -> EventBatch:
             kind = "map"
             events.append(_map_event(ev))
         else:
-            raise EventDecodeError(f"event is neither an array nor a map: {ev!r:.60}")
+            raise EventDecodeError(f"event is neither an array nor a map: {_show(ev)}")
         if encoding is not None and kind != encoding:
             raise EventDecodeError("batch mixes positional and map events")
         encoding = kind
@@ -189,7 +210,7 @@ def decode_frames(frames: list[bytes], *, expected_topic: bytes | None = None) -
         raise EventDecodeError(f"expected 3 frames [topic, seq, payload], got {len(frames)}")
     topic, seq, payload = frames
     if expected_topic is not None and topic != expected_topic:
-        raise EventDecodeError(f"frame topic {topic!r} is not the expected {expected_topic!r}")
+        raise EventDecodeError(f"frame topic {_show(topic)} is not the expected {_show(expected_topic)}")
     if len(seq) != 8:
         raise EventDecodeError(f"sequence frame has {len(seq)} bytes, expected 8")
     batch = decode_payload(payload)

@@ -33,11 +33,13 @@ from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
+import numpy as np
 import xxhash
 
 from kvalign.capture import Cleared, CompactEvent, Removed, Stored, u64_list
-from kvalign.hashing import XXH3_SEED, salt_seed
+from kvalign.hashing import XXH3_SEED, _window_dtype, salt_seed
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _pack2 = struct.Struct("<QQ").pack
@@ -179,6 +181,12 @@ def _raw_tokens(ev: Stored) -> bytes:
     return raw
 
 
+def _check_removed(ev: CompactEvent) -> None:
+    if type(ev) is Removed and len(ev.h) % 8:
+        raise BatchRejected("BlockRemoved.block_hashes is not a whole number of u64 values")
+    return None
+
+
 def _is_bigram(ev: Stored) -> bool:
     return ev.pairs if ev.tok is None else bool(ev.tok) and isinstance(ev.tok[0], list)
 
@@ -205,7 +213,7 @@ class ReplayIndex:
 
     def apply_batch(self, worker_id: int, events: Sequence[CompactEvent]) -> None:
         """Apply one batch; raises :class:`BatchRejected` (nothing applied) like Dynamo's decoder."""
-        raws = [_raw_tokens(ev) if type(ev) is Stored else None for ev in events]
+        raws = [_raw_tokens(ev) if type(ev) is Stored else _check_removed(ev) for ev in events]
         w = self._worker(worker_id)
         for ev, raw in zip(events, raws):
             if raw is not None:
@@ -247,8 +255,6 @@ class ReplayIndex:
             seed = self._seeds.get(key)
             if seed is None:
                 seed = self._seeds[key] = salt_seed(ev.lora, ns)
-            mv = memoryview(raw)
-            starts = range(0, n * b * 4, b * 4)
             if n < n_ev:
                 ext = ext[:n]
             if ns is not None:
@@ -256,18 +262,12 @@ class ReplayIndex:
             elif w.namespace:
                 for h in ext:
                     w.namespace.pop(h, None)
-            if self.observer is not None or orphan:
-                local = [_xxh3(mv[s : s + win], seed) for s in starts]
-                if not orphan:
-                    nodes = _chain(parent_node, local)
-            else:  # the hot path: local hash and sequence chain in one pass
-                xxh3, pack2, chain_seed = _xxh3, _pack2, XXH3_SEED
-                node = parent_node if parent_node is not None else xxh3(mv[0:win], seed)
-                nodes = [] if parent_node is not None else [node]
-                append = nodes.append
-                for s in starts if parent_node is not None else starts[1:]:
-                    node = xxh3(pack2(node, xxh3(mv[s : s + win], seed)), chain_seed)
-                    append(node)
+            # every page window as one bytes object (one overlapping V-dtype view, see hashing.py),
+            # then one XXH3 call per page in C; only the sequence chain is a Python loop
+            windows = np.ndarray((n,), _window_dtype(win), raw, 0, (b * 4,)).tolist()
+            local = list(map(_xxh3, windows, repeat(seed, n)))
+            if not orphan:
+                nodes = _chain_fast(parent_node, local)
             if nodes:
                 w.store(ext, nodes)
                 st.blocks_indexed += n
@@ -311,6 +311,22 @@ def _chain(parent_node: int | None, local_hashes: Sequence[int]) -> list[int]:
     for h in local_hashes:
         node = int(h) if node is None else _xxh3(_pack2(node, int(h)), XXH3_SEED)
         out.append(node)
+    return out
+
+
+def _chain_fast(parent_node: int | None, local: list[int]) -> list[int]:
+    """:func:`_chain` for a list of Python ints: the one per-block Python loop of a replay."""
+    xxh3, pack2, seed = _xxh3, _pack2, XXH3_SEED
+    if parent_node is None:
+        out = [local[0]]
+        node = local[0]
+        rest = local[1:]
+    else:
+        out, node, rest = [], parent_node, local
+    append = out.append
+    for h in rest:
+        node = xxh3(pack2(node, h), seed)
+        append(node)
     return out
 
 

@@ -10,7 +10,6 @@ import time
 
 from kvalign.capture import CaptureError, CaptureWriter
 from kvalign.commands.options import positive_float, positive_int
-from kvalign.events import EventDecodeError, decode_frames
 from kvalign.subscribe import Subscription
 
 
@@ -75,13 +74,4 @@ def record(
         frames = subscription.recv(min(wait, 0.1) if stop is not None else wait)
         if frames is None:
             continue
-        received = time.time()
-        try:
-            batch = decode_frames(frames)
-        except EventDecodeError as exc:
-            seq = int.from_bytes(frames[1], "big", signed=True) if len(frames) == 3 and len(frames[1]) == 8 else None
-            writer.write_bad(seq, str(exc), frames[-1] if frames else b"", received)
-            continue
-        if batch.seq is not None and batch.seq < 0:
-            continue  # SGLang's end-of-replay marker, not a batch
-        writer.write_batch(batch, received)
+        writer.write_frames(frames, time.time())

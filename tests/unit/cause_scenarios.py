@@ -69,9 +69,12 @@ SCENARIOS = [
     Scenario("namespace-dropped", True, _insert(PROMPT, cache_salt="tenant-1"), PROMPT, (), "NAMESPACE_DROPPED", 0),
     Scenario("seed-drift", True, _insert(PROMPT, cache_salt="tenant-1"), PROMPT, ("--namespace", "tenant-2"),
              "SEED_DRIFT", 0),
-    Scenario("prompt-shift", True, _insert([BOS, *PROMPT]), PROMPT, (), "PROMPT_SHIFT", 0),
+    Scenario("prompt-shift", True, _insert([BOS, *PROMPT]), PROMPT, (), "PROMPT_SHIFT", 0),  # k = -1
+    Scenario("prompt-extra-token", True, _insert(PROMPT), [BOS, *PROMPT], (), "PROMPT_SHIFT", 0),  # k = +1
     Scenario("evicted", False, _evict_tail, PROMPT, (), "EVICTED", 2),
     Scenario("sequence-gap", True, _lose_a_batch, PROMPT, (), "SEQUENCE_GAP", 2),
+    # the lost batch stored the prompt's last block; only a longer sequence's blocks arrive later
+    Scenario("sequence-gap-last-block", True, _lose_a_batch, PROMPT[: 3 * B + 1], (), "SEQUENCE_GAP", 2),
     Scenario("prompt-too-short", True, _insert(PROMPT), PROMPT[:B], (), "PROMPT_TOO_SHORT", 0),
 ]
 

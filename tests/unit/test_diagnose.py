@@ -100,17 +100,27 @@ def test_prompt_shifted_by_a_bos_the_router_lacks(tmp_path, sglang_publisher):
     bos = 1
     path = capture_of(tmp_path, sglang_publisher, eagle=True, inserts=[([bos, *PROMPT], {})])
     d = diagnose(path, PROMPT, RouterSettings())
-    assert d.cause is Cause.PROMPT_SHIFT and d.shift == 1 and d.first_divergent == 0
+    # k counts the prompt's extra leading tokens: the prompt lacks the engine's BOS, so k = -1
+    assert d.cause is Cause.PROMPT_SHIFT and d.shift == -1 and d.first_divergent == 0
     assert d.router["overlap"] == 0
     assert d.engine_block.tokens == [bos, *PROMPT[:B]]  # the engine's real first page
     assert d.engine_block.engine_block_hash is not None
+    assert d.detail.startswith("this prompt lacks 1 leading token that the engine's sequence has") and "k = -1" in d.detail
 
 
-def test_prompt_with_extra_leading_tokens(tmp_path, sglang_publisher):
+def test_prompt_with_extra_leading_tokens(tmp_path, sglang_publisher, capsys):
     path = capture_of(tmp_path, sglang_publisher, eagle=False, inserts=[(PROMPT[2:], {})])
     d = diagnose(path, PROMPT, RouterSettings())
-    assert d.cause is Cause.PROMPT_SHIFT and d.shift == -2 and d.first_divergent == 0
+    assert d.cause is Cause.PROMPT_SHIFT and d.shift == 2 and d.first_divergent == 0
     assert d.engine_block.tokens == PROMPT[2 : 2 + B]
+    assert d.detail.startswith("this prompt has 2 extra leading tokens that the engine's sequence lacks, so k = +2")
+    # the same k, with the same sign, in the text and the JSON
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text(json.dumps(PROMPT))
+    assert main(["diagnose", "--capture", path, "--prompt", str(prompt)]) == 1
+    assert "cause: prompt shifted by k tokens (template or BOS drift) (k = +2)" in capsys.readouterr().out
+    assert main(["diagnose", "--capture", path, "--prompt", str(prompt), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["shift"] == 2
 
 
 def test_evicted_blocks(tmp_path, sglang_publisher):
@@ -122,17 +132,90 @@ def test_evicted_blocks(tmp_path, sglang_publisher):
     assert d.engine_block.tokens == PROMPT[2 * B : 3 * B] and d.engine_block.removed_seq is not None
 
 
+def lossy_capture(tmp_path, publisher, steps, *, eagle=True, name="w.jsonl"):
+    """Capture of a real cache through a lossy ZMQ hop; ``steps`` = [(action, drop)], action = tokens or "clear"."""
+    cache = SglangRadixCache(B, eagle=eagle)
+    with captured(tmp_path, publisher, lossy=True, name=name) as stream:
+        for action, drop in steps:
+            if action == "clear":
+                events = [publisher.warm_up_event()]  # SGLang's own AllBlocksCleared
+                cache = SglangRadixCache(B, eagle=eagle)
+            else:
+                cache.insert(action)
+                events = cache.take_raw_events()
+            stream.publish(events, drop=drop)
+    return stream.path
+
+
 def test_sequence_gap(tmp_path, sglang_publisher):
-    cache = SglangRadixCache(B, eagle=True)
-    with captured(tmp_path, sglang_publisher, lossy=True) as stream:
-        for end, drop in ((2 * B + 1, False), (3 * B + 1, True), (len(PROMPT), False)):
-            cache.insert(PROMPT[:end])
-            stream.publish(cache.take_raw_events(), drop=drop)
-    d = diagnose(stream.path, PROMPT, RouterSettings())
-    assert d.cause is Cause.SEQUENCE_GAP and d.first_divergent == 2
+    path = lossy_capture(tmp_path, sglang_publisher,
+                         [(PROMPT[: 2 * B + 1], False), (PROMPT[: 3 * B + 1], True), (PROMPT, False)])
+    d = diagnose(path, PROMPT, RouterSettings())
+    assert d.cause is Cause.SEQUENCE_GAP and d.first_divergent == 2 and d.confidence == "confirmed"
     assert d.router["overlap"] == d.engine["overlap"] == 2 and d.capture_stats["gaps"] == 1
     assert d.engine_block.tokens == PROMPT[2 * B : 3 * B + 1] and d.engine_block.engine_block_hash is not None
-    assert "skips 1 batches" in d.detail
+    assert d.engine_block.stored_seq is None  # never received
+    assert d.engine["holds"] == 5  # blocks 2 (lost) and 3..4 (orphaned) count too
+    assert d.detail.startswith("the engine stored block 2 of this prompt in a batch the router never received "
+                               "(the stream skips seq ")
+
+
+def test_gap_that_stored_the_prompts_last_block(tmp_path, sglang_publisher, capsys):
+    """The issue's stream: the lost batch stored the prompt's last block; a later batch extended it.
+
+    Nothing stored later is a block of this prompt, yet the later event's parent is SGLang's own
+    hash of block 2, so the engine holds it and the router (which drops the orphan) does not.
+    """
+    prompt = PROMPT[: 3 * B + 1]  # 3 bigram pages
+    path = lossy_capture(tmp_path, sglang_publisher,
+                         [(PROMPT[: 2 * B + 1], False), (prompt, True), (PROMPT, False)])
+    d = diagnose(path, prompt, RouterSettings())
+    assert d.cause is Cause.SEQUENCE_GAP and d.first_divergent == 2 and d.confidence == "confirmed"
+    assert d.router["overlap"] == 2 and d.router["blocks"] == 3
+    assert "the event at seq" in d.detail and "which is SGLang's own hash of this prompt's block 2" in d.detail
+    assert d.engine_block.engine_block_hash is not None and f"parent {d.engine_block.engine_block_hash}," in d.detail
+    prompt_file = tmp_path / "prompt.json"
+    prompt_file.write_text(json.dumps(prompt))
+    assert main(["diagnose", "--capture", path, "--prompt", str(prompt_file)]) == 1
+    out = capsys.readouterr().out
+    assert "cause: sequence gap / dropped batch (confirmed)" in out and "no divergence" not in out
+    assert main(["diagnose", "--capture", path, "--prompt", str(prompt_file), "--json"]) == 1
+    j = json.loads(capsys.readouterr().out)
+    assert j["cause"]["name"] == "SEQUENCE_GAP" and j["confidence"] == "confirmed"
+
+
+def test_gap_with_orphans_that_cannot_be_tied_to_the_prompt(tmp_path, sglang_publisher):
+    """The lost batch stored block 2 *and* another sequence's pages; only the other one is extended later."""
+    other = [9] * (2 * B + 1)
+    cache = SglangRadixCache(B, eagle=True)
+    with captured(tmp_path, sglang_publisher, lossy=True) as stream:
+        cache.insert(PROMPT[: 2 * B + 1])
+        stream.publish(cache.take_raw_events())
+        cache.insert(PROMPT[: 3 * B + 1])
+        cache.insert(other)
+        stream.publish(cache.take_raw_events(), drop=True)
+        cache.insert([*other, *([8] * 2 * B)])
+        stream.publish(cache.take_raw_events())
+    d = diagnose(stream.path, PROMPT, RouterSettings())
+    assert d.cause is Cause.SEQUENCE_GAP and d.first_divergent == 2 and d.confidence == "possible"
+    assert d.detail.startswith("the engine may have stored block 2 in a batch the router never received")
+
+
+def test_gap_without_later_stores_is_not_blamed(tmp_path, sglang_publisher):
+    """A lost batch after block 1 but no orphan: agreement, with the gap named as a caveat."""
+    path = lossy_capture(tmp_path, sglang_publisher, [(PROMPT[: 2 * B + 1], False), (PROMPT[: 3 * B + 1], True),
+                                                      ([5] * 9, False)])
+    d = diagnose(path, PROMPT, RouterSettings())
+    assert d.cause is None and d.confidence is None and d.router["overlap"] == 2
+    assert "never stored block 2" in d.detail and "a lost store of block 2 cannot be ruled out" in d.detail
+
+
+def test_gap_before_a_clear_is_irrelevant(tmp_path, sglang_publisher):
+    """A batch lost before the engine cleared its cache cannot hold what the prompt misses now."""
+    path = lossy_capture(tmp_path, sglang_publisher, [(PROMPT, True), ("clear", False), (PROMPT[: 2 * B + 1], False)])
+    d = diagnose(path, PROMPT, RouterSettings())
+    assert d.cause is None and d.capture_stats["gaps"] == 1
+    assert d.detail == "router and engine agree: the engine never stored block 2 of this prompt (2/5 blocks cached)"
 
 
 def test_prompt_shorter_than_one_eagle_block(tmp_path, sglang_publisher):
@@ -185,3 +268,7 @@ def test_every_cause_scenario_through_the_cli(tmp_path, sglang_publisher, capsys
     assert rc == (0 if scenario.cause is None else 1)
     assert (out["cause"] or {}).get("name") == scenario.cause
     assert out["first_divergent"] == scenario.first_block
+    if scenario.cause == "PROMPT_SHIFT":  # k = the prompt's extra leading tokens, same sign everywhere
+        assert out["shift"] == {"prompt-shift": -1, "prompt-extra-token": 1}[scenario.name]
+    if scenario.cause == "SEQUENCE_GAP":
+        assert out["confidence"] == "confirmed"
