@@ -15,7 +15,7 @@ i.e. replay takes at most twice the floor), as the median of per-round ratios wi
 Then ``kvalign replay FILE --json`` and ``kvalign diagnose`` run as child processes for their peak
 RSS (from ``wait4``) and the end-to-end wall time.
 
-Usage: .venv/bin/python bench/bench_replay.py [--blocks N] [--rounds N] [--keep FILE]
+Usage: .venv/bin/python bench/bench_replay.py [--blocks N] [--rounds N] [--keep FILE [--reuse]]
 The last two lines are ``replay / floor ratio: X`` and ``blocks/s: N`` (median paired round).
 """
 
@@ -94,7 +94,8 @@ def kvalign(*args: str) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=1_000_000)
-    ap.add_argument("--keep", default=None, help="write the capture here and keep it")
+    ap.add_argument("--keep", default=None, help="write the capture (and FILE.prompt.json) here and keep them")
+    ap.add_argument("--reuse", action="store_true", help="with --keep: time the capture already there, if any")
     ap.add_argument("--rounds", type=int, default=7, help="paired replay/floor rounds (default 7)")
     ap.add_argument("--generate-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -111,12 +112,16 @@ def main() -> int:
         tmp = tempfile.TemporaryDirectory(prefix="kvalign-bench-")
         path = os.path.join(tmp.name, "bench.jsonl")
     prompt_path = path + ".prompt.json"
-    out, gen_s, gen_rss, rc = run_child([sys.executable, __file__, "--generate-only", "--keep", path, "--blocks", str(args.blocks)])
-    if rc != 0:
-        print(f"generation failed with exit code {rc}", file=sys.stderr)
-        return 1
-    print(f"generated {int(out)} stored blocks with SGLang's real radix cache + encoder in {gen_s:.1f}s: "
-          f"{path} ({os.path.getsize(path) / 2**20:.0f} MiB)")
+    if args.reuse and os.path.exists(path) and os.path.exists(prompt_path):
+        print(f"reusing {path} ({os.path.getsize(path) / 2**20:.0f} MiB)")
+    else:
+        out, gen_s, gen_rss, rc = run_child([sys.executable, __file__, "--generate-only", "--keep", path,
+                                             "--blocks", str(args.blocks)])
+        if rc != 0:
+            print(f"generation failed with exit code {rc}", file=sys.stderr)
+            return 1
+        print(f"generated {int(out)} stored blocks with SGLang's real radix cache + encoder in {gen_s:.1f}s: "
+              f"{path} ({os.path.getsize(path) / 2**20:.0f} MiB)")
 
     decode = msgspec.json.Decoder(Batch).decode
 
@@ -158,8 +163,6 @@ def main() -> int:
     print(f"peak RSS: replay {rss:.0f} MiB, diagnose {drss:.0f} MiB")
     if tmp is not None:
         tmp.cleanup()
-    else:
-        os.unlink(prompt_path)
     print(f"replay / floor ratio: {p.median:.2f}")
     print(f"blocks/s: {int(stored / p.a_seconds)}")
     return 0

@@ -120,6 +120,6 @@ def replay_captures(
     if not paths:
         raise CaptureError("no capture given")
     names = default_worker_names(paths, names)
-    index = ReplayIndex(resolve_block_size(paths, block_size), observer)
+    index = ReplayIndex(resolve_block_size(paths, block_size), observer, deferred=observer is None)
     reps = [replay_capture(index, path, name, i, strict=strict) for i, (path, name) in enumerate(zip(paths, names), start=1)]
     return index, reps

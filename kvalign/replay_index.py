@@ -92,15 +92,18 @@ class _Worker:
     node, and PrefixIndex keeps the worker on the overwritten node (``stale``).
     """
 
-    __slots__ = ("ext2node", "refs", "stale", "namespace", "stats", "_held")
+    __slots__ = ("ext2node", "refs", "stale", "namespace", "stats", "_held", "log", "summary")
 
-    def __init__(self) -> None:
+    def __init__(self, deferred: bool = False) -> None:
         self.ext2node: dict[int, int] = {}
         self.refs: Counter[int] | None = None  # node -> engine hashes mapping to it (exact mode only)
         self.stale: set[int] = set()  # nodes PrefixIndex keeps the worker on after an overwrite
         self.namespace: dict[int, str] = {}  # relay: engine hash -> cache namespace (None omitted)
         self.stats = WorkerStats()
         self._held: set[int] | None = None  # cache of ext2node's values, for matching
+        # deferred mode: the events, applied only when a prompt is matched (see ReplayIndex)
+        self.log: list[tuple[CompactEvent, bytes | None]] | None = [] if deferred else None
+        self.summary: tuple[WorkerStats, int] | None = None  # _summarize(log), until the log grows
 
     def holds(self, node: int) -> bool:
         if self.refs is not None:
@@ -194,35 +197,61 @@ def _is_bigram(ev: Stored) -> bool:
 class ReplayIndex:
     """Router-side index rebuilt from capture events of one or more workers."""
 
-    def __init__(self, kv_block_size: int, observer: Observer | None = None):
+    def __init__(self, kv_block_size: int, observer: Observer | None = None, *, deferred: bool = False):
         if kv_block_size < 1:
             raise ValueError(f"kv_block_size must be >= 1, got {kv_block_size}")
+        if deferred and observer is not None:
+            raise ValueError("an observer needs every event applied as it comes (deferred=False)")
         self.kv_block_size = kv_block_size
         self.observer = observer
+        self.deferred = deferred
         self._workers: dict[int, _Worker] = {}
         self._seeds: dict[tuple[str | None, str | None], int] = {}
 
     def _worker(self, worker_id: int) -> _Worker:
         w = self._workers.get(worker_id)
         if w is None:
-            w = self._workers[worker_id] = _Worker()
+            w = self._workers[worker_id] = _Worker(self.deferred)
+        return w
+
+    def _summary(self, w: _Worker) -> tuple[WorkerStats, int]:
+        assert w.log is not None
+        if w.summary is None:
+            w.summary = _summarize(w.log, self.kv_block_size)
+        return w.summary
+
+    def _materialize(self, worker_id: int) -> _Worker:
+        """A deferred worker's events applied one by one, as a non-deferred index would have."""
+        w = self._worker(worker_id)
+        if w.log is not None:
+            log, w.log, w.summary = w.log, None, None
+            for ev, raw in log:
+                self._apply(worker_id, w, ev, raw)
         return w
 
     def stats(self, worker_id: int) -> WorkerStats:
-        return self._worker(worker_id).stats
+        w = self._worker(worker_id)
+        return self._summary(w)[0] if w.log is not None else w.stats
 
     def apply_batch(self, worker_id: int, events: Sequence[CompactEvent]) -> None:
         """Apply one batch; raises :class:`BatchRejected` (nothing applied) like Dynamo's decoder."""
         raws = [_raw_tokens(ev) if type(ev) is Stored else _check_removed(ev) for ev in events]
         w = self._worker(worker_id)
+        if w.log is not None:
+            w.log.extend(zip(events, raws))
+            w.summary = None
+            return
         for ev, raw in zip(events, raws):
-            if raw is not None:
-                self._stored(worker_id, w, ev, raw)  # type: ignore[arg-type]
-            elif type(ev) is Removed:
-                self._removed(w, ev)
-            elif type(ev) is Cleared:
-                w.stats.clears += 1
-                w.clear()
+            self._apply(worker_id, w, ev, raw)
+
+    def _apply(self, worker_id: int, w: _Worker, ev: CompactEvent, raw: bytes | None) -> None:
+        if raw is not None:
+            self._stored(worker_id, w, ev, raw)  # type: ignore[arg-type]
+        elif type(ev) is Removed:
+            self._removed(w, ev)
+        elif type(ev) is Cleared:
+            w.stats.clears += 1
+            w.clear()
 
     def _stored(self, worker_id: int, w: _Worker, ev: Stored, raw: bytes) -> None:
         st = w.stats
@@ -285,7 +314,7 @@ class ReplayIndex:
     def overlap(self, local_hashes: Sequence[int]) -> dict[int, int]:
         """Leading blocks of the prompt each worker holds (workers with 0 omitted)."""
         scores: dict[int, int] = {}
-        active = list(self._workers.items())
+        active = [(wid, self._materialize(wid)) for wid in self._workers]
         for depth, node in enumerate(chain_nodes(local_hashes), start=1):
             active = [(wid, w) for wid, w in active if w.holds(node)]
             if not active:
@@ -295,14 +324,167 @@ class ReplayIndex:
         return scores
 
     def holds(self, worker_id: int, node: int) -> bool:
-        return self._worker(worker_id).holds(node)
+        return self._materialize(worker_id).holds(node)
 
     def blocks(self, worker_id: int) -> int:
         """How many engine blocks ``worker_id`` currently has indexed."""
-        return len(self._worker(worker_id).ext2node)
+        w = self._worker(worker_id)
+        return self._summary(w)[1] if w.log is not None else len(w.ext2node)
 
     def workers(self) -> list[int]:
         return sorted(self._workers)
+
+
+def _last_before(xs: np.ndarray, times: np.ndarray, qx: np.ndarray, qt: np.ndarray) -> np.ndarray:
+    """For entries sorted by (x, time): per query, the position of the last entry with x == qx
+    and time < qt, or -1. One composite key (rank of x, time) makes it two ``searchsorted``."""
+    if not len(xs) or not len(qx):
+        return np.full(len(qx), -1, np.int64)
+    rank = np.zeros(len(xs), np.int64)
+    np.cumsum(xs[1:] != xs[:-1], out=rank[1:])
+    span = int(max(times.max(), qt.max())) + 2
+    comp = rank * span + times
+    i = np.minimum(np.searchsorted(xs, qx), len(xs) - 1)
+    found = xs[i] == qx
+    j = np.searchsorted(comp, rank[i] * span + qt - 1, "right") - 1
+    return np.where(found & (j >= i), j, -1)
+
+
+def _time_at(times: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """``times[pos]``, and -1 (before everything) where ``pos`` is -1."""
+    if not len(times):
+        return np.full(len(pos), -1, np.int64)
+    return np.where(pos >= 0, times[np.maximum(pos, 0)], -1)
+
+
+def _by_x(x: np.ndarray, times: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Entries sorted by (x, time), given entries already in time order: (order, xs, times)."""
+    order = np.argsort(x, kind="stable")
+    return order, x[order], times[order]
+
+
+def _summarize(log: list[tuple[CompactEvent, bytes | None]], b: int) -> tuple[WorkerStats, int]:
+    """The relay + index rules applied to a whole event log at once: (stats, blocks held).
+
+    Per event only a few Python operations; per block only numpy. An event's fate depends on
+    the index state when it arrived, which is answered by sorting every stored page by (engine
+    hash, time): "is the parent mapped at time t" is "the parent's last indexed page before t
+    came after its last removal and the last clear". Which pages are indexed depends in turn on
+    which earlier events were orphans, so orphans are settled in one pass in event order, and
+    usually only one array lookup per event is needed.
+    """
+    st = WorkerStats()
+    hs: list[bytes] = []
+    n_ev: list[int] = []
+    n_idx: list[int] = []
+    bs_ok: list[bool] = []
+    ev_t: list[int] = []
+    par: list[int] = []
+    par_ev: list[int] = []
+    rem: list[bytes] = []
+    rem_n: list[int] = []
+    rem_t: list[int] = []
+    clears: list[int] = []
+    for t, (ev, raw) in enumerate(log):
+        k = type(ev)
+        if k is Stored:
+            ne = len(ev.h) >> 3
+            hs.append(ev.h)
+            n_ev.append(ne)
+            ev_t.append(t)
+            if ev.p is not None:
+                par.append(ev.p)
+                par_ev.append(len(ev_t) - 1)
+            if ev.bs != b:
+                bs_ok.append(False)
+                n_idx.append(0)
+            else:
+                win = (b + 1 if _is_bigram(ev) else b) * 4
+                fit = (len(raw) - win) // (b * 4) + 1 if len(raw) >= win else 0  # type: ignore[arg-type]
+                bs_ok.append(True)
+                n_idx.append(min(ne, fit))
+        elif k is Removed:
+            rem.append(ev.h)
+            rem_n.append(len(ev.h) >> 3)
+            rem_t.append(t)
+        else:
+            clears.append(t)
+    st.clears = len(clears)
+    n_s = len(ev_t)
+    ne_a = np.array(n_ev, np.int64)
+    ni_a = np.array(n_idx, np.int64)
+    evt_a = np.array(ev_t, np.int64)
+    st.blocks_stored = int(ne_a.sum())
+    rx = np.frombuffer(b"".join(rem), "<u8")
+    rt = np.repeat(np.array(rem_t, np.int64), rem_n)
+    st.blocks_removed = len(rx)
+    x = np.frombuffer(b"".join(hs), "<u8")
+    pev = np.repeat(np.arange(n_s), ne_a)
+    starts = np.zeros(n_s, np.int64)
+    np.cumsum(ne_a[:-1], out=starts[1:])
+    ppos = np.arange(len(x)) - starts[pev]
+    ptime = evt_a[pev]
+
+    # pages sorted by (engine hash, time)
+    order, sx, stime = _by_x(x, ptime)
+    sev = pev[order]
+    dup = np.zeros(n_s, bool)
+    same = (sx[1:] == sx[:-1]) & (sev[1:] == sev[:-1])  # a hash repeated inside one event
+    dup[sev[1:][same]] = True
+    pq = np.array(par, np.uint64)
+    pe = np.array(par_ev, np.int64)
+    jp = _last_before(sx, stime, pq, evt_a[pe] + 1)  # the parent's last page at or before the event
+    own = jp >= 0
+    own[own] = sev[jp[own]] == pe[own]
+    dup[pe[own]] = True  # the parent is one of the event's own hashes
+    # first page of the parent's run (for walking back past pages that were not indexed)
+    lo = np.searchsorted(sx, pq)
+    # the parent's last removal before the event
+    _, rsx, rst = _by_x(rx, rt)
+    lr = _last_before(rsx, rst, pq, evt_a[pe])
+    last_rem = _time_at(rst, lr)
+    clear_a = np.array(clears, np.int64)
+    lc = np.searchsorted(clear_a, evt_a[pe]) - 1
+    last_clear = _time_at(clear_a, lc)
+
+    # orphans, in event order: a page indexes only if its event was neither dup nor orphan
+    orphan = [False] * n_s
+    dup_l = dup.tolist()
+    ni_l = n_idx
+    sev_l = sev  # indexed one element at a time: walking back past unindexed pages is rare
+    for e, j, j0, tr, tc in zip(pe.tolist(), jp.tolist(), lo.tolist(), last_rem.tolist(), last_clear.tolist()):
+        if dup_l[e]:
+            continue
+        while j >= j0:
+            f = int(sev_l[j])
+            if not dup_l[f] and not orphan[f] and int(ppos[order[j]]) < ni_l[f]:
+                break
+            j -= 1
+        if j < j0 or int(stime[j]) < tr or int(stime[j]) < tc:
+            orphan[e] = True
+    orph = np.array(orphan, bool)
+    live_ev = ~dup & ~orph
+    st.dropped_duplicate_events = int(dup.sum())
+    st.dropped_orphans = int(orph.sum())
+    st.blocks_indexed = int(ni_a[live_ev].sum())
+    bs_a = np.array(bs_ok, bool)
+    st.dropped_block_size = int(ne_a[~dup & ~bs_a].sum())
+    st.dropped_short_window = int((ne_a - ni_a)[~dup & bs_a].sum())
+
+    # held now: each hash's last indexed page came after its last removal and the last clear
+    valid = live_ev[sev] & (ppos[order] < ni_a[sev])
+    vp = np.flatnonzero(valid)
+    if not len(vp):
+        return st, 0
+    vx = sx[vp]
+    last = np.ones(len(vp), bool)
+    last[:-1] = vx[1:] != vx[:-1]
+    lx, lt = vx[last], stime[vp[last]]
+    lrr = _last_before(rsx, rst, lx, np.full(len(lx), int(lt.max()) + len(log) + 2))
+    lr_t = _time_at(rst, lrr)
+    final_clear = clears[-1] if clears else -1
+    held = int(np.count_nonzero((lt > lr_t) & (lt > final_clear)))
+    return st, held
 
 
 def _chain(parent_node: int | None, local_hashes: Sequence[int]) -> list[int]:

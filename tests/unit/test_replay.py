@@ -9,6 +9,7 @@ where the real Dynamo ``RadixTree`` is a third, independent opinion.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 from hypothesis import given
@@ -42,8 +43,8 @@ def reference(batches, kv_block_size=KV_B):
     return index, relays
 
 
-def fused(batches, kv_block_size=KV_B):
-    index = ReplayIndex(kv_block_size)
+def fused(batches, kv_block_size=KV_B, deferred=False):
+    index = ReplayIndex(kv_block_size, deferred=deferred)
     for worker, events in batches:
         index.apply_batch(worker, [compact_event(e) for e in events])
     return index
@@ -104,6 +105,24 @@ def test_fused_index_equals_relay_and_prefix_index(count_case, stream):
     assert sum(got.stats(w).dropped_orphans for w in relays) == ref.dropped_orphans
 
 
+@given(event_streams())
+def test_deferred_index_equals_the_event_by_event_one(count_case, stream):
+    """``replay`` defers applying events until a prompt is matched and computes stats and held
+    blocks for the whole log at once; both must equal applying every event as it comes."""
+    count_case()
+    docs, batches = stream
+    eager = fused(batches)
+    got = fused(batches, deferred=True)
+    for worker in {w for w, _ in batches}:
+        assert asdict(got.stats(worker)) == asdict(eager.stats(worker))
+        assert got.blocks(worker) == eager.blocks(worker)
+    for q in queries(docs):  # matching applies the log event by event
+        assert got.overlap(q) == eager.overlap(q), q
+    for worker in {w for w, _ in batches}:
+        assert asdict(got.stats(worker)) == asdict(eager.stats(worker))
+        assert got.blocks(worker) == eager.blocks(worker)
+
+
 ops = st.lists(st.one_of(
     st.tuples(st.just("insert"), st.lists(st.integers(0, 4), min_size=1, max_size=20), st.sampled_from([None, "t1"])),
     st.tuples(st.just("evict"), st.integers(1, 12), st.none()),
@@ -125,6 +144,8 @@ def test_real_cache_streams_agree_with_reference_and_dynamo(count_case, cache_fa
         batches.append((1, cache.take_events()))
     ref, _ = reference(batches)
     got = fused(batches)
+    deferred = fused(batches, deferred=True)
+    assert (deferred.blocks(1), asdict(deferred.stats(1))) == (got.blocks(1), asdict(got.stats(1)))
     tree = dynamo_tree()
     relay = Relay(KV_B)
     for _, events in batches:
@@ -134,7 +155,7 @@ def test_real_cache_streams_agree_with_reference_and_dynamo(count_case, cache_fa
                 tree.apply(1, out)
     for tokens, salt in inserted:
         q = block_hashes(tokens, KV_B, eagle=eagle, cache_namespace=salt)
-        assert got.overlap(q) == ref.overlap(q) == tree.overlap(q)
+        assert got.overlap(q) == ref.overlap(q) == tree.overlap(q) == deferred.overlap(q)
         assert got.overlap(q).get(1, 0) * KV_B == cache.match(tokens, cache_salt=salt)  # and the engine itself
 
 
