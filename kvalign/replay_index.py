@@ -363,101 +363,107 @@ def _by_x(x: np.ndarray, times: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     return order, x[order], times[order]
 
 
+def _candidates(x: np.ndarray, marked: Sequence[np.ndarray]) -> np.ndarray:
+    """Positions of the pages that may share their engine hash with another page, a parent or a
+    removal: every such page, and a few others (one bucket table in numpy, no sort).
+
+    A page left out holds a hash seen exactly once in the log, so its fate is its event's.
+    """
+    n = len(x)
+    bits = max(10, (8 * n).bit_length())
+    mask = (1 << bits) - 1
+    bucket = x.view(np.int64) & mask
+    table = np.empty(1 << bits, np.int32)
+    pos = np.arange(n, dtype=np.int32)
+    table[bucket] = pos  # the last page written into each bucket
+    hit = np.zeros(1 << bits, bool)
+    hit[bucket[table[bucket] != pos]] = True  # buckets holding two pages or more
+    for m in marked:
+        hit[m.view(np.int64) & mask] = True
+    return np.flatnonzero(hit[bucket])
+
+
 def _summarize(log: list[tuple[CompactEvent, bytes | None]], b: int) -> tuple[WorkerStats, int]:
     """The relay + index rules applied to a whole event log at once: (stats, blocks held).
 
-    Per event only a few Python operations; per block only numpy. An event's fate depends on
-    the index state when it arrived, which is answered by sorting every stored page by (engine
-    hash, time): "is the parent mapped at time t" is "the parent's last indexed page before t
-    came after its last removal and the last clear". Which pages are indexed depends in turn on
-    which earlier events were orphans, so orphans are settled in one pass in event order, and
-    usually only one array lookup per event is needed.
+    Per event only a few Python operations; per block a few numpy passes. An event's fate
+    depends on the index state when it arrived: "is the parent mapped at time t" is "the
+    parent's last indexed page before t came after its last removal and the last clear",
+    answered by sorting the pages whose hash occurs more than once, or as a parent or removal,
+    by (engine hash, time). Which pages are indexed depends in turn on which earlier events were
+    orphans, so orphans are settled in one pass in event order.
     """
     st = WorkerStats()
-    hs: list[bytes] = []
-    n_ev: list[int] = []
-    n_idx: list[int] = []
-    bs_ok: list[bool] = []
-    ev_t: list[int] = []
+    stored: list[tuple[bytes, int, int, int]] = []  # (hashes, time, block size, window units)
     par: list[int] = []
     par_ev: list[int] = []
     rem: list[bytes] = []
-    rem_n: list[int] = []
     rem_t: list[int] = []
     clears: list[int] = []
+    add, add_par, add_par_ev = stored.append, par.append, par_ev.append
     for t, (ev, raw) in enumerate(log):
         k = type(ev)
         if k is Stored:
-            ne = len(ev.h) >> 3
-            hs.append(ev.h)
-            n_ev.append(ne)
-            ev_t.append(t)
             if ev.p is not None:
-                par.append(ev.p)
-                par_ev.append(len(ev_t) - 1)
-            if ev.bs != b:
-                bs_ok.append(False)
-                n_idx.append(0)
-            else:
-                win = (b + 1 if _is_bigram(ev) else b) * 4
-                fit = (len(raw) - win) // (b * 4) + 1 if len(raw) >= win else 0  # type: ignore[arg-type]
-                bs_ok.append(True)
-                n_idx.append(min(ne, fit))
+                add_par(ev.p)
+                add_par_ev(len(stored))
+            bigram = ev.pairs if ev.tok is None else _is_bigram(ev)
+            add((ev.h, t, ev.bs, len(raw) // 4 - (b + 1 if bigram else b)))  # type: ignore[arg-type]
         elif k is Removed:
             rem.append(ev.h)
-            rem_n.append(len(ev.h) >> 3)
             rem_t.append(t)
         else:
             clears.append(t)
+    hs, ev_t, bss, spare = zip(*stored) if stored else ((), (), (), ())
+    ne_a = np.array([len(h) >> 3 for h in hs], np.int64)
+    bs_a = np.array(bss, np.int64) == b
+    fit = np.where(np.array(spare, np.int64) >= 0, np.array(spare, np.int64) // b + 1, 0)
+    ni_a = np.where(bs_a, np.minimum(ne_a, fit), 0)
+    n_idx = ni_a.tolist()
     st.clears = len(clears)
     n_s = len(ev_t)
-    ne_a = np.array(n_ev, np.int64)
-    ni_a = np.array(n_idx, np.int64)
     evt_a = np.array(ev_t, np.int64)
     st.blocks_stored = int(ne_a.sum())
     rx = np.frombuffer(b"".join(rem), "<u8")
-    rt = np.repeat(np.array(rem_t, np.int64), rem_n)
+    rt = np.repeat(np.array(rem_t, np.int64), [len(h) >> 3 for h in rem])
     st.blocks_removed = len(rx)
+    pq = np.array(par, np.uint64)
+    pe = np.array(par_ev, np.int64)
     x = np.frombuffer(b"".join(hs), "<u8")
-    pev = np.repeat(np.arange(n_s), ne_a)
     starts = np.zeros(n_s, np.int64)
     np.cumsum(ne_a[:-1], out=starts[1:])
-    ppos = np.arange(len(x)) - starts[pev]
-    ptime = evt_a[pev]
 
-    # pages sorted by (engine hash, time)
-    order, sx, stime = _by_x(x, ptime)
-    sev = pev[order]
+    # candidate pages, sorted by (engine hash, time)
+    ci = _candidates(x, (pq, rx))
+    cev = np.searchsorted(starts, ci, "right") - 1  # (events without pages share a start: take the last)
+    cpos = ci - starts[cev]
+    order = np.argsort(x[ci], kind="stable")
+    sx = x[ci][order]
+    sev = cev[order]
+    spos = cpos[order]
+    stime = evt_a[sev]
     dup = np.zeros(n_s, bool)
     same = (sx[1:] == sx[:-1]) & (sev[1:] == sev[:-1])  # a hash repeated inside one event
     dup[sev[1:][same]] = True
-    pq = np.array(par, np.uint64)
-    pe = np.array(par_ev, np.int64)
     jp = _last_before(sx, stime, pq, evt_a[pe] + 1)  # the parent's last page at or before the event
     own = jp >= 0
     own[own] = sev[jp[own]] == pe[own]
     dup[pe[own]] = True  # the parent is one of the event's own hashes
-    # first page of the parent's run (for walking back past pages that were not indexed)
-    lo = np.searchsorted(sx, pq)
-    # the parent's last removal before the event
+    lo = np.searchsorted(sx, pq)  # the parent's first page (to walk back past pages not indexed)
     _, rsx, rst = _by_x(rx, rt)
-    lr = _last_before(rsx, rst, pq, evt_a[pe])
-    last_rem = _time_at(rst, lr)
+    last_rem = _time_at(rst, _last_before(rsx, rst, pq, evt_a[pe]))  # the parent's last removal before
     clear_a = np.array(clears, np.int64)
-    lc = np.searchsorted(clear_a, evt_a[pe]) - 1
-    last_clear = _time_at(clear_a, lc)
+    last_clear = _time_at(clear_a, np.searchsorted(clear_a, evt_a[pe]) - 1)
 
-    # orphans, in event order: a page indexes only if its event was neither dup nor orphan
+    # orphans, in event order: a page is indexed only if its event was neither dup nor orphan
     orphan = [False] * n_s
     dup_l = dup.tolist()
-    ni_l = n_idx
-    sev_l = sev  # indexed one element at a time: walking back past unindexed pages is rare
     for e, j, j0, tr, tc in zip(pe.tolist(), jp.tolist(), lo.tolist(), last_rem.tolist(), last_clear.tolist()):
         if dup_l[e]:
             continue
-        while j >= j0:
-            f = int(sev_l[j])
-            if not dup_l[f] and not orphan[f] and int(ppos[order[j]]) < ni_l[f]:
+        while j >= j0:  # usually the first page tried is indexed
+            f = int(sev[j])
+            if not dup_l[f] and not orphan[f] and int(spos[j]) < n_idx[f]:
                 break
             j -= 1
         if j < j0 or int(stime[j]) < tr or int(stime[j]) < tc:
@@ -467,23 +473,23 @@ def _summarize(log: list[tuple[CompactEvent, bytes | None]], b: int) -> tuple[Wo
     st.dropped_duplicate_events = int(dup.sum())
     st.dropped_orphans = int(orph.sum())
     st.blocks_indexed = int(ni_a[live_ev].sum())
-    bs_a = np.array(bs_ok, bool)
     st.dropped_block_size = int(ne_a[~dup & ~bs_a].sum())
     st.dropped_short_window = int((ne_a - ni_a)[~dup & bs_a].sum())
 
-    # held now: each hash's last indexed page came after its last removal and the last clear
-    valid = live_ev[sev] & (ppos[order] < ni_a[sev])
-    vp = np.flatnonzero(valid)
-    if not len(vp):
-        return st, 0
-    vx = sx[vp]
-    last = np.ones(len(vp), bool)
-    last[:-1] = vx[1:] != vx[:-1]
-    lx, lt = vx[last], stime[vp[last]]
-    lrr = _last_before(rsx, rst, lx, np.full(len(lx), int(lt.max()) + len(log) + 2))
-    lr_t = _time_at(rst, lrr)
+    # held now. A candidate hash: its last indexed page came after its last removal and the last
+    # clear. Any other indexed page holds a hash seen once: held if it came after the last clear.
     final_clear = clears[-1] if clears else -1
-    held = int(np.count_nonzero((lt > lr_t) & (lt > final_clear)))
+    valid = live_ev[sev] & (spos < ni_a[sev])
+    in_cand = np.bincount(sev[valid], minlength=n_s)  # indexed candidate pages per event
+    held = int((ni_a - in_cand)[live_ev & (evt_a > final_clear)].sum())
+    vp = np.flatnonzero(valid)
+    if len(vp):
+        vx = sx[vp]
+        last = np.ones(len(vp), bool)
+        last[:-1] = vx[1:] != vx[:-1]
+        lx, lt = vx[last], stime[vp[last]]
+        lr_t = _time_at(rst, _last_before(rsx, rst, lx, np.full(len(lx), len(log) + 1, np.int64)))
+        held += int(np.count_nonzero((lt > lr_t) & (lt > final_clear)))
     return st, held
 
 
