@@ -376,11 +376,17 @@ def _candidates(x: np.ndarray, marked: Sequence[np.ndarray]) -> np.ndarray:
     table = np.empty(1 << bits, np.int32)
     pos = np.arange(n, dtype=np.int32)
     table[bucket] = pos  # the last page written into each bucket
-    hit = np.zeros(1 << bits, bool)
-    hit[bucket[table[bucket] != pos]] = True  # buckets holding two pages or more
-    for m in marked:
-        hit[m.view(np.int64) & mask] = True
-    return np.flatnonzero(hit[bucket])
+    pick = np.zeros(n, bool)
+    shared = table[bucket] != pos  # pages whose bucket holds a later page too
+    pick[shared] = True
+    pick[table[bucket[shared]]] = True  # and those later pages
+    for m in marked:  # a bucket's pages are its last page and the pages picked as shared
+        mb = m.view(np.int64) & mask
+        last = table[mb]
+        ok = (last >= 0) & (last < n)
+        last = last[ok]
+        pick[last[bucket[last] == mb[ok]]] = True  # (unwritten buckets hold garbage)
+    return np.flatnonzero(pick)
 
 
 def _summarize(log: list[tuple[CompactEvent, bytes | None]], b: int) -> tuple[WorkerStats, int]:
@@ -458,15 +464,17 @@ def _summarize(log: list[tuple[CompactEvent, bytes | None]], b: int) -> tuple[Wo
     # orphans, in event order: a page is indexed only if its event was neither dup nor orphan
     orphan = [False] * n_s
     dup_l = dup.tolist()
-    for e, j, j0, tr, tc in zip(pe.tolist(), jp.tolist(), lo.tolist(), last_rem.tolist(), last_clear.tolist()):
+    jc = np.maximum(jp, 0)
+    first = zip(sev[jc].tolist(), spos[jc].tolist(), stime[jc].tolist()) if len(sev) else repeat((0, 0, 0))
+    for e, j, j0, tr, tc, (f, fpos, ft) in zip(pe.tolist(), jp.tolist(), lo.tolist(), last_rem.tolist(),
+                                              last_clear.tolist(), first):
         if dup_l[e]:
             continue
-        while j >= j0:  # usually the first page tried is indexed
-            f = int(sev[j])
-            if not dup_l[f] and not orphan[f] and int(spos[j]) < n_idx[f]:
-                break
+        while j >= j0 and (dup_l[f] or orphan[f] or fpos >= n_idx[f]):  # rare: that page was not indexed
             j -= 1
-        if j < j0 or int(stime[j]) < tr or int(stime[j]) < tc:
+            if j >= j0:
+                f, fpos, ft = int(sev[j]), int(spos[j]), int(stime[j])
+        if j < j0 or ft < tr or ft < tc:
             orphan[e] = True
     orph = np.array(orphan, bool)
     live_ev = ~dup & ~orph
