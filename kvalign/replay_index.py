@@ -21,8 +21,18 @@ seconds, so this module applies the *same rules* to capture events directly:
   dropped — and, like Dynamo's deserializer, a batch whose token ids do not fit u32 is dropped
   whole.
 
+``replay`` needs only what the index did (the stats and how many blocks each worker holds),
+and a million-entry dict costs more than reading the capture, so a *deferred* index
+(``deferred=True``, what :func:`kvalign.replay.replay_captures` uses) keeps each worker's events
+and settles the same rules for the whole log at once in numpy (:func:`_summarize`): the fate of
+an event depends only on whether its parent's engine hash is mapped when it arrives, which is a
+question about the pages sharing that hash, so only those are sorted. Hashing the pages and
+building the nodes happens the first time a prompt is matched, by applying the log event by
+event as above; ``diagnose`` (which observes every event) and ``watch`` apply events as they come.
+
 The unit tests replay real SGLang captures through both implementations and require identical
-overlaps and stats, and check both against Dynamo's real ``RadixTree``.
+overlaps and stats, and check both against Dynamo's real ``RadixTree``; the deferred index is
+held to the event-by-event one on the same streams.
 """
 
 from __future__ import annotations
@@ -195,7 +205,13 @@ def _is_bigram(ev: Stored) -> bool:
 
 
 class ReplayIndex:
-    """Router-side index rebuilt from capture events of one or more workers."""
+    """Router-side index rebuilt from capture events of one or more workers.
+
+    ``deferred=True`` keeps the events and answers :meth:`stats` and :meth:`blocks` from the
+    whole log at once; the first :meth:`overlap` or :meth:`holds` applies the log event by event
+    (the time ``replay`` saves, a match pays once). Only for a log that is read to its end: a
+    live stream (``watch``) would keep every event.
+    """
 
     def __init__(self, kv_block_size: int, observer: Observer | None = None, *, deferred: bool = False):
         if kv_block_size < 1:

@@ -54,7 +54,9 @@ def fused(batches, kv_block_size=KV_B, deferred=False):
 def event_streams(draw):
     """Events cut from a few token documents, with deliberate damage mixed in."""
     docs = draw(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=11), min_size=1, max_size=3))
-    ext_pool = st.integers(-3, 12)  # tiny: re-used and colliding engine hashes happen often
+    # tiny: re-used and colliding engine hashes happen often; the 2**40 offset gives distinct
+    # hashes with equal low bits (the deferred index buckets hashes by their low bits)
+    ext_pool = st.builds(int.__add__, st.integers(-3, 12), st.sampled_from([0, 1 << 40]))
     batches = []
     for _ in range(draw(st.integers(1, 12))):
         worker = draw(st.sampled_from([1, 2]))
@@ -121,6 +123,34 @@ def test_deferred_index_equals_the_event_by_event_one(count_case, stream):
     for worker in {w for w, _ in batches}:
         assert asdict(got.stats(worker)) == asdict(eager.stats(worker))
         assert got.blocks(worker) == eager.blocks(worker)
+
+
+def test_deferred_index_settles_orphans_in_event_order():
+    """A parent whose last store was itself dropped (an orphan, or a page of another block size)
+    is still mapped by an earlier store; an event with no pages, removals, a clear and a re-store
+    after removal, each counted exactly as the event-by-event index counts them."""
+    doc = list(range(10, 20))
+    events = [
+        [BlockStored([1, 2], None, doc[:4], KV_B)],
+        [BlockStored([3], 99, doc[4:6], KV_B)],  # orphan: 99 never stored
+        [BlockStored([2, 4], 3, doc[2:6], KV_B)],  # orphan too (3 was never indexed), re-stores 2
+        [BlockStored([5], 2, doc[4:6], KV_B)],  # 2 is still mapped by the first event
+        [BlockStored([], 5, [], KV_B)],  # no pages
+        [BlockStored([6], 5, doc[6:8], KV_B)],
+        [BlockStored([7], 6, doc[8:9], 1)],  # another block size: 7 not indexed
+        [BlockStored([8], 7, doc[8:10], KV_B)],  # orphan: 7 was dropped
+        [BlockRemoved([5]), BlockStored([9], 5, doc[6:8], KV_B)],  # orphan: 5 removed first
+        [BlockStored([5], 2, doc[4:6], KV_B), BlockStored([9], 5, doc[6:8], KV_B)],  # re-stored: fine
+        [AllBlocksCleared(), BlockStored([10], 1, doc[2:4], KV_B)],  # orphan: cleared
+        [BlockStored([11], None, doc[:2], KV_B)],
+    ]
+    batches = [(1, evs) for evs in events]
+    eager, got = fused(batches), fused(batches, deferred=True)
+    assert asdict(got.stats(1)) == asdict(eager.stats(1))
+    assert got.stats(1).dropped_orphans == 5 and got.stats(1).dropped_block_size == 1
+    assert got.blocks(1) == eager.blocks(1) == 1
+    ref, _ = reference(batches)
+    assert got.overlap(block_hashes(doc, KV_B)) == ref.overlap(block_hashes(doc, KV_B)) == {1: 1}
 
 
 ops = st.lists(st.one_of(
