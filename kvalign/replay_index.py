@@ -168,6 +168,10 @@ class _Worker:
 
 def _raw_tokens(ev: Stored) -> bytes:
     """The event's raw token window as u32 LE; raises BatchRejected where a decoder would fail."""
+    raw, bs, nh = ev.t, ev.bs, len(ev.h)
+    if (ev.tok is None and bs >= 1 and not nh & 7 and not len(raw) & 3
+            and len(raw) // 4 - (1 if ev.pairs and raw else 0) == bs * (nh >> 3)):
+        return raw  # the common case, checked in one expression
     if ev.bs < 1:
         raise BatchRejected(f"BlockStored.block_size must be a positive integer, got {ev.bs}")
     if ev.tok is None:
