@@ -390,11 +390,12 @@ def _candidates(x: np.ndarray, marked: Sequence[np.ndarray]) -> np.ndarray:
     A page left out holds a hash seen exactly once in the log, so its fate is its event's.
     """
     n = len(x)
-    bits = max(10, (8 * n).bit_length())
+    bits = min(max(10, (8 * n).bit_length()), 24)  # ~8 buckets per page, at most 64 MiB of table
     mask = (1 << bits) - 1
     bucket = x.view(np.int64) & mask
-    table = np.empty(1 << bits, np.int32)
-    pos = np.arange(n, dtype=np.int32)
+    dtype = np.int32 if n < 1 << 31 else np.int64
+    table = np.empty(1 << bits, dtype)
+    pos = np.arange(n, dtype=dtype)
     table[bucket] = pos  # the last page written into each bucket
     pick = np.zeros(n, bool)
     shared = table[bucket] != pos  # pages whose bucket holds a later page too
@@ -450,12 +451,12 @@ def _summarize(log: list[tuple[CompactEvent, bytes | None]], b: int) -> tuple[Wo
     n_s = len(ev_t)
     evt_a = np.array(ev_t, np.int64)
     st.blocks_stored = int(ne_a.sum())
-    rx = np.frombuffer(b"".join(rem), "<u8")
+    rx = np.frombuffer(b"".join(rem), "<u8").astype(np.uint64, copy=False)
     rt = np.repeat(np.array(rem_t, np.int64), [len(h) >> 3 for h in rem])
     st.blocks_removed = len(rx)
     pq = np.array(par, np.uint64)
     pe = np.array(par_ev, np.int64)
-    x = np.frombuffer(b"".join(hs), "<u8")
+    x = np.frombuffer(b"".join(hs), "<u8").astype(np.uint64, copy=False)
     starts = np.zeros(n_s, np.int64)
     np.cumsum(ne_a[:-1], out=starts[1:])
 
