@@ -1,9 +1,11 @@
 """Replaying captures: rebuild each worker's router index exactly as Dynamo's relay would.
 
 One capture is one worker (one SGLang publisher). Batches are applied in file order through
-:class:`kvalign.replay_index.ReplayIndex`; a batch that did not decode when captured, or that the
-router's decoder would reject, is skipped whole — which is also what Dynamo does with it — and
-counted by reason, because a skipped batch is a hole in the index just like a sequence gap.
+:class:`kvalign.replay_index.ReplayIndex` (deferred unless an observer watches every event: the
+stats come from the whole log at once, the tree is built when a prompt is first matched); a
+batch that did not decode when captured, or that the router's decoder would reject, is skipped
+whole — which is also what Dynamo does with it — and counted by reason, because a skipped batch
+is a hole in the index just like a sequence gap.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ def replay_captures(
     if not paths:
         raise CaptureError("no capture given")
     names = default_worker_names(paths, names)
+    # deferred: stats for the whole log at once; an observer must see every event applied
     index = ReplayIndex(resolve_block_size(paths, block_size), observer, deferred=observer is None)
     reps = [replay_capture(index, path, name, i, strict=strict) for i, (path, name) in enumerate(zip(paths, names), start=1)]
     return index, reps
