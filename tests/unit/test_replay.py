@@ -153,6 +153,22 @@ def test_deferred_index_settles_orphans_in_event_order():
     assert got.overlap(block_hashes(doc, KV_B)) == ref.overlap(block_hashes(doc, KV_B)) == {1: 1}
 
 
+def test_deferred_index_keeps_applying_after_a_match():
+    """A match applies the log; batches after it are applied as they come, with the same result."""
+    doc = list(range(10, 20))
+    first = [(1, [BlockStored([1, 2], None, doc[:4], KV_B)]), (2, [BlockStored([7], None, doc[:2], KV_B)])]
+    later = [(1, [BlockStored([3], 2, doc[4:6], KV_B), BlockRemoved([1])]), (2, [BlockStored([8], 7, doc[2:4], KV_B)])]
+    got = fused(first, deferred=True)
+    q = block_hashes(doc, KV_B)
+    assert got.overlap(q) == fused(first).overlap(q) == {1: 2, 2: 1}
+    for worker, events in later:
+        got.apply_batch(worker, [compact_event(e) for e in events])
+    eager = fused(first + later)
+    assert got.overlap(q) == eager.overlap(q) == {2: 2}
+    for worker in (1, 2):
+        assert (got.blocks(worker), asdict(got.stats(worker))) == (eager.blocks(worker), asdict(eager.stats(worker)))
+
+
 ops = st.lists(st.one_of(
     st.tuples(st.just("insert"), st.lists(st.integers(0, 4), min_size=1, max_size=20), st.sampled_from([None, "t1"])),
     st.tuples(st.just("evict"), st.integers(1, 12), st.none()),
