@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from kvalign.live.model_dir import write_model_dir
+
+if TYPE_CHECKING:  # torch is imported when weights are built, not by every kvalign command
+    import torch
 
 Draft = Literal["agree", "disagree"]
 DRAFTS: tuple[Draft, ...] = ("agree", "disagree")
@@ -45,6 +46,8 @@ _SHAPES = {
 
 
 def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    import torch
+
     return 0.05 * torch.randn(*shape, generator=gen, dtype=torch.float32)
 
 
@@ -58,13 +61,21 @@ def _layer(gen: torch.Generator, prefix: str, attn_in: int) -> dict[str, torch.T
         f"{prefix}.mlp.gate_proj.weight": _randn(gen, INTERMEDIATE, HIDDEN),
         f"{prefix}.mlp.up_proj.weight": _randn(gen, INTERMEDIATE, HIDDEN),
         f"{prefix}.mlp.down_proj.weight": _randn(gen, HIDDEN, INTERMEDIATE),
-        f"{prefix}.input_layernorm.weight": torch.ones(HIDDEN),
-        f"{prefix}.post_attention_layernorm.weight": torch.ones(HIDDEN),
+        f"{prefix}.input_layernorm.weight": _ones(HIDDEN),
+        f"{prefix}.post_attention_layernorm.weight": _ones(HIDDEN),
     }
+
+
+def _ones(n: int) -> torch.Tensor:
+    import torch
+
+    return torch.ones(n)
 
 
 def target_weights() -> dict[str, torch.Tensor]:
     """The target's tensors (HF Llama names), LM head zero."""
+    import torch
+
     gen = torch.Generator().manual_seed(SEED)
     w = {"model.embed_tokens.weight": _randn(gen, VOCAB, HIDDEN)}
     for i in range(LAYERS):
@@ -78,6 +89,8 @@ def draft_weights(draft: Draft) -> dict[str, torch.Tensor]:
     """The EAGLE3 draft's tensors (SGLang's ``midlayer.*`` names); head zero or random."""
     if draft not in DRAFTS:
         raise ValueError(f"draft must be one of {DRAFTS}, got {draft!r}")
+    import torch
+
     gen = torch.Generator().manual_seed(SEED + 1)
     w = _layer(gen, "midlayer", 2 * HIDDEN)
     w["midlayer.hidden_norm.weight"] = torch.ones(HIDDEN)
