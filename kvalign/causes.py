@@ -37,6 +37,7 @@ class Cause(str, Enum):
     EVENTS_DROPPED = "router ingestion dropped engine events"
     TENANTS_SHARE_KEYS = "router ingestion ignores cache_salt: tenants share keys"
     INGEST_STALE = "router index kept blocks the engine removed or cleared"
+    LORA_NOT_IN_EVENTS = "SGLang's events carry no LoRA name: the router keys adapter pages as base-model pages"
     PATH_UNAVAILABLE = "the release's worker relay / router cannot run here"
     UNKNOWN = "unclassified hash difference"
 

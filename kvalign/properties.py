@@ -78,9 +78,10 @@ def hash_property(hasher: RouterHasher, case: HashCase) -> None:
         raise Mismatch("hash", f"router gives {len(got)} blocks, reference {len(want)}; first difference at block {first}", cause, case)
 
 
-def _expected_engine_hashes(tokens: list[int], p: int, eagle: bool, lora: str | None, ns: str | None) -> list[int]:
+def _expected_engine_hashes(tokens: list[int], p: int, eagle: bool, lora: str | None, ns: str | None,
+                            lora_named: bool = True) -> list[int]:
     extra_key = lora_id_for(lora) if lora else None
-    namespace = event_namespace(extra_key, ns, lora_registered=bool(lora), dynamo_format=False)
+    namespace = event_namespace(extra_key, ns, lora_registered=bool(lora) and lora_named, dynamo_format=False)
     return engine_block_hashes(tokens, p, eagle=eagle, cache_salt=ns or None, namespace=namespace)
 
 
@@ -97,7 +98,8 @@ def pages_property(hasher: RouterHasher, make_cache: CacheFactory, sc: Scenario)
             raise Mismatch("pages", f"router hashes {len(query_side)} blocks for a {len(tokens)}-token prompt that "
                            f"SGLang keeps as {len(windows)} pages", name_cause(hasher, tokens, p, eagle, lora, ns), sc)
         reference = block_hashes(tokens, p, eagle=eagle, lora_name=lora, cache_namespace=ns)
-        position = {h: k for k, h in enumerate(_expected_engine_hashes(tokens, p, eagle, lora, ns))}
+        lora_named = getattr(cache, "names_lora_in_events", True)
+        position = {h: k for k, h in enumerate(_expected_engine_hashes(tokens, p, eagle, lora, ns, lora_named))}
         for ev in cache.take_events():
             if not isinstance(ev, BlockStored):
                 continue
@@ -112,6 +114,9 @@ def pages_property(hasher: RouterHasher, make_cache: CacheFactory, sc: Scenario)
                     raise Mismatch("pages", f"page {k}: SGLang's event rebuilds to {window}, kvalign's page model says "
                                    f"{list(windows[k])}", Cause.UNKNOWN, sc)
                 relayed = locals_[i] if i < len(locals_) else None
+                if lora and not ev.lora_name and relayed != query_side[k]:
+                    raise Mismatch("pages", f"page {k}: SGLang's event for a {lora!r} request carries no LoRA name, so "
+                                   "the router's relay keys it as a base-model page", Cause.LORA_NOT_IN_EVENTS, sc)
                 if relayed != query_side[k] or relayed != reference[k]:
                     raise Mismatch("pages", f"page {k}: the router's worker relay hashes SGLang's page to "
                                    f"{'nothing (dropped)' if relayed is None else relayed}, its query side hashes the "
@@ -132,9 +137,12 @@ class AlignmentHarness:
         self.cache = make_cache(page_size, eagle)
         self._views = ((make_index(), Relay(page_size, hasher)), (PrefixIndex(), Relay(page_size)))
         self.requests: list[tuple[list[int], Tenant]] = []
+        self.unnamed_lora_events = False  # a LoRA request's pages arrived without the LoRA name
 
-    def _pump(self) -> None:
+    def _pump(self, lora: str | None = None) -> None:
         for ev in self.cache.take_events():
+            if lora and isinstance(ev, BlockStored) and not ev.lora_name:
+                self.unnamed_lora_events = True
             for index, relay in self._views:
                 converted = relay.convert(ev)
                 if converted is not None:
@@ -143,7 +151,7 @@ class AlignmentHarness:
     def insert(self, tokens: list[int], tenant: Tenant = (None, None)) -> None:
         self.cache.insert(tokens, lora_name=tenant[0], cache_salt=tenant[1])
         self.requests.append((list(tokens), tenant))
-        self._pump()
+        self._pump(tenant[0])
 
     def evict(self, num_tokens: int) -> None:
         self.cache.evict(num_tokens)
@@ -158,7 +166,7 @@ class AlignmentHarness:
         answered = router.overlap(_call(self.hasher, query, p, eagle, lora, ns)).get(WORKER, 0)
         if engine == predicted == answered:
             return
-        cause = Cause.UNKNOWN
+        cause = Cause.LORA_NOT_IN_EVENTS if lora and self.unnamed_lora_events else Cause.UNKNOWN
         if answered != predicted:  # the router side is off: name it from the query or a cached request
             for tokens, (t_lora, t_ns) in [(query, tenant), *self.requests]:
                 cause = name_cause(self.hasher, list(tokens), p, eagle, t_lora, t_ns)
@@ -278,11 +286,13 @@ def ingest_property(path: Any, hasher: RouterHasher, make_cache: CacheFactory, i
         steps.append(cache.take_raw_events())
     batches = [[e for step in steps for e in step]] if isc.one_batch else steps
     reference, ref_relay, expected = PrefixIndex(), Relay(p), _ExpectedIndex(p)
+    unnamed_lora = False
     for raw in batches:
         events = [to_kvalign_event(e) for e in raw]
         for ev in events:
             if isinstance(ev, BlockStored):
                 expected.seen.update(h & U64_MASK for h in ev.block_hashes)
+                unnamed_lora = unnamed_lora or (not ev.lora_name and any(t[0] for _, t in sc.inserts))
             converted = ref_relay.convert(ev)
             if converted is not None:
                 reference.apply(WORKER, converted)
@@ -313,6 +323,9 @@ def ingest_property(path: Any, hasher: RouterHasher, make_cache: CacheFactory, i
         detail = (f"tenant (lora={lora!r}, cache_salt={ns!r}): SGLang reuses {engine} pages, kvalign predicts "
                   f"{predicted}, the router answers {answered}")
         if engine != predicted:
+            if lora and unnamed_lora:
+                raise Mismatch("ingest", detail + "; SGLang's events for this LoRA carried no LoRA name",
+                               Cause.LORA_NOT_IN_EVENTS, isc)
             raise Mismatch("ingest", detail + " (kvalign's page model disagrees with SGLang)", Cause.UNKNOWN, isc)
         cause = name_cause(hasher, query, p, eagle, lora, ns)  # index right: the router's query side is off
         missing = sorted(getattr(path, "missing", ()))

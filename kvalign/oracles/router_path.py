@@ -83,10 +83,20 @@ def runtime_env(dynamo_version: str, broker_url: str) -> dict[str, str]:
     }
 
 
-class LoopbackBroker:
-    """An XSUB/XPUB proxy on 127.0.0.1: Dynamo's event plane connects here instead of binding 0.0.0.0."""
+Transform = Callable[[list[bytes]], "list[bytes] | None"]
 
-    def __init__(self) -> None:
+
+class LoopbackProxy:
+    """An XSUB/XPUB proxy bound on 127.0.0.1 (publishers connect to ``xsub``, subscribers to ``xpub``).
+
+    Two uses: Dynamo's event-plane broker (so no event-plane socket binds 0.0.0.0), and the hop
+    between SGLang's publisher and Dynamo's relay (SGLang *connects* to a concrete host, in every
+    version, so nothing binds a wildcard). ``transform`` may rewrite or drop (None) each
+    published multipart message: only the negative controls use it, to stand in for a broken relay.
+    """
+
+    def __init__(self, transform: Transform | None = None) -> None:
+        self.transform = transform
         self._ctx = zmq.Context()
         self._xsub, self._xpub = self._ctx.socket(zmq.XSUB), self._ctx.socket(zmq.XPUB)
         for s in (self._xsub, self._xpub):
@@ -94,11 +104,12 @@ class LoopbackBroker:
         self.xsub = f"tcp://{LOOPBACK}:{self._xsub.bind_to_random_port(f'tcp://{LOOPBACK}')}"
         self.xpub = f"tcp://{LOOPBACK}:{self._xpub.bind_to_random_port(f'tcp://{LOOPBACK}')}"
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="kvalign-event-broker")
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kvalign-zmq-proxy")
         self._thread.start()
 
     @property
     def url(self) -> str:
+        """The ``DYN_ZMQ_BROKER_URL`` value for this proxy."""
         return f"xsub={self.xsub} , xpub={self.xpub}"
 
     def _run(self) -> None:
@@ -107,8 +118,14 @@ class LoopbackBroker:
         poller.register(self._xpub, zmq.POLLIN)
         while not self._stop.is_set():
             for sock, _ in poller.poll(50):
-                other = self._xpub if sock is self._xsub else self._xsub
-                other.send_multipart(sock.recv_multipart())
+                if sock is self._xpub:  # subscriptions travel upstream unchanged
+                    self._xsub.send_multipart(self._xpub.recv_multipart())
+                    continue
+                frames = self._xsub.recv_multipart()
+                if self.transform is not None:
+                    frames = self.transform(frames)
+                if frames is not None:
+                    self._xpub.send_multipart(frames)
 
     def close(self) -> None:
         self._stop.set()
@@ -121,7 +138,7 @@ class LoopbackBroker:
 class SglangPublisher:
     """SGLang's real ``ZmqEventPublisher`` bound on 127.0.0.1 (as a scheduler with kv_events_config)."""
 
-    def __init__(self) -> None:
+    def __init__(self, transform: Transform | None = None) -> None:
         from kvalign.oracles.sglang import _modules
 
         _modules()  # the torchvision shim and SGLang's import chain, with an install hint on failure
@@ -130,11 +147,10 @@ class SglangPublisher:
         except ImportError as exc:
             raise OracleUnavailable(f"SGLang's KV-event publisher is not importable ({exc})") from None
         self.kv = kv
-        from kvalign.live.ports import PortPool
-
-        # SGLang binds the endpoint itself; the pool's range is below the ephemeral one (no rebind race).
-        self.endpoint = f"tcp://{LOOPBACK}:{PortPool().take('sglang-kv-events')}"
-        config = {"publisher": "zmq", "topic": "kv-events", "endpoint": self.endpoint, "bind": True}
+        self.hop = LoopbackProxy(transform)
+        #: where the relay subscribes (SGLang's publisher connects to the hop's other side)
+        self.endpoint = self.hop.xpub
+        config = {"publisher": "zmq", "topic": "kv-events", "endpoint": self.hop.xsub}
         self._pub = kv.EventPublisherFactory.create(json.dumps(config), attn_dp_rank=0)
 
     def publish(self, events: Sequence[Any]) -> None:
@@ -151,6 +167,7 @@ class SglangPublisher:
 
     def close(self) -> None:
         self._pub.shutdown()
+        self.hop.close()
 
 
 @dataclass
@@ -215,12 +232,14 @@ class IngestWorker:
 class RouterPath:
     """The installed Dynamo's runtime, one worker + ``KvRouter`` per (block size, eagle), on loopback."""
 
-    def __init__(self) -> None:
+    def __init__(self, transform: Transform | None = None) -> None:
+        """``transform``: applied to every SGLang message on its way to the relay (negative controls only)."""
+        self.transform = transform
         try:
             self.version = importlib.metadata.version("ai-dynamo-runtime")
         except importlib.metadata.PackageNotFoundError:
             raise OracleUnavailable("ai-dynamo-runtime is not installed: run scripts/setup.sh") from None
-        self.broker = LoopbackBroker()
+        self.broker = LoopbackProxy()
         env = runtime_env(self.version, self.broker.url)
         self._saved_env = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
@@ -287,7 +306,7 @@ class RouterPath:
     def worker(self, block_size: int, eagle: bool) -> IngestWorker:
         key = (block_size, eagle)
         if key not in self._workers:
-            pub = SglangPublisher()
+            pub = SglangPublisher(self.transform)
             try:
                 relay, router = self.call(self._new_worker, block_size, eagle, pub.endpoint)
             except (KeyboardInterrupt, SystemExit):
