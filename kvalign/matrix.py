@@ -184,10 +184,18 @@ def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int,
     if res.returncode not in (0, 1):
         err = [ln for ln in res.stderr.splitlines() if ln.strip()]
         return PairResult(dynamo, sglang, "error", error=err[-1] if err else f"check exited {res.returncode}", seconds=seconds)
-    try:
-        report = json.loads(res.stdout)
-    except json.JSONDecodeError:
-        return PairResult(dynamo, sglang, "error", error="check printed no JSON report", seconds=seconds)
+    report = None
+    for line in reversed(res.stdout.splitlines()):  # the report is check's last line; a library may print before it
+        if line.startswith("{"):
+            try:
+                report = json.loads(line)
+                break
+            except json.JSONDecodeError:
+                pass
+    if report is None:
+        err = [ln for ln in res.stderr.splitlines() if ln.strip() and "Queue still has" not in ln]
+        return PairResult(dynamo, sglang, "error", seconds=seconds,
+                          error=f"check exited {res.returncode} without a JSON report" + (f": {err[-1]}" if err else ""))
     findings = [{"property": r["prop"], "mode": r["mode"], "variant": r["variant"], "cause": r["cause_name"] or "UNKNOWN",
                  "detail": r["detail"] or ""} for r in report["rows"] if r["mismatches"]]
     verdict = "aligned" if report["aligned"] else "misaligned"

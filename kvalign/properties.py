@@ -267,10 +267,15 @@ def ingest_property(path: Any, hasher: RouterHasher, make_cache: CacheFactory, i
     p, eagle = sc.page_size, sc.eagle
     try:
         worker = path.worker(p, eagle)
-        if not worker.barrier():
-            raise OracleUnavailable(f"the relay never indexed a plain one-page SGLang event (Dynamo {path.version})")
+        ready = worker.barrier()
     except OracleUnavailable as exc:
         raise Mismatch("ingest", str(exc), Cause.PATH_UNAVAILABLE, isc) from None
+    if not ready and worker.indexed_once:
+        raise Mismatch("ingest", f"Dynamo {path.version}'s relay stopped indexing altogether after an earlier batch "
+                       "(every later event is dropped)", Cause.EVENTS_DROPPED, isc)
+    if not ready:
+        raise Mismatch("ingest", f"the relay never indexed a plain one-page SGLang event (Dynamo {path.version})",
+                       Cause.PATH_UNAVAILABLE, isc)
     base = worker.token_space()
     shift = lambda tokens: [base + t for t in tokens]  # noqa: E731 - this example's own token range
     cache = make_cache(p, eagle)
@@ -300,8 +305,11 @@ def ingest_property(path: Any, hasher: RouterHasher, make_cache: CacheFactory, i
         if raw:
             worker.publisher.publish(raw)
     if not worker.barrier():
-        raise Mismatch("ingest", "the relay stopped indexing: a plain sentinel page published after the scenario never "
-                       "reached the router", Cause.EVENTS_DROPPED, isc)
+        shapes = sorted({_event_shape(ev, []).split(" in a batch")[0] for raw in batches
+                         for ev in map(to_kvalign_event, raw) if isinstance(ev, BlockStored)})
+        raise Mismatch("ingest", "the relay stopped indexing after this scenario's batches (a plain sentinel page "
+                       f"published after them never reached the router); stored events sent: {'; '.join(shapes)}",
+                       Cause.EVENTS_DROPPED, isc)
     # The index first: it must hold exactly the blocks SGLang's events describe, keyed as the router keys them.
     named = _name_ingest_divergence(expected, {h: t for _p, h, t in worker.dump() if h in expected.seen}, p)
     if named is not None:
@@ -327,7 +335,13 @@ def ingest_property(path: Any, hasher: RouterHasher, make_cache: CacheFactory, i
                 raise Mismatch("ingest", detail + "; SGLang's events for this LoRA carried no LoRA name",
                                Cause.LORA_NOT_IN_EVENTS, isc)
             raise Mismatch("ingest", detail + " (kvalign's page model disagrees with SGLang)", Cause.UNKNOWN, isc)
-        cause = name_cause(hasher, query, p, eagle, lora, ns)  # index right: the router's query side is off
+        # The index is right, so the router's query side is off: first what this release cannot express.
         missing = sorted(getattr(path, "missing", ()))
+        if eagle and "ModelRuntimeConfig.enable_eagle" in missing:
+            cause = Cause.ROUTER_EAGLE_OFF
+        elif ns and "KvRouter query cache_namespace" in missing:
+            cause = Cause.NAMESPACE_DROPPED
+        else:
+            cause = name_cause(hasher, query, p, eagle, lora, ns)
         raise Mismatch("ingest", detail + "; the router's index holds the right blocks, its query side hashes "
                        "differently" + (f" (this release lacks {', '.join(missing)})" if missing else ""), cause, isc)

@@ -183,6 +183,9 @@ class IngestWorker:
     _sentinels: Any = field(default_factory=lambda: itertools.count(1))
     _last: int = 0
     _space: int = 0
+    #: the relay indexed a sentinel at least once / then stopped indexing altogether
+    indexed_once: bool = False
+    dead: bool = False
 
     def dump(self) -> list[tuple[int | None, int, int]]:
         """``(parent, engine block hash, router local hash)`` for every block the router indexed."""
@@ -200,6 +203,8 @@ class IngestWorker:
     def barrier(self) -> bool:
         """Publish a sentinel page and wait until the router indexed it (so everything before it was
         processed: one stream, one relay, in order). False when it never arrives."""
+        if self.dead:  # it stopped indexing once; do not wait on it again for every example
+            return False
         k = self._last = next(self._sentinels)
         engine_hash = sentinel_hash(k)
         deadline = time.monotonic() + INGEST_TIMEOUT_S
@@ -210,7 +215,9 @@ class IngestWorker:
                 sent_at = time.monotonic()
             time.sleep(0.02)
             if any(h == engine_hash for _p, h, _t in self.dump()):
+                self.indexed_once = True
                 return True
+        self.dead = self.indexed_once
         return False
 
     def token_space(self) -> int:
