@@ -203,7 +203,7 @@ class IngestWorker:
     def barrier(self) -> bool:
         """Publish a sentinel page and wait until the router indexed it (so everything before it was
         processed: one stream, one relay, in order). False when it never arrives."""
-        if self.dead:  # it stopped indexing once; do not wait on it again for every example
+        if self.dead:  # it failed a barrier once; do not wait on it again for every example
             return False
         k = self._last = next(self._sentinels)
         engine_hash = sentinel_hash(k)
@@ -217,7 +217,7 @@ class IngestWorker:
             if any(h == engine_hash for _p, h, _t in self.dump()):
                 self.indexed_once = True
                 return True
-        self.dead = self.indexed_once
+        self.dead = True  # whether it ever indexed (indexed_once) tells a dead relay from one that never ran
         return False
 
     def token_space(self) -> int:

@@ -22,11 +22,13 @@ def test_check_real_pair_is_aligned(capsys, router_hasher, sglang_available):
     rc, out, _ = run_cli(capsys, "check", "--examples", "15")
     assert rc == 0, out
     assert "ALIGNED: " in out and "MISALIGNED" not in out
-    assert out.count(" ok") == 24  # 3 properties x 2 modes x 4 variants
+    assert out.count(" ok") == 34  # card x 2 modes + (hash, pages, overlap, ingest) x 2 modes x 4 variants
+    assert [ln.split()[0] for ln in out.splitlines() if ln.endswith(" ok")].count("ingest") == 8
 
 
 def test_check_catches_router_that_ignores_is_eagle(capsys, router_hasher, sglang_available):
-    rc, out, _ = run_cli(capsys, "check", "--examples", "100", "--router-hash", "kvalign.misaligned:ignore_eagle")
+    rc, out, _ = run_cli(capsys, "check", "--examples", "100", "--router-hash", "kvalign.misaligned:ignore_eagle",
+                         "--property", "hash", "--property", "pages", "--property", "overlap")
     assert rc == 1
     assert "MISALIGNED: router eagle off vs engine bigram keys" in out
     assert "shrunk counterexample:" in out
@@ -51,6 +53,8 @@ def test_check_json_report(capsys, router_hasher, sglang_available):
         (["check", "--router-hash", "kvalign.hashing"], "must look like MODULE:FUNCTION"),
         (["check", "--router-hash", "kvalign.hashing:nope"], "has no callable 'nope'"),
         (["check", "--examples", "0"], "--examples must be >= 1"),
+        (["check", "--ingest-examples", "0"], "--ingest-examples must be >= 1"),
+        (["check", "--property", "prefill"], "invalid choice: 'prefill'"),
         (["check", "--cache", "bogus"], "invalid choice: 'bogus'"),
     ],
 )
