@@ -52,15 +52,6 @@ def sentinel_hash(k: int) -> int:
     return (1 << 62) + k
 
 
-def is_sentinel(engine_hash: int) -> bool:
-    return 1 << 62 < engine_hash <= (1 << 62) + (1 << 32)
-
-
-def to_int64(h: int) -> int:
-    """A u64 router-side engine hash as the signed int64 SGLang publishes."""
-    return h - (1 << 64) if h >= 1 << 63 else h
-
-
 def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in v.split(".")[:3] if x.isdigit())
 
