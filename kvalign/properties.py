@@ -268,6 +268,11 @@ def ingest_property(path: Any, hasher: RouterHasher, make_cache: CacheFactory, i
     try:
         worker = path.worker(p, eagle)
         ready = worker.barrier()
+        if not ready and worker.indexed_once:
+            # A worker that went quiet between examples (an idle registration some releases expire in
+            # this in-process runtime) is replaced once; only a fresh relay that also stops is a finding.
+            worker = path.worker(p, eagle, fresh=True)
+            ready = worker.barrier()
     except OracleUnavailable as exc:
         raise Mismatch("ingest", str(exc), Cause.PATH_UNAVAILABLE, isc) from None
     if not ready and worker.indexed_once:

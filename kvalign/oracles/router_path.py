@@ -39,7 +39,7 @@ LOOPBACK = "127.0.0.1"
 #: Seconds one binding call may take (they take milliseconds).
 CALL_TIMEOUT_S = 30.0
 #: How long to wait for a published batch to show up in the router's index.
-INGEST_TIMEOUT_S = 10.0
+INGEST_TIMEOUT_S = 4.0
 #: Width of one example's token range (kvalign's strategies draw ingest tokens from a vocabulary of 4).
 TOKEN_SPACE = 16
 #: Sentinel pages use token ids from here up (kvalign's strategies draw from a tiny vocabulary); each
@@ -253,6 +253,7 @@ class RouterPath:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="kvalign-router-path")
         self._thread.start()
         self._workers: dict[tuple[int, bool], IngestWorker] = {}
+        self._retired: list[IngestWorker] = []
         try:
             self.runtime = self.call(self._start)
         except BaseException:
@@ -284,8 +285,10 @@ class RouterPath:
 
     async def _new_worker(self, block_size: int, eagle: bool, zmq_endpoint: str) -> tuple[Any, Any]:
         c = self.core
-        name = f"ingest-b{block_size}-{'eagle' if eagle else 'plain'}"
-        endpoint = self.runtime.endpoint(f"kvalign.{name}.generate")
+        name = f"ingest-b{block_size}-{'eagle' if eagle else 'plain'}-{len(self._retired)}"
+        # One namespace per worker: some releases (1.3.x) scope a router's event subscription to the
+        # namespace, so two workers in one namespace would feed each other's routers.
+        endpoint = self.runtime.endpoint(f"kvalign-{name}.worker.generate")
         card = c.ModelRuntimeConfig()
         self._set(card, "enable_eagle", eagle)  # what a correct registration sets (the card property checks that)
         self._set(card, "kv_event_publishing_enabled", True)
@@ -301,8 +304,17 @@ class RouterPath:
         router = c.KvRouter(endpoint, block_size, c.KvRouterConfig(use_kv_events=True))
         return relay, router
 
-    def worker(self, block_size: int, eagle: bool) -> IngestWorker:
+    def worker(self, block_size: int, eagle: bool, *, fresh: bool = False) -> IngestWorker:
+        """The worker for (block size, eagle); ``fresh`` replaces it with a newly registered one.
+
+        A replaced worker's relay and router stay referenced until :meth:`close` (dropping one
+        in-process KvRouter can cancel the runtime's other routers).
+        """
         key = (block_size, eagle)
+        if fresh and key in self._workers:
+            old = self._workers.pop(key)
+            old.publisher.close()
+            self._retired.append(old)
         if key not in self._workers:
             pub = SglangPublisher(self.transform)
             try:
@@ -340,6 +352,7 @@ class RouterPath:
             for w in self._workers.values():
                 w.publisher.close()
             self._workers.clear()
+            self._retired.clear()
             self.call(lambda: self.runtime.shutdown())
         finally:
             self._stop_loop()
