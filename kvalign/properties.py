@@ -268,7 +268,7 @@ def ingest_property(path: Any, hasher: RouterHasher, make_cache: CacheFactory, i
     try:
         worker = path.worker(p, eagle)
         ready = worker.barrier()
-        if not ready and worker.indexed_once:
+        if not ready and worker.indexed_once and (p, eagle) not in path.refreshed:
             # A worker that went quiet between examples (an idle registration some releases expire in
             # this in-process runtime) is replaced once; only a fresh relay that also stops is a finding.
             worker = path.worker(p, eagle, fresh=True)

@@ -254,6 +254,9 @@ class RouterPath:
         self._thread.start()
         self._workers: dict[tuple[int, bool], IngestWorker] = {}
         self._retired: list[IngestWorker] = []
+        #: (block size, eagle) keys whose worker was already replaced once (never again: a relay that
+        #: stops twice is a finding, and waiting on it for every example would only cost time)
+        self.refreshed: set[tuple[int, bool]] = set()
         try:
             self.runtime = self.call(self._start)
         except BaseException:
@@ -312,6 +315,7 @@ class RouterPath:
         """
         key = (block_size, eagle)
         if fresh and key in self._workers:
+            self.refreshed.add(key)
             old = self._workers.pop(key)
             old.publisher.close()
             self._retired.append(old)
