@@ -172,7 +172,6 @@ class IngestWorker:
     router: Any
     relay: Any
     _sentinels: Any = field(default_factory=lambda: itertools.count(1))
-    _last: int = 0
     _space: int = 0
     #: the relay indexed a sentinel at least once / then stopped indexing altogether
     indexed_once: bool = False
@@ -196,7 +195,7 @@ class IngestWorker:
         processed: one stream, one relay, in order). False when it never arrives."""
         if self.dead:  # it failed a barrier once; do not wait on it again for every example
             return False
-        k = self._last = next(self._sentinels)
+        k = next(self._sentinels)
         engine_hash = sentinel_hash(k)
         deadline = time.monotonic() + INGEST_TIMEOUT_S
         sent_at = 0.0
