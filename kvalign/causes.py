@@ -31,6 +31,14 @@ class Cause(str, Enum):
     EVICTED = "blocks evicted (BlockRemoved)"
     SEQUENCE_GAP = "sequence gap / dropped batch"
     PROMPT_TOO_SHORT = "prompt shorter than one block (eagle needs B+1 tokens)"
+    CARD_EAGLE_OFF = "card enable_eagle off for an algorithm SGLang keys by bigrams"
+    CARD_EAGLE_ON = "card enable_eagle on for an algorithm SGLang keys by plain tokens"
+    CARD_UNAVAILABLE = "dynamo.sglang registration code does not run with this SGLang"
+    EVENTS_DROPPED = "router ingestion dropped engine events"
+    TENANTS_SHARE_KEYS = "router ingestion ignores cache_salt: tenants share keys"
+    INGEST_STALE = "router index kept blocks the engine removed or cleared"
+    LORA_NOT_IN_EVENTS = "SGLang's events carry no LoRA name: the router keys adapter pages as base-model pages"
+    PATH_UNAVAILABLE = "the release's worker relay / router cannot run here"
     UNKNOWN = "unclassified hash difference"
 
 

@@ -4,6 +4,12 @@ A CI job or an engineer with a patched router wants one answer — aligned or no
 failure, the smallest input that shows it and a named cause. Hypothesis gives the search and the
 shrinking; this module runs each property x mode x variant, counts cases, and keeps the shrunk
 counterexample (the last exception Hypothesis raises is the one from the minimal example).
+
+``card`` is exhaustive instead (every speculative algorithm the installed SGLang defines, split by
+mode: ``eagle`` = the algorithms SGLang keys by bigrams). ``ingest`` runs the real worker relay and
+router, so it gets its own, smaller example budget. A piece of the path that cannot run for this
+release pair (registration code that does not import with this SGLang, a relay that cannot start)
+is a row with a cause, not a crash: that is what a deployment of the pair would hit.
 """
 
 from __future__ import annotations
@@ -16,11 +22,12 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kvalign.oracles.base import RouterHasher
-from kvalign.properties import Mismatch, hash_property, overlap_property, pages_property
-from kvalign.strategies import hash_cases, scenarios
+from kvalign.causes import Cause
+from kvalign.oracles.base import OracleUnavailable, RouterHasher
+from kvalign.properties import Mismatch, card_property, hash_property, ingest_property, overlap_property, pages_property
+from kvalign.strategies import hash_cases, ingest_scenarios, scenarios
 
-PROPERTIES = ("hash", "pages", "overlap")
+PROPERTIES = ("card", "hash", "pages", "overlap", "ingest")
 MODES = ("plain", "eagle")
 VARIANTS = {"base": (False, False), "lora": (True, False), "namespace": (False, True), "lora+namespace": (True, True)}
 
@@ -36,6 +43,7 @@ class RowResult:
     mismatches: int = 0
     seconds: float = 0.0
     cause: str | None = None
+    cause_name: str | None = None
     detail: str | None = None
     counterexample: Any = None
 
@@ -76,8 +84,50 @@ def run_search(body: Callable[[Any], None], strategy: st.SearchStrategy[Any], ex
     return calls, failures, None
 
 
-def property_body(prop: str, hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make_index: Callable[[], Any]) -> Callable[[Any], None]:
+@dataclass
+class Systems:
+    """The real systems ``check`` drives. ``registration`` and ``router_path`` are loaded lazily (and
+    only once) because each costs seconds and only ``card`` / ``ingest`` need them."""
+
+    hasher: RouterHasher
+    make_cache: Callable[[int, bool], Any]
+    make_index: Callable[[], Any]
+    load_registration: Callable[[], Any] | None = None
+    open_router_path: Callable[[], Any] | None = None
+    _registration: Any = None
+    _path: Any = None
+
+    def registration(self) -> Any:
+        if self._registration is None:
+            if self.load_registration is None:
+                from kvalign.oracles.registration import load_registration
+
+                self.load_registration = load_registration
+            self._registration = self.load_registration()
+        return self._registration
+
+    def router_path(self) -> Any:
+        if self._path is None:
+            if self.open_router_path is None:
+                from kvalign.oracles.router_path import RouterPath
+
+                self.open_router_path = RouterPath
+            self._path = self.open_router_path()
+        return self._path
+
+    def close(self) -> None:
+        if self._path is not None:
+            self._path.close()
+            self._path = None
+
+
+def property_body(prop: str, hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make_index: Callable[[], Any],
+                  systems: Systems | None = None) -> Callable[[Any], None]:
     """The per-example function for one property, bound to the systems under test."""
+    if prop == "ingest":
+        assert systems is not None
+        path = systems.router_path()
+        return lambda isc: ingest_property(path, hasher, make_cache, isc)
     if prop == "hash":
         return lambda case: hash_property(hasher, case)
     if prop == "pages":
@@ -90,6 +140,8 @@ def property_body(prop: str, hasher: RouterHasher, make_cache: Callable[[int, bo
 def strategy_for(prop: str, mode: str, variant: str) -> st.SearchStrategy[Any]:
     lora, namespace = VARIANTS[variant]
     eagle = mode == "eagle"
+    if prop == "ingest":
+        return ingest_scenarios(eagle=eagle, lora=lora, namespace=namespace)
     if prop == "hash":
         return hash_cases(eagle=eagle, lora=lora, namespace=namespace, mm=variant == "base")
     return scenarios(eagle=eagle, lora=lora, namespace=namespace)
@@ -99,22 +151,86 @@ def _plain(value: Any) -> Any:
     return asdict(value) if is_dataclass(value) else value
 
 
+def _capability_note(hasher: RouterHasher, row: RowResult) -> None:
+    missing = getattr(hasher, "missing", ())
+    if missing and row.detail and row.prop in ("hash", "pages", "overlap"):
+        row.detail += f" [this release's compute_block_hash_for_seq has no {' / '.join(missing)} parameter]"
+
+
+def run_card(systems: Systems, modes: tuple[str, ...]) -> list[RowResult]:
+    """One row per mode: every algorithm of that mode through the real registration code."""
+    from kvalign.oracles.registration import sglang_keys_bigrams, speculative_algorithms
+
+    rows = []
+    try:
+        reg = systems.registration()
+    except OracleUnavailable as exc:
+        for mode in modes:
+            rows.append(RowResult("card", mode, "base", 0, 1, 0.0, Cause.CARD_UNAVAILABLE.value, Cause.CARD_UNAVAILABLE.name,
+                                  str(exc)))
+        return rows
+    algorithms = speculative_algorithms()
+    for mode in modes:
+        start = time.perf_counter()
+        row = RowResult("card", mode, "base")
+        for alg in (a for a in algorithms if sglang_keys_bigrams(a) == (mode == "eagle")):
+            row.cases += 1
+            try:
+                card_property(reg.derive, sglang_keys_bigrams, alg)
+            except Mismatch as found:
+                row.mismatches += 1
+                if row.cause is None:
+                    row.cause, row.cause_name, row.detail, row.counterexample = (
+                        found.cause.value, found.cause.name, f"{found.detail} [{reg.function}]", alg)
+            except Exception as exc:  # the release's own code failed on a worker's arguments
+                row.mismatches += 1
+                if row.cause is None:
+                    row.cause, row.cause_name = Cause.CARD_UNAVAILABLE.value, Cause.CARD_UNAVAILABLE.name
+                    row.detail, row.counterexample = f"{reg.function}({alg!r}) raised {type(exc).__name__}: {exc}", alg
+        row.seconds = time.perf_counter() - start
+        rows.append(row)
+    return rows
+
+
 def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make_index: Callable[[], Any], *,
               examples: int, props: tuple[str, ...] = PROPERTIES, modes: tuple[str, ...] = MODES,
               variants: tuple[str, ...] = tuple(VARIANTS), seed: int | None = None,
-              progress: Callable[[RowResult], None] | None = None) -> list[RowResult]:
+              progress: Callable[[RowResult], None] | None = None, systems: Systems | None = None,
+              ingest_examples: int = 25) -> list[RowResult]:
     """Run every requested property x mode x variant and return one row each."""
-    rows = []
-    for prop in props:
-        body = property_body(prop, hasher, make_cache, make_index)
-        for mode in modes:
-            for variant in variants:
-                start = time.perf_counter()
-                calls, failures, found = run_search(body, strategy_for(prop, mode, variant), examples, seed=seed)
-                row = RowResult(prop, mode, variant, calls, failures, time.perf_counter() - start)
-                if found is not None:
-                    row.cause, row.detail, row.counterexample = found.cause.value, found.detail, _plain(found.example)
-                rows.append(row)
-                if progress:
-                    progress(row)
+    systems = systems or Systems(hasher, make_cache, make_index)
+    rows: list[RowResult] = []
+
+    def emit(row: RowResult) -> None:
+        _capability_note(hasher, row)
+        rows.append(row)
+        if progress:
+            progress(row)
+
+    try:
+        for prop in props:
+            if prop == "card":
+                for row in run_card(systems, modes):
+                    emit(row)
+                continue
+            try:
+                body = property_body(prop, hasher, make_cache, make_index, systems)
+            except OracleUnavailable as exc:  # the relay / router of this release cannot start here
+                for mode in modes:
+                    for variant in variants:
+                        emit(RowResult(prop, mode, variant, 0, 1, 0.0, Cause.PATH_UNAVAILABLE.value,
+                                       Cause.PATH_UNAVAILABLE.name, str(exc)))
+                continue
+            n = min(examples, ingest_examples) if prop == "ingest" else examples
+            for mode in modes:
+                for variant in variants:
+                    start = time.perf_counter()
+                    calls, failures, found = run_search(body, strategy_for(prop, mode, variant), n, seed=seed)
+                    row = RowResult(prop, mode, variant, calls, failures, time.perf_counter() - start)
+                    if found is not None:
+                        row.cause, row.cause_name, row.detail = found.cause.value, found.cause.name, found.detail
+                        row.counterexample = _plain(found.example)
+                    emit(row)
+    finally:
+        systems.close()
     return rows

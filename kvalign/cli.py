@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "kvalign.commands.diagnose",
     "kvalign.commands.watch",
     "kvalign.commands.check",
+    "kvalign.commands.matrix",
     "kvalign.commands.hash",
     "kvalign.commands.live",
     "kvalign.commands.e2e",

@@ -9,7 +9,13 @@ and raises :class:`Mismatch` (with a named cause) when they disagree:
   kvalign's reference hash of the same block of the prompt; the router's block count equals
   SGLang's page count;
 * ``overlap`` — for a query prompt, SGLang's ``match_prefix`` (in pages) == kvalign's predicted
-  overlap == the overlap the router's index answers after ingesting SGLang's events.
+  overlap == the overlap the router's index answers after ingesting SGLang's events;
+* ``card``    — the ``enable_eagle`` the installed ``dynamo.sglang`` registration code puts on the
+  model card equals whether SGLang keys that speculative algorithm's cache by bigrams;
+* ``ingest``  — SGLang's real publisher output, through the installed Dynamo's real worker relay and
+  event plane into a real ``KvRouter``, leaves the router's index answering the same overlap as
+  SGLang's ``match_prefix`` and kvalign's prediction, per tenant; when not, the router's index
+  dump says which events were dropped, mis-hashed, salt-blind or left stale.
 """
 
 from __future__ import annotations
@@ -18,14 +24,15 @@ from collections.abc import Callable
 from typing import Any
 
 from kvalign.causes import Cause, classify_hash_mismatch
-from kvalign.events import BlockStored
-from kvalign.hashing import block_hashes
+from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvalign.hashing import U64_MASK, block_hashes
 from kvalign.index import PrefixIndex
-from kvalign.oracles.base import EngineCache, RouterHasher, RouterIndex
+from kvalign.oracles.base import EngineCache, OracleUnavailable, RouterHasher, RouterIndex
 from kvalign.oracles.sglang import lora_id_for
 from kvalign.relay import Relay, RouterStored
-from kvalign.sglang_keys import engine_block_hashes, event_namespace, event_page_windows, page_windows
-from kvalign.strategies import HashCase, Scenario, Tenant
+from kvalign.sglang_keys import (engine_block_hashes, event_namespace, event_page_windows, is_bigram_payload, page_windows,
+                                 raw_window)
+from kvalign.strategies import HashCase, IngestScenario, Scenario, Tenant
 
 WORKER = 1
 
@@ -71,9 +78,10 @@ def hash_property(hasher: RouterHasher, case: HashCase) -> None:
         raise Mismatch("hash", f"router gives {len(got)} blocks, reference {len(want)}; first difference at block {first}", cause, case)
 
 
-def _expected_engine_hashes(tokens: list[int], p: int, eagle: bool, lora: str | None, ns: str | None) -> list[int]:
+def _expected_engine_hashes(tokens: list[int], p: int, eagle: bool, lora: str | None, ns: str | None,
+                            lora_named: bool = True) -> list[int]:
     extra_key = lora_id_for(lora) if lora else None
-    namespace = event_namespace(extra_key, ns, lora_registered=bool(lora), dynamo_format=False)
+    namespace = event_namespace(extra_key, ns, lora_registered=bool(lora) and lora_named, dynamo_format=False)
     return engine_block_hashes(tokens, p, eagle=eagle, cache_salt=ns or None, namespace=namespace)
 
 
@@ -90,7 +98,8 @@ def pages_property(hasher: RouterHasher, make_cache: CacheFactory, sc: Scenario)
             raise Mismatch("pages", f"router hashes {len(query_side)} blocks for a {len(tokens)}-token prompt that "
                            f"SGLang keeps as {len(windows)} pages", name_cause(hasher, tokens, p, eagle, lora, ns), sc)
         reference = block_hashes(tokens, p, eagle=eagle, lora_name=lora, cache_namespace=ns)
-        position = {h: k for k, h in enumerate(_expected_engine_hashes(tokens, p, eagle, lora, ns))}
+        lora_named = getattr(cache, "names_lora_in_events", True)
+        position = {h: k for k, h in enumerate(_expected_engine_hashes(tokens, p, eagle, lora, ns, lora_named))}
         for ev in cache.take_events():
             if not isinstance(ev, BlockStored):
                 continue
@@ -105,6 +114,9 @@ def pages_property(hasher: RouterHasher, make_cache: CacheFactory, sc: Scenario)
                     raise Mismatch("pages", f"page {k}: SGLang's event rebuilds to {window}, kvalign's page model says "
                                    f"{list(windows[k])}", Cause.UNKNOWN, sc)
                 relayed = locals_[i] if i < len(locals_) else None
+                if lora and not ev.lora_name and relayed != query_side[k]:
+                    raise Mismatch("pages", f"page {k}: SGLang's event for a {lora!r} request carries no LoRA name, so "
+                                   "the router's relay keys it as a base-model page", Cause.LORA_NOT_IN_EVENTS, sc)
                 if relayed != query_side[k] or relayed != reference[k]:
                     raise Mismatch("pages", f"page {k}: the router's worker relay hashes SGLang's page to "
                                    f"{'nothing (dropped)' if relayed is None else relayed}, its query side hashes the "
@@ -125,9 +137,12 @@ class AlignmentHarness:
         self.cache = make_cache(page_size, eagle)
         self._views = ((make_index(), Relay(page_size, hasher)), (PrefixIndex(), Relay(page_size)))
         self.requests: list[tuple[list[int], Tenant]] = []
+        self.unnamed_lora_events = False  # a LoRA request's pages arrived without the LoRA name
 
-    def _pump(self) -> None:
+    def _pump(self, lora: str | None = None) -> None:
         for ev in self.cache.take_events():
+            if lora and isinstance(ev, BlockStored) and not ev.lora_name:
+                self.unnamed_lora_events = True
             for index, relay in self._views:
                 converted = relay.convert(ev)
                 if converted is not None:
@@ -136,7 +151,7 @@ class AlignmentHarness:
     def insert(self, tokens: list[int], tenant: Tenant = (None, None)) -> None:
         self.cache.insert(tokens, lora_name=tenant[0], cache_salt=tenant[1])
         self.requests.append((list(tokens), tenant))
-        self._pump()
+        self._pump(tenant[0])
 
     def evict(self, num_tokens: int) -> None:
         self.cache.evict(num_tokens)
@@ -151,7 +166,7 @@ class AlignmentHarness:
         answered = router.overlap(_call(self.hasher, query, p, eagle, lora, ns)).get(WORKER, 0)
         if engine == predicted == answered:
             return
-        cause = Cause.UNKNOWN
+        cause = Cause.LORA_NOT_IN_EVENTS if lora and self.unnamed_lora_events else Cause.UNKNOWN
         if answered != predicted:  # the router side is off: name it from the query or a cached request
             for tokens, (t_lora, t_ns) in [(query, tenant), *self.requests]:
                 cause = name_cause(self.hasher, list(tokens), p, eagle, t_lora, t_ns)
@@ -166,3 +181,172 @@ def overlap_property(hasher: RouterHasher, make_cache: CacheFactory, make_index:
     for tokens, tenant in sc.inserts:
         harness.insert(tokens, tenant)
     harness.check_query(list(sc.query[0]), sc.query[1], sc)
+
+
+def card_property(derive: Callable[[str | None], bool | None], sglang_bigrams: Callable[[str | None], bool],
+                  algorithm: str | None) -> None:
+    """The card ``dynamo.sglang`` registers for ``algorithm`` hashes queries the way SGLang keys pages."""
+    want = sglang_bigrams(algorithm)
+    got = derive(algorithm)
+    if bool(got) == want:
+        return
+    note = " (this release's ModelRuntimeConfig has no enable_eagle field)" if got is None else ""
+    raise Mismatch("card", f"--speculative-algorithm {algorithm}: SGLang keys its radix cache by "
+                   f"{'bigrams' if want else 'plain tokens'}, the registered card says enable_eagle={bool(got)}{note}",
+                   Cause.CARD_EAGLE_OFF if want else Cause.CARD_EAGLE_ON, algorithm)
+
+
+def _event_shape(ev: BlockStored, batch: list[Any]) -> str:
+    kinds = sorted({type(e).__name__ for e in batch})
+    parts = ["bigram" if is_bigram_payload(ev.token_ids) else "plain", f"{len(ev.block_hashes)} page(s)"]
+    if ev.lora_name:
+        parts.append(f"lora_name={ev.lora_name!r}")
+    if ev.cache_salt:
+        parts.append(f"cache_salt={ev.cache_salt!r} (metadata)")
+    if ev.parent_block_hash is not None:
+        parts.append("with parent")
+    return f"BlockStored[{', '.join(parts)}] in a batch of {len(batch)} event(s) ({'+'.join(kinds)})"
+
+
+class _ExpectedIndex:
+    """What the router's index must hold after the engine's events: engine hash -> page facts.
+
+    Kept from SGLang's events with kvalign's reference relay rules (windows, per-event EAGLE,
+    namespace inheritance), only to *name* a divergence; the verdict is the overlap comparison.
+    """
+
+    def __init__(self, page_size: int):
+        self.p = page_size
+        self.blocks: dict[int, tuple[list[int], bool, str | None, str | None, str]] = {}
+        self._ns: dict[int, str | None] = {}
+        self.seen: set[int] = set()  # every engine hash this example stored
+
+    def apply(self, ev: Any, batch: list[Any], converted: Any) -> None:
+        """``converted``: the reference relay's router event for ``ev`` (None when Dynamo drops it)."""
+        if isinstance(ev, AllBlocksCleared):
+            self.blocks.clear()
+            self._ns.clear()
+        elif isinstance(ev, BlockRemoved):
+            for h in ev.block_hashes:
+                self.blocks.pop(h & U64_MASK, None)
+        elif isinstance(ev, BlockStored) and isinstance(converted, RouterStored):
+            eagle = is_bigram_payload(ev.token_ids)
+            raw = raw_window(ev.token_ids, strict=False) if ev.token_ids else []
+            parent = None if ev.parent_block_hash is None else ev.parent_block_hash & U64_MASK
+            ns = ev.cache_salt or (self._ns.get(parent) if parent is not None else None)
+            for i, (h, _local) in enumerate(converted.blocks):
+                window = raw[i * self.p: i * self.p + self.p + eagle]
+                self.blocks[h] = (window, eagle, ev.lora_name, ns, _event_shape(ev, batch))
+                self._ns[h] = ns
+
+
+def _name_ingest_divergence(expected: _ExpectedIndex, dumped: dict[int, int], p: int) -> tuple[Cause, str] | None:
+    """Name what the router's index got wrong, from its own dump; None when it holds exactly what it should."""
+    for h, (window, eagle, lora, ns, shape) in expected.blocks.items():
+        local = dumped.get(h)
+        if local is None:
+            return Cause.EVENTS_DROPPED, f"the router never indexed engine block {h} from {shape}"
+        want = block_hashes(window, p, eagle=eagle, lora_name=lora, cache_namespace=ns)
+        if [local] == want:
+            continue
+        if ns and [local] == block_hashes(window, p, eagle=eagle, lora_name=lora):
+            return Cause.TENANTS_SHARE_KEYS, f"engine block {h} from {shape} was indexed without its cache_salt {ns!r}"
+        cause = classify_hash_mismatch([local], window, p, eagle=eagle, lora_name=lora, cache_namespace=ns)
+        return cause, f"engine block {h} from {shape} was indexed with local hash {local}, reference {want[0] if want else None}"
+    stale = sorted((set(dumped) & expected.seen) - set(expected.blocks))
+    if stale:
+        return Cause.INGEST_STALE, f"the router still holds {len(stale)} block(s) SGLang removed or cleared (e.g. {stale[0]})"
+    return None
+
+
+def ingest_property(path: Any, hasher: RouterHasher, make_cache: CacheFactory, isc: IngestScenario) -> None:
+    """SGLang's published events, ingested by the real relay into a real router, give SGLang's reuse."""
+    from kvalign.oracles.sglang import to_kvalign_event
+
+    sc = isc.scenario
+    p, eagle = sc.page_size, sc.eagle
+    try:
+        worker = path.worker(p, eagle)
+        ready = worker.barrier()
+        if not ready and worker.indexed_once and (p, eagle) not in path.refreshed:
+            # A worker that went quiet between examples (an idle registration some releases expire in
+            # this in-process runtime) is replaced once; only a fresh relay that also stops is a finding.
+            worker = path.worker(p, eagle, fresh=True)
+            ready = worker.barrier()
+    except OracleUnavailable as exc:
+        raise Mismatch("ingest", str(exc), Cause.PATH_UNAVAILABLE, isc) from None
+    if not ready and worker.indexed_once:
+        raise Mismatch("ingest", f"Dynamo {path.version}'s relay stopped indexing altogether after an earlier batch "
+                       "(every later event is dropped)", Cause.EVENTS_DROPPED, isc)
+    if not ready:
+        raise Mismatch("ingest", f"the relay never indexed a plain one-page SGLang event (Dynamo {path.version})",
+                       Cause.PATH_UNAVAILABLE, isc)
+    base = worker.token_space()
+    shift = lambda tokens: [base + t for t in tokens]  # noqa: E731 - this example's own token range
+    cache = make_cache(p, eagle)
+    steps: list[list[Any]] = []
+    for i, (tokens, (lora, ns)) in enumerate(sc.inserts):
+        cache.insert(shift(tokens), lora_name=lora, cache_salt=ns)
+        steps.append(cache.take_raw_events())
+        if i == isc.clear_after:  # the engine drops its cache: SGLang's AllBlocksCleared, then an empty cache
+            steps.append([worker.publisher.clear()])
+            cache = make_cache(p, eagle)
+    if isc.evict_tokens:
+        cache.evict(isc.evict_tokens)
+        steps.append(cache.take_raw_events())
+    batches = [[e for step in steps for e in step]] if isc.one_batch else steps
+    reference, ref_relay, expected = PrefixIndex(), Relay(p), _ExpectedIndex(p)
+    unnamed_lora = False
+    for raw in batches:
+        events = [to_kvalign_event(e) for e in raw]
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                expected.seen.update(h & U64_MASK for h in ev.block_hashes)
+                unnamed_lora = unnamed_lora or (not ev.lora_name and any(t[0] for _, t in sc.inserts))
+            converted = ref_relay.convert(ev)
+            if converted is not None:
+                reference.apply(WORKER, converted)
+            expected.apply(ev, events, converted)
+        if raw:
+            worker.publisher.publish(raw)
+    if not worker.barrier():
+        shapes = sorted({_event_shape(ev, []).split(" in a batch")[0] for raw in batches
+                         for ev in map(to_kvalign_event, raw) if isinstance(ev, BlockStored)})
+        raise Mismatch("ingest", "the relay stopped indexing after this scenario's batches (a plain sentinel page "
+                       f"published after them never reached the router); stored events sent: {'; '.join(shapes)}",
+                       Cause.EVENTS_DROPPED, isc)
+    # The index first: it must hold exactly the blocks SGLang's events describe, keyed as the router keys them.
+    named = _name_ingest_divergence(expected, {h: t for _p, h, t in worker.dump() if h in expected.seen}, p)
+    if named is not None:
+        raise Mismatch("ingest", named[1], named[0], isc)
+    queries = [sc.query] + [(sc.inserts[0][0], t) for t in dict.fromkeys([t for _, t in sc.inserts] + [(None, None)])]
+    for query, (lora, ns) in queries:
+        query = shift(query)
+        engine = cache.match(query, lora_name=lora, cache_salt=ns) // p
+        predicted = reference.overlap(block_hashes(query, p, eagle=eagle, lora_name=lora, cache_namespace=ns)).get(WORKER, 0)
+        if not query:  # no request has an empty prompt (1.0.x's scheduler panics on one); nothing to match
+            continue
+        try:
+            answered = worker.overlap(query, lora, ns)
+        except Exception as exc:  # the release's router failed on a request: the path is down for it
+            raise Mismatch("ingest", f"the router failed to answer a {len(query)}-token query: {type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''}", Cause.PATH_UNAVAILABLE, isc) from None
+        if engine == predicted == answered:
+            continue
+        detail = (f"tenant (lora={lora!r}, cache_salt={ns!r}): SGLang reuses {engine} pages, kvalign predicts "
+                  f"{predicted}, the router answers {answered}")
+        if engine != predicted:
+            if lora and unnamed_lora:
+                raise Mismatch("ingest", detail + "; SGLang's events for this LoRA carried no LoRA name",
+                               Cause.LORA_NOT_IN_EVENTS, isc)
+            raise Mismatch("ingest", detail + " (kvalign's page model disagrees with SGLang)", Cause.UNKNOWN, isc)
+        # The index is right, so the router's query side is off: first what this release cannot express.
+        missing = sorted(getattr(path, "missing", ()))
+        if eagle and "ModelRuntimeConfig.enable_eagle" in missing:
+            cause = Cause.ROUTER_EAGLE_OFF
+        elif ns and "KvRouter query cache_namespace" in missing:
+            cause = Cause.NAMESPACE_DROPPED
+        else:
+            cause = name_cause(hasher, query, p, eagle, lora, ns)
+        raise Mismatch("ingest", detail + "; the router's index holds the right blocks, its query side hashes "
+                       "differently" + (f" (this release lacks {', '.join(missing)})" if missing else ""), cause, isc)

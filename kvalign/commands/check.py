@@ -1,8 +1,10 @@
 """``kvalign check``: are the router's block keys and SGLang's radix-cache keys aligned?
 
-Runs the differential properties between a router hasher (default: the installed Dynamo
-router) and the installed SGLang radix cache, in plain and EAGLE mode, with LoRA / namespace
-variants. Exit 0 aligned, 1 misaligned, 2 usage or environment error.
+Runs the differential properties over the whole router path of the installed pair — the card
+``dynamo.sglang`` registers, the router hasher (default: the installed Dynamo binding), SGLang's
+real radix cache, and SGLang's published events through Dynamo's real worker relay into a real
+router — in plain and EAGLE mode, with LoRA / namespace variants. Exit 0 aligned, 1 misaligned,
+2 usage or environment error.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="SGLang cache class: the server default UnifiedRadixCache (default), its Python core, or RadixCache")
     p.add_argument("--property", dest="props", action="append", choices=PROPERTIES, help="only these properties")
     p.add_argument("--mode", dest="modes", action="append", choices=MODES, help="only these modes")
+    p.add_argument("--ingest-examples", type=int, default=25,
+                   help="cap on generated cases per ingest row (each runs the real relay and router; default 25)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: derandomized, reproducible)")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     p.set_defaults(run=run)
@@ -43,6 +47,8 @@ def _table(rows: list[RowResult]) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.examples < 1:
         raise UsageError(f"--examples must be >= 1, got {args.examples}")
+    if args.ingest_examples < 1:
+        raise UsageError(f"--ingest-examples must be >= 1, got {args.ingest_examples}")
     from kvalign.oracles.dynamo import DynamoRadixTree, dynamo_version, load_router_hasher
     from kvalign.oracles.sglang import SglangRadixCache, sglang_version
 
@@ -55,9 +61,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvalign check: router hasher {label}; SGLang {versions['sglang']} ({args.cache} cache); "
               f"Dynamo RadixTree {versions['ai-dynamo-runtime']}; {args.examples} examples per row", flush=True)
     start = time.perf_counter()
+    progress = None if args.json else lambda r: print(f"  {r.prop}/{r.mode}/{r.variant}: "
+                                                      f"{'ok' if r.ok else r.cause} ({r.cases} cases, {r.seconds:.1f}s)",
+                                                      file=sys.stderr, flush=True)
     rows = run_check(hasher, make_cache, DynamoRadixTree, examples=args.examples,
                      props=tuple(args.props or PROPERTIES), modes=tuple(args.modes or MODES),
-                     variants=tuple(VARIANTS), seed=args.seed)
+                     variants=tuple(VARIANTS), seed=args.seed, progress=progress,
+                     ingest_examples=args.ingest_examples)
     aligned = all(r.ok for r in rows)
     if args.json:
         json.dump({"aligned": aligned, "router_hasher": label, "cache": args.cache, "versions": versions,

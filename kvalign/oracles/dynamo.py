@@ -8,6 +8,7 @@ with the binding's signature (``module:function``) to test a patched router buil
 from __future__ import annotations
 
 import importlib
+import inspect
 import importlib.metadata
 import json
 import os
@@ -39,10 +40,39 @@ def _core() -> Any:
         raise OracleUnavailable(f"cannot import dynamo._core ({exc})") from None
 
 
+#: Keyword parameters of today's binding that older releases lack (1.0.x: both; 1.3.x: cache_namespace).
+OPTIONAL_PARAMS = ("is_eagle", "cache_namespace")
+
+
+def adapt_hasher(fn: Any) -> RouterHasher:
+    """``fn`` with today's six-argument signature, whatever release it comes from.
+
+    A release whose binding lacks ``is_eagle`` or ``cache_namespace`` cannot hash EAGLE windows
+    or namespaced blocks at all; the adapter drops the argument (exactly what such a router does)
+    so the properties report the consequence as a named cause instead of crashing. The missing
+    names are kept on ``.missing`` for the report.
+    """
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: assume today's
+        return fn
+    missing = tuple(p for p in OPTIONAL_PARAMS if p not in params)
+    if not missing:
+        return fn
+
+    def adapted(tokens: Sequence[int], kv_block_size: int, block_mm_infos: Any = None, lora_name: str | None = None,
+                is_eagle: bool | None = None, cache_namespace: str | None = None) -> list[int]:
+        kw = {k: v for k, v in (("is_eagle", is_eagle), ("cache_namespace", cache_namespace)) if k not in missing}
+        return fn(tokens, kv_block_size, block_mm_infos, lora_name, **kw)
+
+    adapted.missing = missing  # type: ignore[attr-defined]
+    return adapted
+
+
 def load_router_hasher(spec: str | None = None) -> RouterHasher:
-    """The installed router's hasher, or ``module:function`` for a user's own build."""
+    """The installed router's hasher (adapted to today's signature), or ``module:function`` for a user's own build."""
     if spec is None:
-        return _core().compute_block_hash_for_seq
+        return adapt_hasher(_core().compute_block_hash_for_seq)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--router-hash must look like MODULE:FUNCTION, got {spec!r}")

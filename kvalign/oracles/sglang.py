@@ -91,6 +91,15 @@ def lora_id_for(lora_name: str) -> str:
     return uuid.uuid5(uuid.NAMESPACE_URL, "kvalign-lora:" + lora_name).hex
 
 
+def _metadata_salt(metadata: Any) -> str | None:
+    """``cache_salt`` from an event's metadata: a map (0.5.23) or a ``BlockStoredMetadata`` struct (0.5.19)."""
+    if metadata is None:
+        return None
+    if isinstance(metadata, dict):
+        return metadata.get("cache_salt")
+    return getattr(metadata, "cache_salt", None)
+
+
 def to_kvalign_event(ev: Any) -> KVEvent:
     """Convert one of SGLang's in-process event objects (any version's structs) to kvalign's model."""
     name = type(ev).__name__
@@ -103,7 +112,7 @@ def to_kvalign_event(ev: Any) -> KVEvent:
             block_size=int(ev.block_size),
             lora_id=ev.lora_id,
             medium=getattr(ev.medium, "value", ev.medium),
-            cache_salt=getattr(ev, "cache_salt", None) or (getattr(ev, "metadata", None) or {}).get("cache_salt"),
+            cache_salt=getattr(ev, "cache_salt", None) or _metadata_salt(getattr(ev, "metadata", None)),
             lora_name=getattr(ev, "lora_name", None),
             session_id=getattr(ev, "session_id", None),
         )
@@ -148,6 +157,11 @@ class SglangRadixCache:
             self._cache = m.UnifiedRadixCache(m.CacheInitParams(tree_components=(m.ComponentType.FULL,), **kw))
         self._next_slot = 0
         self.take_events()  # construction queues one AllBlocksCleared
+
+    @property
+    def names_lora_in_events(self) -> bool:
+        """Whether this SGLang's events carry the LoRA *name* the router hashes (0.5.23: yes; 0.5.19: no)."""
+        return self._lora_names is not None
 
     @property
     def core(self) -> str:

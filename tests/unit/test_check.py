@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,15 +22,23 @@ def run_cli(capsys, *argv: str, stdin: str | None = None, monkeypatch=None) -> t
     return rc, out, err
 
 
-def test_check_real_pair_is_aligned(capsys, router_hasher, sglang_available):
-    rc, out, _ = run_cli(capsys, "check", "--examples", "15")
-    assert rc == 0, out
+def test_check_real_pair_is_aligned(router_hasher, sglang_available):
+    # In a subprocess, as a user runs it: the ingest rows start a Dynamo runtime, and the first runtime of
+    # a process owns its TCP server (tests/unit/test_live_discovery.py needs to own it in this one).
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, "-m", "kvalign", "check", "--examples", "15"], capture_output=True, text=True,
+                         timeout=600, cwd=root,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])))
+    rc, out = res.returncode, res.stdout
+    assert rc == 0, out + res.stderr[-2000:]
     assert "ALIGNED: " in out and "MISALIGNED" not in out
-    assert out.count(" ok") == 24  # 3 properties x 2 modes x 4 variants
+    assert out.count(" ok") == 34  # card x 2 modes + (hash, pages, overlap, ingest) x 2 modes x 4 variants
+    assert [ln.split()[0] for ln in out.splitlines() if ln.endswith(" ok")].count("ingest") == 8
 
 
 def test_check_catches_router_that_ignores_is_eagle(capsys, router_hasher, sglang_available):
-    rc, out, _ = run_cli(capsys, "check", "--examples", "100", "--router-hash", "kvalign.misaligned:ignore_eagle")
+    rc, out, _ = run_cli(capsys, "check", "--examples", "100", "--router-hash", "kvalign.misaligned:ignore_eagle",
+                         "--property", "hash", "--property", "pages", "--property", "overlap")
     assert rc == 1
     assert "MISALIGNED: router eagle off vs engine bigram keys" in out
     assert "shrunk counterexample:" in out
@@ -51,6 +63,8 @@ def test_check_json_report(capsys, router_hasher, sglang_available):
         (["check", "--router-hash", "kvalign.hashing"], "must look like MODULE:FUNCTION"),
         (["check", "--router-hash", "kvalign.hashing:nope"], "has no callable 'nope'"),
         (["check", "--examples", "0"], "--examples must be >= 1"),
+        (["check", "--ingest-examples", "0"], "--ingest-examples must be >= 1"),
+        (["check", "--property", "prefill"], "invalid choice: 'prefill'"),
         (["check", "--cache", "bogus"], "invalid choice: 'bogus'"),
     ],
 )

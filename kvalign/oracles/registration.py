@@ -1,0 +1,109 @@
+"""The card side of the router path: which ``enable_eagle`` ``dynamo.sglang`` registers, per algorithm.
+
+The router hashes every query in EAGLE (B+1-token window) mode iff the worker's model card says
+``enable_eagle``; SGLang keys its radix cache by bigrams iff its speculative algorithm
+``is_eagle()`` (the predicate its KV-cache builder passes as ``CacheInitParams.is_eagle``). The
+two were derived independently in Dynamo's history — a hand-kept ``("EAGLE", "NEXTN")`` set that
+missed EAGLE3 and FROZEN_KV_MTP (#10982) — so the ``card`` property runs the installed
+``dynamo.sglang`` registration code itself (``get_runtime_config``, ``_get_runtime_config`` before
+1.5) with a worker's ``server_args`` for each algorithm, and reads the card it builds.
+
+The registration function is called as a multimodal-encode worker calls it (no engine object, so
+nothing needs a GPU); every argument it reads that this harness does not set falls back to the
+value of a default-constructed ``DynamoConfig`` or to ``None``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvalign.oracles.base import OracleUnavailable
+
+#: The registration functions that build the worker's ModelRuntimeConfig, newest first.
+REGISTRATION_FUNCTIONS = ("get_runtime_config", "_get_runtime_config")
+
+
+class _Args:
+    """An argument record: explicit values, then a real default record's attributes, then ``None``."""
+
+    def __init__(self, base: Any, **values: Any):
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_values", values)
+
+    def __getattr__(self, name: str) -> Any:
+        values = object.__getattribute__(self, "_values")
+        if name in values:
+            return values[name]
+        return getattr(object.__getattribute__(self, "_base"), name, None)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__getattribute__(self, "_values")[name] = value
+
+
+def speculative_algorithms() -> list[str | None]:
+    """Every speculative algorithm the installed SGLang defines (as ``server_args`` holds it), and None."""
+    from kvalign.oracles.sglang import _modules
+
+    _modules()
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    return [None] + [m.name for m in SpeculativeAlgorithm if m.name != "NONE"]
+
+
+def sglang_keys_bigrams(algorithm: str | None) -> bool:
+    """SGLang's own rule: its radix cache is built with ``is_eagle=spec_algorithm.is_eagle()``."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    return bool(SpeculativeAlgorithm.from_string(algorithm).is_eagle())
+
+
+RegisterFn = Callable[[str | None], bool | None]
+
+
+@dataclass
+class Registration:
+    """The installed ``dynamo.sglang`` registration code, ready to derive a card per algorithm."""
+
+    function: str
+    derive: RegisterFn  # algorithm -> the card's enable_eagle (None: the card has no such field)
+
+
+def load_registration() -> Registration:
+    """The installed ``dynamo.sglang.register`` card builder, or :class:`OracleUnavailable` saying why."""
+    from kvalign.oracles.sglang import _modules
+
+    _modules()
+    try:
+        register = importlib.import_module("dynamo.sglang.register")
+        args_mod = importlib.import_module("dynamo.sglang.args")
+    except Exception as exc:  # an import chain this long fails in many ways; report the root
+        raise OracleUnavailable(f"dynamo.sglang.register does not import here ({type(exc).__name__}: {exc})") from None
+    name = next((n for n in REGISTRATION_FUNCTIONS if callable(getattr(register, n, None))), None)
+    if name is None:
+        raise OracleUnavailable(f"dynamo.sglang.register has none of {REGISTRATION_FUNCTIONS}")
+    fn = getattr(register, name)
+    try:
+        dynamo_defaults = args_mod.DynamoConfig.from_cli_args(argparse.Namespace())
+    except Exception:  # older config classes: attribute defaults only
+        dynamo_defaults = None
+
+    def derive(algorithm: str | None) -> bool | None:
+        server_args = _Args(None, speculative_algorithm=algorithm, disaggregation_mode="null", dp_size=1, tp_size=1,
+                            pp_size=1, nnodes=1, node_rank=0, enable_dp_attention=False, page_size=1)
+        dynamo_args = _Args(dynamo_defaults, use_kv_events=True, enable_multimodal=False)
+        logging.disable(logging.WARNING)  # the function logs why it skips engine-only fields
+        try:
+            card = asyncio.run(fn(None, server_args, dynamo_args))
+        finally:
+            logging.disable(logging.NOTSET)
+        if card is None:
+            raise OracleUnavailable(f"dynamo.sglang.register.{name} returned no card")
+        return getattr(card, "enable_eagle", None) if hasattr(type(card), "enable_eagle") or hasattr(card, "enable_eagle") else None
+
+    return Registration(f"dynamo.sglang.register.{name}", derive)

@@ -1,0 +1,380 @@
+"""The real worker-to-router path of a Dynamo + SGLang deployment, in one process, on loopback.
+
+``dynamo.sglang`` never hands SGLang's KV events to Python: it builds a Rust ``KvEventPublisher``
+that subscribes to SGLang's ZMQ publisher, decodes each batch, re-hashes every page and forwards
+the router events over Dynamo's event plane to every ``KvRouter``, whose index then answers
+overlap queries. That relay is where #5096 (bigram token_ids not understood) and #14530 (a
+metadata map such as ``cache_salt`` failing to decode, dropping the whole batch) lived, so the
+``ingest`` property drives exactly it:
+
+    SGLang radix cache -> SGLang ZmqEventPublisher (tcp://127.0.0.1) -> Dynamo KvEventPublisher
+    (worker relay) -> event plane (ZMQ, through a loopback XSUB/XPUB broker) -> KvRouter index
+
+Nothing here is kvalign's model of Dynamo; the only kvalign code on the path is the glue that
+starts the pieces the way ``dynamo.sglang`` does (``enable_local_indexer`` as its default, card
+``enable_eagle`` as a correct registration would set it). Releases differ in constructor
+arguments, env names and card fields, so each call adapts to what the installed binding
+accepts; a field a release lacks is reported through :attr:`RouterPath.missing`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import inspect
+import itertools
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from kvalign.oracles.base import OracleUnavailable
+
+LOOPBACK = "127.0.0.1"
+#: Seconds one binding call may take (they take milliseconds).
+CALL_TIMEOUT_S = 30.0
+#: How long to wait for a published batch to show up in the router's index.
+INGEST_TIMEOUT_S = 4.0
+#: Width of one example's token range (kvalign's strategies draw ingest tokens from a vocabulary of 4).
+TOKEN_SPACE = 16
+#: Sentinel pages use token ids from here up (kvalign's strategies draw from a tiny vocabulary); each
+#: sentinel gets its own id, since the router keeps one node per (parent, local hash).
+SENTINEL_BASE = 0xF000_0000
+
+
+def sentinel_hash(k: int) -> int:
+    """Engine hash of the k-th sentinel page (distinct from SGLang's SHA-256-derived hashes in practice)."""
+    return (1 << 62) + k
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split(".")[:3] if x.isdigit())
+
+
+def runtime_env(dynamo_version: str, broker_url: str) -> dict[str, str]:
+    """Env for an in-process runtime: every Dynamo listener on loopback, ZMQ event plane via the broker.
+
+    Before 1.6 ``DYN_TCP_RESPONSE_STREAM_HOST`` names an *interface* ("Interface not found:
+    127.0.0.1" otherwise), so older releases get ``lo``.
+    """
+    modern = _version_tuple(dynamo_version) >= (1, 6)
+    return {
+        "DYN_TCP_RPC_HOST": LOOPBACK,
+        "DYN_TCP_RESPONSE_STREAM_HOST": LOOPBACK if modern else "lo",
+        "DYN_SYSTEM_HOST": LOOPBACK,
+        "DYN_EVENT_PLANE": "zmq",
+        "DYN_ZMQ_BROKER_URL": broker_url,
+        "DYN_ROUTER_MIN_INITIAL_WORKERS": "0",
+        "DYN_LOG": os.environ.get("DYN_LOG", "error"),
+    }
+
+
+Transform = Callable[[list[bytes]], "list[bytes] | None"]
+
+
+class LoopbackProxy:
+    """An XSUB/XPUB proxy bound on 127.0.0.1 (publishers connect to ``xsub``, subscribers to ``xpub``).
+
+    Two uses: Dynamo's event-plane broker (so no event-plane socket binds 0.0.0.0), and the hop
+    between SGLang's publisher and Dynamo's relay (SGLang *connects* to a concrete host, in every
+    version, so nothing binds a wildcard). ``transform`` may rewrite or drop (None) each
+    published multipart message: only the negative controls use it, to stand in for a broken relay.
+    """
+
+    def __init__(self, transform: Transform | None = None) -> None:
+        self.transform = transform
+        self._ctx = zmq.Context()
+        self._xsub, self._xpub = self._ctx.socket(zmq.XSUB), self._ctx.socket(zmq.XPUB)
+        for s in (self._xsub, self._xpub):
+            s.setsockopt(zmq.LINGER, 0)
+        self.xsub = f"tcp://{LOOPBACK}:{self._xsub.bind_to_random_port(f'tcp://{LOOPBACK}')}"
+        self.xpub = f"tcp://{LOOPBACK}:{self._xpub.bind_to_random_port(f'tcp://{LOOPBACK}')}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kvalign-zmq-proxy")
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        """The ``DYN_ZMQ_BROKER_URL`` value for this proxy."""
+        return f"xsub={self.xsub} , xpub={self.xpub}"
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._xsub, zmq.POLLIN)
+        poller.register(self._xpub, zmq.POLLIN)
+        while not self._stop.is_set():
+            for sock, _ in poller.poll(50):
+                if sock is self._xpub:  # subscriptions travel upstream unchanged
+                    self._xsub.send_multipart(self._xpub.recv_multipart())
+                    continue
+                frames = self._xsub.recv_multipart()
+                if self.transform is not None:
+                    frames = self.transform(frames)
+                if frames is not None:
+                    self._xpub.send_multipart(frames)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._xsub.close(linger=0)
+        self._xpub.close(linger=0)
+        self._ctx.term()
+
+
+class SglangPublisher:
+    """SGLang's real ``ZmqEventPublisher`` bound on 127.0.0.1 (as a scheduler with kv_events_config)."""
+
+    def __init__(self, transform: Transform | None = None) -> None:
+        from kvalign.oracles.sglang import _modules
+
+        _modules()  # the torchvision shim and SGLang's import chain, with an install hint on failure
+        try:
+            import sglang.srt.disaggregation.kv_events as kv
+        except ImportError as exc:
+            raise OracleUnavailable(f"SGLang's KV-event publisher is not importable ({exc})") from None
+        self.kv = kv
+        self.hop = LoopbackProxy(transform)
+        #: where the relay subscribes (SGLang's publisher connects to the hop's other side)
+        self.endpoint = self.hop.xpub
+        config = {"publisher": "zmq", "topic": "kv-events", "endpoint": self.hop.xsub}
+        self._pub = kv.EventPublisherFactory.create(json.dumps(config), attn_dp_rank=0)
+
+    def publish(self, events: Sequence[Any]) -> None:
+        self._pub.publish(self.kv.KVEventBatch(ts=time.time(), events=list(events)))
+
+    def sentinel(self, k: int, page_size: int) -> Any:
+        """The k-th one-page plain ``BlockStored`` off the root (SGLang's own class): an ingestion barrier."""
+        return self.kv.BlockStored(block_hashes=[sentinel_hash(k)], parent_block_hash=None,
+                                   token_ids=[SENTINEL_BASE + k] * page_size, block_size=page_size,
+                                   lora_id=None, medium="GPU")
+
+    def clear(self) -> Any:
+        return self.kv.AllBlocksCleared()
+
+    def close(self) -> None:
+        self._pub.shutdown()
+        self.hop.close()
+
+
+@dataclass
+class IngestWorker:
+    """One registered worker (card + relay on its SGLang publisher) and the router over it."""
+
+    path: RouterPath
+    block_size: int
+    eagle: bool
+    publisher: SglangPublisher
+    router: Any
+    relay: Any
+    _sentinels: Any = field(default_factory=lambda: itertools.count(1))
+    _space: int = 0
+    #: the relay indexed a sentinel at least once / then stopped indexing altogether
+    indexed_once: bool = False
+    dead: bool = False
+
+    def dump(self) -> list[tuple[int | None, int, int]]:
+        """``(parent, engine block hash, router local hash)`` for every block the router indexed."""
+        out = []
+        for entry in json.loads(self.path.call(self.router.dump_events)):
+            stored = entry["event"]["data"].get("stored") if isinstance(entry["event"]["data"], dict) else None
+            if not stored:
+                continue
+            parent = stored.get("parent_hash")
+            for b in stored["blocks"]:
+                out.append((parent, int(b["block_hash"]), int(b["tokens_hash"])))
+                parent = b["block_hash"]
+        return out
+
+    def barrier(self) -> bool:
+        """Publish a sentinel page and wait until the router indexed it (so everything before it was
+        processed: one stream, one relay, in order). False when it never arrives."""
+        if self.dead:  # it failed a barrier once; do not wait on it again for every example
+            return False
+        k = next(self._sentinels)
+        engine_hash = sentinel_hash(k)
+        deadline = time.monotonic() + INGEST_TIMEOUT_S
+        sent_at = 0.0
+        while time.monotonic() < deadline:
+            if time.monotonic() - sent_at > 0.5:  # re-send: the first ones may precede the subscription
+                self.publisher.publish([self.publisher.sentinel(k, self.block_size)])
+                sent_at = time.monotonic()
+            time.sleep(0.02)
+            if any(h == engine_hash for _p, h, _t in self.dump()):
+                self.indexed_once = True
+                return True
+        self.dead = True  # whether it ever indexed (indexed_once) tells a dead relay from one that never ran
+        return False
+
+    def token_space(self) -> int:
+        """A fresh token-id offset for one example.
+
+        The router's index is never emptied between examples: a release that ignored
+        AllBlocksCleared would otherwise carry one example's blocks into the next. Shifting each
+        example's tokens into its own range makes earlier blocks unreachable instead, and the
+        example's own clears and removals are still checked (``ingest``'s stale-block diagnosis).
+        """
+        self._space += 1
+        return self._space * TOKEN_SPACE
+
+    def overlap(self, tokens: Sequence[int], lora_name: str | None, cache_namespace: str | None) -> int:
+        """The router's own overlap answer (device blocks) for a query, with this release's query API."""
+        return self.path.query_overlap(self.router, list(tokens), lora_name, cache_namespace)
+
+
+class RouterPath:
+    """The installed Dynamo's runtime, one worker + ``KvRouter`` per (block size, eagle), on loopback."""
+
+    def __init__(self, transform: Transform | None = None) -> None:
+        """``transform``: applied to every SGLang message on its way to the relay (negative controls only)."""
+        self.transform = transform
+        try:
+            self.version = importlib.metadata.version("ai-dynamo-runtime")
+        except importlib.metadata.PackageNotFoundError:
+            raise OracleUnavailable("ai-dynamo-runtime is not installed: run scripts/setup.sh") from None
+        self.broker = LoopbackProxy()
+        env = runtime_env(self.version, self.broker.url)
+        self._saved_env = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            from dynamo import _core
+        except ImportError as exc:
+            self._restore()
+            raise OracleUnavailable(f"cannot import dynamo._core ({exc})") from None
+        self.core = _core
+        #: capabilities this release lacks on the path (card fields, query kwargs), for reports
+        self.missing: set[str] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="kvalign-router-path")
+        self._thread.start()
+        self._workers: dict[tuple[int, bool], IngestWorker] = {}
+        self._retired: list[IngestWorker] = []
+        #: (block size, eagle) keys whose worker was already replaced once (never again: a relay that
+        #: stops twice is a finding, and waiting on it for every example would only cost time)
+        self.refreshed: set[tuple[int, bool]] = set()
+        try:
+            self.runtime = self.call(self._start)
+        except BaseException:
+            self._stop_loop()
+            self._restore()
+            raise
+
+    async def _start(self) -> Any:
+        loop = asyncio.get_running_loop()
+        try:
+            return self.core.DistributedRuntime(loop, "mem", "tcp", event_plane="zmq")
+        except TypeError:  # before the event_plane keyword: DYN_EVENT_PLANE decides
+            return self.core.DistributedRuntime(loop, "mem", "tcp", False)
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` on the runtime's loop (the binding's coroutines must be created there)."""
+
+        async def invoke() -> Any:
+            result = fn(*args, **kwargs)
+            return await result if inspect.isawaitable(result) else result
+
+        return asyncio.run_coroutine_threadsafe(invoke(), self._loop).result(timeout=CALL_TIMEOUT_S)
+
+    def _set(self, obj: Any, name: str, value: Any) -> None:
+        try:
+            setattr(obj, name, value)
+        except AttributeError:
+            self.missing.add(f"ModelRuntimeConfig.{name}")
+
+    async def _new_worker(self, block_size: int, eagle: bool, zmq_endpoint: str) -> tuple[Any, Any]:
+        c = self.core
+        name = f"ingest-b{block_size}-{'eagle' if eagle else 'plain'}-{len(self._retired)}"
+        # One namespace per worker: some releases (1.3.x) scope a router's event subscription to the
+        # namespace, so two workers in one namespace would feed each other's routers.
+        endpoint = self.runtime.endpoint(f"kvalign-{name}.worker.generate")
+        card = c.ModelRuntimeConfig()
+        self._set(card, "enable_eagle", eagle)  # what a correct registration sets (the card property checks that)
+        self._set(card, "kv_event_publishing_enabled", True)
+        self._set(card, "enable_local_indexer", True)
+        kw: dict[str, Any] = {"kv_cache_block_size": block_size, "runtime_config": card}
+        if hasattr(c, "WorkerType"):
+            kw["worker_type"] = c.WorkerType.Aggregated
+        await c.register_model(c.ModelInput.Tensor, c.ModelType.TensorBased, endpoint, name, **kw)
+        await endpoint.register_endpoint_instance()
+        # As dynamo.sglang builds it: kv_block_size = page size, topic "", local indexer on (its default).
+        relay = c.KvEventPublisher(endpoint, kv_block_size=block_size, zmq_endpoint=zmq_endpoint, zmq_topic="",
+                                   enable_local_indexer=True)
+        router = c.KvRouter(endpoint, block_size, c.KvRouterConfig(use_kv_events=True))
+        return relay, router
+
+    def worker(self, block_size: int, eagle: bool, *, fresh: bool = False) -> IngestWorker:
+        """The worker for (block size, eagle); ``fresh`` replaces it with a newly registered one.
+
+        A replaced worker's relay and router stay referenced until :meth:`close` (dropping one
+        in-process KvRouter can cancel the runtime's other routers).
+        """
+        key = (block_size, eagle)
+        if fresh and key in self._workers:
+            self.refreshed.add(key)
+            old = self._workers.pop(key)
+            old.publisher.close()
+            self._retired.append(old)
+        if key not in self._workers:
+            pub = SglangPublisher(self.transform)
+            try:
+                relay, router = self.call(self._new_worker, block_size, eagle, pub.endpoint)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # pyo3 panics are BaseExceptions
+                pub.close()
+                raise OracleUnavailable(f"Dynamo {self.version} cannot start a worker relay + KvRouter for block size "
+                                        f"{block_size}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+            self._workers[key] = IngestWorker(self, block_size, eagle, pub, router, relay)
+        return self._workers[key]
+
+    def query_overlap(self, router: Any, tokens: list[int], lora_name: str | None, cache_namespace: str | None) -> int:
+        kw: dict[str, Any] = {}
+        if lora_name:
+            kw["lora_name"] = lora_name
+        if cache_namespace:
+            kw["cache_namespace"] = cache_namespace
+        if hasattr(router, "get_overlap_scores"):
+            fn, pick = router.get_overlap_scores, lambda r: max((w.get("device_blocks", 0) for w in r["workers"]), default=0)
+        else:
+            fn, pick = router.best_worker, lambda r: int(r[2])
+        try:
+            return int(pick(self.call(fn, tokens, **kw)))
+        except TypeError:
+            if "cache_namespace" not in kw:
+                raise
+            self.missing.add("KvRouter query cache_namespace")
+            kw.pop("cache_namespace")
+            return int(pick(self.call(fn, tokens, **kw)))
+
+    def close(self) -> None:
+        try:
+            for w in self._workers.values():
+                w.publisher.close()
+            self._workers.clear()
+            self._retired.clear()
+            self.call(lambda: self.runtime.shutdown())
+        finally:
+            self._stop_loop()
+            self.broker.close()
+            self._restore()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=CALL_TIMEOUT_S)
+
+    def _restore(self) -> None:
+        for k, v in self._saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    def __enter__(self) -> RouterPath:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

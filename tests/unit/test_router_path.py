@@ -1,0 +1,116 @@
+"""The ``ingest`` property: SGLang's real publisher -> Dynamo's real worker relay + event plane -> KvRouter.
+
+Negative controls put a broken hop between SGLang's publisher and the real relay — one that drops
+every batch carrying a cache_salt (Dynamo #14530's symptom), one that strips the salt (a salt-blind
+relay), one that drops bigram batches (#5096) — and check the property names each cause from the
+router's own index dump.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+import pytest
+
+from kvalign.check import run_search
+from kvalign.oracles.base import OracleUnavailable
+from kvalign.properties import ingest_property
+from kvalign.strategies import ingest_scenarios
+
+EXAMPLES = 15
+
+
+def _events(frames: list[bytes]) -> tuple[Any, list[Any]]:
+    batch = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
+    return batch, batch[1]
+
+
+def _salt(ev: Any) -> Any:
+    if isinstance(ev, dict):  # 0.5.23 tagged map
+        return ev.get("cache_salt") or (ev.get("metadata") or {}).get("cache_salt")
+    return next((x.get("cache_salt") for x in ev[7:] if isinstance(x, dict)), None)  # 0.5.19 positional
+
+
+def _tokens(ev: Any) -> list[Any]:
+    return ev.get("token_ids") or [] if isinstance(ev, dict) else ev[3] if len(ev) > 3 and isinstance(ev[3], list) else []
+
+
+def drop_salted_batches(frames: list[bytes]) -> list[bytes] | None:
+    """A relay that fails to decode a metadata-carrying event and loses its whole batch."""
+    _, events = _events(frames)
+    return None if any(_salt(e) for e in events) else frames
+
+
+def strip_salt(frames: list[bytes]) -> list[bytes]:
+    """A relay that ignores cache_salt: every event reaches the router unsalted."""
+    batch, events = _events(frames)
+    for ev in events:
+        if isinstance(ev, dict):
+            ev.pop("cache_salt", None)
+            ev.pop("metadata", None)
+        else:
+            del ev[7:]
+    return [frames[0], frames[1], msgpack.packb(batch, use_bin_type=True)]
+
+
+def drop_bigram_batches(frames: list[bytes]) -> list[bytes] | None:
+    """A relay that cannot decode bigram token_ids (EAGLE) and loses the batch."""
+    _, events = _events(frames)
+    return None if any(_tokens(e) and isinstance(_tokens(e)[0], list) for e in events) else frames
+
+
+def _open(transform: Callable[[list[bytes]], Any] | None) -> Any:
+    from kvalign.oracles.router_path import RouterPath
+
+    try:
+        return RouterPath(transform)
+    except OracleUnavailable as exc:
+        pytest.skip(f"real Dynamo router path unavailable: {exc}")
+
+
+@pytest.fixture(scope="module")
+def paths(sglang_available) -> Iterator[Callable[[Any], Any]]:
+    """``paths(transform)``: one real RouterPath per hop kind, torn down at the end of the module."""
+    opened: dict[Any, Any] = {}
+    yield lambda transform=None: opened.setdefault(transform, _open(transform))
+    for path in opened.values():
+        path.close()
+
+
+def _search(path: Any, router_hasher, cache_factory, *, eagle: bool, lora: bool = False, namespace: bool = False):
+    make_cache = cache_factory("unified")
+    return run_search(lambda isc: ingest_property(path, router_hasher, make_cache, isc),
+                      ingest_scenarios(eagle=eagle, lora=lora, namespace=namespace), EXAMPLES)
+
+
+@pytest.mark.parametrize("eagle", [False, True], ids=["plain", "eagle"])
+@pytest.mark.parametrize(("lora", "namespace"), [(False, False), (True, True)], ids=["base", "lora+namespace"])
+def test_real_relay_and_router_reproduce_sglang_reuse(paths, router_hasher, cache_factory, count_case, eagle, lora, namespace):
+    calls, failures, found = _search(paths(), router_hasher, cache_factory, eagle=eagle, lora=lora, namespace=namespace)
+    for _ in range(calls):
+        count_case()
+    assert found is None, found
+    assert calls == EXAMPLES and failures == 0
+
+
+def test_relay_dropping_metadata_batches_is_events_dropped(paths, router_hasher, cache_factory):
+    path = paths(drop_salted_batches)
+    assert _search(path, router_hasher, cache_factory, eagle=True)[2] is None  # unsalted traffic is untouched
+    calls, failures, found = _search(path, router_hasher, cache_factory, eagle=True, namespace=True)
+    assert found is not None and failures > 0
+    assert found.cause.name == "EVENTS_DROPPED" and "cache_salt=" in found.detail and "(metadata)" in found.detail
+
+
+def test_salt_blind_relay_is_tenants_share_keys(paths, router_hasher, cache_factory):
+    path = paths(strip_salt)
+    calls, failures, found = _search(path, router_hasher, cache_factory, eagle=False, namespace=True)
+    assert found is not None and found.cause.name == "TENANTS_SHARE_KEYS" and "without its cache_salt" in found.detail
+
+
+def test_bigram_blind_relay_is_events_dropped_in_eagle_mode_only(paths, router_hasher, cache_factory):
+    path = paths(drop_bigram_batches)
+    assert _search(path, router_hasher, cache_factory, eagle=False)[2] is None
+    found = _search(path, router_hasher, cache_factory, eagle=True)[2]
+    assert found is not None and found.cause.name == "EVENTS_DROPPED" and "BlockStored[bigram" in found.detail
