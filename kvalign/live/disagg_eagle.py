@@ -143,7 +143,10 @@ def build(opts: E2eOptions, run_dir: str | Path) -> tuple[ClusterPlan, WorkerKin
 
 
 def prerequisites(opts: E2eOptions, *, import_check: bool = True) -> Prereqs | None:
-    """What the GPU run lacks on this machine (None for CPU runs: the harness reports those)."""
+    """What the run lacks on this machine (None for fake-CPU runs: the harness reports those)."""
+    if opts.engine == "sglang-cpu":
+        problem = sglang_cpu_worker.engine_problem()
+        return Prereqs((), (problem,) if problem else ())
     if opts.cpu:
         return None
     return check_prereqs(opts.gpus_needed, opts.model, opts.draft_model, import_check=import_check)

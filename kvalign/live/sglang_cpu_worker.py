@@ -101,6 +101,27 @@ class SglangCpuWorkerKind:
         return ProcessSpec(worker.name, argv, env)
 
 
+#: Modules the real engine needs beyond the fake-CPU live stack (scripts/requirements-engine-cpu.txt).
+ENGINE_MODULES = ("dynamo.sglang", "safetensors", "jsonschema", "blake3")
+
+
+def engine_problem() -> str | None:
+    """Why the real SGLang engine cannot run on this CPU (None when it can)."""
+    import importlib.util
+
+    problem = sglang_cpu_standin.version_problem()
+    if problem:
+        return problem
+    for mod in ENGINE_MODULES:
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except ModuleNotFoundError:  # a parent package is missing
+            found = False
+        if not found:
+            return f"{mod} is not importable: run scripts/setup.sh (it installs the real engine's CPU packages)"
+    return None
+
+
 def plan_cluster(topology: Topology, run_dir: str | Path, *, draft: Draft = "agree",
                  control_plane: ControlPlane = "file") -> tuple[ClusterPlan, SglangCpuWorkerKind]:
     """Plan a real-engine CPU run: the tiny models are built under ``run_dir/models`` (a few

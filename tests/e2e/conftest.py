@@ -45,15 +45,9 @@ def cpu_stack_missing() -> str | None:
 
 def sglang_cpu_missing() -> str | None:
     """Why the real SGLang engine cannot run on this CPU (None when it can)."""
-    from kvalign.sglang_cpu_standin import version_problem
+    from kvalign.live.sglang_cpu_worker import engine_problem
 
-    reason = cpu_stack_missing() or version_problem()
-    if reason:
-        return reason
-    for mod in ("dynamo.sglang", "safetensors", "jsonschema", "blake3"):
-        if importlib.util.find_spec(mod) is None:
-            return f"{mod} is not importable: run scripts/setup.sh (it installs the real engine's CPU packages)"
-    return None
+    return cpu_stack_missing() or engine_problem()
 
 
 def pytest_configure(config: pytest.Config) -> None:
