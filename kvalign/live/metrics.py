@@ -218,8 +218,3 @@ def accept_failures(window: SpecDecodeWindow, minimum: float = MIN_TOKENS_PER_VE
             f"= {tpv:.3f}, not > {minimum:g}"
         )
     return out
-
-
-def speculation_failures(window: SpecDecodeWindow, minimum: float = MIN_TOKENS_PER_VERIFY) -> list[str]:
-    """Why ``window`` does not show decode speculating: no verify step, else too few accepted."""
-    return verify_failures(window) or accept_failures(window, minimum)

@@ -24,7 +24,6 @@ Settings and why (sglang-cpu-engine.md):
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from kvalign import sglang_cpu_standin
 from kvalign.live.cluster import make_plan
 from kvalign.live.engine_model import TARGET_NAME, Draft, write_models
 from kvalign.live.processes import ProcessSpec
+from kvalign.oracles.sglang import torch_extensions_dir
 from kvalign.live.topology import ClusterPlan, ControlPlane, Topology, WorkerSpec
 
 
@@ -52,12 +52,6 @@ class CpuEagle:
         return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft_model,
                 "--speculative-num-steps", str(self.num_steps), "--speculative-eagle-topk", str(self.eagle_topk),
                 "--speculative-num-draft-tokens", str(self.num_draft_tokens)]
-
-
-def torch_extensions_dir() -> str:
-    """One JIT build of SGLang's event-hash extension per venv and SGLang version (shared with
-    the unit layer's oracle, :mod:`kvalign.oracles.sglang`)."""
-    return os.path.join(sys.prefix, "torch-extensions", f"sglang-{sglang_cpu_standin.SGLANG_VERSION}")
 
 
 class SglangCpuWorkerKind:

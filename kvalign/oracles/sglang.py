@@ -38,6 +38,12 @@ def sglang_version() -> str:
         ) from None
 
 
+def torch_extensions_dir() -> str:
+    """One JIT build of SGLang's event-hash extension per venv and SGLang version (the sources
+    differ between versions but the extension name does not); real-engine workers share it."""
+    return os.path.join(sys.prefix, "torch-extensions", f"sglang-{sglang_version()}")
+
+
 @cache
 def _modules() -> types.SimpleNamespace:
     """Import SGLang's cache classes once, behind the torchvision shim.
@@ -48,11 +54,7 @@ def _modules() -> types.SimpleNamespace:
     sglang_version()
     for name in ("torchvision._meta_registrations", "torchvision._autograd_registrations"):
         sys.modules.setdefault(name, types.ModuleType(name))
-    # The event hash JIT-builds a C++ extension; keep one build per SGLang version (the sources
-    # differ between versions but the extension name does not).
-    os.environ.setdefault(
-        "TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch-extensions", f"sglang-{sglang_version()}")
-    )
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", torch_extensions_dir())
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
