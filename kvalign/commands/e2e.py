@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvalign.commands import fuzz
 from kvalign.errors import UsageError
 from kvalign.live import disagg_eagle
 from kvalign.live.cluster import Cluster, plan_specs
@@ -43,6 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--run-dir", default=None, help="logs, discovery store (default: out/e2e/run-<time>)")
     run.add_argument("--keep-logs", action="store_true", help="keep the run dir after a pass (always kept on failure)")
     run.set_defaults(run=run_run)
+    fuzz.register(actions)
 
 
 def _add_options(p: argparse.ArgumentParser) -> None:

@@ -162,3 +162,76 @@ def wait_ready(base_url: str, model: str, *, timeout_s: float, alive: Any = None
             last = f"{stage}: {type(exc).__name__}: {exc}"
         time.sleep(0.25)
     raise TimeoutError(f"frontend at {base_url} not ready for {model!r} after {timeout_s:.0f}s (last: {last})")
+
+
+#: What a token-level completion asks Dynamo to report: the routing decision, the router's
+#: prediction (``timing.kv_hit_rate``) and the generated ids (to extend a prompt with its output).
+COMPLETION_FIELDS = ("worker_id", "timing", "completion_token_ids")
+
+
+@dataclass
+class Completion:
+    """One non-streamed ``/v1/completions`` answer, reduced to what the live checks compare."""
+
+    prompt_tokens: int
+    cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens: the engine's own reuse
+    completion_token_ids: list[int]
+    prefill_worker_id: int | None
+    decode_worker_id: int | None
+    kv_hit_rate: float | None  # the router's prediction at the first hop
+    timing: dict[str, Any] = field(default_factory=dict)
+
+
+def _int_or_none(v: Any, what: str) -> int | None:
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise SseError(f"{what} is not an integer: {v!r:.40}")
+    return v
+
+
+def parse_completion(body: Any) -> Completion:
+    """The fields of a completion response body; malformed bodies raise :class:`SseError`."""
+    if not isinstance(body, dict):
+        raise SseError(f"completion response is not an object: {body!r:.80}")
+    if "error" in body:
+        raise SseError(f"server error: {json.dumps(body['error'])[:200]}")
+    usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+    nvext = body.get("nvext") if isinstance(body.get("nvext"), dict) else {}
+    wid = nvext.get("worker_id") if isinstance(nvext.get("worker_id"), dict) else {}
+    timing = nvext.get("timing") if isinstance(nvext.get("timing"), dict) else {}
+    details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
+    ids = nvext.get("completion_token_ids") or []
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise SseError(f"nvext.completion_token_ids is not a list of integers: {ids!r:.80}")
+    prompt_tokens = _int_or_none(usage.get("prompt_tokens"), "usage.prompt_tokens")
+    if prompt_tokens is None:
+        raise SseError("completion response has no usage.prompt_tokens")
+    rate = timing.get("kv_hit_rate")
+    return Completion(
+        prompt_tokens=prompt_tokens,
+        cached_tokens=_int_or_none(details.get("cached_tokens"), "usage.prompt_tokens_details.cached_tokens"),
+        completion_token_ids=list(ids),
+        prefill_worker_id=_int_or_none(wid.get("prefill_worker_id"), "nvext.worker_id.prefill_worker_id"),
+        decode_worker_id=_int_or_none(wid.get("decode_worker_id"), "nvext.worker_id.decode_worker_id"),
+        kv_hit_rate=None if rate is None else float(rate),
+        timing=timing,
+    )
+
+
+def complete_tokens(base_url: str, model: str, tokens: Sequence[int], *, max_tokens: int,
+                    timeout_s: float = 120.0) -> Completion:
+    """POST one greedy completion whose prompt is ``tokens`` (ids, no template: the router, the
+    engine and kvalign then hash exactly the same sequence)."""
+    payload = {
+        "model": model, "prompt": list(tokens), "max_tokens": max_tokens, "temperature": 0.0, "stream": False,
+        "nvext": {"extra_fields": list(COMPLETION_FIELDS)},
+    }
+    resp = requests.post(f"{base_url}/v1/completions", json=payload, timeout=(5.0, timeout_s))
+    if resp.status_code != 200:
+        raise SseError(f"HTTP {resp.status_code} from {base_url}: {resp.text[:300]}")
+    try:
+        body = resp.json()
+    except ValueError:
+        raise SseError(f"completion response is not JSON: {resp.text[:120]!r}") from None
+    return parse_completion(body)

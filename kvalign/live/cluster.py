@@ -21,6 +21,7 @@ import shutil
 import socket
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,13 +92,18 @@ class WorkerHandle:
 class Cluster:
     """A running topology; use as a context manager (teardown is unconditional)."""
 
-    def __init__(self, plan: ClusterPlan, kind: WorkerKind, *, startup_timeout_s: float = 120.0, keep_logs: bool = True):
+    def __init__(self, plan: ClusterPlan, kind: WorkerKind, *, startup_timeout_s: float = 120.0, keep_logs: bool = True,
+                 router_view: Mapping[str, str] | None = None):
+        """``router_view``: per worker, the endpoint Dynamo's relay reads (a lossy hop); when given,
+        :attr:`router_capture` records it beside :attr:`capture`, which reads SGLang directly."""
         self.plan, self.kind = plan, kind
         self.startup_timeout_s = startup_timeout_s
         self.keep_logs = keep_logs
         self.group = ProcessGroup(plan.run_dir / "logs")
         self.workers: dict[str, WorkerHandle] = {}
         self.capture: EventCapture | None = None
+        self.router_view = dict(router_view) if router_view is not None else None
+        self.router_capture: EventCapture | None = None
         self.ready_s: float | None = None
 
     @property
@@ -134,6 +140,8 @@ class Cluster:
             self.workers[w.name] = self._await_registration(w, deadline)
         endpoints = {name: h.kv_events_endpoint for name, h in self.workers.items() if h.kv_events_endpoint}
         self.capture = EventCapture(endpoints, capture_dir=self.plan.run_dir / "captures")
+        if self.router_view is not None:
+            self.router_capture = EventCapture(self.router_view, capture_dir=self.plan.run_dir / "captures" / "router")
         self.group.start(self.plan.frontend_spec())
         self.ready_s = wait_ready(self.frontend_url, self.model, timeout_s=max(1.0, deadline - time.monotonic()),
                                   alive=self.group.check_alive)
@@ -152,12 +160,33 @@ class Cluster:
             raise TimeoutError(f"{' and '.join(pending)} did not serve within {self.startup_timeout_s:.0f}s "
                                f"(logs: {self.group.log_dir})")
 
-    def _await_registration(self, w: WorkerSpec, deadline: float) -> WorkerHandle:
+    def restart_worker(self, name: str, timeout_s: float | None = None) -> WorkerHandle:
+        """Stop worker ``name`` and start it again (same ports, a new Dynamo instance id).
+
+        Returns once the new instance is registered and the old one is gone from discovery, so
+        the router has been told of both; the ``restart_forgotten`` check starts from there.
+        """
+        old = self.workers[name]
+        deadline = time.monotonic() + (timeout_s or self.startup_timeout_s)
+        self.group.stop_one(name)
+        self.group.start(self.kind.command(old.spec, self.plan))
+        handle = self._await_registration(old.spec, deadline, replacing=old.instance_id)
+        store = self.plan.discovery_store
+        while any(i.instance_id == old.instance_id for i in discovery.instances(store)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name}'s old instance {old.instance_id} is still registered after its restart")
+            time.sleep(0.2)
+        self.workers[name] = handle
+        return handle
+
+    def _await_registration(self, w: WorkerSpec, deadline: float, *, replacing: int | None = None) -> WorkerHandle:
         ports = self.plan.worker_ports[w.name]
         store = self.plan.discovery_store
         while time.monotonic() < deadline:
             self.group.check_alive()
             inst = discovery.instance_on_port(store, ports.rpc)
+            if inst is not None and inst.instance_id == replacing:
+                inst = None  # the stopped process's registration, not yet withdrawn
             card = discovery.card_for(store, inst.instance_id) if inst else None
             if inst and card:
                 ep = self.plan.kv_events_connect(w) if w.publishes_kv_events else None
@@ -168,9 +197,10 @@ class Cluster:
 
     def close(self, *, failed: bool = False) -> None:
         """Stop capture and processes; drop the run dir unless it failed or ``keep_logs``."""
-        if self.capture is not None:
-            self.capture.close()
-            self.capture = None
+        for capture in (self.capture, self.router_capture):
+            if capture is not None:
+                capture.close()
+        self.capture = self.router_capture = None
         self.group.stop()
         if not failed and not self.keep_logs:
             shutil.rmtree(self.plan.run_dir, ignore_errors=True)

@@ -143,6 +143,27 @@ class ProcessGroup:
         self.killed = killed
         return killed
 
+    def stop_one(self, name: str, grace_s: float = 8.0) -> bool:
+        """Stop process ``name``'s whole group (SIGTERM, then SIGKILL after ``grace_s``) and forget
+        it, so a restart may reuse the name and its log; True if it needed SIGKILL."""
+        proc = next((p for p in self.procs if p.spec.name == name), None)
+        if proc is None:
+            raise ValueError(f"no process named {name!r}")
+        _signal_group(proc.pid, signal.SIGTERM)
+        killed = False
+        try:
+            proc.popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            killed = True
+        _signal_group(proc.pid, signal.SIGKILL)
+        if proc.popen.poll() is None:
+            proc.popen.wait(timeout=5)
+        deadline = time.monotonic() + 5.0
+        while group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.procs.remove(proc)
+        return killed
+
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 

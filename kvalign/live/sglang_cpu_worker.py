@@ -24,6 +24,7 @@ Settings and why (sglang-cpu-engine.md):
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from kvalign import sglang_cpu_standin
 from kvalign.live.cluster import make_plan
 from kvalign.live.engine_model import TARGET_NAME, Draft, write_models
 from kvalign.live.processes import ProcessSpec
+from kvalign.live.sglang_worker import RELAY_SUBSCRIBE_ENV, ROUTER_EAGLE_ENV
 from kvalign.oracles.sglang import torch_extensions_dir
 from kvalign.live.topology import ClusterPlan, ControlPlane, Topology, WorkerSpec
 
@@ -60,16 +62,19 @@ class SglangCpuWorkerKind:
     name = "sglang-cpu"
 
     def __init__(self, draft_model: str | None, *, eagle: CpuEagle = CpuEagle(), max_total_tokens: int = 4096,
-                 threads: int = 2) -> None:
+                 threads: int = 2, relay_subscribe: Mapping[str, str] | None = None) -> None:
         self.draft_model, self.eagle = draft_model, eagle
         self.max_total_tokens, self.threads = max_total_tokens, threads
+        self.relay_subscribe = dict(relay_subscribe or {})  # worker name -> lossy-hop endpoint
 
     def command(self, worker: WorkerSpec, plan: ClusterPlan) -> ProcessSpec:
         if worker.eagle and not self.draft_model:
             raise ValueError(f"{worker.name} runs EAGLE3 but no draft model was given")
         ports = plan.worker_ports[worker.name]
         forced_off = worker.eagle and worker.register_eagle is False
-        entry = ["-m", "kvalign.live.sglang_worker"] if forced_off else ["-m", "dynamo.sglang"]
+        hop = self.relay_subscribe.get(worker.name)
+        wrapped = forced_off or hop is not None
+        entry = ["-m", "kvalign.live.sglang_worker"] if wrapped else ["-m", "dynamo.sglang"]
         argv = [
             plan.python, *entry, "--model-path", plan.model_path, "--served-model-name", plan.model_name,
             "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
@@ -91,6 +96,7 @@ class SglangCpuWorkerKind:
             **plan.worker_env(worker), **sglang_cpu_standin.worker_env(os.environ.get("PYTHONPATH")),
             "OMP_NUM_THREADS": str(self.threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
+            **({ROUTER_EAGLE_ENV: "off"} if forced_off else {}), **({RELAY_SUBSCRIBE_ENV: hop} if hop else {}),
         }
         return ProcessSpec(worker.name, argv, env)
 

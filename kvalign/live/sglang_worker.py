@@ -142,7 +142,7 @@ class SglangWorkerKind:
             argv += ["--enable-metrics", "--decode-log-interval", "1"]
         env = {
             **plan.worker_env(worker), "CUDA_VISIBLE_DEVICES": str(worker.gpu), "UCX_TLS": "^mm",
-            "HF_HUB_OFFLINE": "1",
+            "HF_HUB_OFFLINE": "1", **({ROUTER_EAGLE_ENV: "off"} if forced_off else {}),
         }
         return ProcessSpec(worker.name, argv, env)
 
@@ -163,11 +163,35 @@ def force_router_eagle_off() -> None:
     register._eagle_enabled_for = lambda speculative_algorithm: False
 
 
+#: Where ``dynamo.sglang``'s relay subscribes instead of SGLang's own PUB (the fuzz's lossy hop).
+RELAY_SUBSCRIBE_ENV = "KVALIGN_RELAY_SUBSCRIBE"
+
+
+def relay_via(endpoint: str) -> None:
+    """Make ``dynamo.sglang``'s KV-event relay subscribe to ``endpoint`` (a loopback hop) instead
+    of the endpoint SGLang binds; SGLang itself still publishes where its config says.
+
+    The relay derives its SUB address with ``publisher.format_zmq_endpoint`` (1.6.1); only that
+    name in ``dynamo.sglang.publisher`` is replaced, so SGLang's processes are untouched. Fails
+    loudly if Dynamo renamed it: a hop the relay bypasses would drop nothing.
+    """
+    import dynamo.sglang.publisher as publisher
+
+    if not callable(getattr(publisher, "format_zmq_endpoint", None)):
+        raise SystemExit("kvalign: cannot route KV events through the hop: dynamo.sglang.publisher has no "
+                         "format_zmq_endpoint (Dynamo changed how its relay finds SGLang's publisher)")
+    publisher.format_zmq_endpoint = lambda endpoint_template, ip_address: endpoint
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m kvalign.live.sglang_worker ARGS``: ``python -m dynamo.sglang ARGS`` with the
-    router-facing ``enable_eagle`` forced off (the negative control)."""
+    router-facing ``enable_eagle`` forced off (the negative control, ``KVALIGN_ROUTER_EAGLE=off``)
+    and/or the relay subscribed through a loopback hop (``KVALIGN_RELAY_SUBSCRIBE``)."""
     os.environ.setdefault("PYTHONHASHSEED", "0")  # as dynamo.sglang.__main__, for SGLang's children
-    force_router_eagle_off()
+    if not router_eagle_from(os.environ.get(ROUTER_EAGLE_ENV)):
+        force_router_eagle_off()
+    if os.environ.get(RELAY_SUBSCRIBE_ENV):
+        relay_via(os.environ[RELAY_SUBSCRIBE_ENV])
     from dynamo.sglang.main import main as dynamo_main
 
     sys.argv = ["dynamo.sglang", *(sys.argv[1:] if argv is None else argv)]

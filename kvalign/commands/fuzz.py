@@ -1,0 +1,130 @@
+"""``kvalign e2e fuzz``: generated live workloads on real workers, every request checked three ways.
+
+Exit 0: every invariant held on every request; 1: an invariant failed (shrunk, with a replay
+script and the captures kept); 2: the environment could not run it (one line, no traceback).
+``--json`` prints one object on stdout; progress lines go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvalign.errors import UsageError
+from kvalign.live.fuzz.driver import ENGINES, FuzzDriver, FuzzEnvironmentError, FuzzOptions, engine_problem, fuzz_cluster
+from kvalign.live.processes import ProcessExited
+
+
+def register(actions: argparse._SubParsersAction) -> None:
+    p = actions.add_parser("fuzz", help="generated live workloads (eviction, concurrency, flushes, lost batches, "
+                                        "restarts) checked against the router and the engine on every request")
+    p.add_argument("--engine", choices=ENGINES, default="sglang-cpu",
+                   help="sglang-cpu: real dynamo.sglang EAGLE3 workers on this CPU (default)")
+    p.add_argument("--examples", type=int, default=3, help="Hypothesis examples (workloads) on one cluster (default 3)")
+    p.add_argument("--steps", type=int, default=10, help="most steps per example (default 10)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: derandomized, the same every run)")
+    p.add_argument("--router-eagle", choices=("on", "off"), default="on",
+                   help="off = negative control: workers register enable_eagle=False (router hashes plain blocks)")
+    p.add_argument("--no-gap-check", dest="gap_check", action="store_false",
+                   help="negative control: predict the router from the engine's own stream, blind to batches "
+                        "lost on the hop")
+    p.add_argument("--workers", type=int, default=2, help="aggregated workers (default 2)")
+    p.add_argument("--max-total-tokens", type=int, default=512,
+                   help="each worker's KV pool in tokens; small so the scheduler evicts (default 512)")
+    p.add_argument("--shrink-seconds", type=float, default=300.0,
+                   help="bound on shrinking a failure (default 300, Hypothesis's own)")
+    p.add_argument("--replay", metavar="SCRIPT", default=None, help="rerun a failure's script instead of generating")
+    p.add_argument("--run-dir", default=None, help="logs and captures (default out/e2e/fuzz-<time>)")
+    p.add_argument("--keep-logs", action="store_true", help="keep the run dir after a pass (always kept on failure)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def _read_script(path: str) -> dict[str, Any]:
+    try:
+        script = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise UsageError(f"{path} is not a kvalign fuzz script (not JSON: {exc})") from None
+    if not isinstance(script, dict) or script.get("kvalign_fuzz_script") != 1 or not isinstance(script.get("steps"), list):
+        raise UsageError(f"{path} is not a kvalign fuzz script (no kvalign_fuzz_script: 1 with a steps list)")
+    return script
+
+
+def _options(args: argparse.Namespace, script: dict[str, Any] | None) -> FuzzOptions:
+    given = dict(script.get("options") or {}) if script else {}
+    try:
+        return FuzzOptions(
+            engine=given.get("engine", args.engine), workers=int(given.get("workers", args.workers)),
+            page_size=int(given.get("page_size", 16)),
+            max_total_tokens=int(given.get("max_total_tokens", args.max_total_tokens)),
+            router_eagle=bool(given.get("router_eagle", args.router_eagle == "on")),
+            gap_check=bool(given.get("gap_check", args.gap_check)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.examples < 1 or args.steps < 1:
+        raise UsageError(f"--examples and --steps must be >= 1, got {args.examples} and {args.steps}")
+    script = _read_script(args.replay) if args.replay else None
+    opts = _options(args, script)
+    problem = engine_problem(opts)
+    if problem:
+        raise UsageError(f"cannot run here: {problem}")
+    start = time.monotonic()
+
+    def progress(msg: str) -> None:
+        print(f"[{time.monotonic() - start:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    run_dir = Path(args.run_dir or Path("out") / "e2e" / f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    what = f"replay of {args.replay}" if script else f"{args.examples} examples x <= {args.steps} steps"
+    progress(f"kvalign e2e fuzz: {what} on {opts.workers} {opts.engine} EAGLE3 workers, page {opts.page_size}, "
+             f"KV pool {opts.max_total_tokens} tokens" + ("" if opts.router_eagle else " [NEGATIVE CONTROL: router eagle off]")
+             + ("" if opts.gap_check else " [NEGATIVE CONTROL: gap check off]") + f"; run dir {run_dir}")
+    from kvalign.live.fuzz.machine import replay, run_fuzz
+
+    try:
+        with fuzz_cluster(opts, run_dir) as (cluster, hop):
+            progress("cluster ready: " + ", ".join(
+                f"{n}={h.instance_id} (enable_eagle={h.enable_eagle})" for n, h in cluster.workers.items()))
+            driver = FuzzDriver(cluster, hop, opts, progress)
+            if script is not None:
+                result = replay(driver, script, Path(args.replay))
+            else:
+                result = run_fuzz(driver, examples=args.examples, steps=args.steps, seed=args.seed,
+                                  shrink_seconds=args.shrink_seconds, script_path=run_dir / "fuzz-failure.json",
+                                  report=progress)
+            out = result.as_json()
+    except (ProcessExited, TimeoutError, FuzzEnvironmentError) as exc:
+        raise UsageError(f"{str(exc).splitlines()[0]} (logs kept under {run_dir / 'logs'})") from None
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(render(out))
+    if result.passed and not args.keep_logs:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    else:
+        progress(f"logs and captures kept under {run_dir}")
+    return 0 if result.passed else 1
+
+
+def render(out: dict[str, Any]) -> str:
+    """The human summary: totals, each invariant's checked/failed, and the failure."""
+    lines = [f"{out['examples']} examples, {out['steps']} steps, {out['requests']} requests in {out['seconds']}s; "
+             + ", ".join(f"{k} {v}" for k, v in out["counts"].items())]
+    lines += [f"  {name:<26} checked {v['checked']:>4}  failed {v['failed']}" for name, v in out["invariants"].items()]
+    f = out["failure"]
+    if f is None:
+        lines.append("PASS: every invariant held on every request")
+    else:
+        lines.append(f"FAIL {f['invariant']} (cause {f['cause']}): {f['detail']}")
+        lines.append(f"replay: kvalign e2e fuzz --replay {f['script']}")
+    return "\n".join(lines)

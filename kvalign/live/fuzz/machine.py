@@ -1,0 +1,186 @@
+"""The Hypothesis state machine over a live cluster, the run loop, and its one JSON result.
+
+Each Hypothesis example is one workload on the *same* running cluster: the machine's constructor
+flushes every worker (:meth:`FuzzDriver.begin_example`) instead of restarting the cluster, so
+examples cost seconds, and shrinking replays candidate workloads on it too. Rules draw JSON-able
+steps and hand them to the driver, which checks every answered request before the next rule runs.
+A failing example is shrunk by Hypothesis (bounded by ``shrink_seconds``), and the steps of the
+last failing run — the shrunk one — are written as a replay script with the captures kept.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.errors import Flaky
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
+
+from kvalign.live.fuzz.driver import FuzzDriver, FuzzOptions
+from kvalign.live.fuzz.invariants import InvariantFailed
+from kvalign.live.fuzz.prompts import lengths, max_tokens, prompt_specs
+
+
+@dataclass
+class Failure:
+    """The shrunk counterexample: what broke, why, and where its replay script is."""
+
+    invariant: str
+    cause: str
+    detail: str
+    script: str
+    flaky: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        return {"invariant": self.invariant, "cause": self.cause, "detail": self.detail, "script": self.script,
+                **({"flaky": True} if self.flaky else {})}
+
+
+@dataclass
+class FuzzResult:
+    """What ``kvalign e2e fuzz --json`` prints."""
+
+    driver: FuzzDriver
+    failure: Failure | None = None
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.failure is None
+
+    def as_json(self) -> dict[str, Any]:
+        d = self.driver
+        return {
+            "verdict": "pass" if self.passed else "fail",
+            "examples": d.examples, "steps": d.steps_run, "requests": d.requests,
+            "counts": d.finish_counts(),
+            "invariants": d.tally.as_json(),
+            "failure": None if self.failure is None else self.failure.as_json(),
+            "options": d.opts.as_json(), "seconds": round(self.seconds, 1), "unsettled_waits": d.unsettled,
+            "run_dir": str(d.cluster.plan.run_dir),
+        }
+
+
+def write_script(path: Path, opts: FuzzOptions, steps: list[dict[str, Any]], failure: InvariantFailed | None,
+                 observed: list[dict[str, Any]]) -> None:
+    """The replayable script: the options, the steps (with their faults) and what was seen."""
+    path.write_text(json.dumps({
+        "kvalign_fuzz_script": 1, "options": opts.as_json(), "steps": steps,
+        "failure": None if failure is None else {"invariant": failure.invariant, "cause": failure.cause,
+                                                 "detail": failure.detail},
+        "observed": observed,
+    }, indent=1) + "\n")
+
+
+def machine_class(driver: FuzzDriver) -> type[RuleBasedStateMachine]:
+    """The state machine bound to one live driver (strategies depend on its page size and workers)."""
+    b, n = driver.opts.page_size, len(driver.labels)
+    specs, fresh = prompt_specs(b), st.fixed_dictionaries(
+        {"kind": st.just("fresh"), "seed": st.integers(0, 2**16), "length": lengths(b).filter(lambda k: k > 2 * b + 1)})
+    worker = st.integers(0, n - 1)
+
+    class LiveFuzz(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            driver.begin_example()
+
+        @rule(prompt=specs, mt=max_tokens())
+        def request(self, prompt: dict, mt: int) -> None:
+            driver.run_step({"rule": "request", "prompt": prompt, "max_tokens": mt})
+
+        @rule(reqs=st.lists(st.tuples(specs, max_tokens()), min_size=2, max_size=3))
+        def concurrent(self, reqs: list) -> None:
+            driver.run_step({"rule": "concurrent", "requests": [list(r) for r in reqs]})
+
+        @rule(w=worker)
+        def flush(self, w: int) -> None:
+            driver.run_step({"rule": "flush", "worker": w})
+
+        @rule(seed=st.integers(0, 2**16))
+        def fill(self, seed: int) -> None:
+            driver.run_step({"rule": "fill", "seed": seed})
+
+        @rule(prompt=fresh, mt=max_tokens())
+        def drop_batch(self, prompt: dict, mt: int) -> None:
+            driver.run_step({"rule": "drop_batch", "prompt": prompt, "max_tokens": mt})
+
+        @precondition(lambda self: driver.restarts_in_example == 0)
+        @rule(w=worker)
+        def restart(self, w: int) -> None:
+            driver.run_step({"rule": "restart", "worker": w})
+
+    return LiveFuzz
+
+
+def run_fuzz(driver: FuzzDriver, *, examples: int, steps: int, seed: int | None, shrink_seconds: float,
+             script_path: Path, report: Callable[[str], None]) -> FuzzResult:
+    """Run the generated workloads; on a failure, shrink it and write its replay script."""
+    import hypothesis.internal.conjecture.engine as engine
+    from hypothesis.reporting import with_reporter
+
+    cls = machine_class(driver)
+    if seed is not None:
+        cls._hypothesis_internal_use_seed = seed  # what hypothesis.seed() sets on a test
+    failures: list[tuple[InvariantFailed, list[dict[str, Any]], list[dict[str, Any]]]] = []
+    original_step = driver.run_step
+
+    def recording_step(step: dict[str, Any]) -> None:
+        try:
+            original_step(step)
+        except InvariantFailed as exc:
+            failures.append((exc, list(driver.steps), list(driver.observed)))
+            raise
+
+    driver.run_step = recording_step  # type: ignore[method-assign]
+    conf = settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
+                    derandomize=seed is None, phases=(Phase.generate, Phase.shrink), report_multiple_bugs=False,
+                    suppress_health_check=list(HealthCheck), print_blob=False)
+    start, saved = time.monotonic(), engine.MAX_SHRINKING_SECONDS
+    engine.MAX_SHRINKING_SECONDS = int(shrink_seconds)  # Hypothesis's own bound on shrinking (300 s)
+    result = FuzzResult(driver)
+    try:
+        with with_reporter(report):
+            run_state_machine_as_test(cls, settings=conf)
+    except InvariantFailed as exc:
+        result.failure = _failure(driver, exc, failures, script_path)
+    except Flaky:
+        if not failures:
+            raise
+        result.failure = _failure(driver, failures[-1][0], failures, script_path, flaky=True)
+    finally:
+        engine.MAX_SHRINKING_SECONDS = saved
+        driver.run_step = original_step  # type: ignore[method-assign]
+        result.seconds = time.monotonic() - start
+    return result
+
+
+def _failure(driver: FuzzDriver, exc: InvariantFailed, failures: list, script_path: Path, *,
+             flaky: bool = False) -> Failure:
+    _, steps, observed = next(((e, s, o) for e, s, o in reversed(failures) if e is exc), failures[-1])
+    write_script(script_path, driver.opts, steps, exc, observed)
+    return Failure(exc.invariant, exc.cause, exc.detail, str(script_path), flaky)
+
+
+def replay(driver: FuzzDriver, script: dict[str, Any], script_path: Path) -> FuzzResult:
+    """Run a script's steps once, as one example, checking every invariant as the fuzz does."""
+    start = time.monotonic()
+    result = FuzzResult(driver)
+    driver.begin_example()
+    try:
+        for step in script["steps"]:
+            driver.run_step(step)
+    except InvariantFailed as exc:
+        out = script_path.with_name(script_path.stem + ".replayed.json")
+        write_script(out, driver.opts, list(driver.steps), exc, list(driver.observed))
+        result.failure = Failure(exc.invariant, exc.cause, exc.detail, str(out))
+    result.seconds = time.monotonic() - start
+    return result
+
+

@@ -1,0 +1,100 @@
+"""kvalign's two views of each live worker's cache, rebuilt from captured KV events.
+
+* the **engine view** reads SGLang's own publisher: what the worker's radix cache holds;
+* the **router view** reads what Dynamo's relay reads, after the lossy hop: what an aligned
+  router can know. A batch lost on the hop is in the engine view and not in the router view.
+
+Each view is a worker's batches since its *epoch* (the example's start, or its last restart),
+replayed through kvalign's :class:`~kvalign.relay.Relay` into a :class:`~kvalign.index.PrefixIndex`.
+A prediction is taken at a *mark* (how many of the worker's batches had arrived); a request sent
+while others were in flight may have been routed at any mark in a window, so views answer for
+every mark in ``[lo, hi]``.
+
+Page arithmetic (checked live against sglang 0.5.23 + dynamo 1.6.1, page/block size B):
+
+* router: ``kv_hit_rate = credited / ceil(N / B)``; an EAGLE prompt of N tokens has
+  ``floor((N-1)/B)`` hashable blocks (block k = raw tokens [kB, kB+B]);
+* engine: SGLang matches at most the prompt minus its last token, so with h leading pages held
+  it reuses ``B * min(h, floor((N-2)/B))`` tokens under EAGLE (bigram keys: N-1 tokens give N-2
+  bigrams) and ``B * min(h, floor((N-1)/B))`` with plain keys.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from kvalign.events import EventBatch
+from kvalign.hashing import block_hashes
+from kvalign.index import PrefixIndex
+from kvalign.live.capture import EventCapture
+from kvalign.relay import Relay
+
+_WORKER = 0  # one index per worker view: the id inside it is arbitrary
+
+
+def isl_blocks(n_tokens: int, block_size: int) -> int:
+    """The router's denominator: prompt blocks counting a partial last one."""
+    return math.ceil(n_tokens / block_size)
+
+
+def credited_blocks(kv_hit_rate: float | None, n_tokens: int, block_size: int) -> int | None:
+    """The blocks the router credited, recovered from its reported ``kv_hit_rate``."""
+    return None if kv_hit_rate is None else round(kv_hit_rate * isl_blocks(n_tokens, block_size))
+
+
+def engine_reusable_pages(n_tokens: int, block_size: int, *, eagle: bool) -> int:
+    """The most leading pages SGLang reuses for an N-token prompt: it always computes the last
+    token, so the match covers at most N-1 raw tokens (N-2 bigrams under EAGLE)."""
+    units = n_tokens - 2 if eagle else n_tokens - 1
+    return max(units, 0) // block_size
+
+
+def engine_cached_tokens(held_pages: int, n_tokens: int, block_size: int, *, eagle: bool) -> int:
+    """``cached_tokens`` the engine reports when it holds ``held_pages`` leading pages of the prompt."""
+    return block_size * min(held_pages, engine_reusable_pages(n_tokens, block_size, eagle=eagle))
+
+
+def overlaps(batches: Sequence[EventBatch], query: Sequence[int], block_size: int, lo: int, hi: int) -> list[int]:
+    """Leading blocks of ``query`` (local hashes) held after the first j batches, for j in lo..hi."""
+    idx, relay = PrefixIndex(), Relay(block_size)
+    out = []
+    for j in range(hi + 1):
+        if j >= lo:
+            out.append(idx.overlap(query).get(_WORKER, 0))
+        if j < len(batches):
+            for ev in batches[j].events:
+                conv = relay.convert(ev)
+                if conv is not None:
+                    idx.apply(_WORKER, conv)
+    return out
+
+
+class WorkerViews:
+    """One capture's batches per worker label, each from its epoch start."""
+
+    def __init__(self, capture: EventCapture, block_size: int) -> None:
+        self.capture, self.block_size = capture, block_size
+        self.epoch: dict[str, int] = {}
+
+    def batches(self, label: str) -> list[EventBatch]:
+        return [c.batch for c in self.capture.snapshot() if c.label == label]
+
+    def mark(self, label: str) -> int:
+        """How many of ``label``'s batches have arrived (a position in its stream)."""
+        return self.capture.count(label)
+
+    def marks(self) -> dict[str, int]:
+        return {label: self.mark(label) for label in self.capture.endpoints}
+
+    def start_epoch(self, label: str) -> None:
+        """Forget ``label``'s earlier batches: a new example after a flush, or a restarted worker."""
+        self.epoch[label] = self.mark(label)
+
+    def held(self, label: str, tokens: Sequence[int], *, eagle: bool, lo: int, hi: int | None = None) -> list[int]:
+        """Leading blocks of ``tokens`` the view holds at each mark in ``[lo, hi]`` (absolute marks)."""
+        start = self.epoch.get(label, 0)
+        batches = self.batches(label)[start:]
+        hi = lo if hi is None else hi
+        query = block_hashes(tokens, self.block_size, eagle=eagle) if len(tokens) else []
+        return overlaps(batches, query, self.block_size, max(lo - start, 0), max(hi - start, 0))
