@@ -175,9 +175,9 @@ class FuzzDriver:
     def _label_of(self, instance_id: int | None) -> str | None:
         return next((n for n, h in self.cluster.workers.items() if h.instance_id == instance_id), None)
 
-    def _send(self, tokens: list[int], max_tokens: int) -> Completion:
+    def _send(self, tokens: list[int], max_tokens: int, pin: int | None = None) -> Completion:
         try:
-            return complete_tokens(self.cluster.frontend_url, self.cluster.model, tokens, max_tokens=max_tokens)
+            return complete_tokens(self.cluster.frontend_url, self.cluster.model, tokens, max_tokens=max_tokens, pin=pin)
         except (SseError, OSError) as exc:
             raise FuzzEnvironmentError(f"request of {len(tokens)} tokens failed: {exc}") from None
 
@@ -285,11 +285,11 @@ class FuzzDriver:
         else:
             raise ValueError(f"unknown step rule {rule!r}")
 
-    def _request(self, tokens: list[int], max_tokens: int) -> Observation:
+    def _request(self, tokens: list[int], max_tokens: int, pin: str | None = None) -> Observation:
         self._settle()
         pred_lo, eng_lo = self.prediction_views.marks(), self.engine_views.marks()
-        best = self._best(tokens, pred_lo)
-        c = self._send(tokens, max_tokens)
+        best = None if pin else self._best(tokens, pred_lo)
+        c = self._send(tokens, max_tokens, None if pin is None else self.cluster.workers[pin].instance_id)
         self._settle()
         obs = self._observe(tokens, c, concurrent=False, pred_lo=pred_lo, eng_lo=eng_lo, pred_hi=None, eng_hi=None,
                             best=best)
@@ -322,6 +322,9 @@ class FuzzDriver:
             self._request(new_tokens(seed * 1000 + i, length), 1)
 
     def _drop(self, tokens: list[int], max_tokens: int) -> None:
+        """Lose the request's store batch on the hop, then make the loss observable: a follow-up
+        pinned to the same worker stores pages under the lost ones (orphans to the router), which
+        is the evidence ``kvalign diagnose`` needs to name the gap."""
         dropped_before = len(self.hop.dropped)
         self.hop.drop_next_store_batch()
         obs = self._request(tokens, max_tokens)
@@ -332,16 +335,20 @@ class FuzzDriver:
             return
         self.counts["dropped_batches"] += len(lost)
         label = lost[0].label
-        d = self.diagnose(label, tokens)
+        self.progress(f"drop_batch: the hop lost {label}'s batch seq {lost[0].seq} ({lost[0].blocks} blocks) "
+                      f"of request {obs.request}")
+        follow = [*tokens, *self.history[-1].output, *new_tokens(len(tokens), self.opts.page_size + 1)]
+        self._request(follow, 1, pin=label)
+        d = self.diagnose(label, follow)
         cause = "none" if d is None or d.cause is None else d.cause.name
         self.tally.checked["gap_diagnosed"] += 1
-        self.progress(f"drop_batch: lost {label}'s batch seq {lost[0].seq} ({lost[0].blocks} blocks) of request "
-                      f"{obs.request}; diagnose: {cause}")
+        self.progress(f"drop_batch: kvalign diagnose on {label}'s capture: {cause}")
         if cause != "SEQUENCE_GAP":
             self.tally.failed["gap_diagnosed"] += 1
             raise InvariantFailed("gap_diagnosed", f"the hop lost {label}'s batch seq {lost[0].seq} of request "
-                                  f"{obs.request}, but kvalign diagnose on its capture names {cause}",
-                                  cause=cause, worker=label, request=obs.request)
+                                  f"{obs.request}, but kvalign diagnose on its capture names {cause}"
+                                  + ("" if d is None else f" ({d.detail})"), cause=cause, worker=label,
+                                  request=obs.request)
 
     def _restart(self, label: str) -> None:
         old = self.cluster.workers[label].instance_id

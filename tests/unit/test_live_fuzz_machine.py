@@ -1,0 +1,81 @@
+"""The fuzz's Hypothesis wiring (kvalign/live/fuzz/machine.py), on a recording driver.
+
+No cluster here: the driver only records steps (and fails on demand), which is enough to hold
+what the live run relies on — the default seed draws every rule, a failure is shrunk to a minimal
+step list and written as a replay script, and a replay runs the script's steps as one example.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from kvalign.commands.fuzz import DEFAULT_SEED
+from kvalign.live.fuzz.driver import COUNTS, FuzzOptions
+from kvalign.live.fuzz.invariants import InvariantFailed, Tally
+from kvalign.live.fuzz.machine import replay, run_fuzz
+
+RULES = {"request", "concurrent", "flush", "fill", "drop_batch", "restart"}
+
+
+class RecordingDriver:
+    """The part of FuzzDriver the machine calls; ``fail_on(step)`` decides a failure."""
+
+    def __init__(self, fail_on: Any = None) -> None:
+        self.opts, self.labels = FuzzOptions(), ["worker0", "worker1"]
+        self.fail_on = fail_on
+        self.examples = self.steps_run = self.requests = self.unsettled = self.restarts_in_example = 0
+        self.steps: list[dict] = []
+        self.observed: list[dict] = []
+        self.tally, self.counts = Tally(), dict.fromkeys(COUNTS, 0)
+        self.all_steps: list[list[dict]] = []
+
+    def begin_example(self) -> None:
+        self.examples += 1
+        self.steps, self.restarts_in_example = [], 0
+        self.all_steps.append(self.steps)
+
+    def run_step(self, step: dict) -> None:
+        self.steps.append(step)
+        self.steps_run += 1
+        self.restarts_in_example += step["rule"] == "restart"
+        if self.fail_on and self.fail_on(step):
+            raise InvariantFailed("router_matches_prediction", "made up", cause="ROUTER_EAGLE_OFF")
+
+
+def test_default_seed_draws_every_rule_in_three_examples() -> None:
+    d = RecordingDriver()
+    res = run_fuzz(d, examples=3, steps=10, seed=DEFAULT_SEED, shrink_seconds=10, script_path=Path("/nonexistent"),
+                   report=lambda _m: None)
+    assert res.failure is None
+    drawn = Counter(s["rule"] for ex in d.all_steps for s in ex)
+    assert set(drawn) == RULES, drawn
+    assert all(sum(s["rule"] == "restart" for s in ex) <= 1 for ex in d.all_steps)
+
+
+def test_a_failure_is_shrunk_to_its_minimal_steps_and_written_as_a_script(tmp_path: Path) -> None:
+    d = RecordingDriver(fail_on=lambda s: s["rule"] == "flush")
+    script = tmp_path / "fuzz-failure.json"
+    res = run_fuzz(d, examples=20, steps=10, seed=1, shrink_seconds=30, script_path=script, report=lambda _m: None)
+    assert res.failure is not None and res.failure.invariant == "router_matches_prediction"
+    assert res.failure.cause == "ROUTER_EAGLE_OFF" and res.failure.script == str(script)
+    saved = json.loads(script.read_text())
+    assert saved["kvalign_fuzz_script"] == 1 and saved["failure"]["invariant"] == "router_matches_prediction"
+    assert saved["steps"] == [{"rule": "flush", "worker": 0}]  # shrunk: the one failing step, worker 0
+
+
+def test_negative_control_a_driver_that_never_fails_passes(tmp_path: Path) -> None:
+    d = RecordingDriver(fail_on=lambda s: False)
+    res = run_fuzz(d, examples=5, steps=5, seed=1, shrink_seconds=5, script_path=tmp_path / "x.json", report=lambda _m: None)
+    assert res.passed and not (tmp_path / "x.json").exists()
+
+
+def test_replay_runs_the_script_steps_as_one_example(tmp_path: Path) -> None:
+    steps = [{"rule": "request", "prompt": {"kind": "fresh", "seed": 0, "length": 3}, "max_tokens": 1},
+             {"rule": "flush", "worker": 1}]
+    d = RecordingDriver(fail_on=lambda s: s["rule"] == "flush")
+    res = replay(d, {"steps": steps}, tmp_path / "s.json")
+    assert d.examples == 1 and d.steps == steps
+    assert res.failure is not None and Path(res.failure.script).name == "s.replayed.json"

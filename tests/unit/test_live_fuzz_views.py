@@ -1,0 +1,75 @@
+"""kvalign's engine/router views and page arithmetic of the live fuzz (kvalign/live/fuzz/views.py).
+
+The reuse values below were observed on the real engine (sglang 0.5.23, EAGLE3, page 16, through
+dynamo.frontend 1.6.1's ``/v1/completions``): a 40-token prompt repeated reported
+``cached_tokens`` 32; a 33-token prompt whose two pages were held reported 16 (SGLang computes the
+last token, so it never reuses the page that would cover the whole prompt), with the router
+crediting 2 blocks (``kv_hit_rate`` 2/3); an 18-token prompt sharing 17 tokens reported 16.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvalign.hashing import block_hashes
+from kvalign.live.fuzz.views import (
+    credited_blocks,
+    engine_cached_tokens,
+    engine_reusable_pages,
+    isl_blocks,
+    overlaps,
+)
+
+B = 16
+# (prompt tokens, leading pages held, cached_tokens the live engine reported) -- observed live
+LIVE_REUSE = [(40, 2, 32), (33, 2, 16), (18, 1, 16)]
+
+
+def test_engine_reuse_matches_the_live_engine() -> None:
+    for n, held, cached in LIVE_REUSE:
+        assert engine_cached_tokens(held, n, B, eagle=True) == cached
+
+
+def test_negative_control_whole_prompt_reuse_contradicts_the_live_engine() -> None:
+    """A model that reuses every held page (no last-token rule) disagrees with the engine at 33."""
+    naive = {n: B * min(held, (n - 1) // B) for n, held, _ in LIVE_REUSE}
+    assert any(naive[n] != cached for n, _, cached in LIVE_REUSE)
+
+
+@given(st.integers(1, 400), st.integers(0, 30), st.booleans())
+def test_reuse_never_covers_the_last_token(n: int, held: int, eagle: bool) -> None:
+    cached = engine_cached_tokens(held, n, B, eagle=eagle)
+    assert cached % B == 0 and cached <= n - 1 and cached <= held * B
+    assert engine_reusable_pages(n, B, eagle=eagle) <= engine_reusable_pages(n + 1, B, eagle=eagle)
+
+
+def test_router_credit_round_trips_kv_hit_rate() -> None:
+    assert isl_blocks(33, B) == 3 and credited_blocks(2 / 3, 33, B) == 2
+    assert credited_blocks(0.6, 75, B) == 3 and credited_blocks(None, 1, B) is None
+
+
+def _stored(tokens: list[int], parent: int | None, hashes: list[int]) -> BlockStored:
+    pairs = [[tokens[i], tokens[i + 1]] for i in range(len(tokens) - 1)]
+    return BlockStored(hashes, parent, pairs[: B * len(hashes)], B)
+
+
+def _batch(*events: object) -> EventBatch:
+    return EventBatch(0.0, list(events), 0, "map")
+
+
+def test_overlaps_follow_stores_removals_and_clears_mark_by_mark() -> None:
+    toks = list(range(10, 10 + 3 * B + 1))
+    q = block_hashes(toks, B, eagle=True)
+    batches = [_batch(_stored(toks, None, [101, 102])), _batch(_stored(toks[2 * B:], 102, [103])),
+               _batch(BlockRemoved([103])), _batch(AllBlocksCleared())]
+    assert overlaps(batches, q, B, 0, 4) == [0, 2, 3, 2, 0]
+    assert overlaps(batches, q, B, 2, 2) == [3]
+
+
+def test_an_orphan_store_after_a_lost_batch_holds_nothing() -> None:
+    """The router view after the hop lost the parent's batch: the child's parent is unknown."""
+    toks = list(range(10, 10 + 3 * B + 1))
+    q = block_hashes(toks, B, eagle=True)
+    assert overlaps([_batch(_stored(toks[2 * B:], 102, [103]))], q, B, 1, 1) == [0]

@@ -1,0 +1,68 @@
+"""The fuzz's lossy hop (kvalign/live/lossy_hop.py) between SGLang's real KV-event publisher and a
+subscriber, on loopback: it forwards every batch byte for byte, and once armed swallows exactly
+the next batch that stores blocks (never a removal or a clear)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import zmq
+
+from kvalign.events import decode_frames
+from kvalign.live.lossy_hop import LossyHop
+from sglang_publisher import RealPublisher, free_port
+
+
+def _collect(sub: zmq.Socket, n: int, timeout_s: float = 10.0) -> list[list[bytes]]:
+    out, deadline = [], time.monotonic() + timeout_s
+    while len(out) < n and time.monotonic() < deadline:
+        if sub.poll(50):
+            out.append(sub.recv_multipart())
+    return out
+
+
+@contextmanager
+def hop_stream() -> Iterator[tuple[RealPublisher, LossyHop, zmq.Socket]]:
+    """SGLang's publisher -> the hop -> a subscriber, warmed up past ZMQ's slow joiner."""
+    pub = RealPublisher()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        with LossyHop({"w": pub.endpoint}, {"w": free_port()}) as hop:
+            sub.connect(hop.downstream["w"])
+            deadline = time.monotonic() + 10
+            while not sub.poll(50):
+                assert time.monotonic() < deadline, "no batch crossed the hop"
+                pub.publish([pub.kv.AllBlocksCleared()])
+            while sub.poll(200):
+                sub.recv_multipart()
+            yield pub, hop, sub
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        pub.close()
+
+
+def _stored(kv: object) -> object:
+    return kv.BlockStored(block_hashes=[11], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=4,  # type: ignore[attr-defined]
+                          lora_id=None, medium="GPU")
+
+
+def test_hop_forwards_and_drops_only_the_next_store_batch() -> None:
+    with hop_stream() as (pub, hop, sub):
+        hop.drop_next_store_batch()
+        seq_removed = pub.publish([pub.kv.BlockRemoved(block_hashes=[9], medium="GPU")])  # passes: not a store
+        seq_lost = pub.publish([_stored(pub.kv)])
+        seq_kept = pub.publish([_stored(pub.kv)])
+        assert [decode_frames(f).seq for f in _collect(sub, 2)] == [seq_removed, seq_kept]
+        assert [(d.label, d.seq, d.blocks) for d in hop.dropped] == [("w", seq_lost, 1)]
+        assert not hop.disarm()
+
+
+def test_negative_control_an_unarmed_hop_loses_nothing() -> None:
+    with hop_stream() as (pub, hop, sub):
+        seqs = [pub.publish([_stored(pub.kv)]) for _ in range(3)]
+        assert [decode_frames(f).seq for f in _collect(sub, 3)] == seqs and hop.dropped == []
