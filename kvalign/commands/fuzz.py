@@ -34,9 +34,10 @@ def register(actions: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED,
                    help=f"Hypothesis seed (default {DEFAULT_SEED}: fixed, and with the default 3 examples x 10 steps "
                         "it draws every rule; tests/unit/test_live_fuzz_machine.py holds that)")
-    p.add_argument("--router-eagle", choices=("on", "off"), default="on",
-                   help="off = negative control: workers register enable_eagle=False (router hashes plain blocks)")
-    p.add_argument("--no-gap-check", dest="gap_check", action="store_false",
+    p.add_argument("--router-eagle", choices=("on", "off"), default=None,
+                   help="off = negative control: workers register enable_eagle=False (router hashes plain blocks); "
+                        "default on, or the replayed script's")
+    p.add_argument("--no-gap-check", dest="gap_check", action="store_const", const=False, default=None,
                    help="negative control: predict the router from the engine's own stream, blind to batches "
                         "lost on the hop")
     p.add_argument("--workers", type=int, default=2, help="aggregated workers (default 2)")
@@ -70,8 +71,8 @@ def _options(args: argparse.Namespace, script: dict[str, Any] | None) -> FuzzOpt
             engine=given.get("engine", args.engine), workers=int(given.get("workers", args.workers)),
             page_size=int(given.get("page_size", 16)),
             max_total_tokens=int(given.get("max_total_tokens", args.max_total_tokens)),
-            router_eagle=bool(given.get("router_eagle", args.router_eagle == "on")),
-            gap_check=bool(given.get("gap_check", args.gap_check)),
+            router_eagle=args.router_eagle == "on" if args.router_eagle else bool(given.get("router_eagle", True)),
+            gap_check=args.gap_check if args.gap_check is not None else bool(given.get("gap_check", True)),
         )
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{n}={h.instance_id} (enable_eagle={h.enable_eagle})" for n, h in cluster.workers.items()))
             driver = FuzzDriver(cluster, hop, opts, progress)
             if script is not None:
-                result = replay(driver, script, Path(args.replay))
+                result = replay(driver, script, run_dir / "fuzz-failure.json")
             else:
                 result = run_fuzz(driver, examples=args.examples, steps=args.steps, seed=args.seed,
                                   shrink_seconds=args.shrink_seconds, script_path=run_dir / "fuzz-failure.json",

@@ -76,6 +76,7 @@ def test_replay_runs_the_script_steps_as_one_example(tmp_path: Path) -> None:
     steps = [{"rule": "request", "prompt": {"kind": "fresh", "seed": 0, "length": 3}, "max_tokens": 1},
              {"rule": "flush", "worker": 1}]
     d = RecordingDriver(fail_on=lambda s: s["rule"] == "flush")
-    res = replay(d, {"steps": steps}, tmp_path / "s.json")
+    res = replay(d, {"steps": steps}, tmp_path / "replayed.json")
     assert d.examples == 1 and d.steps == steps
-    assert res.failure is not None and Path(res.failure.script).name == "s.replayed.json"
+    assert res.failure is not None and res.failure.script == str(tmp_path / "replayed.json")
+    assert json.loads((tmp_path / "replayed.json").read_text())["steps"] == steps

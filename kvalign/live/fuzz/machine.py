@@ -168,8 +168,9 @@ def _failure(driver: FuzzDriver, exc: InvariantFailed, failures: list, script_pa
     return Failure(exc.invariant, exc.cause, exc.detail, str(script_path), flaky)
 
 
-def replay(driver: FuzzDriver, script: dict[str, Any], script_path: Path) -> FuzzResult:
-    """Run a script's steps once, as one example, checking every invariant as the fuzz does."""
+def replay(driver: FuzzDriver, script: dict[str, Any], out_path: Path) -> FuzzResult:
+    """Run a script's steps once, as one example, checking every invariant as the fuzz does;
+    a failure is written to ``out_path`` (the replayed steps and what was seen this time)."""
     start = time.monotonic()
     result = FuzzResult(driver)
     driver.begin_example()
@@ -177,9 +178,8 @@ def replay(driver: FuzzDriver, script: dict[str, Any], script_path: Path) -> Fuz
         for step in script["steps"]:
             driver.run_step(step)
     except InvariantFailed as exc:
-        out = script_path.with_name(script_path.stem + ".replayed.json")
-        write_script(out, driver.opts, list(driver.steps), exc, list(driver.observed))
-        result.failure = Failure(exc.invariant, exc.cause, exc.detail, str(out))
+        write_script(out_path, driver.opts, list(driver.steps), exc, list(driver.observed))
+        result.failure = Failure(exc.invariant, exc.cause, exc.detail, str(out_path))
     result.seconds = time.monotonic() - start
     return result
 
