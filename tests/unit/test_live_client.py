@@ -71,3 +71,37 @@ def test_payload_requests_worker_id_timing_and_usage():
     p = chat_payload("m", "hi", max_tokens=3)
     assert p["nvext"]["extra_fields"] == ["worker_id", "timing"]
     assert p["stream"] is True and p["stream_options"] == {"include_usage": True} and p["max_tokens"] == 3
+
+
+# A /v1/completions body from dynamo.frontend 1.6.1 + a real sglang-cpu worker (EAGLE3, page 16),
+# recorded on this machine: the same 40-token prompt's second request.
+LIVE_COMPLETION = {
+    "id": "cmpl-931cd57c", "choices": [{"text": " ok ok ok ok", "index": 0, "finish_reason": "length"}],
+    "object": "text_completion",
+    "usage": {"prompt_tokens": 40, "completion_tokens": 5, "total_tokens": 45,
+              "prompt_tokens_details": {"audio_tokens": None, "cached_tokens": 32}},
+    "nvext": {"worker_id": {"prefill_worker_id": 6469806450445467676, "prefill_dp_rank": 0,
+                            "decode_worker_id": 6469806450445467676, "decode_dp_rank": 0},
+              "completion_token_ids": [4, 0, 0, 0, 0],
+              "timing": {"ttft_ms": 70.5, "total_time_ms": 409.9, "kv_hit_rate": 0.6666666666666666}},
+}
+
+
+def test_completion_body_gives_router_engine_and_output_views():
+    from kvalign.live.client import parse_completion
+
+    c = parse_completion(LIVE_COMPLETION)
+    assert (c.prompt_tokens, c.cached_tokens, c.completion_token_ids) == (40, 32, [4, 0, 0, 0, 0])
+    assert c.prefill_worker_id == c.decode_worker_id == 6469806450445467676 and c.kv_hit_rate == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("body, msg", [
+    ([], "not an object"), ({"error": {"message": "x"}}, "server error"), ({"usage": {}}, "no usage.prompt_tokens"),
+    ({"usage": {"prompt_tokens": 3}, "nvext": {"completion_token_ids": ["a"]}}, "not a list of integers"),
+    ({"usage": {"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": "1"}}}, "cached_tokens is not an integer"),
+])
+def test_malformed_completion_bodies_raise_one_clear_error(body, msg):
+    from kvalign.live.client import SseError, parse_completion
+
+    with pytest.raises(SseError, match=msg):
+        parse_completion(body)

@@ -238,3 +238,36 @@ def test_aggregated_or_gpu_less_workers_are_rejected(tmp_path):
 def test_bad_kind_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SglangWorkerKind(DEFAULT_DRAFT_MODEL, **kwargs)
+
+
+def test_relay_hop_patch_redirects_only_dynamos_subscriber_address():
+    """In a worker-like process (the stand-in on PYTHONPATH, as the CPU workers run): before the
+    patch Dynamo's relay would subscribe to SGLang's own endpoint, after it to the hop."""
+    import os
+    import subprocess
+    import sys
+
+    from kvalign import sglang_cpu_standin
+    from kvalign.live.sglang_cpu_worker import engine_problem
+
+    if engine_problem():
+        pytest.skip(f"the real engine's packages are missing: {engine_problem()}")
+    code = ("import dynamo.sglang.publisher as p; from kvalign.live.sglang_worker import relay_via; "
+            "print(p.format_zmq_endpoint('tcp://*:5557', '127.0.0.1')); relay_via('tcp://127.0.0.1:6001'); "
+            "print(p.format_zmq_endpoint('tcp://*:5557', '127.0.0.1'))")
+    env = {**os.environ, **sglang_cpu_standin.worker_env(os.environ.get("PYTHONPATH"))}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["tcp://127.0.0.1:5557", "tcp://127.0.0.1:6001"]
+
+
+def test_cpu_kind_routes_the_relay_through_the_hop_only_when_asked(tmp_path):
+    from kvalign.live.sglang_cpu_worker import SglangCpuWorkerKind
+    from kvalign.live.sglang_worker import RELAY_SUBSCRIBE_ENV, ROUTER_EAGLE_ENV
+
+    plan = make_plan(Topology.aggregated(2, eagle=True), tmp_path, DEFAULT_MODEL)
+    kind = SglangCpuWorkerKind("/draft", relay_subscribe={"worker1": "tcp://127.0.0.1:6001"})
+    w0, w1 = (kind.command(w, plan) for w in plan.topology.workers)
+    assert w0.argv[1:3] == ["-m", "dynamo.sglang"] and RELAY_SUBSCRIBE_ENV not in w0.env
+    assert w1.argv[1:3] == ["-m", "kvalign.live.sglang_worker"] and w1.env[RELAY_SUBSCRIBE_ENV] == "tcp://127.0.0.1:6001"
+    assert ROUTER_EAGLE_ENV not in w1.env  # the wrapper forces eagle off only when the topology says so

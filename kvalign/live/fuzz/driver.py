@@ -32,7 +32,8 @@ from kvalign.live.fuzz.prompts import Sent, new_tokens, resolve
 from kvalign.live.fuzz.views import WorkerViews
 from kvalign.live.lossy_hop import LossyHop
 from kvalign.live.ports import PortPool
-from kvalign.live.topology import COMPONENT, Topology
+from kvalign.live.processes import rss_bytes, run_pids
+from kvalign.live.topology import COMPONENT, RUN_MARKER_ENV, Topology
 
 ENGINES = ("sglang-cpu", "fake-cpu", "sglang-gpu")
 COUNTS = ("evictions", "flushes", "dropped_batches", "restarts", "concurrent_requests")
@@ -131,6 +132,7 @@ class FuzzDriver:
     examples: int = 0
     steps_run: int = 0
     unsettled: int = 0
+    peak_rss_bytes: int = 0  # every process of the run, sampled after each step
 
     def __post_init__(self) -> None:
         b = self.opts.page_size
@@ -284,6 +286,7 @@ class FuzzDriver:
             self._restart(self.labels[step["worker"] % len(self.labels)])
         else:
             raise ValueError(f"unknown step rule {rule!r}")
+        self.peak_rss_bytes = max(self.peak_rss_bytes, rss_bytes(run_pids(RUN_MARKER_ENV, str(self.cluster.plan.run_dir))))
 
     def _request(self, tokens: list[int], max_tokens: int, pin: str | None = None) -> Observation:
         self._settle()

@@ -64,6 +64,7 @@ class FuzzResult:
             "invariants": d.tally.as_json(),
             "failure": None if self.failure is None else self.failure.as_json(),
             "options": d.opts.as_json(), "seconds": round(self.seconds, 1), "unsettled_waits": d.unsettled,
+            "peak_rss_gib": round(d.peak_rss_bytes / 2**30, 2),
             "run_dir": str(d.cluster.plan.run_dir),
         }
 
