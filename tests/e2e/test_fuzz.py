@@ -53,6 +53,8 @@ def test_generated_workload_holds_every_invariant() -> None:
 
 
 def test_negative_control_router_eagle_off_fails_naming_the_cause() -> None:
+    """Seed 29's second example reaches a lost batch before any restart, so the failure shrinks
+    on replays of seconds each (a restart costs a minute per replay)."""
     rc, out, err = fuzz("eagle-off", "--seed", "29", "--examples", "3", "--steps", "6", "--router-eagle", "off",
                         "--shrink-seconds", "60")
     assert rc == 1 and out["verdict"] == "fail", err[-3000:]
