@@ -92,3 +92,24 @@ def test_duplicate_names_are_refused(tmp_path):
 def test_command_line_is_shell_quoted():
     spec = ProcessSpec("w", ["python", "-c", "print('a b')"], {"X": "1 2"})
     assert spec.command_line() == "X='1 2' python -c 'print('\"'\"'a b'\"'\"')'"
+
+
+def test_stop_one_ends_only_that_group_and_frees_its_name(tmp_path):
+    """A worker restart: the stopped process's whole group goes (grandchild too), the other keeps
+    running, and the name (and its log file) can be started again."""
+    marker = ("KVALIGN_TEST_RUN", str(tmp_path))
+    group = ProcessGroup(tmp_path / "logs")
+    try:
+        a = group.start(ProcessSpec("a", [PY, "-c", STUBBORN], {marker[0]: marker[1]}))
+        b = group.start(ProcessSpec("b", [PY, "-c", RECORDER, str(tmp_path / "t"), "b"]))
+        _wait_log(group, "a", "up-and-running")
+        _wait_log(group, "b", "up-and-running")
+        assert group.stop_one("a", grace_s=0.5) is True  # ignored SIGTERM: needed SIGKILL
+        assert not group_alive(a.pid) and b.alive() and [p.spec.name for p in group.procs] == ["b"]
+        group.start(ProcessSpec("a", [PY, "-c", RECORDER, str(tmp_path / "t"), "a2"]))
+        _wait_log(group, "a", "up-and-running")
+        assert (tmp_path / "logs" / "a.log").read_text().count("$ ") == 2  # one log, both runs
+        with pytest.raises(ValueError, match="no process named 'zz'"):
+            group.stop_one("zz")
+    finally:
+        group.stop(grace_s=1)
