@@ -20,6 +20,7 @@ import pytest
 
 from kvalign.cli import main
 from kvalign.matrix import PairResult, _pins, cache_root, default_dynamo_versions, pair_env, table
+from kvalign.versions import installed_versions
 
 OLD_DYNAMO = "1.0.2"
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +94,8 @@ def test_uninstallable_release_is_an_error_row_exit_2(tmp_path):
                                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
     assert res.returncode == 2, res.stderr
     report = json.loads(res.stdout)
-    assert report == {"rows": [{"dynamo": "0.0.999", "sglang": "0.5.23", "verdict": "error", "findings": []}]}
+    assert report == {"versions": installed_versions(),
+                      "rows": [{"dynamo": "0.0.999", "sglang": "0.5.23", "verdict": "error", "findings": []}]}
     assert "cannot install ai-dynamo-runtime==0.0.999" in res.stderr
     assert not (env_cache / "ai-dynamo-0.0.999" / ".complete").exists()
 
