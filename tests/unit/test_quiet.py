@@ -67,3 +67,18 @@ def test_version_does_not_import_torch():
     code = "import sys; from kvalign.cli import main; main(['--version']); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "False"
+
+
+def test_verbose_leaves_fd2_alone(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("KVALIGN_LOG_DIR", str(tmp_path))
+
+    def noisy_replay(args):
+        os.write(2, b"a runtime line\n")
+        return 0
+
+    import kvalign.commands.replay as replay
+
+    monkeypatch.setattr(replay, "run", noisy_replay)
+    assert main(["replay", "x.jsonl", "--verbose"]) == 0
+    assert "a runtime line" in capfd.readouterr().err
+    assert list(tmp_path.iterdir()) == []
