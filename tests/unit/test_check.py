@@ -28,6 +28,7 @@ def run_cli(capsys, *argv: str, stdin: str | None = None, monkeypatch=None) -> t
 PROGRESS = re.compile(r"^  (card|hash|pages|overlap|ingest)/(plain|eagle)/[a-z+]+: ok \(\d+ cases, \d+\.\ds\)$")
 
 
+@pytest.mark.slow  # the whole check as a user runs it; each property's negative control stays in the fast tier
 def test_check_real_pair_is_aligned_and_quiet(router_hasher, sglang_available, tmp_path):
     # In a subprocess, as a user runs it: the ingest rows start a Dynamo runtime, and the first runtime of
     # a process owns its TCP server (tests/unit/test_live_discovery.py needs to own it in this one).
@@ -49,7 +50,7 @@ def test_check_real_pair_is_aligned_and_quiet(router_hasher, sglang_available, t
 
 
 def test_check_catches_router_that_ignores_is_eagle(capsys, router_hasher, sglang_available):
-    rc, out, _ = run_cli(capsys, "check", "--examples", "100", "--router-hash", "kvalign.misaligned:ignore_eagle",
+    rc, out, _ = run_cli(capsys, "check", "--examples", "30", "--router-hash", "kvalign.misaligned:ignore_eagle",
                          "--property", "hash", "--property", "pages", "--property", "overlap")
     assert rc == 1
     assert "MISALIGNED: router eagle off vs engine bigram keys" in out
@@ -59,7 +60,7 @@ def test_check_catches_router_that_ignores_is_eagle(capsys, router_hasher, sglan
 
 
 def test_check_json_report(capsys, router_hasher, sglang_available):
-    rc, out, _ = run_cli(capsys, "check", "--examples", "50", "--json", "--property", "overlap",
+    rc, out, _ = run_cli(capsys, "check", "--examples", "20", "--json", "--property", "overlap",
                          "--router-hash", "kvalign.misaligned:drop_namespace")
     report = json.loads(out)
     assert rc == 1 and report["aligned"] is False

@@ -86,6 +86,7 @@ def test_matrix_usage_errors_are_one_line_exit_2(capsys, argv, message):
     assert rc == 2 and out == "" and err.count("\n") == 1 and message in err
 
 
+@pytest.mark.slow  # a pip run against the index
 def test_uninstallable_release_is_an_error_row_exit_2(tmp_path):
     env_cache = tmp_path / "wheels"
     res = subprocess.run([sys.executable, "-m", "kvalign", "matrix", "--dynamo", "0.0.999", "--sglang", "0.5.23", "--json"],
@@ -100,6 +101,7 @@ def test_uninstallable_release_is_an_error_row_exit_2(tmp_path):
     assert not (env_cache / "ai-dynamo-0.0.999" / ".complete").exists()
 
 
+@pytest.mark.slow  # installs (or reuses) a real Dynamo release and runs check on it: about 1 minute
 @pytest.mark.timeout(900)
 def test_older_dynamo_release_against_the_installed_sglang(sglang_available):
     res = _kvalign("matrix", "--dynamo", OLD_DYNAMO, "--sglang", sglang_available, "--json", "--examples", "40",
