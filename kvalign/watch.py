@@ -138,8 +138,9 @@ class Watcher:
             parts.append(f"| router index: {self.index.blocks(WORKER)} blocks held")
             after = self.index.stats(WORKER)
             if after.dropped_block_size > dropped_bs:
-                self._blind("block_size", after.dropped_block_size - dropped_bs, batch.seq)
-                parts.append(f"({after.dropped_block_size} dropped for block size != {self.block_size})")
+                n = after.dropped_block_size - dropped_bs
+                self._blind("block_size", n, batch.seq)
+                parts.append(f"({n} dropped for block size != {self.block_size})")
             if after.dropped_orphans > orphans:
                 t.last_cause = (Cause.SEQUENCE_GAP, batch.seq)
                 parts.append(f"({after.dropped_orphans - orphans} orphan stores dropped: parent never indexed)")
