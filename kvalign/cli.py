@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from kvalign.errors import UsageError
 from kvalign.events import EventDecodeError
 from kvalign.oracles.base import OracleUnavailable
+from kvalign.runtime_log import RuntimeLog, console
+from kvalign.versions import version_lines
 
 # Each module exposes register(subparsers) -> None and sets a `run(args) -> int` default.
 COMMAND_MODULES = [
@@ -31,6 +33,12 @@ COMMAND_MODULES = [
 
 EXIT_OK, EXIT_MISALIGNED, EXIT_USAGE = 0, 1, 2
 
+#: What a command raises for bad input or a broken environment: one line, exit 2, no traceback.
+USER_ERRORS = (UsageError, EventDecodeError, OracleUnavailable, ValueError, OSError)
+
+#: Commands whose runtime logs (Dynamo's, SGLang's) go to a file unless ``--verbose`` is given.
+QUIET_COMMANDS = ("check", "matrix", "diagnose", "capture", "replay", "watch")
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse would print usage + exit 2; keep it one line
@@ -40,25 +48,58 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvalign", description="Prove Dynamo's KV router and SGLang's radix cache key the same KV "
                      "blocks, and say where and why they stop agreeing.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.add_argument("--version", action="store_true",
+                        help="print the kvalign, Dynamo runtime, SGLang and torch versions, one per line")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    for name in QUIET_COMMANDS:
+        sub.choices[name].add_argument("--verbose", action="store_true",
+                                       help="show Dynamo's and SGLang's own log lines (default: they go to a log file)")
     return parser
 
 
+def _one_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _run(args: argparse.Namespace, *, until_exit: bool) -> int:
+    """Run the command; for a quiet command, with the runtimes' logs in a file named on failure."""
+    if args.command not in QUIET_COMMANDS or args.verbose:
+        return int(args.run(args))
+    log = RuntimeLog(args.command, until_exit=until_exit)
+    try:
+        with log:
+            code = int(args.run(args))
+    except BrokenPipeError:
+        raise
+    except USER_ERRORS as exc:
+        if log.path is None:
+            raise
+        raise UsageError(f"{_one_line(exc)} (runtime logs: {log.path})") from None
+    if code != EXIT_OK and log.path is not None:
+        print(f"kvalign: Dynamo and SGLang runtime logs: {log.path}", file=console(), flush=True)
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``kvalign`` command; ``argv`` None means this process is the command (``kvalign ...``)."""
     try:
         args = build_parser().parse_args(argv)
-        return int(args.run(args))
+        if args.version:
+            print("\n".join(version_lines()))
+            return EXIT_OK
+        if args.command is None:
+            raise UsageError("a command is required (kvalign --help lists them)")
+        return _run(args, until_exit=argv is None)
     except BrokenPipeError:  # e.g. `kvalign check --json | head`: the reader left, nothing to report
-        sys.stderr.close()
+        console().close()
         return EXIT_OK
-    except (UsageError, EventDecodeError, OracleUnavailable, ValueError, OSError) as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"kvalign: error: {msg}", file=sys.stderr)
+    except USER_ERRORS as exc:
+        print(f"kvalign: error: {_one_line(exc)}", file=console())
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("kvalign: interrupted", file=sys.stderr)
+        print("kvalign: interrupted", file=console())
         return 130
 
 

@@ -193,7 +193,7 @@ def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int,
             except json.JSONDecodeError:
                 pass
     if report is None:
-        err = [ln for ln in res.stderr.splitlines() if ln.strip() and "Queue still has" not in ln]
+        err = [ln for ln in res.stderr.splitlines() if ln.strip()]
         return PairResult(dynamo, sglang, "error", seconds=seconds,
                           error=f"check exited {res.returncode} without a JSON report" + (f": {err[-1]}" if err else ""))
     findings = [{"property": r["prop"], "mode": r["mode"], "variant": r["variant"], "cause": r["cause_name"] or "UNKNOWN",

@@ -6,37 +6,60 @@ being lost (gaps), and whether the engine restarted (sequence reset). The watche
 router index (same fused relay+index as replay) and says, per batch, how many blocks the router
 could match under the router's EAGLE setting — bigram events against a router with eagle off are
 stored but can never be matched, which is the silent cache-blind failure.
+
+Besides eagle framing, three more kinds of stored block are held by the engine yet unmatchable by
+the router ("router-blind", counted per reason in :attr:`WatchTotals.blind`): blocks of a block
+size other than the router's (the relay drops them), LoRA blocks whose event carries only a
+``lora_id`` (SGLang 0.5.19: the router keys them as base-model pages), and salted blocks when the
+router hashes queries without ``cache_salt`` (``--router-salt off``: Dynamo before 1.5). The same
+counts back ``kvalign watch --metrics-port`` (:mod:`kvalign.watch_metrics`).
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from kvalign.capture import Cleared, Removed, Stored, compact_event, n_blocks
+from kvalign.causes import Cause
 from kvalign.events import EventBatch, EventDecodeError, decode_frames
 from kvalign.replay_index import BatchRejected, ReplayIndex
 from kvalign.sequence import SequenceTracker
 
 WORKER = 1
 
+#: Why a stored block can be router-blind: metric label -> the cause it is an instance of.
+BLIND_REASONS = {
+    "eagle_mismatch": None,  # ROUTER_EAGLE_OFF or ROUTER_EAGLE_ON, by the router's setting
+    "block_size": Cause.BLOCK_SIZE,
+    "lora_without_name": Cause.LORA_NOT_IN_EVENTS,
+    "salt_stripped": Cause.NAMESPACE_DROPPED,
+}
+
 
 @dataclass
 class WatchTotals:
     batches: int = 0
+    events: int = 0
     stored: int = 0
     removed: int = 0
-    invisible: int = 0  # stored blocks whose framing the router's eagle setting cannot match
+    #: router-blind stored blocks per reason (keys of :data:`BLIND_REASONS`)
+    blind: Counter[str] = field(default_factory=Counter)
     malformed: Counter[str] = field(default_factory=Counter)
     seq: SequenceTracker = field(default_factory=SequenceTracker)
+    #: the last cause seen, with the sequence number of the batch that showed it
+    last_cause: tuple[Cause, int | None] | None = None
+    last_batch_unix: float | None = None
 
 
 class Watcher:
     """Turns received frames into display lines while maintaining the router's index."""
 
-    def __init__(self, *, block_size: int | None = None, router_eagle: str = "auto"):
+    def __init__(self, *, block_size: int | None = None, router_eagle: str = "auto", router_salt: bool = True):
         self.block_size = block_size
         self.router_eagle = router_eagle
+        self.router_salt = router_salt
         self.index: ReplayIndex | None = ReplayIndex(block_size) if block_size else None
         self.totals = WatchTotals()
 
@@ -54,9 +77,11 @@ class Watcher:
     def _sequence(self, seq: int | None) -> list[str]:
         t = self.totals
         t.batches += 1
+        t.last_batch_unix = time.time()
         prev = t.seq.last
         kind = t.seq.observe(seq)
         if kind == "gap":
+            t.last_cause = (Cause.SEQUENCE_GAP, seq)
             return [f"seq {seq}: GAP: {seq - prev - 1} batches missing (seq {prev + 1}..{seq - 1}); "
                     "the router never indexed them"]
         if kind == "restart":
@@ -66,6 +91,7 @@ class Watcher:
 
     def _malformed(self, seq: int | None, reason: str) -> str:
         self.totals.malformed[reason.split(" (")[0].split(": ")[0]] += 1
+        self.totals.last_cause = (Cause.EVENTS_DROPPED, seq)
         return f"seq {seq}: malformed batch skipped (Dynamo drops it too): {reason}"
 
     def _batch(self, batch: EventBatch) -> str:
@@ -80,11 +106,14 @@ class Watcher:
         bigram = [b for _, b in framed]
         t = self.totals
         parts = [f"seq {batch.seq}:"]
+        before = self.index.stats(WORKER) if self.index is not None else None
+        dropped_bs, orphans = (before.dropped_block_size, before.dropped_orphans) if before else (0, 0)
         if self.index is not None:
             try:
                 self.index.apply_batch(WORKER, events)
             except BatchRejected as exc:
                 return self._malformed(batch.seq, str(exc))
+        t.events += len(events)
         t.stored += stored
         t.removed += removed
         cleared = any(type(e) is Cleared for e in events)
@@ -95,22 +124,51 @@ class Watcher:
                 want = self.router_eagle == "on"
                 blind = sum(n_blocks(e) for e, b in framed if b != want)
                 if blind:
-                    t.invisible += blind
+                    self._blind("eagle_mismatch", blind, batch.seq)
                     parts.append(f"[router eagle {self.router_eagle}: {blind} blocks can never match]")
+        nameless = sum(n_blocks(e) for e in stored_events if e.lid is not None and not e.lora)
+        if nameless:
+            self._blind("lora_without_name", nameless, batch.seq)
+            parts.append(f"[{nameless} LoRA blocks without a LoRA name: keyed as base-model blocks]")
+        salted = sum(n_blocks(e) for e in stored_events if e.salt) if not self.router_salt else 0
+        if salted:
+            self._blind("salt_stripped", salted, batch.seq)
+            parts.append(f"[router without cache_salt: {salted} salted blocks can never match]")
         if self.index is not None:
             parts.append(f"| router index: {self.index.blocks(WORKER)} blocks held")
-            dropped = self.index.stats(WORKER).dropped_block_size
-            if dropped:
-                parts.append(f"({dropped} dropped for block size != {self.block_size})")
+            after = self.index.stats(WORKER)
+            if after.dropped_block_size > dropped_bs:
+                n = after.dropped_block_size - dropped_bs
+                self._blind("block_size", n, batch.seq)
+                parts.append(f"({n} dropped for block size != {self.block_size})")
+            if after.dropped_orphans > orphans:
+                t.last_cause = (Cause.SEQUENCE_GAP, batch.seq)
+                parts.append(f"({after.dropped_orphans - orphans} orphan stores dropped: parent never indexed)")
         return " ".join(parts)
+
+    def _blind(self, reason: str, blocks: int, seq: int | None) -> None:
+        self.totals.blind[reason] += blocks
+        cause = BLIND_REASONS[reason] or (Cause.ROUTER_EAGLE_OFF if self.router_eagle == "off" else Cause.ROUTER_EAGLE_ON)
+        self.totals.last_cause = (cause, seq)
+
+    def orphan_stores(self) -> int:
+        """Stored events the router's index drops because their parent block was never indexed."""
+        return self.index.stats(WORKER).dropped_orphans if self.index is not None else 0
+
+    def blocks_held(self) -> int:
+        """Blocks the router's index holds for this worker now."""
+        return self.index.blocks(WORKER) if self.index is not None else 0
 
     def summary(self) -> str:
         t, seq = self.totals, self.totals.seq
-        held = self.index.blocks(WORKER) if self.index is not None else 0
+        held = self.blocks_held()
         span = f"seq {seq.first}..{seq.last}" if seq.first is not None else "no batches"
         line = (f"watch summary: {t.batches} batches ({span}), {len(seq.gaps)} gaps ({seq.missing_batches} batches "
                 f"missing), {len(seq.restarts)} restarts, {sum(t.malformed.values())} malformed; blocks: "
                 f"{t.stored} stored, {t.removed} removed, {held} held in the router index")
-        if t.invisible:
-            line += f"; {t.invisible} stored blocks invisible to a router with eagle {self.router_eagle}"
+        if t.blind["eagle_mismatch"]:
+            line += f"; {t.blind['eagle_mismatch']} stored blocks invisible to a router with eagle {self.router_eagle}"
+        others = {r: n for r, n in t.blind.items() if n and r != "eagle_mismatch"}
+        if others:
+            line += "; router-blind blocks: " + ", ".join(f"{n} {r.replace('_', ' ')}" for r, n in others.items())
         return line

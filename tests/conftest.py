@@ -1,7 +1,8 @@
 """Shared test set-up: Hypothesis profiles and a count of generated cases.
 
 Profiles (``HYPOTHESIS_PROFILE``): ``ci`` (derandomized, no deadline; the default when ``CI`` is
-set), ``dev`` (random, no deadline; the default otherwise) and ``nightly`` (10x examples).
+set), ``dev`` (random, no deadline; the default otherwise), ``nightly`` (10x examples) and
+``fast`` (20 examples; the default of the fast tier, ``-m "not slow and not e2e"``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,18 @@ _BASE = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthC
 settings.register_profile("ci", max_examples=100, derandomize=True, database=None, **_BASE)
 settings.register_profile("dev", max_examples=100, **_BASE)
 settings.register_profile("nightly", max_examples=1000, **_BASE)
+settings.register_profile("fast", max_examples=20, **_BASE)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The fast tier (``-m "not slow ..."``) runs 20 examples per property test unless a profile is chosen.
+
+    Negative controls search with their own fixed budgets (``run_search(..., n)``), so they are
+    as strong in the fast tier as in the full suite.
+    """
+    if not os.environ.get("HYPOTHESIS_PROFILE") and "not slow" in (config.option.markexpr or ""):
+        settings.load_profile("fast")
 
 
 class CaseCounter:

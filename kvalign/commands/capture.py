@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import threading
 import time
 
 from kvalign.capture import CaptureError, CaptureWriter
 from kvalign.commands.options import positive_float, positive_int
+from kvalign.runtime_log import console
 from kvalign.subscribe import Subscription
 
 
@@ -38,8 +38,8 @@ def run(args: argparse.Namespace) -> int:
         with Subscription(args.endpoint, topic=args.topic, bind=args.bind) as subscription:
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, _terminate)  # a service manager's stop = Ctrl-C
-            if sys.stderr.isatty():  # for a person watching; scripts get one line (summary or error)
-                print(f"kvalign capture: listening on {args.endpoint} -> {args.out}", file=sys.stderr, flush=True)
+            if console().isatty():  # for a person watching; scripts get one line (summary or error)
+                print(f"kvalign capture: listening on {args.endpoint} -> {args.out}", file=console(), flush=True)
             record(subscription, writer, count=args.count, duration=args.duration, timeout=args.timeout)
     except KeyboardInterrupt:
         pass
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         removed = writer.discard_if_empty()
     if removed:
         raise CaptureError(f"no batch arrived; nothing written ({args.out} not kept)")
-    print(f"kvalign capture: {writer.stats.summary()} -> {args.out}", file=sys.stderr)
+    print(f"kvalign capture: {writer.stats.summary()} -> {args.out}", file=console())
     return 0
 
 

@@ -17,6 +17,8 @@ from dataclasses import asdict
 
 from kvalign.check import MODES, PROPERTIES, VARIANTS, RowResult, run_check
 from kvalign.errors import UsageError
+from kvalign.runtime_log import console
+from kvalign.versions import installed_versions
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from kvalign.oracles.sglang import SglangRadixCache, sglang_version
 
     hasher = load_router_hasher(args.router_hash)
-    versions = {"sglang": sglang_version(), "ai-dynamo-runtime": dynamo_version()}
+    versions = {**installed_versions(), "sglang": sglang_version(), "ai-dynamo-runtime": dynamo_version()}
     SglangRadixCache(1, eagle=False, kind=args.cache)  # import and build once: fail fast with an install hint
     make_cache = lambda p, eagle: SglangRadixCache(p, eagle=eagle, kind=args.cache)  # noqa: E731
     label = args.router_hash or "dynamo._core.compute_block_hash_for_seq"
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     progress = None if args.json else lambda r: print(f"  {r.prop}/{r.mode}/{r.variant}: "
                                                       f"{'ok' if r.ok else r.cause} ({r.cases} cases, {r.seconds:.1f}s)",
-                                                      file=sys.stderr, flush=True)
+                                                      file=console(), flush=True)
     rows = run_check(hasher, make_cache, DynamoRadixTree, examples=args.examples,
                      props=tuple(args.props or PROPERTIES), modes=tuple(args.modes or MODES),
                      variants=tuple(VARIANTS), seed=args.seed, progress=progress,

@@ -13,6 +13,8 @@ import time
 
 from kvalign.errors import UsageError
 from kvalign.matrix import DEFAULT_SGLANG, MatrixError, PairResult, cache_root, default_dynamo_versions, run_matrix, table
+from kvalign.runtime_log import console
+from kvalign.versions import installed_versions
 
 VERSION = r"^\d+(\.\d+)*(\.post\d+)?$"
 
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         dynamo = dynamo or default_dynamo_versions()
     except MatrixError as exc:
         raise UsageError(str(exc)) from None
-    err = sys.stderr
+    err = console()
     print(f"kvalign matrix: {len(dynamo)} Dynamo x {len(sglang)} SGLang releases = {len(dynamo) * len(sglang)} pairs, "
           f"{args.jobs} at a time; wheel cache {cache_root()}", file=err, flush=True)
 
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
                          progress=progress, log=lambda m: print(f"  {m}", file=err, flush=True))
     wall = time.perf_counter() - start
     if args.json:
-        json.dump({"rows": [r.as_json() for r in results]}, sys.stdout, ensure_ascii=False)
+        json.dump({"versions": installed_versions(), "rows": [r.as_json() for r in results]}, sys.stdout, ensure_ascii=False)
         sys.stdout.write("\n")
     else:
         print(table(results))

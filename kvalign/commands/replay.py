@@ -10,6 +10,7 @@ from dataclasses import asdict
 
 from kvalign.commands.options import positive_int
 from kvalign.replay import WorkerReplay, replay_captures
+from kvalign.runtime_log import console
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     stored = sum(r.stats.blocks_stored for r in reps)
     for rep in reps:
         for problem in rep.issues.describe(rep.path):
-            print(f"kvalign: warning: {problem}", file=sys.stderr)
+            print(f"kvalign: warning: {problem}", file=console())
     if args.json:
         json.dump({"kv_block_size": index.kv_block_size, "seconds": round(elapsed, 6), "cpu_seconds": round(cpu, 6),
                    "workers": [_worker_json(r) for r in reps]}, sys.stdout)

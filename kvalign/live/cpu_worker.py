@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import json
 import logging
 import os
@@ -146,9 +145,9 @@ class Engine:
 
     def shutdown(self) -> None:
         if self.publisher is not None:
-            self.publisher.shutdown()
-            # SGLang also registers shutdown with atexit; a second call waits 1 s on a dead thread.
-            atexit.unregister(self.publisher.shutdown)
+            from kvalign.oracles.sglang import shutdown_publisher
+
+            shutdown_publisher(self.publisher)
 
 
 def _max_tokens(request: dict[str, Any]) -> int:

@@ -157,7 +157,9 @@ class SglangPublisher:
         return self.kv.AllBlocksCleared()
 
     def close(self) -> None:
-        self._pub.shutdown()
+        from kvalign.oracles.sglang import shutdown_publisher
+
+        shutdown_publisher(self._pub)
         self.hop.close()
 
 

@@ -9,6 +9,7 @@ torchvision, installed by ``scripts/setup.sh``.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import importlib.metadata
 import os
@@ -45,6 +46,18 @@ def torch_extensions_dir() -> str:
 
 
 @cache
+def shutdown_publisher(publisher: Any) -> None:
+    """Stop one SGLang ``ZmqEventPublisher`` for good.
+
+    SGLang registers ``shutdown`` with :mod:`atexit` too, and its shutdown is not idempotent: the
+    second call enqueues a stop sentinel that no thread will consume, waits its 1 s timeout and
+    logs "Warning: Queue still has 1 items" at interpreter exit, after an ALIGNED verdict. So the
+    hook is unregistered once kvalign has stopped the publisher itself.
+    """
+    publisher.shutdown()
+    atexit.unregister(publisher.shutdown)
+
+
 def _modules() -> types.SimpleNamespace:
     """Import SGLang's cache classes once, behind the torchvision shim.
 

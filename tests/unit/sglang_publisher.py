@@ -28,6 +28,7 @@ import zmq
 from kvalign.capture import CaptureWriter
 from kvalign.commands.capture import record
 from kvalign.oracles.base import OracleUnavailable
+from kvalign.oracles.sglang import shutdown_publisher
 from kvalign.subscribe import Subscription
 
 TOPIC = "kv-events"
@@ -83,7 +84,7 @@ class RealPublisher:
         return self.kv.AllBlocksCleared()
 
     def close(self) -> None:
-        self.pub.shutdown()
+        shutdown_publisher(self.pub)
 
 
 class RawPublisher:
@@ -234,7 +235,7 @@ class Stream:
 
 @pytest.fixture(scope="module")
 def sglang_publisher() -> Iterator[RealPublisher]:
-    """One real publisher per test module (its shutdown alone costs SGLang's 1 s sentinel wait)."""
+    """One real publisher per test module (each one starts SGLang's publisher thread and sockets)."""
     publisher = RealPublisher()
     yield publisher
     publisher.close()

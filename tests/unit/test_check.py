@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvalign.cli import main
+from kvalign.versions import installed_versions
 
 
 def run_cli(capsys, *argv: str, stdin: str | None = None, monkeypatch=None) -> tuple[int, str, str]:
@@ -22,22 +24,33 @@ def run_cli(capsys, *argv: str, stdin: str | None = None, monkeypatch=None) -> t
     return rc, out, err
 
 
-def test_check_real_pair_is_aligned(router_hasher, sglang_available):
+#: The only lines `kvalign check` may write to stderr on an aligned pair: one progress line per row.
+PROGRESS = re.compile(r"^  (card|hash|pages|overlap|ingest)/(plain|eagle)/[a-z+]+: ok \(\d+ cases, \d+\.\ds\)$")
+
+
+@pytest.mark.slow  # the whole check as a user runs it; each property's negative control stays in the fast tier
+def test_check_real_pair_is_aligned_and_quiet(router_hasher, sglang_available, tmp_path):
     # In a subprocess, as a user runs it: the ingest rows start a Dynamo runtime, and the first runtime of
     # a process owns its TCP server (tests/unit/test_live_discovery.py needs to own it in this one).
+    # DYN_LOG is unset so that Dynamo logs at its own default level, as for a user.
     root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "DYN_LOG"}
+    env.update(PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]), KVALIGN_LOG_DIR=str(tmp_path))
     res = subprocess.run([sys.executable, "-m", "kvalign", "check", "--examples", "15"], capture_output=True, text=True,
-                         timeout=600, cwd=root,
-                         env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])))
+                         timeout=600, cwd=root, env=env)
     rc, out = res.returncode, res.stdout
     assert rc == 0, out + res.stderr[-2000:]
     assert "ALIGNED: " in out and "MISALIGNED" not in out
     assert out.count(" ok") == 34  # card x 2 modes + (hash, pages, overlap, ingest) x 2 modes x 4 variants
     assert [ln.split()[0] for ln in out.splitlines() if ln.endswith(" ok")].count("ingest") == 8
+    # quiet: stderr holds kvalign's progress lines only; the runtimes' own lines are in the kept log
+    lines = res.stderr.splitlines()
+    assert len(lines) == 34 and all(PROGRESS.match(ln) for ln in lines), res.stderr
+    assert all(log.name.startswith("check-") and log.stat().st_size for log in tmp_path.iterdir())
 
 
 def test_check_catches_router_that_ignores_is_eagle(capsys, router_hasher, sglang_available):
-    rc, out, _ = run_cli(capsys, "check", "--examples", "100", "--router-hash", "kvalign.misaligned:ignore_eagle",
+    rc, out, _ = run_cli(capsys, "check", "--examples", "30", "--router-hash", "kvalign.misaligned:ignore_eagle",
                          "--property", "hash", "--property", "pages", "--property", "overlap")
     assert rc == 1
     assert "MISALIGNED: router eagle off vs engine bigram keys" in out
@@ -47,10 +60,11 @@ def test_check_catches_router_that_ignores_is_eagle(capsys, router_hasher, sglan
 
 
 def test_check_json_report(capsys, router_hasher, sglang_available):
-    rc, out, _ = run_cli(capsys, "check", "--examples", "50", "--json", "--property", "overlap",
+    rc, out, _ = run_cli(capsys, "check", "--examples", "20", "--json", "--property", "overlap",
                          "--router-hash", "kvalign.misaligned:drop_namespace")
     report = json.loads(out)
     assert rc == 1 and report["aligned"] is False
+    assert report["versions"] == installed_versions() and set(report["versions"]) == {"kvalign", "ai-dynamo-runtime", "sglang", "torch"}
     bad = [r for r in report["rows"] if r["mismatches"]]
     assert bad and all(r["variant"] in ("namespace", "lora+namespace") for r in bad)
     assert {r["cause"] for r in bad} == {"cache namespace (cache_salt) dropped from the hash seed"}

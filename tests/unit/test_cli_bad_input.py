@@ -98,6 +98,8 @@ CASES: list[tuple[str, Case, str]] = [
      r"already exists; refusing to overwrite a capture \(use --force\)"),
     ("bad --worker count", lambda t, p: ["replay", good_capture(t), "--worker", "a", "--worker", "b"],
      r"2 --worker names for 1 captures"),
+    ("metrics port out of range", lambda t, p: ["watch", "--endpoint", p.endpoint, "--metrics-port", "70000"],
+     r"--metrics-port must be 0\.\.65535, got 70000"),
 ]
 
 

@@ -132,6 +132,7 @@ def test_bad_options_are_one_line_errors(capsys, args, message):
     assert err.count("\n") == 1 and err.startswith("kvalign: error: ") and message in err
 
 
+@pytest.mark.slow  # probes every real-engine prerequisite (imports the engine's stack)
 def test_run_refuses_with_every_missing_prerequisite(capsys):
     from kvalign.live.gpu import visible_gpus
 

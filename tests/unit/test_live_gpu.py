@@ -103,6 +103,7 @@ def test_check_prereqs_on_this_machine_names_what_is_missing():
     assert pre.skip_reason == "; ".join(pre.problems)
 
 
+@pytest.mark.slow  # imports dynamo.sglang and SGLang's server stack in a child
 def test_dynamo_sglang_import_problem_is_one_line():
     why = gpu.dynamo_sglang_problem()
     if why is None:

@@ -20,6 +20,7 @@ import pytest
 
 from kvalign.cli import main
 from kvalign.matrix import PairResult, _pins, cache_root, default_dynamo_versions, pair_env, table
+from kvalign.versions import installed_versions
 
 OLD_DYNAMO = "1.0.2"
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,6 +86,7 @@ def test_matrix_usage_errors_are_one_line_exit_2(capsys, argv, message):
     assert rc == 2 and out == "" and err.count("\n") == 1 and message in err
 
 
+@pytest.mark.slow  # a pip run against the index
 def test_uninstallable_release_is_an_error_row_exit_2(tmp_path):
     env_cache = tmp_path / "wheels"
     res = subprocess.run([sys.executable, "-m", "kvalign", "matrix", "--dynamo", "0.0.999", "--sglang", "0.5.23", "--json"],
@@ -93,11 +95,13 @@ def test_uninstallable_release_is_an_error_row_exit_2(tmp_path):
                                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
     assert res.returncode == 2, res.stderr
     report = json.loads(res.stdout)
-    assert report == {"rows": [{"dynamo": "0.0.999", "sglang": "0.5.23", "verdict": "error", "findings": []}]}
+    assert report == {"versions": installed_versions(),
+                      "rows": [{"dynamo": "0.0.999", "sglang": "0.5.23", "verdict": "error", "findings": []}]}
     assert "cannot install ai-dynamo-runtime==0.0.999" in res.stderr
     assert not (env_cache / "ai-dynamo-0.0.999" / ".complete").exists()
 
 
+@pytest.mark.slow  # installs (or reuses) a real Dynamo release and runs check on it: about 1 minute
 @pytest.mark.timeout(900)
 def test_older_dynamo_release_against_the_installed_sglang(sglang_available):
     res = _kvalign("matrix", "--dynamo", OLD_DYNAMO, "--sglang", sglang_available, "--json", "--examples", "40",

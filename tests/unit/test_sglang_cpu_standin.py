@@ -58,6 +58,7 @@ def test_stand_in_is_absent_from_processes_that_did_not_ask_for_it():
     assert proc.stdout.split() == ["True", "False"], proc.stderr
 
 
+@pytest.mark.slow  # a child process that imports torch and the stand-in
 def test_sgl_kernel_exports_exactly_the_covered_names():
     code = (
         "import json, sgl_kernel, torch\n"
@@ -84,6 +85,7 @@ def test_uncovered_functions_raise_with_the_reason(name):
         ops.uncovered_functions()[name]()
 
 
+@pytest.mark.slow  # a child process that imports SGLang's scheduler, attention and disaggregation modules
 def test_patches_find_their_targets_in_the_installed_sglang():
     """Each patch checks the code it changes still looks as in 0.5.23 and applies: run them all in a
     child with the stand-in on (importing the patched modules triggers them) and check the effect."""

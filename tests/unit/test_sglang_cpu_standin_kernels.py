@@ -40,6 +40,9 @@ from hypothesis import strategies as st
 
 from kvalign.sglang_cpu_standin import kernels as standin
 
+#: The stand-in kernel comparison interprets SGLang's Triton kernels: minutes, so not in the fast tier.
+pytestmark = pytest.mark.slow
+
 VOCAB = 512  # the tiny test models' vocabulary
 REQUEST_TIMEOUT_S = 120.0
 
