@@ -8,10 +8,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
 import zmq
 
 from kvalign.events import decode_frames
 from kvalign.live.lossy_hop import LossyHop
+
+pytestmark = pytest.mark.slow  # SGLang's real publisher: the first import of SGLang costs about a minute
 from sglang_publisher import RealPublisher, free_port
 
 

@@ -240,6 +240,7 @@ def test_bad_kind_options(kwargs, match):
         SglangWorkerKind(DEFAULT_DRAFT_MODEL, **kwargs)
 
 
+@pytest.mark.slow  # a child process that imports dynamo.sglang with the stand-in
 def test_relay_hop_patch_redirects_only_dynamos_subscriber_address():
     """In a worker-like process (the stand-in on PYTHONPATH, as the CPU workers run): before the
     patch Dynamo's relay would subscribe to SGLang's own endpoint, after it to the hop."""
