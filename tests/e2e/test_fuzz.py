@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,7 @@ def test_negative_control_router_eagle_off_fails_naming_the_cause() -> None:
     assert f["cause"] == "ROUTER_EAGLE_OFF", f
     script = json.loads(Path(f["script"]).read_text())
     assert script["options"]["router_eagle"] is False and script["steps"]
+    shutil.rmtree(out["run_dir"])  # the expected failure's captures: kept only if an assertion above failed
 
 
 def test_negative_control_gap_check_off_fails_router_matches_prediction() -> None:
@@ -70,3 +72,4 @@ def test_negative_control_gap_check_off_fails_router_matches_prediction() -> Non
     assert rc == 1, err[-3000:]
     assert out["failure"]["invariant"] == "router_matches_prediction"
     assert out["counts"]["dropped_batches"] == 1
+    shutil.rmtree(out["run_dir"])
