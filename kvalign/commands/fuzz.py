@@ -40,6 +40,9 @@ def register(actions: argparse._SubParsersAction) -> None:
     p.add_argument("--no-gap-check", dest="gap_check", action="store_const", const=False, default=None,
                    help="negative control: predict the router from the engine's own stream, blind to batches "
                         "lost on the hop")
+    p.add_argument("--strip-salt", dest="strip_salt", action="store_const", const=True, default=None,
+                   help="negative control: the hop delivers stored blocks without their cache_salt (a relay that "
+                        "ignores tenants); meant for --replay scripts whose requests carry a salt")
     p.add_argument("--workers", type=int, default=2, help="aggregated workers (default 2)")
     p.add_argument("--max-total-tokens", type=int, default=512,
                    help="each worker's KV pool in tokens; small so the scheduler evicts (default 512)")
@@ -73,6 +76,7 @@ def _options(args: argparse.Namespace, script: dict[str, Any] | None) -> FuzzOpt
             max_total_tokens=int(given.get("max_total_tokens", args.max_total_tokens)),
             router_eagle=args.router_eagle == "on" if args.router_eagle else bool(given.get("router_eagle", True)),
             gap_check=args.gap_check if args.gap_check is not None else bool(given.get("gap_check", True)),
+            strip_salt=args.strip_salt if args.strip_salt is not None else bool(given.get("strip_salt", False)),
         )
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
@@ -95,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     what = f"replay of {args.replay}" if script else f"{args.examples} examples x <= {args.steps} steps"
     progress(f"kvalign e2e fuzz: {what} on {opts.workers} {opts.engine} EAGLE3 workers, page {opts.page_size}, "
              f"KV pool {opts.max_total_tokens} tokens" + ("" if opts.router_eagle else " [NEGATIVE CONTROL: router eagle off]")
-             + ("" if opts.gap_check else " [NEGATIVE CONTROL: gap check off]") + f"; run dir {run_dir}")
+             + ("" if opts.gap_check else " [NEGATIVE CONTROL: gap check off]")
+             + (" [NEGATIVE CONTROL: the hop strips cache_salt]" if opts.strip_salt else "") + f"; run dir {run_dir}")
     from kvalign.live.fuzz.machine import replay, run_fuzz
 
     try:

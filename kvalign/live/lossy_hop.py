@@ -11,6 +11,10 @@ Frames are forwarded byte for byte. :meth:`LossyHop.drop_next_store_batch` arms 
 next batch (of any worker) that stores blocks — only stores, so the router can miss pages but
 never keep pages the engine removed (a lost removal would make every later credit unprovable).
 Each dropped batch is recorded (:class:`Dropped`) so the fuzz can name the request it hit.
+
+``strip_salt`` is the tenant negative control: the hop re-encodes every batch whose stored blocks
+carry a ``cache_salt`` without it (SGLang's tagged-map encoding, 0.5.21 and later), as a relay
+that ignores the salt would, so the router indexes tenants' pages under one shared key space.
 Every socket is on 127.0.0.1; the hop runs as a thread of the fuzz driver.
 """
 
@@ -21,6 +25,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import msgpack
 import zmq
 
 from kvalign.events import BlockStored, EventDecodeError, decode_frames
@@ -40,7 +45,7 @@ class Dropped:
 class LossyHop:
     """Forwards ``upstream[label]`` (SGLang PUB endpoints) to PUB sockets bound at ``downstream[label]``."""
 
-    def __init__(self, upstream: Mapping[str, str], downstream: Mapping[str, int]) -> None:
+    def __init__(self, upstream: Mapping[str, str], downstream: Mapping[str, int], *, strip_salt: bool = False) -> None:
         if set(upstream) != set(downstream):
             raise ValueError(f"hop labels differ: {sorted(upstream)} vs {sorted(downstream)}")
         self._ctx = zmq.Context()
@@ -59,6 +64,7 @@ class LossyHop:
         self.downstream = {label: f"tcp://{LOOPBACK}:{port}" for label, port in downstream.items()}
         self.dropped: list[Dropped] = []
         self.forwarded = 0
+        self.strip_salt, self.stripped = strip_salt, 0
         self._armed = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -94,6 +100,23 @@ class LossyHop:
             self.dropped.append(Dropped(label, batch.seq, stored, time.monotonic()))
         return True
 
+    def _without_salt(self, frames: list[bytes]) -> list[bytes]:
+        """The batch with ``cache_salt`` removed from every stored block (other frames unchanged)."""
+        if len(frames) != 3:
+            return frames
+        try:
+            batch = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
+        except (ValueError, msgpack.UnpackException):
+            return frames
+        events = batch[1] if isinstance(batch, list) and len(batch) >= 2 and isinstance(batch[1], list) else []
+        salted = [e for e in events if isinstance(e, dict) and e.get("type") == "BlockStored" and e.get("cache_salt")]
+        if not salted:
+            return frames
+        for e in salted:
+            del e["cache_salt"]
+        self.stripped += len(salted)
+        return [frames[0], frames[1], msgpack.packb(batch, use_bin_type=True)]
+
     def _run(self) -> None:
         poller = zmq.Poller()
         for s in self._subs:
@@ -104,6 +127,8 @@ class LossyHop:
                 frames = sock.recv_multipart()
                 if self._should_drop(label, frames):
                     continue
+                if self.strip_salt:
+                    frames = self._without_salt(frames)
                 self._pubs[label].send_multipart(frames)
                 self.forwarded += 1
 

@@ -1,9 +1,10 @@
 """``kvalign e2e fuzz`` on real SGLang CPU workers (EAGLE3) behind the real router, as a user runs it.
 
 One generated run must hold every invariant while exercising every rule (eviction, concurrency,
-flushes, a lost batch, a restart); two live negative controls must fail for the right reason:
-the router's eagle forced off (generated, shrunk: ``ROUTER_EAGLE_OFF``), and the gap check off
-(a replay script: the prediction ignores the batch the hop lost).
+flushes, a lost batch, a restart); three live negative controls must fail for the right reason:
+the router's eagle forced off (generated, shrunk: ``ROUTER_EAGLE_OFF``), the gap check off (a
+replay script: the prediction ignores the batch the hop lost), and a hop that strips
+``cache_salt`` from a tenant's requests (a replay script: ``TENANTS_SHARE_KEYS``).
 """
 
 from __future__ import annotations
@@ -73,3 +74,19 @@ def test_negative_control_gap_check_off_fails_router_matches_prediction() -> Non
     assert out["failure"]["invariant"] == "router_matches_prediction"
     assert out["counts"]["dropped_batches"] == 1
     shutil.rmtree(out["run_dir"])
+
+
+def test_negative_control_a_hop_that_strips_cache_salt_fails_with_the_tenant_cause(tmp_path: Path) -> None:
+    rc, out, err = fuzz("salt-stripped", "--replay", str(SCRIPTS / "salt-stripped.json"))
+    assert rc == 1, err[-3000:]
+    assert out["failure"]["invariant"] == "router_matches_prediction"
+    assert out["failure"]["cause"] == "TENANTS_SHARE_KEYS", out["failure"]
+    shutil.rmtree(out["run_dir"])
+    # positive control: the same tenant's steps through an honest hop hold every invariant
+    script = json.loads((SCRIPTS / "salt-stripped.json").read_text())
+    script["options"]["strip_salt"] = False
+    honest = tmp_path / "salt-kept.json"
+    honest.write_text(json.dumps(script))
+    rc, out, err = fuzz("salt-kept", "--replay", str(honest))
+    assert rc == 0 and out["verdict"] == "pass", f"{out['failure']}\n{err[-3000:]}"
+    assert out["invariants"]["router_matches_prediction"] == {"checked": 2, "failed": 0}

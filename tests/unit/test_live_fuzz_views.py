@@ -73,3 +73,56 @@ def test_an_orphan_store_after_a_lost_batch_holds_nothing() -> None:
     toks = list(range(10, 10 + 3 * B + 1))
     q = block_hashes(toks, B, eagle=True)
     assert overlaps([_batch(_stored(toks[2 * B:], 102, [103]))], q, B, 1, 1) == [0]
+
+
+class Captured:
+    def __init__(self, label: str, batch: EventBatch) -> None:
+        self.label, self.batch = label, batch
+
+
+class MemoryCapture:
+    """The part of EventCapture the views read, holding batches a test lays out."""
+
+    def __init__(self, batches: list[EventBatch]) -> None:
+        self.endpoints = {"w": ""}
+        self.items = [Captured("w", b) for b in batches]
+
+    def snapshot(self) -> list[Captured]:
+        return list(self.items)
+
+    def count(self, label: str | None = None) -> int:
+        return len(self.items)
+
+
+def _seq(seq: int, *events: object) -> EventBatch:
+    return EventBatch(0.0, list(events), 0, "map", seq=seq)
+
+
+def test_delivered_view_counts_only_the_engine_batches_the_hop_delivered() -> None:
+    from kvalign.live.fuzz.views import DeliveredViews, WorkerViews
+
+    toks = list(range(10, 10 + 3 * B + 1))
+    q_blocks = block_hashes(toks, B, eagle=True)
+    assert len(q_blocks) == 3
+    engine = [_seq(1, _stored(toks, None, [101, 102])), _seq(2, _stored(toks[2 * B:], 102, [103]))]
+    ev = WorkerViews(MemoryCapture(engine), B)
+    all_delivered = DeliveredViews(ev, WorkerViews(MemoryCapture(engine), B))
+    assert all_delivered.held("w", toks, eagle=True, lo=0, hi=2) == [0, 2, 3]
+    first_lost = DeliveredViews(ev, WorkerViews(MemoryCapture(engine[1:]), B))  # seq 1 lost on the hop
+    assert first_lost.held("w", toks, eagle=True, lo=1) == [0]  # the child is an orphan to the router
+
+
+def test_delivered_view_keeps_the_engines_salt_when_the_hop_strips_it() -> None:
+    """A tenant's pages: held under its namespace by the engine's content, whatever the hop did;
+    the hop's own (stripped) output holds them under no tenant (the negative control's contrast)."""
+    from dataclasses import replace
+
+    from kvalign.live.fuzz.views import DeliveredViews, WorkerViews
+
+    toks = list(range(10, 10 + 2 * B + 1))
+    salted = _seq(1, replace(_stored(toks, None, [101, 102]), cache_salt="tenant-a"))
+    stripped = _seq(1, _stored(toks, None, [101, 102]))
+    engine, router = WorkerViews(MemoryCapture([salted]), B), WorkerViews(MemoryCapture([stripped]), B)
+    assert DeliveredViews(engine, router).held("w", toks, eagle=True, lo=1, namespace="tenant-a") == [2]
+    assert router.held("w", toks, eagle=True, lo=1, namespace="tenant-a") == [0]
+    assert router.held("w", toks, eagle=True, lo=1) == [2]

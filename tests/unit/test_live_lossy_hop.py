@@ -69,3 +69,22 @@ def test_negative_control_an_unarmed_hop_loses_nothing() -> None:
     with hop_stream() as (pub, hop, sub):
         seqs = [pub.publish([_stored(pub.kv)]) for _ in range(3)]
         assert [decode_frames(f).seq for f in _collect(sub, 3)] == seqs and hop.dropped == []
+
+
+def test_strip_salt_hop_delivers_stored_blocks_without_their_tenant() -> None:
+    """The tenant negative control's hop: SGLang's own tagged-map batch, re-encoded without
+    ``cache_salt``; everything else in the event is kept."""
+    with hop_stream() as (pub, hop, sub):
+        hop.strip_salt = True
+        salted = pub.kv.BlockStored(block_hashes=[11], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=4,
+                                    lora_id=None, medium="GPU", cache_salt="tenant-a")
+        seq = pub.publish([salted])
+        (frames,) = _collect(sub, 1)
+        batch = decode_frames(frames)
+        (ev,) = batch.events
+        assert batch.seq == seq and ev.cache_salt is None and ev.block_hashes == [11] and ev.token_ids == [1, 2, 3, 4]
+        assert hop.stripped == 1
+        hop.strip_salt = False  # negative control: the same event keeps its tenant
+        pub.publish([salted])
+        (frames,) = _collect(sub, 1)
+        assert decode_frames(frames).events[0].cache_salt == "tenant-a"

@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvalign.events import BlockRemoved
+from kvalign.causes import Cause
+from kvalign.events import BlockRemoved, BlockStored
 from kvalign.live.client import Completion, SseError, complete_tokens
 from kvalign.live.cluster import Cluster
 from kvalign.live.control import ControlError, clear_kv_blocks
 from kvalign.live.fuzz.invariants import InvariantFailed, Observation, Tally, evaluate, observation_json
 from kvalign.live.fuzz.prompts import Sent, new_tokens, resolve
-from kvalign.live.fuzz.views import WorkerViews
+from kvalign.live.fuzz.views import DeliveredViews, WorkerViews
 from kvalign.live.lossy_hop import LossyHop
 from kvalign.live.ports import PortPool
 from kvalign.live.processes import rss_bytes, run_pids
@@ -53,6 +54,7 @@ class FuzzOptions:
     max_total_tokens: int = 512  # small, so a few long prompts make the scheduler evict
     router_eagle: bool = True
     gap_check: bool = True  # False: predict the router from the engine's stream (negative control)
+    strip_salt: bool = False  # the hop removes cache_salt from stored blocks (negative control)
     quiet_s: float = 0.4
     settle_timeout_s: float = 8.0
     restart_grace_s: float = 2.0
@@ -70,7 +72,7 @@ class FuzzOptions:
     def as_json(self) -> dict[str, Any]:
         return {"engine": self.engine, "workers": self.workers, "page_size": self.page_size,
                 "max_total_tokens": self.max_total_tokens, "router_eagle": self.router_eagle,
-                "gap_check": self.gap_check}
+                "gap_check": self.gap_check, "strip_salt": self.strip_salt}
 
 
 def engine_problem(opts: FuzzOptions) -> str | None:
@@ -112,7 +114,7 @@ def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Clust
     kind.max_total_tokens = opts.max_total_tokens
     kind.relay_subscribe = {label: f"tcp://127.0.0.1:{port}" for label, port in downstream.items()}
     upstream = {w.name: plan.kv_events_connect(w) for w in topo.workers}
-    with LossyHop(upstream, downstream) as hop:
+    with LossyHop(upstream, downstream, strip_salt=opts.strip_salt) as hop:
         cluster = Cluster(plan, kind, startup_timeout_s=opts.startup_timeout_s, router_view=hop.downstream)
         with cluster:
             yield cluster, hop
@@ -152,9 +154,9 @@ class FuzzDriver:
         return list(self.cluster.workers)
 
     @property
-    def prediction_views(self) -> WorkerViews:
-        """The router view (what crossed the hop); the engine's own stream with the gap check off."""
-        return self.router_views if self.opts.gap_check else self.engine_views
+    def prediction_views(self) -> WorkerViews | DeliveredViews:
+        """The engine's batches the hop delivered; all of them with the gap check off."""
+        return DeliveredViews(self.engine_views, self.router_views) if self.opts.gap_check else self.engine_views
 
     def engine_eagle(self, label: str) -> bool:
         return self.cluster.workers[label].spec.eagle
@@ -177,14 +179,16 @@ class FuzzDriver:
     def _label_of(self, instance_id: int | None) -> str | None:
         return next((n for n, h in self.cluster.workers.items() if h.instance_id == instance_id), None)
 
-    def _send(self, tokens: list[int], max_tokens: int, pin: int | None = None) -> Completion:
+    def _send(self, tokens: list[int], max_tokens: int, pin: int | None = None, salt: str | None = None) -> Completion:
         try:
-            return complete_tokens(self.cluster.frontend_url, self.cluster.model, tokens, max_tokens=max_tokens, pin=pin)
+            return complete_tokens(self.cluster.frontend_url, self.cluster.model, tokens, max_tokens=max_tokens, pin=pin,
+                                   cache_salt=salt)
         except (SseError, OSError) as exc:
             raise FuzzEnvironmentError(f"request of {len(tokens)} tokens failed: {exc}") from None
 
-    def _best(self, tokens: list[int], marks: dict[str, int]) -> str | None:
-        held = {lab: self.prediction_views.held(lab, tokens, eagle=self.engine_eagle(lab), lo=marks[lab])[0]
+    def _best(self, tokens: list[int], marks: dict[str, int], salt: str | None) -> str | None:
+        held = {lab: self.prediction_views.held(lab, tokens, eagle=self.engine_eagle(lab), lo=marks[lab],
+                                                namespace=salt)[0]
                 for lab in self.labels}
         top = max(held.values(), default=0)
         leaders = [lab for lab, h in held.items() if h == top]
@@ -192,16 +196,16 @@ class FuzzDriver:
 
     def _observe(self, tokens: list[int], c: Completion, *, concurrent: bool, pred_lo: dict[str, int],
                  eng_lo: dict[str, int], pred_hi: dict[str, int] | None, eng_hi: dict[str, int] | None,
-                 best: str | None) -> Observation:
+                 best: str | None, salt: str | None = None) -> Observation:
         self.requests += 1
         label = self._label_of(c.prefill_worker_id)
         predicted = engine_held = [0]
         if label is not None:
             eagle = self.engine_eagle(label)
             predicted = self.prediction_views.held(label, tokens, eagle=eagle, lo=pred_lo[label],
-                                                   hi=None if pred_hi is None else pred_hi[label])
+                                                   hi=None if pred_hi is None else pred_hi[label], namespace=salt)
             engine_held = self.engine_views.held(label, tokens, eagle=eagle, lo=eng_lo[label],
-                                                 hi=None if eng_hi is None else eng_hi[label])
+                                                 hi=None if eng_hi is None else eng_hi[label], namespace=salt)
         obs = Observation(self.requests, tokens, c, label, concurrent, self.opts.page_size,
                           self.engine_eagle(label) if label else True, predicted, engine_held, best,
                           frozenset(self.retired), label in self.restarted)
@@ -217,9 +221,20 @@ class FuzzDriver:
                                   request=obs.request)
 
     def cause(self, label: str | None, tokens: list[int]) -> str:
-        """``kvalign diagnose``'s cause for ``tokens`` on ``label``'s router-side capture."""
+        """Why the router's view differs: the tenant cause when the hop delivered a stored block
+        without the ``cache_salt`` the engine published it with; else ``kvalign diagnose``'s cause
+        for ``tokens`` on ``label``'s router-side capture."""
+        if label is not None and self._salt_lost(label):
+            return Cause.TENANTS_SHARE_KEYS.name
         d = self.diagnose(label, tokens)
         return "none" if d is None or d.cause is None else d.cause.name
+
+    def _salt_lost(self, label: str) -> bool:
+        def salts(views: WorkerViews) -> dict[int | None, list[str | None]]:
+            return {b.seq: [e.cache_salt for e in b.events if isinstance(e, BlockStored)] for b in views.since_epoch(label)}
+
+        engine, router = salts(self.engine_views), salts(self.router_views)
+        return any(engine.get(seq) not in (None, got) for seq, got in router.items())
 
     def diagnose(self, label: str | None, tokens: list[int]) -> Any:
         from kvalign.diagnose import RouterSettings, diagnose
@@ -270,7 +285,9 @@ class FuzzDriver:
         self.steps_run += 1
         rule = step["rule"]
         if rule == "request":
-            self._request(resolve(step["prompt"], self.history), step["max_tokens"])
+            pin = step.get("pin")
+            self._request(resolve(step["prompt"], self.history), step["max_tokens"],
+                          pin=None if pin is None else self.labels[pin % len(self.labels)], salt=step.get("salt"))
         elif rule == "concurrent":
             self._concurrent([(resolve(p, self.history), mt) for p, mt in step["requests"]])
         elif rule == "flush":
@@ -288,14 +305,15 @@ class FuzzDriver:
             raise ValueError(f"unknown step rule {rule!r}")
         self.peak_rss_bytes = max(self.peak_rss_bytes, rss_bytes(run_pids(RUN_MARKER_ENV, str(self.cluster.plan.run_dir))))
 
-    def _request(self, tokens: list[int], max_tokens: int, pin: str | None = None) -> Observation:
+    def _request(self, tokens: list[int], max_tokens: int, pin: str | None = None,
+                 salt: str | None = None) -> Observation:
         self._settle()
         pred_lo, eng_lo = self.prediction_views.marks(), self.engine_views.marks()
-        best = None if pin else self._best(tokens, pred_lo)
-        c = self._send(tokens, max_tokens, None if pin is None else self.cluster.workers[pin].instance_id)
+        best = None if pin else self._best(tokens, pred_lo, salt)
+        c = self._send(tokens, max_tokens, None if pin is None else self.cluster.workers[pin].instance_id, salt)
         self._settle()
         obs = self._observe(tokens, c, concurrent=False, pred_lo=pred_lo, eng_lo=eng_lo, pred_hi=None, eng_hi=None,
-                            best=best)
+                            best=best, salt=salt)
         self.progress(f"request {obs.request}: {len(tokens)} tokens -> {obs.label}, kv_hit_rate {c.kv_hit_rate} "
                       f"(kvalign {obs.predicted[0]} blocks), cached_tokens {c.cached_tokens}")
         self._check(obs)

@@ -91,10 +91,50 @@ class WorkerViews:
         """Forget ``label``'s earlier batches: a new example after a flush, or a restarted worker."""
         self.epoch[label] = self.mark(label)
 
-    def held(self, label: str, tokens: Sequence[int], *, eagle: bool, lo: int, hi: int | None = None) -> list[int]:
-        """Leading blocks of ``tokens`` the view holds at each mark in ``[lo, hi]`` (absolute marks)."""
+    def since_epoch(self, label: str) -> list[EventBatch]:
+        return self.batches(label)[self.epoch.get(label, 0):]
+
+    def held(self, label: str, tokens: Sequence[int], *, eagle: bool, lo: int, hi: int | None = None,
+             namespace: str | None = None) -> list[int]:
+        """Leading blocks of ``tokens`` (a tenant's, with ``namespace``) the view holds at each
+        mark in ``[lo, hi]`` (absolute marks)."""
         start = self.epoch.get(label, 0)
-        batches = self.batches(label)[start:]
         hi = lo if hi is None else hi
-        query = block_hashes(tokens, self.block_size, eagle=eagle) if len(tokens) else []
-        return overlaps(batches, query, self.block_size, max(lo - start, 0), max(hi - start, 0))
+        return overlaps(self.since_epoch(label), query_hashes(tokens, self.block_size, eagle, namespace),
+                        self.block_size, max(lo - start, 0), max(hi - start, 0))
+
+
+def query_hashes(tokens: Sequence[int], block_size: int, eagle: bool, namespace: str | None) -> list[int]:
+    """The prompt's blocks as an aligned router hashes them for its tenant."""
+    return block_hashes(tokens, block_size, eagle=eagle, cache_namespace=namespace) if len(tokens) else []
+
+
+class DeliveredViews:
+    """The router's view: the engine's own batches, each counted once the hop delivered its
+    sequence number to the router's side.
+
+    Built from the engine's content rather than the hop's output, so a hop that *loses* a batch
+    shows as a batch missing here, and a hop that *alters* one (a stripped ``cache_salt``) shows
+    as the router disagreeing with this view. Marks are router-side marks.
+    """
+
+    def __init__(self, engine: WorkerViews, router: WorkerViews) -> None:
+        self.engine, self.router = engine, router
+
+    def mark(self, label: str) -> int:
+        return self.router.mark(label)
+
+    def marks(self) -> dict[str, int]:
+        return self.router.marks()
+
+    def held(self, label: str, tokens: Sequence[int], *, eagle: bool, lo: int, hi: int | None = None,
+             namespace: str | None = None) -> list[int]:
+        start = self.router.epoch.get(label, 0)
+        delivered, engine = self.router.since_epoch(label), self.engine.since_epoch(label)
+        query = query_hashes(tokens, self.engine.block_size, eagle, namespace)
+        out = []
+        for j in range(max(lo - start, 0), max((lo if hi is None else hi) - start, 0) + 1):
+            seqs = {b.seq for b in delivered[:j]}
+            kept = [b for b in engine if b.seq in seqs]
+            out.append(overlaps(kept, query, self.engine.block_size, len(kept), len(kept))[0])
+        return out
