@@ -1,8 +1,10 @@
 """kvalign's two views of each live worker's cache, rebuilt from captured KV events.
 
 * the **engine view** reads SGLang's own publisher: what the worker's radix cache holds;
-* the **router view** reads what Dynamo's relay reads, after the lossy hop: what an aligned
-  router can know. A batch lost on the hop is in the engine view and not in the router view.
+* the **router view** (:class:`DeliveredViews`) is the engine's batches whose sequence numbers
+  the hop delivered to Dynamo's relay: what an aligned router can know. A batch lost on the hop is
+  missing from it; a batch the hop *altered* still counts with the engine's content, so the
+  router disagreeing with it is a finding (the tenant negative control strips ``cache_salt``).
 
 Each view is a worker's batches since its *epoch* (the example's start, or its last restart),
 replayed through kvalign's :class:`~kvalign.relay.Relay` into a :class:`~kvalign.index.PrefixIndex`.
