@@ -353,6 +353,14 @@ class RouterPath:
             return int(pick(self.call(fn, tokens, **kw)))
 
     def close(self) -> None:
+        """Stop the publishers, then the runtime.
+
+        Dynamo 1.6.1 may log "Brokered KV membership task ended unexpectedly" and
+        "KeyValueStoreManager.watch receiver closed" here: a race between its own tasks and the
+        runtime's cancellation, which no order of kvalign's calls avoids (unregistering and
+        dropping the routers first was tried). :mod:`kvalign.runtime_log` keeps those lines in the
+        log file.
+        """
         try:
             for w in self._workers.values():
                 w.publisher.close()

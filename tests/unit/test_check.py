@@ -50,7 +50,7 @@ def test_check_real_pair_is_aligned_and_quiet(router_hasher, sglang_available, t
 
 
 def test_check_catches_router_that_ignores_is_eagle(capsys, router_hasher, sglang_available):
-    rc, out, _ = run_cli(capsys, "check", "--examples", "30", "--router-hash", "kvalign.misaligned:ignore_eagle",
+    rc, out, _ = run_cli(capsys, "check", "--examples", "15", "--router-hash", "kvalign.misaligned:ignore_eagle",
                          "--property", "hash", "--property", "pages", "--property", "overlap")
     assert rc == 1
     assert "MISALIGNED: router eagle off vs engine bigram keys" in out
