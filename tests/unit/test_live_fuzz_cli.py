@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each case starts the CLI in a child process (about 2 s)
+
 
 def kvalign(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvalign", "e2e", "fuzz", *args], capture_output=True, text=True,
