@@ -54,6 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--run-dir", default=None, help="logs, discovery store, model dir (default: a new temp dir)")
         q.add_argument("--startup-timeout", type=float, default=None,
                        help="seconds to wait for readiness (default 120 fake-cpu, 400 sglang-cpu)")
+        q.add_argument("--sglang", metavar="VERSION", default=None,
+                       help="with --engine sglang-cpu: the SGLang release the workers run, from kvalign matrix's "
+                            "wheel cache (default: the environment's)")
         q.add_argument("--control-plane", choices=CONTROL_PLANES, default="file",
                        help="file: file discovery + zmq events, no service (default); etcd-nats: start etcd + "
                             "nats-server on loopback, etcd discovery + NATS events")
@@ -82,11 +85,16 @@ def _plan(args: argparse.Namespace) -> tuple[ClusterPlan, WorkerKind]:
     if args.draft != "agree" and args.engine != "sglang-cpu":
         raise UsageError("--draft disagree needs --engine sglang-cpu")
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvalign-live-"))
+    if args.sglang is not None and args.engine != "sglang-cpu":
+        raise UsageError("--sglang picks the real CPU engine's SGLang release: it needs --engine sglang-cpu")
     if args.engine == "sglang-cpu":
+        from kvalign.commands.e2e import release_version
+
         try:
-            return plan_cluster(topology, run_dir, draft=args.draft, control_plane=args.control_plane)
+            return plan_cluster(topology, run_dir, draft=args.draft, control_plane=args.control_plane,
+                                sglang_version=release_version(args.sglang))
         except RuntimeError as exc:
-            raise UsageError(str(exc)) from None
+            raise UsageError(str(exc).splitlines()[0]) from None
     return make_plan(topology, run_dir, control_plane=args.control_plane), CpuWorkerKind()
 
 

@@ -76,10 +76,14 @@ class E2eOptions:
     cuda_graph: bool = False
     startup_timeout_s: float = 900.0
     control_plane: ControlPlane = "file"
+    sglang: str | None = None  # sglang-cpu: the SGLang release the workers run (None: the environment's)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.sglang is not None and self.engine != "sglang-cpu":
+            raise ValueError(f"--sglang picks the real CPU engine's SGLang release: it needs --engine sglang-cpu, "
+                             f"not {self.engine}")
         if self.draft != "agree" and self.engine != "sglang-cpu":
             raise ValueError("--draft disagree builds the tiny CPU draft: it needs --engine sglang-cpu")
         if self.prefill < 1 or self.decode < 1:
@@ -113,7 +117,8 @@ class E2eOptions:
         if self.engine == "fake-cpu":
             where = f"{self.prefill} prefill + {self.decode} decode CPU workers (SGLang radix cache, no model)"
         elif self.engine == "sglang-cpu":
-            where = (f"{self.prefill} prefill + {self.decode} decode real SGLang CPU workers, EAGLE3 "
+            release = f" {self.sglang} (wheel cache)" if self.sglang else ""
+            where = (f"{self.prefill} prefill + {self.decode} decode real SGLang{release} CPU workers, EAGLE3 "
                      f"(tiny Llama, {self.draft}ing draft)")
         else:
             dgpu = 0 if self.single_gpu else 1
@@ -130,7 +135,8 @@ def build(opts: E2eOptions, run_dir: str | Path) -> tuple[ClusterPlan, WorkerKin
     if opts.engine == "fake-cpu":
         return make_plan(opts.topology(), run_dir, control_plane=opts.control_plane), CpuWorkerKind()
     if opts.engine == "sglang-cpu":
-        return sglang_cpu_worker.plan_cluster(opts.topology(), run_dir, draft=opts.draft, control_plane=opts.control_plane)
+        return sglang_cpu_worker.plan_cluster(opts.topology(), run_dir, draft=opts.draft, control_plane=opts.control_plane,
+                                              sglang_version=opts.sglang)
     model_dir, _ = resolve_model_dir(opts.model)
     draft_dir, _ = resolve_model_dir(opts.draft_model)
     plan = make_plan(opts.topology(), run_dir, str(model_dir or opts.model), model_name=Path(opts.model).name,
@@ -145,7 +151,7 @@ def build(opts: E2eOptions, run_dir: str | Path) -> tuple[ClusterPlan, WorkerKin
 def prerequisites(opts: E2eOptions, *, import_check: bool = True) -> Prereqs | None:
     """What the run lacks on this machine (None for fake-CPU runs: the harness reports those)."""
     if opts.engine == "sglang-cpu":
-        problem = sglang_cpu_worker.engine_problem()
+        problem = sglang_cpu_worker.engine_problem(opts.sglang)
         return Prereqs((), (problem,) if problem else ())
     if opts.cpu:
         return None
