@@ -39,13 +39,18 @@ class Release:
     the key and the publisher *connects* to a concrete host, as Dynamo's relay does: the harness then
     points the publisher at a local IPC socket (the ``kv_events_local_publish`` patch) and runs a
     loopback forwarder that binds the relay's 127.0.0.1 endpoint (:mod:`kvalign.live.kv_forwarder`).
+    ``patches``: module -> names of the extra :mod:`.patches` functions this release needs on top of
+    the common ones (run right after that module executes).
     """
 
     kv_events_bind: bool
+    patches: tuple[tuple[str, str], ...] = ()
 
 
 SUPPORTED: dict[str, Release] = {
-    "0.5.21": Release(kv_events_bind=False),  # the one ai-dynamo[sglang]==1.6.1 pins
+    # the one ai-dynamo[sglang]==1.6.1 pins; its paged allocator has no CPU path
+    "0.5.21": Release(kv_events_bind=False,
+                      patches=(("sglang.srt.mem_cache.allocator.paged", "paged_allocator_on_cpu"),)),
     "0.5.23": Release(kv_events_bind=True),
 }
 

@@ -29,6 +29,11 @@ NIXL / Mooncake backend needs hardware or wildcard sockets):
   host is ``None`` or ``2.2.2.2``, but Dynamo sends the prefill's real host; with ``fake``
   configured, every request takes the fake path.
 
+The paged KV allocator on a release without its CPU path (0.5.21):
+
+* :func:`paged_allocator_on_cpu` — ``alloc_extend`` / ``alloc_decode`` launch Triton kernels
+  unconditionally; they get :mod:`.allocator`'s CPU launches instead.
+
 KV events on a release whose config has no ``bind`` (before 0.5.23):
 
 * :func:`kv_events_local_publish` — the publisher connects to a concrete host, and so does
@@ -209,3 +214,22 @@ def kv_events_local_publish() -> None:
 
     local = endpoint
     publisher.__init__ = __init__
+
+
+def paged_allocator_on_cpu() -> None:
+    """Rebind the paged allocator's two Triton launches to CPU code (releases without a CPU path)."""
+    from sglang.srt.mem_cache.allocator import paged
+
+    from kvalign.sglang_cpu_standin.allocator import Launch, alloc_decode_cpu, alloc_extend_launch
+
+    allocator = paged.PagedTokenToKVPoolAllocator
+    extend, decode = inspect.getsource(allocator.alloc_extend), inspect.getsource(allocator.alloc_decode)
+    _require("alloc_extend_kernel[" in extend and "use_triton_kernels" not in extend and
+             "alloc_decode_kernel[" in decode and "use_triton_kernels" not in decode,
+             "PagedTokenToKVPoolAllocator no longer launches its Triton kernels unconditionally")
+    naive = getattr(paged, "alloc_extend_naive", None)
+    _require(naive is not None and list(inspect.signature(naive).parameters) ==
+             ["prefix_lens", "seq_lens", "last_loc", "free_pages", "out_indices", "page_size", "device"],
+             "alloc_extend_naive is missing or changed its signature")
+    paged.alloc_extend_kernel = Launch(alloc_extend_launch(naive), "alloc_extend_kernel")
+    paged.alloc_decode_kernel = Launch(alloc_decode_cpu, "alloc_decode_kernel")
