@@ -52,6 +52,10 @@ DEFAULT_SGLANG = ("0.5.17", "0.5.19", "0.5.21", "0.5.23")
 DEFAULT_DYNAMO_RANGE = ((1, 0, 0), (1, 6, 1))
 #: Seconds one pair's check may take before it is reported as an error.
 PAIR_TIMEOUT_S = 900
+#: Seconds one pair's live scenario (start-up ~2 min on 2 cores, 4 requests) may take.
+LIVE_TIMEOUT_S = 900
+#: The live scenario's column.
+LIVE_COLUMN = "live:disagg-eagle"
 
 
 class MatrixError(RuntimeError):
@@ -287,12 +291,15 @@ class PairResult:
     error: str | None = None
     seconds: float = 0.0
     shipped: bool = False  # sglang is the release ai-dynamo[sglang]==dynamo pins
+    live: dict[str, Any] | None = None  # --live: the seed scenario on real CPU engines (see run_live)
 
     def as_json(self) -> dict[str, Any]:
         row: dict[str, Any] = {"dynamo": self.dynamo, "sglang": self.sglang, "shipped": self.shipped,
                                "verdict": self.verdict, "findings": self.findings}
         if self.verdict == "error":
             row["error"] = one_line(self.error or "unknown error")
+        if self.live is not None:
+            row["live"] = self.live
         return row
 
 
@@ -416,6 +423,45 @@ def run_matrix(pairs: Sequence[Pair], *, examples: int, ingest_examples: int, jo
     return [results[p] for p in pairs]
 
 
+def live_problem(dynamo: str, sglang: str) -> str | None:
+    """Why the live scenario cannot run for this pair here (None when it can).
+
+    The live layer runs the environment's Dynamo (its frontend, relay and ``dynamo.sglang``
+    processes) with any SGLang release the CPU stand-in supports, from the wheel cache."""
+    from kvalign.sglang_cpu_standin import version_problem
+
+    env_dynamo = installed("ai-dynamo")
+    if dynamo != env_dynamo:
+        return (f"the live layer runs the environment's Dynamo ({env_dynamo}); other Dynamo releases' "
+                "frontend/worker processes are not wired up")
+    return version_problem(sglang)
+
+
+def run_live(dynamo: str, sglang: str, *, log: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+    """The seed scenario (``kvalign e2e run --engine sglang-cpu --sglang S``) for one pair, in a subprocess:
+    ``{"verdict": "pass"|"fail"|"skipped"|"error", "detail": one line, "seconds": wall}``."""
+    problem = live_problem(dynamo, sglang)
+    if problem:
+        return {"verdict": "skipped", "detail": problem, "seconds": 0.0}
+    start = time.perf_counter()
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
+    cmd = [sys.executable, "-m", "kvalign", "e2e", "run", "--engine", "sglang-cpu", "--sglang", sglang]
+    log(f"live: dynamo {dynamo} x sglang {sglang}: {' '.join(cmd[1:])}")
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=LIVE_TIMEOUT_S, cwd=root)
+    except subprocess.TimeoutExpired:
+        return {"verdict": "error", "detail": f"did not finish within {LIVE_TIMEOUT_S}s",
+                "seconds": round(time.perf_counter() - start, 1)}
+    seconds = round(time.perf_counter() - start, 1)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
+    if res.returncode == 0 and lines and lines[-1].startswith("PASS"):
+        return {"verdict": "pass", "detail": lines[-1], "seconds": seconds}
+    if res.returncode == 1 and lines:
+        return {"verdict": "fail", "detail": "; ".join(lines), "seconds": seconds}
+    return {"verdict": "error", "detail": one_line(res.stderr or f"exit {res.returncode}"), "seconds": seconds}
+
+
 def _cell(findings: Sequence[dict[str, str]]) -> str:
     return "ok" if not findings else ", ".join(dict.fromkeys(f["cause"] for f in findings))
 
@@ -423,14 +469,18 @@ def _cell(findings: Sequence[dict[str, str]]) -> str:
 def table(results: Sequence[PairResult], props: Sequence[str] = PROPERTIES, modes: Sequence[str] = MODES) -> str:
     """One row per pair, one column per property x mode; a cell is ``ok`` or the causes found.
 
-    A pair whose SGLang is the one its Dynamo release pins says ``(shipped)`` after the version."""
-    head = ["dynamo", "sglang", "verdict", *[f"{p}:{m}" for p in props for m in modes]]
+    A pair whose SGLang is the one its Dynamo release pins says ``(shipped)`` after the version;
+    with ``--live`` rows, a last column gives the live scenario's verdict."""
+    live = any(r.live is not None for r in results)
+    head = ["dynamo", "sglang", "verdict", *[f"{p}:{m}" for p in props for m in modes], *([LIVE_COLUMN] if live else [])]
     body = []
     for r in results:
         if r.verdict == "error":
-            cells = ["error"] * (len(head) - 3)
+            cells = ["error"] * (len(head) - 3 - live)
         else:
             cells = [_cell([f for f in r.findings if f["property"] == p and f["mode"] == m]) for p in props for m in modes]
+        if live:
+            cells.append((r.live or {}).get("verdict", "-"))
         body.append([r.dynamo, r.sglang + (" (shipped)" if r.shipped else ""), r.verdict, *cells])
     widths = [max(len(row[i]) for row in (head, *body)) for i in range(len(head))]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731

@@ -16,8 +16,8 @@ import sys
 import time
 
 from kvalign.errors import UsageError
-from kvalign.matrix import (DEFAULT_SGLANG, MatrixError, PairResult, cache_root, default_dynamo_versions, plan_pairs, run_matrix,
-                            one_line, shipped_sglang, table)
+from kvalign.matrix import (DEFAULT_SGLANG, LIVE_COLUMN, MatrixError, PairResult, cache_root, default_dynamo_versions,
+                            one_line, plan_pairs, run_live, run_matrix, shipped_sglang, table)
 
 VERSION = r"^\d+(\.\d+)*(\.post\d+)?$"
 
@@ -46,6 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=int, default=2, help="pairs checked at once (default 2)")
     p.add_argument("--examples", type=int, default=100, help="check --examples per pair (default 100)")
     p.add_argument("--ingest-examples", type=int, default=20, help="check --ingest-examples per pair (default 20)")
+    p.add_argument("--live", action="store_true",
+                   help="also run the seed scenario (kvalign e2e run --engine sglang-cpu) per pair, one at a time, "
+                        f"as column {LIVE_COLUMN!r} (real CPU engines: ~3 min and ~6 GiB per pair)")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     p.set_defaults(run=run)
 
@@ -80,6 +83,11 @@ def run(args: argparse.Namespace) -> int:
 
     results = run_matrix(pairs, examples=args.examples, ingest_examples=args.ingest_examples, jobs=args.jobs,
                          progress=progress, log=log)
+    if args.live:  # one at a time: each starts three real engine processes
+        for i, r in enumerate(results, 1):
+            r.live = run_live(r.dynamo, r.sglang, log=log)
+            print(f"  [live {i}/{len(results)}] dynamo {r.dynamo} x sglang {r.sglang}: {r.live['verdict']} "
+                  f"in {r.live['seconds']:.0f}s — {r.live['detail']}", file=err, flush=True)
     results += [PairResult(d, "unknown", "error", error=f"shipped SGLang unknown: {why}", shipped=True)
                 for d, why in unknown.items()]
     wall = time.perf_counter() - start
@@ -95,6 +103,6 @@ def run(args: argparse.Namespace) -> int:
           f"({sum(r.verdict == 'aligned' for r in results)} aligned, "
           f"{sum(r.verdict == 'misaligned' for r in results)} misaligned, "
           f"{sum(r.verdict == 'error' for r in results)} error)", file=err, flush=True)
-    if any(r.verdict == "error" for r in results):
+    if any(r.verdict == "error" or (r.live or {}).get("verdict") == "error" for r in results):
         return 2
-    return 1 if any(r.verdict == "misaligned" for r in results) else 0
+    return 1 if any(r.verdict == "misaligned" or (r.live or {}).get("verdict") == "fail" for r in results) else 0

@@ -208,3 +208,25 @@ def test_default_release_matrix(request):
     assert len(rows) >= 4 * 13 and not [r for r in rows if r["verdict"] == "error"]
     pinned = next(r for r in rows if (r["dynamo"], r["sglang"]) == ("1.6.1", "0.5.23"))
     assert pinned["verdict"] == "aligned", pinned
+
+
+def test_live_column_and_json_when_asked_for():
+    rows = [PairResult("1.6.1", "0.5.21", "misaligned", shipped=True,
+                       live={"verdict": "pass", "detail": "PASS: all assertions hold", "seconds": 150.0}),
+            PairResult("1.5.1", "0.5.18", "aligned", live={"verdict": "skipped", "detail": "x", "seconds": 0.0})]
+    lines = table(rows).splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head[-1] == "live:disagg-eagle"
+    assert [c.strip() for c in lines[2].strip("|").split("|")][-1] == "pass"
+    assert rows[0].as_json()["live"]["verdict"] == "pass"
+    assert "live" not in PairResult("1.6.1", "0.5.23", "aligned").as_json()
+    assert "live:disagg-eagle" not in table([PairResult("1.6.1", "0.5.23", "aligned")])
+
+
+def test_live_rows_say_why_a_pair_cannot_run_live():
+    from kvalign.matrix import installed, live_problem, run_live
+
+    other = run_live("0.0.1", "0.5.23")
+    assert other["verdict"] == "skipped" and "the live layer runs the environment's Dynamo" in other["detail"]
+    unsupported = live_problem(installed("ai-dynamo") or "", "0.5.17")
+    assert unsupported is not None and "supports sglang" in unsupported
