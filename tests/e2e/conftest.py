@@ -181,6 +181,7 @@ def shipped_release() -> str:
     except MatrixError as exc:
         pytest.skip(f"cannot read ai-dynamo {dynamo}'s shipped SGLang: {exc}")
     if version is None or version == installed("sglang"):
-        pytest.skip(f"ai-dynamo {dynamo} ships sglang {version}, the environment's own: covered by the real-engine tests on the environment's SGLang")
+        pytest.skip(f"ai-dynamo {dynamo} ships sglang {version}, the environment's own: the real-engine tests "
+                    "on the environment's SGLang cover it")
     install_release(version)
     return version
