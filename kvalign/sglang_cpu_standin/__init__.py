@@ -47,10 +47,13 @@ class Release:
     patches: tuple[tuple[str, str], ...] = ()
 
 
+_TRITON_ONLY_ALLOCATOR = (("sglang.srt.mem_cache.allocator.paged", "paged_allocator_on_cpu"),)
+
 SUPPORTED: dict[str, Release] = {
-    # the one ai-dynamo[sglang]==1.6.1 pins; its paged allocator has no CPU path
-    "0.5.21": Release(kv_events_bind=False,
-                      patches=(("sglang.srt.mem_cache.allocator.paged", "paged_allocator_on_cpu"),)),
+    # the gpu_2 nightly's release; no bind, and its paged allocator has no CPU path (as 0.5.21)
+    "0.5.19": Release(kv_events_bind=False, patches=_TRITON_ONLY_ALLOCATOR),
+    # the one ai-dynamo[sglang]==1.6.1 pins
+    "0.5.21": Release(kv_events_bind=False, patches=_TRITON_ONLY_ALLOCATOR),
     "0.5.23": Release(kv_events_bind=True),
 }
 

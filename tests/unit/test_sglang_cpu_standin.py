@@ -33,11 +33,11 @@ def test_pinned_version_matches_the_installed_sglang():
 
 
 def test_another_sglang_version_is_refused_with_one_clear_line(monkeypatch):
-    monkeypatch.setattr(standin.metadata, "version", lambda _name: "0.5.19")
+    monkeypatch.setattr(standin.metadata, "version", lambda _name: "0.5.17")
     problem = standin.version_problem()
-    assert problem == ("kvalign's SGLang CPU stand-in supports sglang 0.5.21, 0.5.23, not sglang 0.5.19: "
+    assert problem == ("kvalign's SGLang CPU stand-in supports sglang 0.5.19, 0.5.21, 0.5.23, not sglang 0.5.17: "
                        "the real-engine CPU workers need one of those")
-    assert standin.version_problem("0.5.21") is None and standin.version_problem("0.5.17") is not None
+    assert standin.version_problem("0.5.21") is None and standin.version_problem("0.5.18") is not None
 
 
 def test_a_worker_with_another_sglang_stops_at_start_up(tmp_path):
@@ -50,7 +50,7 @@ def test_a_worker_with_another_sglang_stops_at_start_up(tmp_path):
     proc = _child("print('started')", **standin.worker_env(os.pathsep.join([str(tmp_path), str(ROOT)])))
     assert proc.returncode == 2 and "started" not in proc.stdout
     assert proc.stderr.strip().splitlines() == [
-        "kvalign: kvalign's SGLang CPU stand-in supports sglang 0.5.21, 0.5.23, not sglang 9.9.9: "
+        "kvalign: kvalign's SGLang CPU stand-in supports sglang 0.5.19, 0.5.21, 0.5.23, not sglang 9.9.9: "
         "the real-engine CPU workers need one of those"]
 
 

@@ -2,11 +2,11 @@
 
 Once per supported release (``kvalign.sglang_cpu_standin.SUPPORTED``): the environment's SGLang,
 and each other release from ``kvalign matrix``'s wheel cache (installed by the fixture; skipped
-with the reason when it cannot be). Call sites moved between releases: in 0.5.21 the tree kernels'
-wrappers live in ``srt/speculative/eagle_utils.py`` (``build_tree_kernel_efficient`` dispatches
-to its Triton / CPU branch functions directly, called here the same way), the draft-cache-locs
-launch is inline in ``eagle_worker_common.prepare_for_draft`` (reproduced here with its
-arguments), and ``fill_front_out_cache_loc_func`` does not exist (skipped for that release).
+with the reason when it cannot be). Call sites moved between releases: in 0.5.19 and 0.5.21 the
+tree kernels' wrappers live in ``srt/speculative/eagle_utils.py`` (``build_tree_kernel_efficient``
+dispatches to its Triton / CPU branch functions directly, called here the same way), the
+draft-cache-locs launch is inline in ``eagle_worker_common.prepare_for_draft`` (reproduced here
+with its arguments), and ``fill_front_out_cache_loc_func`` does not exist (skipped there).
 
 For every ``*_cpu`` name in :mod:`kvalign.sglang_cpu_standin.kernels`, Hypothesis draws inputs
 shaped as SGLang 0.5.23 builds them (int32/int64 index tensors, small batches, topk=1 chains and
@@ -127,10 +127,9 @@ _SGLANG_MODULES = {
 }
 #: Where a release keeps a call site elsewhere: "spec_tree" is the module holding the tree
 #: wrappers (and their platform flags), "spec_tree_kernels" the one holding the Triton kernels.
-_RELEASE_MODULES = {
-    "0.5.21": {"spec_tree": "sglang.srt.speculative.eagle_utils",
-               "spec_tree_kernels": "sglang.kernels.ops.speculative.spec_tree"},
-}
+_BEFORE_0_5_23 = {"spec_tree": "sglang.srt.speculative.eagle_utils",
+                  "spec_tree_kernels": "sglang.kernels.ops.speculative.spec_tree"}
+_RELEASE_MODULES = {"0.5.19": _BEFORE_0_5_23, "0.5.21": _BEFORE_0_5_23}
 #: The Triton kernels the references launch (module key, attribute).
 _REFERENCE_KERNELS = (
     ("eagle", "fill_bonus_tokens"), ("eagle", "fill_accept_out_cache_loc"),
