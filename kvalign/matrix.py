@@ -374,26 +374,27 @@ def plan_pairs(dynamo: Sequence[str], sglang: Sequence[str], *, shipped: bool,
     """The cross product ``dynamo x sglang`` plus, when ``shipped``, each Dynamo release's own SGLang.
 
     ``pinned(d)`` answers the shipped SGLang of ``d`` (None: the wheel pins none) or raises
-    :class:`MatrixError`; the second value maps a Dynamo release whose pin could not be read to why.
-    A shipped pair already in the cross product is marked, not repeated.
+    :class:`MatrixError`; the second value maps a Dynamo release whose pin could not be read to why
+    (only when ``shipped``). A shipped pair is marked wherever it appears, also in a plain cross
+    product; with ``shipped`` it is added when missing.
     """
     pins: dict[str, str] = {}
     unknown: dict[str, str] = {}
-    if shipped:
-        for d in dynamo:
-            try:
-                pin = pinned(d)
-            except MatrixError as exc:
+    for d in dynamo:
+        try:
+            pin = pinned(d)
+        except MatrixError as exc:
+            if shipped:  # otherwise the pair's own install reports it
                 unknown[d] = one_line(str(exc))
-                continue
-            if pin is None:
-                unknown[d] = f"ai-dynamo {d} pins no sglang release under its [sglang] extra"
-            else:
-                pins[d] = pin
+            continue
+        if pin is not None:
+            pins[d] = pin
+        elif shipped:
+            unknown[d] = f"ai-dynamo {d} pins no sglang release under its [sglang] extra"
     pairs = []
     for d in dynamo:
         versions = list(sglang)
-        if d in pins and pins[d] not in versions:
+        if shipped and d in pins and pins[d] not in versions:
             versions.append(pins[d])
         pairs += [Pair(d, s, pins.get(d) == s) for s in sorted(versions, key=_version_key)]
     return pairs, unknown

@@ -120,6 +120,9 @@ def test_shipped_pairs_join_the_cross_product_marked():
                      Pair("0.0.1", "0.5.21"), Pair("0.0.1", "0.5.23")]
     assert unknown == {"0.0.1": "(pip said more)"}
     assert plan_pairs(["1.6.1"], ["0.5.23"], shipped=False, pinned=pinned) == ([Pair("1.6.1", "0.5.23")], {})
+    # without --shipped nothing is added and an unreadable pin is no error row, but a shipped pair is marked
+    assert plan_pairs(["1.6.1", "0.0.1"], ["0.5.21"], shipped=False, pinned=pinned) == (
+        [Pair("1.6.1", "0.5.21", True), Pair("0.0.1", "0.5.21")], {})
     assert plan_pairs(["1.6.1"], [], shipped=True, pinned=pinned)[0] == [Pair("1.6.1", "0.5.21", True)]
 
 
