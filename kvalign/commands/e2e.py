@@ -136,12 +136,7 @@ def _format_argv(argv: list[str]) -> str:
 def render_plan(opts: E2eOptions, specs: list[ProcessSpec], plan: ClusterPlan, problems: list[str],
                 checked_import: bool) -> str:
     common = plan.plane_env()
-    out = [f"kvalign e2e plan: {opts.describe()}"]
-    if not opts.cpu:
-        out += [f"model:       {opts.model} -> --model-path {plan.model_path}",
-                f"draft model: {opts.draft_model}"]
-    elif opts.engine == "sglang-cpu":
-        out.append(f"models: tiny Llama target + {opts.draft}ing EAGLE3 draft, built offline under RUN_DIR/models")
+    out = [f"kvalign e2e plan: {opts.describe()}", *opts.kind.model_lines(opts, plan)]
     out += [f"namespace {plan.namespace}; frontend {plan.frontend_url}; ports were free at planning time "
             "(`e2e run` allocates its own); RUN_DIR = the run's --run-dir"]
     out.append(f"control plane: {plan.control_plane} (" + ", ".join(f"{k} {v}" for k, v in plan.planes.items()) + ")")

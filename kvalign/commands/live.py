@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 
 from kvalign.errors import UsageError
-from kvalign.live.cluster import Cluster, make_plan, plan_specs
+from kvalign.live.cluster import Cluster, plan_specs
+from kvalign.live.disagg_eagle import E2eOptions
+from kvalign.live.engines import ENGINE_KINDS
 from kvalign.live.processes import ProcessExited, sigterm_as_interrupt
-from kvalign.live.sglang_cpu_worker import plan_cluster
 from kvalign.live.topology import (
     CONTROL_PLANES,
     ClusterPlan,
-    CpuWorkerKind,
     Topology,
     WorkerKind,
     control_plane_missing,
@@ -81,27 +81,26 @@ def _topology(args: argparse.Namespace) -> Topology:
 
 
 def _plan(args: argparse.Namespace) -> tuple[ClusterPlan, WorkerKind]:
-    topology = _topology(args)
-    if args.draft != "agree" and args.engine != "sglang-cpu":
-        raise UsageError("--draft disagree needs --engine sglang-cpu")
-    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvalign-live-"))
-    if args.sglang is not None and args.engine != "sglang-cpu":
-        raise UsageError("--sglang picks the real CPU engine's SGLang release: it needs --engine sglang-cpu")
-    if args.engine == "sglang-cpu":
-        from kvalign.commands.e2e import release_version
+    """This topology (live's own: aggregated or disaggregated, any eagle setting) on the engine's workers."""
+    from kvalign.commands.e2e import release_version
 
-        try:
-            return plan_cluster(topology, run_dir, draft=args.draft, control_plane=args.control_plane,
-                                sglang_version=release_version(args.sglang))
-        except RuntimeError as exc:
-            raise UsageError(str(exc).splitlines()[0]) from None
-    return make_plan(topology, run_dir, control_plane=args.control_plane), CpuWorkerKind()
+    topology = _topology(args)
+    try:
+        opts = E2eOptions(engine=args.engine, draft=args.draft, control_plane=args.control_plane,
+                          sglang=release_version(args.sglang))
+    except ValueError as exc:  # an option this engine does not take
+        raise UsageError(str(exc)) from None
+    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvalign-live-"))
+    try:
+        return opts.kind.plan(topology, run_dir, opts)
+    except RuntimeError as exc:  # an unsupported release, or one that cannot be installed
+        raise UsageError(str(exc).splitlines()[0]) from None
 
 
 def run(args: argparse.Namespace) -> int:
     plan, kind = _plan(args)
     if args.startup_timeout is None:
-        args.startup_timeout = 400.0 if args.engine == "sglang-cpu" else 120.0
+        args.startup_timeout = ENGINE_KINDS[args.engine].live_startup_timeout_s
     if args.live_command == "plan":
         for spec in plan_specs(plan, kind):
             print(f"# {spec.name}\n{spec.command_line()}\n")

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from kvalign.causes import Cause
 from kvalign.cli import main
 from kvalign.report import ANCHORS, Anchor, locate
-from kvalign.causes import Cause
 
 ROOT = Path(__file__).resolve().parents[2]
 
