@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,7 +149,7 @@ def engine_problem(sglang_version: str | None = None) -> str | None:
     return None
 
 
-def release_dir(sglang_version: str | None, log: Callable[[str], None] = lambda _m: None) -> tuple[str, Path | None]:
+def release_dir(sglang_version: str | None) -> tuple[str, Path | None]:
     """(the SGLang release the workers run, its wheel-cache directory or None for the environment's).
 
     A release other than the environment's is installed into ``kvalign matrix``'s per-version cache
@@ -161,15 +160,15 @@ def release_dir(sglang_version: str | None, log: Callable[[str], None] = lambda 
     problem = sglang_cpu_standin.version_problem(version)
     if problem:
         raise RuntimeError(problem)
-    return version, ensure_release("sglang", version, log=log)
+    return version, ensure_release("sglang", version)
 
 
 def plan_cluster(topology: Topology, run_dir: str | Path, *, draft: Draft = "agree",
-                 control_plane: ControlPlane = "file", sglang_version: str | None = None,
-                 log: Callable[[str], None] = lambda _m: None) -> tuple[ClusterPlan, SglangCpuWorkerKind]:
+                 control_plane: ControlPlane = "file",
+                 sglang_version: str | None = None) -> tuple[ClusterPlan, SglangCpuWorkerKind]:
     """Plan a real-engine CPU run: the tiny models are built under ``run_dir/models`` (a few
     hundred KB, so every run builds its own) and served as :data:`TARGET_NAME`."""
-    version, sglang_dir = release_dir(sglang_version, log)
+    version, sglang_dir = release_dir(sglang_version)
     run = Path(run_dir).resolve()
     target, draft_dir = write_models(run / "models", draft)
     plan = make_plan(topology, run, str(target), model_name=TARGET_NAME, control_plane=control_plane)

@@ -47,13 +47,14 @@ class Release:
     patches: tuple[tuple[str, str], ...] = ()
 
 
-_TRITON_ONLY_ALLOCATOR = (("sglang.srt.mem_cache.allocator.paged", "paged_allocator_on_cpu"),)
+#: Before 0.5.23: the publisher binds the harness's IPC socket (no ``bind``), and the paged
+#: allocator launches Triton kernels with no CPU path.
+_BEFORE_0_5_23 = (("sglang.srt.disaggregation.kv_events", "kv_events_local_publish"),
+                  ("sglang.srt.mem_cache.allocator.paged", "paged_allocator_on_cpu"))
 
 SUPPORTED: dict[str, Release] = {
-    # the gpu_2 nightly's release; no bind, and its paged allocator has no CPU path (as 0.5.21)
-    "0.5.19": Release(kv_events_bind=False, patches=_TRITON_ONLY_ALLOCATOR),
-    # the one ai-dynamo[sglang]==1.6.1 pins
-    "0.5.21": Release(kv_events_bind=False, patches=_TRITON_ONLY_ALLOCATOR),
+    "0.5.19": Release(kv_events_bind=False, patches=_BEFORE_0_5_23),  # the gpu_2 nightly's release
+    "0.5.21": Release(kv_events_bind=False, patches=_BEFORE_0_5_23),  # the one ai-dynamo[sglang]==1.6.1 pins
     "0.5.23": Release(kv_events_bind=True),
 }
 

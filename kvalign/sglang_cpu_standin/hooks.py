@@ -25,7 +25,6 @@ PATCHES: dict[str, tuple[Callable[[], None], ...]] = {
     "sglang.srt.arg_groups.pd_disaggregation_hook": (patches.fake_transfer_prefill_check,),
     "sglang.srt.managers.disagg_service": (patches.fake_transfer_bootstrap,),
     "sglang.srt.disaggregation.decode": (patches.fake_transfer_decode,),
-    "sglang.srt.disaggregation.kv_events": (patches.kv_events_local_publish,),
 }
 
 

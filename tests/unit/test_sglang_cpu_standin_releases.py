@@ -50,7 +50,10 @@ def _child(release_dir: Path, argv: list[str], **env: str) -> subprocess.Complet
                           env={**base, "PYTHONPATH": path, **env})
 
 
-def test_patches_find_their_targets_in_the_release(release):
+def test_patches_find_their_targets_in_the_release(release, tmp_path):
+    """Importing every patched module runs the patches; each one's ``_require`` checks its target in
+    this release first, so a clean exit means every target was found (as in a worker: the harness's
+    IPC endpoint is set, so the KV-events patch applies too)."""
     version, where = release
     from kvalign.sglang_cpu_standin.hooks import release_patches
 
@@ -61,15 +64,19 @@ def test_patches_find_their_targets_in_the_release(release):
         f"mods = {modules!r}\n"
         "for m in mods: importlib.import_module(m)\n"
         "from sglang.srt.mem_cache.allocator import paged\n"
-        "print(json.dumps([metadata.version('sglang'), type(paged.alloc_decode_kernel).__name__]))\n"
+        "from sglang.srt.disaggregation import kv_events\n"
+        "print(json.dumps([metadata.version('sglang'), type(paged.alloc_decode_kernel).__name__,\n"
+        "                  kv_events.ZmqEventPublisher.__init__.__code__.co_filename.endswith('patches.py')]))\n"
     )
-    env = standin.worker_env(str(where))
-    proc = _child(where, ["-c", code], **{**env, "PYTHONPATH": env["PYTHONPATH"] + os.pathsep + str(ROOT)})
+    env = standin.worker_env(os.pathsep.join([str(where), str(ROOT)]))
+    env[standin.KV_EVENTS_IPC_ENV] = f"ipc://{tmp_path / 'kv.ipc'}"
+    proc = _child(where, ["-c", code], **env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got_version, decode_launch = json.loads(proc.stdout.strip().splitlines()[-1])
+    got_version, decode_launch, publisher_patched = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got_version == version
-    patched = any(m == "sglang.srt.mem_cache.allocator.paged" for m, _ in standin.SUPPORTED[version].patches)
-    assert decode_launch == ("Launch" if patched else "JITFunction")
+    extra = {name for _module, name in standin.SUPPORTED[version].patches}
+    assert decode_launch == ("Launch" if "paged_allocator_on_cpu" in extra else "JITFunction")
+    assert publisher_patched == ("kv_events_local_publish" in extra)
 
 
 def test_allocator_launches_equal_the_release_s_triton_kernels(release):
