@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "kvalign.commands.watch",
     "kvalign.commands.check",
     "kvalign.commands.matrix",
+    "kvalign.commands.report",
     "kvalign.commands.hash",
     "kvalign.commands.live",
     "kvalign.commands.e2e",

@@ -3,9 +3,14 @@
 Someone upgrading either side needs to know whether *that pair* is aligned. Each pair runs in its
 own subprocess with the two releases put first on ``PYTHONPATH``: the releases' wheels are installed
 once, ``--no-deps``, into a per-version directory of a cache outside the repository (a release's
-``dynamo._core`` imports without its dependencies; SGLang gets the few packages its wheel pins
-exactly — transformers, tokenizers, … — beside it, the rest comes from the running environment).
+``dynamo._core`` imports without its dependencies). SGLang's directory also gets whatever of its
+pinned dependency set the running environment does not satisfy — its exact pins (transformers,
+openai, …) and, transitively, what those need (transformers 5.12.1 wants tokenizers <= 0.23.0) — so a
+release imports with the versions it was released with; the rest comes from the environment.
 The installed pair of the running environment is used as is.
+
+The pairs people deploy are each Dynamo release with the SGLang its ``ai-dynamo[sglang]`` extra
+pins; :func:`shipped_sglang` reads that pin from the release's own wheel metadata.
 """
 
 from __future__ import annotations
@@ -25,16 +30,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from packaging.markers import default_environment
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
+
 from kvalign.check import MODES, PROPERTIES
 
 DYNAMO_PACKAGES = ("ai-dynamo-runtime", "ai-dynamo")
 #: Packages SGLang pins exactly that must match its version (transformers registers model configs
 #: by name, so another version fails at import); installed beside it when the environment differs.
 SGLANG_COUPLED = ("transformers", "tokenizers", "openai", "xgrammar")
+#: The environment's torch stack is used as is (CPU build, one per venv; a release's CUDA pin is not
+#: installable here and the oracles need only the radix cache and the event publisher).
+ENVIRONMENT_ONLY = frozenset({"torch", "torchvision", "torchaudio", "triton"})
+#: Bumped when a per-version directory must hold more than before: an older cache is completed, not trusted.
+INSTALL_SCHEME = 2
+#: Rounds of "install what the installed packages still miss" before giving up (depth of the closure).
+MAX_DEPENDENCY_ROUNDS = 6
 DEFAULT_SGLANG = ("0.5.17", "0.5.19", "0.5.21", "0.5.23")
 DEFAULT_DYNAMO_RANGE = ((1, 0, 0), (1, 6, 1))
 #: Seconds one pair's check may take before it is reported as an error.
 PAIR_TIMEOUT_S = 900
+#: Seconds one pair's live scenario (start-up ~2 min on 2 cores, 4 requests) may take.
+LIVE_TIMEOUT_S = 900
+#: The live scenario's column.
+LIVE_COLUMN = "live:disagg-eagle"
 
 
 class MatrixError(RuntimeError):
@@ -94,46 +115,169 @@ def _pip_target(target: Path, requirements: Sequence[str]) -> None:
         raise MatrixError(f"cannot install {' '.join(requirements)}: {lines[-1] if lines else 'pip failed'}")
 
 
-def _pins(target: Path, dist: str, wanted: Sequence[str]) -> list[str]:
-    """``name==version`` requirements the installed ``dist`` in ``target`` pins exactly, for ``wanted`` names."""
-    meta = next(target.glob(f"{dist.replace('-', '_')}-*.dist-info/METADATA"), None)
-    if meta is None:
-        return []
-    pins = []
-    for line in meta.read_text(encoding="utf-8", errors="replace").splitlines():
-        m = re.match(r"Requires-Dist:\s*([A-Za-z0-9_.-]+)\s*==\s*([^\s;,]+)\s*$", line)
-        if m and m.group(1).lower() in wanted:
-            pins.append(f"{m.group(1)}=={m.group(2)}")
-    return pins
+def _dist_name(meta: Path) -> str:
+    """The canonical distribution name of ``<name>-<version>.dist-info/METADATA``."""
+    return canonicalize_name(meta.parent.name.removesuffix(".dist-info").rsplit("-", 1)[0])
+
+
+def _metadata_file(target: Path, dist: str) -> Path | None:
+    return next((m for m in target.glob("*.dist-info/METADATA") if _dist_name(m) == canonicalize_name(dist)), None)
+
+
+def requires_dist(metadata: str, extra: str = "") -> list[Requirement]:
+    """The ``Requires-Dist`` requirements of a METADATA text that apply here with ``extra`` requested.
+
+    With ``extra=""`` that is the unconditional dependency set; an extra's own lines are those whose
+    marker holds only with ``extra`` set. Markers are evaluated for this interpreter and platform.
+    """
+    env = dict(default_environment())
+    out = []
+    for line in metadata.splitlines():
+        if not line.startswith("Requires-Dist:"):
+            continue
+        try:
+            req = Requirement(line.split(":", 1)[1].strip())
+        except InvalidRequirement:
+            continue
+        if req.marker is None:
+            if not extra:
+                out.append(req)
+            continue
+        if req.marker.evaluate({**env, "extra": extra}) and (not extra or not req.marker.evaluate({**env, "extra": ""})):
+            out.append(req)
+    return out
+
+
+def shipped_sglang_from_metadata(metadata: str) -> str | None:
+    """The SGLang version an ``ai-dynamo`` METADATA pins under its ``sglang`` extra (``sglang[diffusion]==0.5.21``)."""
+    for req in requires_dist(metadata, extra="sglang"):
+        if canonicalize_name(req.name) == "sglang":
+            exact = [sp.version for sp in req.specifier if sp.operator in ("==", "===") and "*" not in sp.version]
+            if exact:
+                return exact[0]
+    return None
+
+
+def shipped_sglang(dynamo: str, *, log: Callable[[str], None] = lambda _m: None) -> str | None:
+    """The SGLang release ``ai-dynamo[sglang]==dynamo`` pins, read from that release's installed wheel metadata."""
+    target = ensure_release("dynamo", dynamo, log=log)
+    if target is None:
+        import importlib.metadata as md
+
+        text = md.metadata("ai-dynamo").as_string()
+    else:
+        meta = _metadata_file(target, "ai-dynamo")
+        if meta is None:
+            raise MatrixError(f"ai-dynamo {dynamo} in {target} has no METADATA; remove the directory to reinstall it")
+        text = meta.read_text(encoding="utf-8", errors="replace")
+    return shipped_sglang_from_metadata(text)
+
+
+def _target_versions(target: Path) -> dict[str, str]:
+    versions = {}
+    for meta in target.glob("*.dist-info/METADATA"):
+        name = version = None
+        for line in meta.read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("Name:"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("Version:"):
+                version = line.split(":", 1)[1].strip()
+            elif not line.strip():
+                break
+        if name and version:
+            versions[canonicalize_name(name)] = version
+    return versions
+
+
+def _satisfied(req: Requirement, version: str | None) -> bool:
+    if version is None:
+        return False
+    try:
+        return req.specifier.contains(Version(version), prereleases=True)
+    except InvalidVersion:
+        return False
+
+
+def unsatisfied(target: Path, roots: Sequence[Requirement], environment: Callable[[str], str | None] = installed) -> list[Requirement]:
+    """What ``roots`` and everything installed in ``target`` require that neither ``target`` nor the environment has.
+
+    A requirement is met by the version in ``target`` when there is one (it comes first on the
+    path), else by the environment's. Packages in :data:`ENVIRONMENT_ONLY` are never asked for.
+    """
+    have = _target_versions(target)
+    wanted = list(roots)
+    for meta in target.glob("*.dist-info/METADATA"):
+        if _dist_name(meta) == "sglang":
+            continue  # SGLang's own list is filtered into ``roots`` by the caller
+        wanted += requires_dist(meta.read_text(encoding="utf-8", errors="replace"))
+    missing: dict[str, Requirement] = {}
+    for req in wanted:
+        name = canonicalize_name(req.name)
+        if name in ENVIRONMENT_ONLY or name in missing:
+            continue
+        if not _satisfied(req, have.get(name) or environment(name)):
+            missing[name] = req
+    return list(missing.values())
+
+
+def sglang_roots(metadata: str, environment: Callable[[str], str | None] = installed) -> list[Requirement]:
+    """The part of SGLang's dependency set a CPU environment must satisfy: its exact pins of
+    :data:`SGLANG_COUPLED`, and every requirement on a package the environment has installed (the
+    CUDA-only rest — flashinfer, sgl-kernel, … — is deliberately absent here and never imported)."""
+    return [r for r in requires_dist(metadata)
+            if canonicalize_name(r.name) not in ENVIRONMENT_ONLY
+            and (canonicalize_name(r.name) in SGLANG_COUPLED or environment(canonicalize_name(r.name)) is not None)]
+
+
+def _complete_dependencies(target: Path, log: Callable[[str], None]) -> None:
+    meta = _metadata_file(target, "sglang")
+    roots = sglang_roots(meta.read_text(encoding="utf-8", errors="replace")) if meta else []
+    for _ in range(MAX_DEPENDENCY_ROUNDS):
+        missing = unsatisfied(target, roots)
+        if not missing:
+            return
+        log(f"  {target.name}: installing {', '.join(str(r.name) + str(r.specifier) for r in missing)}")
+        _pip_target(target, [f"{r.name}{r.specifier}" for r in missing])
+    missing = unsatisfied(target, roots)
+    if missing:
+        raise MatrixError(f"{target.name}: dependencies still unsatisfied after {MAX_DEPENDENCY_ROUNDS} rounds: "
+                          f"{', '.join(str(r) for r in missing)}")
 
 
 def ensure_release(kind: str, version: str, *, log: Callable[[str], None] = lambda _m: None) -> Path | None:
     """The directory holding ``kind`` (``dynamo`` / ``sglang``) at ``version``; None = the running environment's.
 
-    Installed once per version (a ``.complete`` marker makes the cache reusable; a lock makes
-    concurrent runs safe); a cold cache downloads each wheel once.
+    Installed once per version (a ``.complete`` marker naming :data:`INSTALL_SCHEME` makes the cache
+    reusable; a lock makes concurrent runs safe); a cold cache downloads each wheel once.
     """
     dist = "ai-dynamo-runtime" if kind == "dynamo" else "sglang"
     if installed(dist) == version and (kind == "sglang" or installed("ai-dynamo") == version):
         return None
     target = cache_root() / f"{'ai-dynamo' if kind == 'dynamo' else 'sglang'}-{version}"
     done = target / ".complete"
-    if done.exists():
+    if _complete(done):
         return target
     with _locked(target):
-        if done.exists():
+        if _complete(done):
             return target
         log(f"installing {dist} {version} into {target}")
         start = time.perf_counter()
         if kind == "dynamo":
-            _pip_target(target, [f"{d}=={version}" for d in DYNAMO_PACKAGES])
+            if _metadata_file(target, "ai-dynamo") is None:
+                _pip_target(target, [f"{d}=={version}" for d in DYNAMO_PACKAGES])
         else:
-            _pip_target(target, [f"sglang=={version}"])
-            coupled = [p for p in _pins(target, "sglang", SGLANG_COUPLED) if installed(p.split("==")[0]) != p.split("==")[1]]
-            if coupled:
-                _pip_target(target, coupled)
-        done.write_text(f"{time.perf_counter() - start:.1f}s\n")
+            if _metadata_file(target, "sglang") is None:
+                _pip_target(target, [f"sglang=={version}"])
+            _complete_dependencies(target, log)
+        done.write_text(f"scheme {INSTALL_SCHEME}\n{time.perf_counter() - start:.1f}s\n")
     return target
+
+
+def _complete(done: Path) -> bool:
+    try:
+        return done.read_text().startswith(f"scheme {INSTALL_SCHEME}\n")
+    except OSError:
+        return False
 
 
 @dataclass
@@ -146,9 +290,23 @@ class PairResult:
     findings: list[dict[str, str]] = field(default_factory=list)
     error: str | None = None
     seconds: float = 0.0
+    shipped: bool = False  # sglang is the release ai-dynamo[sglang]==dynamo pins
+    live: dict[str, Any] | None = None  # --live: the seed scenario on real CPU engines (see run_live)
 
     def as_json(self) -> dict[str, Any]:
-        return {"dynamo": self.dynamo, "sglang": self.sglang, "verdict": self.verdict, "findings": self.findings}
+        row: dict[str, Any] = {"dynamo": self.dynamo, "sglang": self.sglang, "shipped": self.shipped,
+                               "verdict": self.verdict, "findings": self.findings}
+        if self.verdict == "error":
+            row["error"] = one_line(self.error or "unknown error")
+        if self.live is not None:
+            row["live"] = self.live
+        return row
+
+
+def one_line(text: str) -> str:
+    """The last non-empty line of an error text: a JSON row or a progress line carries one line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else text.strip()
 
 
 def pair_env(dynamo_dir: Path | None, sglang_dir: Path | None, sglang_version: str) -> dict[str, str]:
@@ -202,27 +360,107 @@ def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int,
     return PairResult(dynamo, sglang, verdict, findings, seconds=seconds)
 
 
-def run_matrix(dynamo: Sequence[str], sglang: Sequence[str], *, examples: int, ingest_examples: int, jobs: int = 1,
+@dataclass(frozen=True)
+class Pair:
+    """One release pair to check; ``shipped`` when ``sglang`` is the one ``ai-dynamo[sglang]==dynamo`` pins."""
+
+    dynamo: str
+    sglang: str
+    shipped: bool = False
+
+
+def plan_pairs(dynamo: Sequence[str], sglang: Sequence[str], *, shipped: bool,
+               pinned: Callable[[str], str | None]) -> tuple[list[Pair], dict[str, str]]:
+    """The cross product ``dynamo x sglang`` plus, when ``shipped``, each Dynamo release's own SGLang.
+
+    ``pinned(d)`` answers the shipped SGLang of ``d`` (None: the wheel pins none) or raises
+    :class:`MatrixError`; the second value maps a Dynamo release whose pin could not be read to why
+    (only when ``shipped``). A shipped pair is marked wherever it appears, also in a plain cross
+    product; with ``shipped`` it is added when missing.
+    """
+    pins: dict[str, str] = {}
+    unknown: dict[str, str] = {}
+    for d in dynamo:
+        try:
+            pin = pinned(d)
+        except MatrixError as exc:
+            if shipped:  # otherwise the pair's own install reports it
+                unknown[d] = one_line(str(exc))
+            continue
+        if pin is not None:
+            pins[d] = pin
+        elif shipped:
+            unknown[d] = f"ai-dynamo {d} pins no sglang release under its [sglang] extra"
+    pairs = []
+    for d in dynamo:
+        versions = list(sglang)
+        if shipped and d in pins and pins[d] not in versions:
+            versions.append(pins[d])
+        pairs += [Pair(d, s, pins.get(d) == s) for s in sorted(versions, key=_version_key)]
+    return pairs, unknown
+
+
+def run_matrix(pairs: Sequence[Pair], *, examples: int, ingest_examples: int, jobs: int = 1,
                progress: Callable[[PairResult, int, int], None] | None = None,
                log: Callable[[str], None] = lambda _m: None) -> list[PairResult]:
-    """Every pair, ``jobs`` at a time; results in (dynamo, sglang) order, progress as pairs finish."""
-    pairs = [(d, s) for d in dynamo for s in sglang]
+    """Every pair, ``jobs`` at a time; results in the order given, progress as pairs finish."""
     # Install every release first, one at a time (pip and the disk are the bottleneck, not the CPU).
-    for kind, versions in (("dynamo", dynamo), ("sglang", sglang)):
-        for v in versions:
+    for kind, versions in (("dynamo", [p.dynamo for p in pairs]), ("sglang", [p.sglang for p in pairs])):
+        for v in dict.fromkeys(versions):
             try:
                 ensure_release(kind, v, log=log)
             except MatrixError:
                 pass  # reported by the pairs that need it
-    results: dict[tuple[str, str], PairResult] = {}
+    results: dict[Pair, PairResult] = {}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = {pool.submit(run_pair, d, s, examples=examples, ingest_examples=ingest_examples, log=log): (d, s)
-                   for d, s in pairs}
+        futures = {pool.submit(run_pair, p.dynamo, p.sglang, examples=examples, ingest_examples=ingest_examples,
+                               log=log): p for p in pairs}
         for fut in as_completed(futures):
-            results[futures[fut]] = fut.result()
+            pair = futures[fut]
+            results[pair] = fut.result()
+            results[pair].shipped = pair.shipped
             if progress:
-                progress(results[futures[fut]], len(results), len(pairs))
+                progress(results[pair], len(results), len(pairs))
     return [results[p] for p in pairs]
+
+
+def live_problem(dynamo: str, sglang: str) -> str | None:
+    """Why the live scenario cannot run for this pair here (None when it can).
+
+    The live layer runs the environment's Dynamo (its frontend, relay and ``dynamo.sglang``
+    processes) with any SGLang release the CPU stand-in supports, from the wheel cache."""
+    from kvalign.sglang_cpu_standin import version_problem
+
+    env_dynamo = installed("ai-dynamo")
+    if dynamo != env_dynamo:
+        return (f"the live layer runs the environment's Dynamo ({env_dynamo}); other Dynamo releases' "
+                "frontend/worker processes are not wired up")
+    return version_problem(sglang)
+
+
+def run_live(dynamo: str, sglang: str, *, log: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+    """The seed scenario (``kvalign e2e run --engine sglang-cpu --sglang S``) for one pair, in a subprocess:
+    ``{"verdict": "pass"|"fail"|"skipped"|"error", "detail": one line, "seconds": wall}``."""
+    problem = live_problem(dynamo, sglang)
+    if problem:
+        return {"verdict": "skipped", "detail": problem, "seconds": 0.0}
+    start = time.perf_counter()
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
+    cmd = [sys.executable, "-m", "kvalign", "e2e", "run", "--engine", "sglang-cpu", "--sglang", sglang]
+    log(f"live: dynamo {dynamo} x sglang {sglang}: {' '.join(cmd[1:])}")
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=LIVE_TIMEOUT_S, cwd=root)
+    except subprocess.TimeoutExpired:
+        return {"verdict": "error", "detail": f"did not finish within {LIVE_TIMEOUT_S}s",
+                "seconds": round(time.perf_counter() - start, 1)}
+    seconds = round(time.perf_counter() - start, 1)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
+    if res.returncode == 0 and lines and lines[-1].startswith("PASS"):
+        return {"verdict": "pass", "detail": lines[-1], "seconds": seconds}
+    if res.returncode == 1 and lines:
+        return {"verdict": "fail", "detail": "; ".join(lines), "seconds": seconds}
+    return {"verdict": "error", "detail": one_line(res.stderr or f"exit {res.returncode}"), "seconds": seconds}
 
 
 def _cell(findings: Sequence[dict[str, str]]) -> str:
@@ -230,15 +468,21 @@ def _cell(findings: Sequence[dict[str, str]]) -> str:
 
 
 def table(results: Sequence[PairResult], props: Sequence[str] = PROPERTIES, modes: Sequence[str] = MODES) -> str:
-    """One row per pair, one column per property x mode; a cell is ``ok`` or the causes found."""
-    head = ["dynamo", "sglang", "verdict", *[f"{p}:{m}" for p in props for m in modes]]
+    """One row per pair, one column per property x mode; a cell is ``ok`` or the causes found.
+
+    A pair whose SGLang is the one its Dynamo release pins says ``(shipped)`` after the version;
+    with ``--live`` rows, a last column gives the live scenario's verdict."""
+    live = any(r.live is not None for r in results)
+    head = ["dynamo", "sglang", "verdict", *[f"{p}:{m}" for p in props for m in modes], *([LIVE_COLUMN] if live else [])]
     body = []
     for r in results:
         if r.verdict == "error":
-            cells = ["error"] * (len(head) - 3)
+            cells = ["error"] * (len(head) - 3 - live)
         else:
             cells = [_cell([f for f in r.findings if f["property"] == p and f["mode"] == m]) for p in props for m in modes]
-        body.append([r.dynamo, r.sglang, r.verdict, *cells])
+        if live:
+            cells.append((r.live or {}).get("verdict", "-"))
+        body.append([r.dynamo, r.sglang + (" (shipped)" if r.shipped else ""), r.verdict, *cells])
     widths = [max(len(row[i]) for row in (head, *body)) for i in range(len(head))]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, body)])

@@ -259,6 +259,27 @@ def _name_ingest_divergence(expected: _ExpectedIndex, dumped: dict[int, int], p:
     return None
 
 
+def engine_batches(make_cache: CacheFactory, isc: IngestScenario, shift: Callable[[list[int]], list[int]],
+                   clear: Callable[[], Any]) -> tuple[EngineCache, list[list[Any]]]:
+    """Run ``isc``'s requests through a real SGLang cache: (the cache as it ends, the ZMQ batches of
+    SGLang's own event objects it published). ``clear()`` makes SGLang's ``AllBlocksCleared``.
+    Shared by ``ingest`` and ``kvalign report`` so a report replays exactly what the property sent."""
+    sc = isc.scenario
+    p, eagle = sc.page_size, sc.eagle
+    cache = make_cache(p, eagle)
+    steps: list[list[Any]] = []
+    for i, (tokens, (lora, ns)) in enumerate(sc.inserts):
+        cache.insert(shift(tokens), lora_name=lora, cache_salt=ns)
+        steps.append(cache.take_raw_events())
+        if i == isc.clear_after:  # the engine drops its cache: SGLang's AllBlocksCleared, then an empty cache
+            steps.append([clear()])
+            cache = make_cache(p, eagle)
+    if isc.evict_tokens:
+        cache.evict(isc.evict_tokens)
+        steps.append(cache.take_raw_events())
+    return cache, ([[e for step in steps for e in step]] if isc.one_batch else steps)
+
+
 def ingest_property(path: Any, hasher: RouterHasher, make_cache: CacheFactory, isc: IngestScenario) -> None:
     """SGLang's published events, ingested by the real relay into a real router, give SGLang's reuse."""
     from kvalign.oracles.sglang import to_kvalign_event
@@ -283,18 +304,7 @@ def ingest_property(path: Any, hasher: RouterHasher, make_cache: CacheFactory, i
                        Cause.PATH_UNAVAILABLE, isc)
     base = worker.token_space()
     shift = lambda tokens: [base + t for t in tokens]  # noqa: E731 - this example's own token range
-    cache = make_cache(p, eagle)
-    steps: list[list[Any]] = []
-    for i, (tokens, (lora, ns)) in enumerate(sc.inserts):
-        cache.insert(shift(tokens), lora_name=lora, cache_salt=ns)
-        steps.append(cache.take_raw_events())
-        if i == isc.clear_after:  # the engine drops its cache: SGLang's AllBlocksCleared, then an empty cache
-            steps.append([worker.publisher.clear()])
-            cache = make_cache(p, eagle)
-    if isc.evict_tokens:
-        cache.evict(isc.evict_tokens)
-        steps.append(cache.take_raw_events())
-    batches = [[e for step in steps for e in step]] if isc.one_batch else steps
+    cache, batches = engine_batches(make_cache, isc, shift, worker.publisher.clear)
     reference, ref_relay, expected = PrefixIndex(), Relay(p), _ExpectedIndex(p)
     unnamed_lora = False
     for raw in batches:

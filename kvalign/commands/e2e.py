@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -73,6 +74,9 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-length", type=int, default=4096, help="SGLang --context-length (0 = model default)")
     p.add_argument("--cuda-graph", action="store_true", help="keep CUDA graphs (default: --disable-cuda-graph)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for workers + frontend to be ready")
+    p.add_argument("--sglang", metavar="VERSION", default=None,
+                   help="with --engine sglang-cpu: the SGLang release the workers run, from kvalign matrix's wheel "
+                        "cache (installed on first use; default: the environment's)")
     p.add_argument("--control-plane", choices=CONTROL_PLANES, default="file",
                    help="file: file discovery + zmq events, no service (default); etcd-nats: start etcd + "
                         "nats-server on loopback, etcd discovery + NATS events")
@@ -100,7 +104,17 @@ def _options(args: argparse.Namespace, eagle: bool, engine: str) -> E2eOptions:
         requests=args.requests, max_tokens=args.max_tokens, bind_host=args.bind_host,
         mem_fraction_static=args.mem_fraction_static, context_length=args.context_length or None,
         cuda_graph=args.cuda_graph, startup_timeout_s=args.startup_timeout, control_plane=args.control_plane,
+        sglang=release_version(args.sglang),
     )
+
+
+def release_version(text: str | None) -> str | None:
+    """``--sglang``: one release version, or None."""
+    from kvalign.commands.matrix import VERSION
+
+    if text is not None and not re.match(VERSION, text):
+        raise UsageError(f"--sglang takes one release version, got {text!r}")
+    return text
 
 
 def _format_argv(argv: list[str]) -> str:
@@ -124,12 +138,7 @@ def _format_argv(argv: list[str]) -> str:
 def render_plan(opts: E2eOptions, specs: list[ProcessSpec], plan: ClusterPlan, problems: list[str],
                 checked_import: bool) -> str:
     common = plan.plane_env()
-    out = [f"kvalign e2e plan: {opts.describe()}"]
-    if not opts.cpu:
-        out += [f"model:       {opts.model} -> --model-path {plan.model_path}",
-                f"draft model: {opts.draft_model}"]
-    elif opts.engine == "sglang-cpu":
-        out.append(f"models: tiny Llama target + {opts.draft}ing EAGLE3 draft, built offline under RUN_DIR/models")
+    out = [f"kvalign e2e plan: {opts.describe()}", *opts.kind.model_lines(opts, plan)]
     out += [f"namespace {plan.namespace}; frontend {plan.frontend_url}; ports were free at planning time "
             "(`e2e run` allocates its own); RUN_DIR = the run's --run-dir"]
     out.append(f"control plane: {plan.control_plane} (" + ", ".join(f"{k} {v}" for k, v in plan.planes.items()) + ")")
@@ -160,7 +169,10 @@ def run_plan(args: argparse.Namespace) -> int:
     opts = options(args)
     tmp = Path(tempfile.mkdtemp(prefix="kvalign-e2e-plan-"))
     try:
-        plan, kind = disagg_eagle.build(opts, tmp)
+        try:
+            plan, kind = disagg_eagle.build(opts, tmp)
+        except RuntimeError as exc:
+            raise UsageError(str(exc).splitlines()[0]) from None
         specs = plan_specs(plan, kind)
         pre = disagg_eagle.prerequisites(opts, import_check=args.check)
         problems = list(pre.problems) if pre else []
@@ -188,7 +200,10 @@ def run_run(args: argparse.Namespace) -> int:
     if problems:
         raise UsageError("cannot run here: " + "; ".join(problems))
     run_dir = Path(args.run_dir or Path("out") / "e2e" / f"run-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    plan, kind = disagg_eagle.build(opts, run_dir)
+    try:
+        plan, kind = disagg_eagle.build(opts, run_dir)
+    except RuntimeError as exc:  # the release could not be installed into the wheel cache
+        raise UsageError(str(exc).splitlines()[0]) from None
     specs = plan_specs(plan, kind)
     progress(f"starting {len(specs)} processes ({', '.join(s.name for s in specs)}); logs under {run_dir / 'logs'}")
     try:

@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 
 from kvalign.errors import UsageError
-from kvalign.live.cluster import Cluster, make_plan, plan_specs
+from kvalign.live.cluster import Cluster, plan_specs
+from kvalign.live.disagg_eagle import E2eOptions
+from kvalign.live.engines import ENGINE_KINDS
 from kvalign.live.processes import ProcessExited, sigterm_as_interrupt
-from kvalign.live.sglang_cpu_worker import plan_cluster
 from kvalign.live.topology import (
     CONTROL_PLANES,
     ClusterPlan,
-    CpuWorkerKind,
     Topology,
     WorkerKind,
     control_plane_missing,
@@ -54,6 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--run-dir", default=None, help="logs, discovery store, model dir (default: a new temp dir)")
         q.add_argument("--startup-timeout", type=float, default=None,
                        help="seconds to wait for readiness (default 120 fake-cpu, 400 sglang-cpu)")
+        q.add_argument("--sglang", metavar="VERSION", default=None,
+                       help="with --engine sglang-cpu: the SGLang release the workers run, from kvalign matrix's "
+                            "wheel cache (default: the environment's)")
         q.add_argument("--control-plane", choices=CONTROL_PLANES, default="file",
                        help="file: file discovery + zmq events, no service (default); etcd-nats: start etcd + "
                             "nats-server on loopback, etcd discovery + NATS events")
@@ -78,22 +81,26 @@ def _topology(args: argparse.Namespace) -> Topology:
 
 
 def _plan(args: argparse.Namespace) -> tuple[ClusterPlan, WorkerKind]:
+    """This topology (live's own: aggregated or disaggregated, any eagle setting) on the engine's workers."""
+    from kvalign.commands.e2e import release_version
+
     topology = _topology(args)
-    if args.draft != "agree" and args.engine != "sglang-cpu":
-        raise UsageError("--draft disagree needs --engine sglang-cpu")
+    try:
+        opts = E2eOptions(engine=args.engine, draft=args.draft, control_plane=args.control_plane,
+                          sglang=release_version(args.sglang))
+    except ValueError as exc:  # an option this engine does not take
+        raise UsageError(str(exc)) from None
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvalign-live-"))
-    if args.engine == "sglang-cpu":
-        try:
-            return plan_cluster(topology, run_dir, draft=args.draft, control_plane=args.control_plane)
-        except RuntimeError as exc:
-            raise UsageError(str(exc)) from None
-    return make_plan(topology, run_dir, control_plane=args.control_plane), CpuWorkerKind()
+    try:
+        return opts.kind.plan(topology, run_dir, opts)
+    except RuntimeError as exc:  # an unsupported release, or one that cannot be installed
+        raise UsageError(str(exc).splitlines()[0]) from None
 
 
 def run(args: argparse.Namespace) -> int:
     plan, kind = _plan(args)
     if args.startup_timeout is None:
-        args.startup_timeout = 400.0 if args.engine == "sglang-cpu" else 120.0
+        args.startup_timeout = ENGINE_KINDS[args.engine].live_startup_timeout_s
     if args.live_command == "plan":
         for spec in plan_specs(plan, kind):
             print(f"# {spec.name}\n{spec.command_line()}\n")

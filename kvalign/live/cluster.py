@@ -65,7 +65,8 @@ def make_plan(
 
 def plan_specs(plan: ClusterPlan, kind: WorkerKind) -> list[ProcessSpec]:
     """Every process of the plan in start order (a dry run prints these)."""
-    return [*plan.infrastructure_specs(), *(kind.command(w, plan) for w in plan.topology.workers), plan.frontend_spec()]
+    return [*plan.infrastructure_specs(), *kind.support_specs(plan), *(kind.command(w, plan) for w in plan.topology.workers),
+            plan.frontend_spec()]
 
 
 def nats_ready(port: int, host: str = LOOPBACK, timeout_s: float = 1.0) -> bool:
@@ -134,6 +135,8 @@ class Cluster:
             self.group.start(spec)
         if self.plan.control_plane == "etcd-nats":
             self._await_control_plane(deadline)
+        for spec in self.kind.support_specs(self.plan):
+            self.group.start(spec)
         for w in self.plan.topology.workers:
             self.group.start(self.kind.command(w, self.plan))
         for w in self.plan.topology.workers:

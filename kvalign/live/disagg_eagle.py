@@ -3,7 +3,8 @@
 ``tests/e2e/test_disagg_eagle.py`` and ``kvalign e2e run`` both call this module; the cluster,
 requests, kvalign's prediction and the routing checks are the shared harness's
 (:mod:`kvalign.live.cluster`, :mod:`kvalign.live.scenario`), so runs differ only in the engine
-(:data:`ENGINES`), i.e. the worker kind and model:
+(:data:`ENGINES`; one :class:`~kvalign.live.engines.EngineKind` object each), i.e. the worker kind
+and model:
 
 * ``sglang-gpu`` — real ``dynamo.sglang`` with EAGLE3 on GPUs (the nightly; Qwen3-8B + its draft);
 * ``sglang-cpu`` — the same real ``dynamo.sglang`` on this machine's CPU
@@ -31,12 +32,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from kvalign.live import scenario, sglang_cpu_worker
-from kvalign.live.cluster import make_plan
-from kvalign.live.gpu import Prereqs, check_prereqs, resolve_model_dir
+from kvalign.live import scenario
 from kvalign.live.engine_model import Draft
+from kvalign.live.engines import ENGINE_KINDS, EngineKind, EngineName
+from kvalign.live.gpu import Prereqs
 from kvalign.live.metrics import (
     MetricsSnapshot,
     SpecDecodeWindow,
@@ -48,11 +49,11 @@ from kvalign.live.metrics import (
 )
 from kvalign.live.ports import LOOPBACK
 from kvalign.live.processes import rss_bytes, run_pids
-from kvalign.live.sglang_worker import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, SglangWorkerKind, gpu_topology
-from kvalign.live.topology import RUN_MARKER_ENV, ClusterPlan, ControlPlane, CpuWorkerKind, Topology, WorkerKind
+from kvalign.live.sglang_worker import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
+from kvalign.live.topology import RUN_MARKER_ENV, ClusterPlan, ControlPlane, Topology, WorkerKind
 
-Engine = Literal["sglang-gpu", "sglang-cpu", "fake-cpu"]
-ENGINES: tuple[Engine, ...] = ("sglang-gpu", "sglang-cpu", "fake-cpu")
+Engine = EngineName
+ENGINES: tuple[Engine, ...] = tuple(ENGINE_KINDS)
 
 
 @dataclass(frozen=True)
@@ -76,12 +77,12 @@ class E2eOptions:
     cuda_graph: bool = False
     startup_timeout_s: float = 900.0
     control_plane: ControlPlane = "file"
+    sglang: str | None = None  # sglang-cpu: the SGLang release the workers run (None: the environment's)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.draft != "agree" and self.engine != "sglang-cpu":
-            raise ValueError("--draft disagree builds the tiny CPU draft: it needs --engine sglang-cpu")
+        self.kind.validate(self)
         if self.prefill < 1 or self.decode < 1:
             raise ValueError(f"need at least 1 prefill and 1 decode worker, got {self.prefill} and {self.decode}")
         if self.requests < 2:
@@ -90,34 +91,28 @@ class E2eOptions:
             raise ValueError(f"--max-tokens must be >= 2 so decode runs verify steps, got {self.max_tokens}")
 
     @property
+    def kind(self) -> EngineKind:
+        """This run's engine object: everything that differs between engines."""
+        return ENGINE_KINDS[self.engine]
+
+    @property
     def cpu(self) -> bool:
-        return self.engine != "sglang-gpu"
+        return self.kind.cpu
 
     @property
     def speculates(self) -> bool:
         """The workers run a real speculative decoder (assertions 3 and 4 apply)."""
-        return self.engine != "fake-cpu"
+        return self.kind.speculates
 
     @property
     def gpus_needed(self) -> int:
-        return 0 if self.cpu else 1 if self.single_gpu else 2
+        return self.kind.gpus_needed(self)
 
     def topology(self) -> Topology:
-        if self.cpu:
-            return Topology.disaggregated(self.prefill, self.decode, eagle=True,
-                                          register_eagle=None if self.router_eagle else False, page_size=self.page_size)
-        return gpu_topology(single_gpu=self.single_gpu, prefill=self.prefill, decode=self.decode,
-                            router_eagle=self.router_eagle, page_size=self.page_size)
+        return self.kind.topology(self)
 
     def describe(self) -> str:
-        if self.engine == "fake-cpu":
-            where = f"{self.prefill} prefill + {self.decode} decode CPU workers (SGLang radix cache, no model)"
-        elif self.engine == "sglang-cpu":
-            where = (f"{self.prefill} prefill + {self.decode} decode real SGLang CPU workers, EAGLE3 "
-                     f"(tiny Llama, {self.draft}ing draft)")
-        else:
-            dgpu = 0 if self.single_gpu else 1
-            where = f"{self.prefill} prefill (GPU 0) + {self.decode} decode (GPU {dgpu}), EAGLE3"
+        where = self.kind.describe(self)
         planes = "" if self.control_plane == "file" else f", control plane {self.control_plane}"
         control = "" if self.router_eagle else " [NEGATIVE CONTROL: router eagle forced off]"
         if self.draft == "disagree":
@@ -127,29 +122,12 @@ class E2eOptions:
 
 def build(opts: E2eOptions, run_dir: str | Path) -> tuple[ClusterPlan, WorkerKind]:
     """The plan (ports, env) and worker kind of one run."""
-    if opts.engine == "fake-cpu":
-        return make_plan(opts.topology(), run_dir, control_plane=opts.control_plane), CpuWorkerKind()
-    if opts.engine == "sglang-cpu":
-        return sglang_cpu_worker.plan_cluster(opts.topology(), run_dir, draft=opts.draft, control_plane=opts.control_plane)
-    model_dir, _ = resolve_model_dir(opts.model)
-    draft_dir, _ = resolve_model_dir(opts.draft_model)
-    plan = make_plan(opts.topology(), run_dir, str(model_dir or opts.model), model_name=Path(opts.model).name,
-                     control_plane=opts.control_plane)
-    kind = SglangWorkerKind(
-        str(draft_dir or opts.draft_model), bind_host=opts.bind_host, mem_fraction_static=opts.mem_fraction_static,
-        context_length=opts.context_length, cuda_graph=opts.cuda_graph,
-    )
-    return plan, kind
+    return opts.kind.plan(opts.topology(), run_dir, opts)
 
 
 def prerequisites(opts: E2eOptions, *, import_check: bool = True) -> Prereqs | None:
     """What the run lacks on this machine (None for fake-CPU runs: the harness reports those)."""
-    if opts.engine == "sglang-cpu":
-        problem = sglang_cpu_worker.engine_problem()
-        return Prereqs((), (problem,) if problem else ())
-    if opts.cpu:
-        return None
-    return check_prereqs(opts.gpus_needed, opts.model, opts.draft_model, import_check=import_check)
+    return opts.kind.prerequisites(opts, import_check=import_check)
 
 
 def decode_metrics_urls(plan: ClusterPlan) -> list[str]:

@@ -24,6 +24,7 @@ Settings and why (sglang-cpu-engine.md):
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,15 +58,39 @@ class CpuEagle:
 
 
 class SglangCpuWorkerKind:
-    """Builds each worker's real ``dynamo.sglang`` command on CPU (a :class:`WorkerKind`)."""
+    """Builds each worker's real ``dynamo.sglang`` command on CPU (a :class:`WorkerKind`).
+
+    ``sglang_dir``: a release from ``kvalign matrix``'s wheel cache, put first on the workers'
+    ``PYTHONPATH`` (after the stand-in) so they run that SGLang; None runs the environment's.
+    """
 
     name = "sglang-cpu"
 
     def __init__(self, draft_model: str | None, *, eagle: CpuEagle = CpuEagle(), max_total_tokens: int = 4096,
-                 threads: int = 2, relay_subscribe: Mapping[str, str] | None = None) -> None:
+                 threads: int = 2, sglang_version: str = sglang_cpu_standin.SGLANG_VERSION,
+                 sglang_dir: Path | None = None, relay_subscribe: Mapping[str, str] | None = None) -> None:
         self.draft_model, self.eagle = draft_model, eagle
         self.max_total_tokens, self.threads = max_total_tokens, threads
-        self.relay_subscribe = dict(relay_subscribe or {})  # worker name -> lossy-hop endpoint
+        self.sglang_version, self.sglang_dir = sglang_version, sglang_dir
+        self.release = sglang_cpu_standin.SUPPORTED[sglang_version]
+        self.relay_subscribe = dict(relay_subscribe or {})  # worker name -> the fuzz's lossy-hop endpoint
+
+    def _kv_ipc(self, worker: WorkerSpec, plan: ClusterPlan) -> str:
+        """The IPC endpoint ``worker``'s SGLang binds for its events (releases without ``bind``)."""
+        path = plan.run_dir / "kv" / f"{worker.name}.ipc"
+        if len(str(path)) > IPC_PATH_MAX:  # the kernel's limit for a Unix socket path
+            path = Path(tempfile.gettempdir()) / f"kvalign-{plan.namespace}-{worker.name}.ipc"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return f"ipc://{path}"
+
+    def support_specs(self, plan: ClusterPlan) -> list[ProcessSpec]:
+        """A loopback KV-event forwarder per publishing worker when the release cannot bind."""
+        if self.release.kv_events_bind:
+            return []
+        return [ProcessSpec(f"{w.name}.kv-forwarder",
+                            [plan.python, "-m", "kvalign.live.kv_forwarder", self._kv_ipc(w, plan), plan.kv_events_connect(w)],
+                            infrastructure=True)
+                for w in plan.topology.workers if w.publishes_kv_events]
 
     def command(self, worker: WorkerSpec, plan: ClusterPlan) -> ProcessSpec:
         if worker.eagle and not self.draft_model:
@@ -82,7 +107,7 @@ class SglangCpuWorkerKind:
             "--max-total-tokens", str(self.max_total_tokens), "--host", "127.0.0.1", "--enable-metrics",
         ]
         if worker.publishes_kv_events:
-            argv += ["--kv-events-config", plan.kv_events_config(worker)]
+            argv += ["--kv-events-config", plan.kv_events_config(worker, bind=self.release.kv_events_bind)]
         if worker.role != "agg":
             argv += ["--disaggregation-mode", worker.role, "--disaggregation-transfer-backend", "fake",
                      "--disaggregation-bootstrap-port", str(ports.bootstrap)]
@@ -92,24 +117,32 @@ class SglangCpuWorkerKind:
             argv += ["--decode-log-interval", "1"]
         if worker.eagle:
             argv += self.eagle.args(str(self.draft_model))
+        path = os.pathsep.join(p for p in (str(self.sglang_dir) if self.sglang_dir else "",
+                                           os.environ.get("PYTHONPATH", "")) if p)
         env = {
-            **plan.worker_env(worker), **sglang_cpu_standin.worker_env(os.environ.get("PYTHONPATH")),
+            **plan.worker_env(worker), **sglang_cpu_standin.worker_env(path or None),
             "OMP_NUM_THREADS": str(self.threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
+            "TORCH_EXTENSIONS_DIR": torch_extensions_dir(self.sglang_version),
             **({ROUTER_EAGLE_ENV: "off"} if forced_off else {}), **({RELAY_SUBSCRIBE_ENV: hop} if hop else {}),
         }
+        if worker.publishes_kv_events and not self.release.kv_events_bind:
+            env[sglang_cpu_standin.KV_EVENTS_IPC_ENV] = self._kv_ipc(worker, plan)
         return ProcessSpec(worker.name, argv, env)
 
+
+#: Longest ``ipc://`` socket path (Linux ``sun_path`` is 108 bytes with the terminator).
+IPC_PATH_MAX = 100
 
 #: Modules the real engine needs beyond the fake-CPU live stack (scripts/requirements-engine-cpu.txt).
 ENGINE_MODULES = ("dynamo.sglang", "safetensors", "jsonschema", "blake3")
 
 
-def engine_problem() -> str | None:
-    """Why the real SGLang engine cannot run on this CPU (None when it can)."""
+def engine_problem(sglang_version: str | None = None) -> str | None:
+    """Why the real SGLang engine (the environment's, or release ``sglang_version`` from the wheel
+    cache) cannot run on this CPU (None when it can)."""
     import importlib.util
 
-    problem = sglang_cpu_standin.version_problem()
+    problem = sglang_cpu_standin.version_problem(sglang_version)
     if problem:
         return problem
     for mod in ENGINE_MODULES:
@@ -122,14 +155,27 @@ def engine_problem() -> str | None:
     return None
 
 
-def plan_cluster(topology: Topology, run_dir: str | Path, *, draft: Draft = "agree",
-                 control_plane: ControlPlane = "file") -> tuple[ClusterPlan, SglangCpuWorkerKind]:
-    """Plan a real-engine CPU run: the tiny models are built under ``run_dir/models`` (a few
-    hundred KB, so every run builds its own) and served as :data:`TARGET_NAME`."""
-    problem = sglang_cpu_standin.version_problem()
+def release_dir(sglang_version: str | None) -> tuple[str, Path | None]:
+    """(the SGLang release the workers run, its wheel-cache directory or None for the environment's).
+
+    A release other than the environment's is installed into ``kvalign matrix``'s per-version cache
+    (with its pinned dependency set) on first use."""
+    from kvalign.matrix import ensure_release, installed
+
+    version = sglang_version or installed("sglang") or sglang_cpu_standin.SGLANG_VERSION
+    problem = sglang_cpu_standin.version_problem(version)
     if problem:
         raise RuntimeError(problem)
+    return version, ensure_release("sglang", version)
+
+
+def plan_cluster(topology: Topology, run_dir: str | Path, *, draft: Draft = "agree",
+                 control_plane: ControlPlane = "file",
+                 sglang_version: str | None = None) -> tuple[ClusterPlan, SglangCpuWorkerKind]:
+    """Plan a real-engine CPU run: the tiny models are built under ``run_dir/models`` (a few
+    hundred KB, so every run builds its own) and served as :data:`TARGET_NAME`."""
+    version, sglang_dir = release_dir(sglang_version)
     run = Path(run_dir).resolve()
     target, draft_dir = write_models(run / "models", draft)
     plan = make_plan(topology, run, str(target), model_name=TARGET_NAME, control_plane=control_plane)
-    return plan, SglangCpuWorkerKind(str(draft_dir))
+    return plan, SglangCpuWorkerKind(str(draft_dir), sglang_version=version, sglang_dir=sglang_dir)

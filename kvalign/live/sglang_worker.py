@@ -146,6 +146,10 @@ class SglangWorkerKind:
         }
         return ProcessSpec(worker.name, argv, env)
 
+    def support_specs(self, plan: ClusterPlan) -> list[ProcessSpec]:
+        """None: the pinned SGLang binds its own KV-event PUB (``bind`` in its config)."""
+        return []
+
 
 def force_router_eagle_off() -> None:
     """Make ``dynamo.sglang`` register ``enable_eagle=False`` whatever the algorithm.

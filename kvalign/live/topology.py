@@ -207,10 +207,16 @@ class ClusterPlan:
         ports = self.worker_ports[worker.name]
         return {**self.plane_env(), "DYN_TCP_RPC_PORT": str(ports.rpc), "DYN_SYSTEM_PORT": str(ports.system)}
 
-    def kv_events_config(self, worker: WorkerSpec, *, host: str = LOOPBACK) -> str:
-        """SGLang's ``--kv-events-config`` JSON for ``worker`` (bound, not connected)."""
+    def kv_events_config(self, worker: WorkerSpec, *, host: str = LOOPBACK, bind: bool = True) -> str:
+        """SGLang's ``--kv-events-config`` JSON for ``worker`` (bound, not connected).
+
+        ``bind=False`` for a release whose config has no ``bind`` key (before 0.5.23): the key
+        would be dropped silently, so it is left out and a forwarder binds the address instead."""
         port = self.worker_ports[worker.name].kv_events
-        return json.dumps({"publisher": "zmq", "topic": "", "endpoint": f"tcp://{host}:{port}", "bind": True})
+        config: dict[str, object] = {"publisher": "zmq", "topic": "", "endpoint": f"tcp://{host}:{port}"}
+        if bind:
+            config["bind"] = True
+        return json.dumps(config)
 
     def kv_events_connect(self, worker: WorkerSpec) -> str:
         """Where a subscriber on this machine reaches ``worker``'s SGLang KV-event PUB."""
@@ -293,6 +299,10 @@ class WorkerKind(Protocol):
 
     def command(self, worker: WorkerSpec, plan: ClusterPlan) -> ProcessSpec: ...
 
+    def support_specs(self, plan: ClusterPlan) -> list[ProcessSpec]:
+        """Processes this kind's workers need started before them (e.g. a KV-event forwarder)."""
+        ...
+
 
 class CpuWorkerKind:
     """``python -m kvalign.live.cpu_worker``: real Dynamo runtime + SGLang radix cache, no model."""
@@ -322,3 +332,7 @@ class CpuWorkerKind:
         if worker.role == "prefill" and not self.bootstrap_endpoint:
             argv += ["--no-bootstrap-endpoint"]
         return ProcessSpec(worker.name, argv, plan.worker_env(worker))
+
+    def support_specs(self, plan: ClusterPlan) -> list[ProcessSpec]:
+        """None: the fake worker binds its own KV-event PUB."""
+        return []

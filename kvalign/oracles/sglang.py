@@ -39,10 +39,11 @@ def sglang_version() -> str:
         ) from None
 
 
-def torch_extensions_dir() -> str:
+def torch_extensions_dir(version: str | None = None) -> str:
     """One JIT build of SGLang's event-hash extension per venv and SGLang version (the sources
-    differ between versions but the extension name does not); real-engine workers share it."""
-    return os.path.join(sys.prefix, "torch-extensions", f"sglang-{sglang_version()}")
+    differ between versions but the extension name does not); real-engine workers share it.
+    ``version``: a release the workers run from the wheel cache (default: the importable one)."""
+    return os.path.join(sys.prefix, "torch-extensions", f"sglang-{version or sglang_version()}")
 
 
 @cache

@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from kvalign.sglang_cpu_standin import patches, version_problem
+from kvalign.sglang_cpu_standin import SUPPORTED, patches, version_problem
 
-#: module -> patches to run once it has executed.
+#: module -> patches to run once it has executed, in every supported release (each release's own
+#: extra ones come from ``SUPPORTED[version].patches``).
 PATCHES: dict[str, tuple[Callable[[], None], ...]] = {
     "sglang.srt.speculative.draft_utils": (patches.draft_extend_backend,),
     "sglang.srt.layers.attention.torch_native_backend": (patches.target_verify_extend,),
@@ -40,9 +41,20 @@ class _Loader(importlib.abc.Loader):
             patch()
 
 
+def release_patches(version: str) -> dict[str, tuple[Callable[[], None], ...]]:
+    """The common patches plus ``version``'s own."""
+    table = dict(PATCHES)
+    for module, name in SUPPORTED[version].patches:
+        table[module] = (*table.get(module, ()), getattr(patches, name))
+    return table
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def __init__(self, table: dict[str, tuple[Callable[[], None], ...]]) -> None:
+        self.table = table
+
     def find_spec(self, name: str, path: Sequence[str] | None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        after = PATCHES.get(name)
+        after = self.table.get(name)
         if after is None:
             return None
         for finder in sys.meta_path:
@@ -70,4 +82,6 @@ def install() -> None:
     for name in TORCHVISION_SHIM:
         sys.modules.setdefault(name, ModuleType(name))
     if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+        from importlib import metadata
+
+        sys.meta_path.insert(0, _PatchOnImport(release_patches(metadata.version("sglang"))))

@@ -1,9 +1,11 @@
-"""The narrow patches that let SGLang 0.5.23 run EAGLE3 and prefill/decode disaggregation on CPU.
+"""The narrow patches that let SGLang (each release in ``SUPPORTED``) run EAGLE3 and prefill/decode
+disaggregation on CPU.
 
 Applied by this package's ``sitecustomize`` in real-engine worker processes only (never in
 kvalign's oracles). Each patch names the SGLang code it changes and first checks that the code
-still looks as it did in 0.5.23, so a changed SGLang fails at start-up with the reason instead of
-running half-patched.
+in the running release still looks as the patch expects (the same in 0.5.21 and 0.5.23, checked
+at every start), so a changed SGLang fails at start-up with the reason instead of running
+half-patched.
 
 EAGLE on the ``torch_native`` attention backend (the only backend that runs on CPU without the
 CPU build of sgl-kernel):
@@ -26,6 +28,18 @@ NIXL / Mooncake backend needs hardware or wildcard sockets):
 * :func:`fake_transfer_decode` — decode takes the fake path only for requests whose bootstrap
   host is ``None`` or ``2.2.2.2``, but Dynamo sends the prefill's real host; with ``fake``
   configured, every request takes the fake path.
+
+The paged KV allocator on a release without its CPU path (0.5.21):
+
+* :func:`paged_allocator_on_cpu` — ``alloc_extend`` / ``alloc_decode`` launch Triton kernels
+  unconditionally; they get :mod:`.allocator`'s CPU launches instead.
+
+KV events on a release whose config has no ``bind`` (before 0.5.23):
+
+* :func:`kv_events_local_publish` — the publisher connects to a concrete host, and so does
+  Dynamo's relay: nothing would listen. When the harness sets ``KVALIGN_KV_EVENTS_IPC``, the
+  publisher gets that ``ipc://`` endpoint instead, which SGLang's own socket set-up binds; the
+  harness's loopback forwarder connects there and binds the relay's 127.0.0.1 address.
 """
 
 from __future__ import annotations
@@ -43,7 +57,12 @@ class StandinMismatch(RuntimeError):
 
 def _require(cond: bool, what: str) -> None:
     if not cond:
-        raise StandinMismatch(f"kvalign SGLang CPU stand-in: {what} (written for sglang 0.5.23)")
+        from importlib import metadata
+
+        from kvalign.sglang_cpu_standin import SUPPORTED
+
+        raise StandinMismatch(f"kvalign SGLang CPU stand-in: {what} (sglang {metadata.version('sglang')}; written for "
+                              f"{', '.join(SUPPORTED)})")
 
 
 def draft_extend_backend() -> None:
@@ -166,3 +185,51 @@ def fake_transfer_decode() -> None:
     utils._is_fake_transfer = decode._is_fake_transfer = _is_fake_transfer
 
 
+
+
+def kv_events_local_publish() -> None:
+    """Bind SGLang's KV-event PUB on the harness's IPC endpoint (releases without ``bind`` only)."""
+    import os
+
+    from sglang.srt.disaggregation import kv_events
+
+    from kvalign.sglang_cpu_standin import KV_EVENTS_IPC_ENV
+
+    endpoint = os.environ.get(KV_EVENTS_IPC_ENV)
+    if not endpoint:
+        return
+    _require("bind" not in kv_events.KVEventsConfig.model_fields,
+             "KVEventsConfig has 'bind': the publisher can bind 127.0.0.1 itself, no forwarder is needed")
+    _require(endpoint.startswith("ipc://"), f"{KV_EVENTS_IPC_ENV} must be an ipc:// endpoint, got {endpoint!r}")
+    publisher = kv_events.ZmqEventPublisher
+    original = publisher.__init__
+    _require("endpoint" in inspect.signature(original).parameters and
+             'self._endpoint.startswith("ipc://")' in inspect.getsource(publisher._socket_setup),
+             "ZmqEventPublisher no longer takes endpoint= or no longer binds ipc:// endpoints")
+
+    @functools.wraps(original)
+    def __init__(self: Any, attn_dp_rank: int, endpoint: str = "", **kwargs: Any) -> None:
+        _require(attn_dp_rank == 0, f"KV events from attention DP rank {attn_dp_rank}: the forwarder serves rank 0 only")
+        original(self, attn_dp_rank, endpoint=local, **kwargs)
+
+    local = endpoint
+    publisher.__init__ = __init__
+
+
+def paged_allocator_on_cpu() -> None:
+    """Rebind the paged allocator's two Triton launches to CPU code (releases without a CPU path)."""
+    from sglang.srt.mem_cache.allocator import paged
+
+    from kvalign.sglang_cpu_standin.allocator import Launch, alloc_decode_cpu, alloc_extend_launch
+
+    allocator = paged.PagedTokenToKVPoolAllocator
+    extend, decode = inspect.getsource(allocator.alloc_extend), inspect.getsource(allocator.alloc_decode)
+    _require("alloc_extend_kernel[" in extend and "use_triton_kernels" not in extend and
+             "alloc_decode_kernel[" in decode and "use_triton_kernels" not in decode,
+             "PagedTokenToKVPoolAllocator no longer launches its Triton kernels unconditionally")
+    naive = getattr(paged, "alloc_extend_naive", None)
+    _require(naive is not None and list(inspect.signature(naive).parameters) ==
+             ["prefix_lens", "seq_lens", "last_loc", "free_pages", "out_indices", "page_size", "device"],
+             "alloc_extend_naive is missing or changed its signature")
+    paged.alloc_extend_kernel = Launch(alloc_extend_launch(naive), "alloc_extend_kernel")
+    paged.alloc_decode_kernel = Launch(alloc_decode_cpu, "alloc_decode_kernel")

@@ -43,11 +43,12 @@ def cpu_stack_missing() -> str | None:
     return None
 
 
-def sglang_cpu_missing() -> str | None:
-    """Why the real SGLang engine cannot run on this CPU (None when it can)."""
+def sglang_cpu_missing(release: str | None = None) -> str | None:
+    """Why the real SGLang engine (the environment's, or ``release`` from the wheel cache) cannot run
+    on this CPU (None when it can)."""
     from kvalign.live.sglang_cpu_worker import engine_problem
 
-    return cpu_stack_missing() or engine_problem()
+    return cpu_stack_missing() or engine_problem(release)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -66,6 +67,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--kvalign-router-eagle", choices=("on", "off"), default=None,
         help="GPU EAGLE e2e negative control: off = workers register enable_eagle=False, so the router "
              "hashes plain blocks (same as env KVALIGN_ROUTER_EAGLE=off, which works for any invocation)",
+    )
+    parser.addoption(
+        "--kvalign-sglang", metavar="VERSION", default=None,
+        help="real-engine CPU e2e tests: run the workers on this SGLang release, installed into kvalign "
+             "matrix's wheel cache (default: the environment's)",
     )
 
 
@@ -106,12 +112,31 @@ def module_run_dir(request: pytest.FixtureRequest) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def sglang_cpu_engine() -> None:
-    """Skip (with the exact reason) where the real SGLang engine cannot run on this CPU."""
-    reason = sglang_cpu_missing()
+@pytest.fixture(scope="session")
+def sglang_release(request: pytest.FixtureRequest) -> str | None:
+    """``--kvalign-sglang``: the SGLang release the real-engine CPU tests run (None: the environment's)."""
+    return request.config.getoption("--kvalign-sglang", default=None)
+
+
+def install_release(version: str | None) -> None:
+    """Install ``version`` into the wheel cache now (a fixture's set-up, not a test's timeout), or
+    skip naming why it cannot be."""
+    from kvalign.matrix import MatrixError, ensure_release
+
+    reason = sglang_cpu_missing(version)
     if reason:
         pytest.skip(reason)
+    if version is not None:
+        try:
+            ensure_release("sglang", version)
+        except MatrixError as exc:
+            pytest.skip(f"sglang {version} cannot be installed into the wheel cache here: {exc}")
+
+
+@pytest.fixture(scope="module")
+def sglang_cpu_engine(sglang_release: str | None) -> None:
+    """Skip (with the exact reason) where the real SGLang engine cannot run on this CPU."""
+    install_release(sglang_release)
 
 
 @pytest.fixture
@@ -139,3 +164,24 @@ def live_cluster(cpu_live_stack: None, live_run_dir: Path) -> Iterator[Callable[
     finally:
         for cluster in reversed(started):
             cluster.close()
+
+
+@pytest.fixture(scope="module")
+def shipped_release() -> str:
+    """The SGLang the environment's Dynamo release pins (``ai-dynamo[sglang]``), installed into the
+    wheel cache: 0.5.21 for the pinned Dynamo 1.6.1. Skips when it is the environment's own SGLang
+    (the real-engine tests on the environment's SGLang cover it) or cannot be installed here."""
+    from kvalign.matrix import MatrixError, installed, shipped_sglang
+
+    dynamo = installed("ai-dynamo")
+    if dynamo is None:
+        pytest.skip("ai-dynamo is not installed: run scripts/setup.sh")
+    try:
+        version = shipped_sglang(dynamo)
+    except MatrixError as exc:
+        pytest.skip(f"cannot read ai-dynamo {dynamo}'s shipped SGLang: {exc}")
+    if version is None or version == installed("sglang"):
+        pytest.skip(f"ai-dynamo {dynamo} ships sglang {version}, the environment's own: the real-engine tests "
+                    "on the environment's SGLang cover it")
+    install_release(version)
+    return version

@@ -82,18 +82,33 @@ def _run_sglang_cpu(opts: E2eOptions, run_dir: Path) -> E2eResult:
 
 
 @pytest.fixture(scope="module")
-def sglang_cpu_aligned(sglang_cpu_engine: None, module_run_dir: Path) -> E2eResult:
+def sglang_cpu_aligned(sglang_cpu_engine: None, sglang_release: str | None, module_run_dir: Path) -> E2eResult:
     """The seed scenario on real SGLang CPU workers, router and engine aligned."""
-    return _run_sglang_cpu(E2eOptions(engine="sglang-cpu", startup_timeout_s=400), module_run_dir / "aligned")
+    return _run_sglang_cpu(E2eOptions(engine="sglang-cpu", startup_timeout_s=400, sglang=sglang_release),
+                           module_run_dir / "aligned")
 
 
 @pytest.fixture(scope="module")
-def sglang_cpu_controls(sglang_cpu_engine: None, module_run_dir: Path) -> E2eResult:
+def sglang_cpu_controls(sglang_cpu_engine: None, sglang_release: str | None, module_run_dir: Path) -> E2eResult:
     """Both live negative controls in one cluster (each breaks a different, independent
     assertion): workers register ``enable_eagle`` off, and the draft never agrees with the
     target. 5-token outputs make the naive gen/verify ratio 5/4 = 1.25 at zero acceptance."""
-    opts = E2eOptions(engine="sglang-cpu", router_eagle=False, draft="disagree", max_tokens=5, startup_timeout_s=400)
+    opts = E2eOptions(engine="sglang-cpu", router_eagle=False, draft="disagree", max_tokens=5, startup_timeout_s=400,
+                      sglang=sglang_release)
     return _run_sglang_cpu(opts, module_run_dir / "controls")
+
+
+@pytest.mark.timeout(600)
+def test_real_engine_cpu_on_the_shipped_sglang_release(shipped_release, module_run_dir):
+    """The seed scenario with the workers on the SGLang that Dynamo 1.6.1 deploys (0.5.21: no
+    ``bind`` in its KV-events config, so its events reach the relay through the loopback
+    forwarder; a paged allocator without a CPU path, so the stand-in's per-release patch)."""
+    result = _run_sglang_cpu(E2eOptions(engine="sglang-cpu", startup_timeout_s=400, sglang=shipped_release),
+                             module_run_dir / f"shipped-{shipped_release}")
+    assert result.passed, result.report()
+    records = result.records
+    assert [r.observed for r in records] == pytest.approx([r.predicted for r in records], abs=1e-9), result.report()
+    assert all(r.observed > 0 for r in records[1:]) and result.window.accept_length == pytest.approx(2.0)
 
 
 def _failure(result: E2eResult, n: int) -> list[str]:

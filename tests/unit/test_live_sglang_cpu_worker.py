@@ -84,3 +84,52 @@ def test_id_zero_is_the_word_the_zero_head_generates(tmp_path):
     tok = PreTrainedTokenizerFast.from_pretrained(str(target))
     assert tok.decode([0]) == engine_model.LEADING_WORD
     assert len(prompt_tokens(str(target), "the quick brown fox")) == 4 + 3
+
+
+def test_a_release_without_bind_gets_an_ipc_publisher_and_a_loopback_forwarder(tmp_path):
+    """0.5.21 from the wheel cache (a directory given, nothing installed here: only the commands)."""
+    from kvalign.live.sglang_cpu_worker import SglangCpuWorkerKind
+
+    plan, _ = plan_cluster(Topology.disaggregated(2, 1, eagle=True), tmp_path)
+    release = tmp_path / "sglang-0.5.21"
+    kind = SglangCpuWorkerKind("draft", sglang_version="0.5.21", sglang_dir=release)
+    forwarders = kind.support_specs(plan)
+    assert [s.name for s in forwarders] == ["prefill0.kv-forwarder", "prefill1.kv-forwarder"]
+    for spec, worker in zip(forwarders, plan.topology.by_role("prefill")):
+        ipc, bind = spec.argv[-2:]
+        assert spec.argv[1:3] == ["-m", "kvalign.live.kv_forwarder"] and spec.infrastructure
+        assert bind == plan.kv_events_connect(worker) and bind.startswith("tcp://127.0.0.1:")
+        command = kind.command(worker, plan)
+        config = json.loads(_flags(command.argv)["--kv-events-config"])
+        assert "bind" not in config and config["endpoint"] == bind  # the relay's address, served by the forwarder
+        assert command.env[sglang_cpu_standin.KV_EVENTS_IPC_ENV] == ipc and ipc.startswith("ipc://")
+        path = command.env["PYTHONPATH"].split(":")
+        assert path[:2] == [str(sglang_cpu_standin.SITE_DIR), str(release)]
+        assert command.env["TORCH_EXTENSIONS_DIR"].endswith("sglang-0.5.21")
+    current = SglangCpuWorkerKind("draft")  # the environment's 0.5.23 binds its own PUB
+    assert current.support_specs(plan) == [] and sglang_cpu_standin.KV_EVENTS_IPC_ENV not in current.command(
+        plan.topology.workers[0], plan).env
+
+
+def test_forwarder_binds_only_loopback():
+    from kvalign.live.kv_forwarder import check_bind, main
+
+    assert check_bind("tcp://127.0.0.1:25000") == "tcp://127.0.0.1:25000"
+    for bad in ("tcp://0.0.0.0:25000", "tcp://*:25000", "ipc:///tmp/x", "tcp://127.0.0.1"):
+        with pytest.raises(ValueError, match="binds only tcp://127.0.0.1:PORT"):
+            check_bind(bad)
+    assert main(["ipc:///tmp/x", "tcp://0.0.0.0:25000"]) == 2
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["e2e", "run", "--engine", "sglang-cpu", "--sglang", "0.5.21;x"], "--sglang takes one release version"),
+    (["e2e", "run", "--engine", "fake-cpu", "--sglang", "0.5.21"], "--sglang picks the real CPU engine's SGLang"),
+    (["e2e", "plan", "--engine", "sglang-cpu", "--sglang", "0.5.17"], "supports sglang 0.5.19, 0.5.21, 0.5.23"),
+    (["live", "plan", "--engine", "fake-cpu", "--sglang", "0.5.21"], "--sglang picks the real CPU engine's SGLang"),
+])
+def test_sglang_release_flag_bad_input_is_one_line_exit_2(capsys, argv, message):
+    from kvalign.cli import main
+
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1 and message in err, err

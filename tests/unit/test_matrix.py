@@ -19,7 +19,11 @@ from pathlib import Path
 import pytest
 
 from kvalign.cli import main
-from kvalign.matrix import PairResult, _pins, cache_root, default_dynamo_versions, pair_env, table
+from packaging.requirements import Requirement
+
+from kvalign.matrix import (MatrixError, Pair, PairResult, cache_root, default_dynamo_versions, pair_env,
+                            plan_pairs, requires_dist, sglang_roots, shipped_sglang, shipped_sglang_from_metadata, table,
+                            unsatisfied)
 from kvalign.versions import installed_versions
 
 OLD_DYNAMO = "1.0.2"
@@ -52,12 +56,82 @@ def test_table_has_a_row_per_pair_and_a_cell_per_property_and_mode():
     assert set(c.strip() for c in lines[4].strip("|").split("|")[3:]) == {"error"}
 
 
-def test_exact_pins_come_from_the_wheel_metadata(tmp_path):
-    meta = tmp_path / "sglang-0.5.19.dist-info"
-    meta.mkdir()
-    (meta / "METADATA").write_text("Name: sglang\nRequires-Dist: transformers==5.12.1\nRequires-Dist: tokenizers==0.22.2\n"
-                                   "Requires-Dist: numpy\nRequires-Dist: openai==2.6.1; extra == 'x'\n")
-    assert _pins(tmp_path, "sglang", ("transformers", "tokenizers", "openai")) == ["transformers==5.12.1", "tokenizers==0.22.2"]
+def _dist(target: Path, name: str, version: str, *requires: str) -> None:
+    info = target / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                   + "".join(f"Requires-Dist: {r}\n" for r in requires) + "\nlong description\n")
+
+
+def test_sglang_roots_are_its_coupled_pins_and_what_the_environment_has(tmp_path):
+    meta = ("Name: sglang\nRequires-Dist: transformers==5.12.1\nRequires-Dist: flashinfer_python==0.6.17\n"
+            "Requires-Dist: numpy\nRequires-Dist: torch==2.14.1\nRequires-Dist: openai==2.6.1; extra == 'x'\n")
+    env = {"numpy": "2.3.5", "torch": "2.13.0+cpu", "transformers": "5.19.0"}.get
+    assert [str(r) for r in sglang_roots(meta, env)] == ["transformers==5.12.1", "numpy"]
+
+
+def test_the_install_closes_over_what_the_pinned_packages_require(tmp_path):
+    """SGLang 0.5.18 pins transformers 5.12.1, which wants tokenizers <= 0.23.0: the environment's
+    0.23.2 does not do, so tokenizers is asked for too (the 1.5.1 x 0.5.18 error this fixes)."""
+    _dist(tmp_path, "sglang", "0.5.18", "transformers==5.12.1", "flashinfer_python==0.6.17")
+    _dist(tmp_path, "transformers", "5.12.1", "tokenizers<=0.23.0,>=0.22.0", "huggingface-hub>=1.0",
+          "torch>=2.4; extra == 'torch'")
+    env = {"tokenizers": "0.23.2", "huggingface-hub": "1.2.0", "transformers": "5.19.0"}.get
+    roots = [Requirement("transformers==5.12.1")]
+    assert [str(r) for r in unsatisfied(tmp_path, roots, env)] == ["tokenizers<=0.23.0,>=0.22.0"]
+    _dist(tmp_path, "tokenizers", "0.23.0")
+    assert unsatisfied(tmp_path, roots, env) == []
+
+
+def test_an_extra_s_own_requirements_are_told_apart_from_the_base_set():
+    meta = ("Requires-Dist: uvloop; extra == 'sglang'\nRequires-Dist: sglang[diffusion]==0.5.21; extra == 'sglang'\n"
+            "Requires-Dist: tomli; (python_version < '3.0') and extra == 'sglang'\nRequires-Dist: pyzmq\n"
+            "Requires-Dist: vllm==0.9; extra == 'vllm'\n")
+    assert [r.name for r in requires_dist(meta, extra="sglang")] == ["uvloop", "sglang"]
+    assert [r.name for r in requires_dist(meta)] == ["pyzmq"]
+    assert shipped_sglang_from_metadata(meta) == "0.5.21"
+    assert shipped_sglang_from_metadata("Requires-Dist: sglang>=0.5; extra == 'sglang'\n") is None
+
+
+@pytest.mark.timeout(300)
+def test_each_dynamo_release_s_shipped_sglang_is_read_from_its_real_wheel():
+    """The pins as published: ai-dynamo 1.6.1 (the environment's) -> sglang 0.5.21; 1.5.1 (installed
+    into the wheel cache from the package index) -> 0.5.18."""
+    from kvalign.matrix import installed
+
+    if installed("ai-dynamo") != "1.6.1":
+        pytest.skip(f"the environment's ai-dynamo is {installed('ai-dynamo')}, not the pinned 1.6.1")
+    assert shipped_sglang("1.6.1") == "0.5.21"
+    try:
+        assert shipped_sglang("1.5.1") == "0.5.18"
+    except MatrixError as exc:
+        pytest.skip(f"ai-dynamo 1.5.1 cannot be installed here: {exc}")
+
+
+def test_shipped_pairs_join_the_cross_product_marked():
+    pins = {"1.5.1": "0.5.18", "1.6.1": "0.5.21"}
+
+    def pinned(d: str) -> str | None:
+        if d == "0.0.1":
+            raise MatrixError("cannot install ai-dynamo-runtime==0.0.1: no such release\n(pip said more)")
+        return pins.get(d)
+
+    pairs, unknown = plan_pairs(["1.5.1", "1.6.1", "0.0.1"], ["0.5.21", "0.5.23"], shipped=True, pinned=pinned)
+    assert pairs == [Pair("1.5.1", "0.5.18", True), Pair("1.5.1", "0.5.21"), Pair("1.5.1", "0.5.23"),
+                     Pair("1.6.1", "0.5.21", True), Pair("1.6.1", "0.5.23"),
+                     Pair("0.0.1", "0.5.21"), Pair("0.0.1", "0.5.23")]
+    assert unknown == {"0.0.1": "(pip said more)"}
+    assert plan_pairs(["1.6.1"], ["0.5.23"], shipped=False, pinned=pinned) == ([Pair("1.6.1", "0.5.23")], {})
+    # without --shipped nothing is added and an unreadable pin is no error row, but a shipped pair is marked
+    assert plan_pairs(["1.6.1", "0.0.1"], ["0.5.21"], shipped=False, pinned=pinned) == (
+        [Pair("1.6.1", "0.5.21", True), Pair("0.0.1", "0.5.21")], {})
+    assert plan_pairs(["1.6.1"], [], shipped=True, pinned=pinned)[0] == [Pair("1.6.1", "0.5.21", True)]
+
+
+def test_an_error_row_carries_its_reason_in_one_line():
+    row = PairResult("1.5.1", "0.5.18", "error", error="Traceback...\n  ...\nImportError: tokenizers>=0.22.0,<=0.23.0 is required")
+    assert row.as_json()["error"] == "ImportError: tokenizers>=0.22.0,<=0.23.0 is required"
+    assert "error" not in PairResult("1.6.1", "0.5.23", "aligned").as_json()
 
 
 def test_pair_env_puts_the_releases_first(tmp_path, monkeypatch):
@@ -95,8 +169,10 @@ def test_uninstallable_release_is_an_error_row_exit_2(tmp_path):
                                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
     assert res.returncode == 2, res.stderr
     report = json.loads(res.stdout)
-    assert report == {"versions": installed_versions(),
-                      "rows": [{"dynamo": "0.0.999", "sglang": "0.5.23", "verdict": "error", "findings": []}]}
+    assert report["versions"] == installed_versions()
+    (row,) = report["rows"]
+    assert row["verdict"] == "error" and row["findings"] == [] and (row["dynamo"], row["sglang"]) == ("0.0.999", "0.5.23")
+    assert row["error"].startswith("cannot install ai-dynamo-runtime==0.0.999") and "\n" not in row["error"]
     assert "cannot install ai-dynamo-runtime==0.0.999" in res.stderr
     assert not (env_cache / "ai-dynamo-0.0.999" / ".complete").exists()
 
@@ -111,7 +187,7 @@ def test_older_dynamo_release_against_the_installed_sglang(sglang_available):
     if row["verdict"] == "error" and "cannot install" in res.stderr:
         pytest.skip(f"ai-dynamo {OLD_DYNAMO} cannot be installed here: {res.stderr.strip().splitlines()[-1]}")
     assert res.returncode == 1, res.stderr
-    assert set(row) == {"dynamo", "sglang", "verdict", "findings"} and row["verdict"] == "misaligned"
+    assert set(row) == {"dynamo", "sglang", "shipped", "verdict", "findings"} and row["verdict"] == "misaligned"
     assert all(set(f) == {"property", "mode", "variant", "cause", "detail"} for f in row["findings"])
     found = {(f["property"], f["mode"], f["cause"]) for f in row["findings"]}
     # the 1.0.x binding has no is_eagle / cache_namespace (adapter -> named causes, not a crash)
@@ -140,3 +216,25 @@ def test_default_release_matrix(request):
     assert len(rows) >= 4 * 13 and not [r for r in rows if r["verdict"] == "error"]
     pinned = next(r for r in rows if (r["dynamo"], r["sglang"]) == ("1.6.1", "0.5.23"))
     assert pinned["verdict"] == "aligned", pinned
+
+
+def test_live_column_and_json_when_asked_for():
+    rows = [PairResult("1.6.1", "0.5.21", "misaligned", shipped=True,
+                       live={"verdict": "pass", "detail": "PASS: all assertions hold", "seconds": 150.0}),
+            PairResult("1.5.1", "0.5.18", "aligned", live={"verdict": "skipped", "detail": "x", "seconds": 0.0})]
+    lines = table(rows).splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head[-1] == "live:disagg-eagle"
+    assert [c.strip() for c in lines[2].strip("|").split("|")][-1] == "pass"
+    assert rows[0].as_json()["live"]["verdict"] == "pass"
+    assert "live" not in PairResult("1.6.1", "0.5.23", "aligned").as_json()
+    assert "live:disagg-eagle" not in table([PairResult("1.6.1", "0.5.23", "aligned")])
+
+
+def test_live_rows_say_why_a_pair_cannot_run_live():
+    from kvalign.matrix import installed, live_problem, run_live
+
+    other = run_live("0.0.1", "0.5.23")
+    assert other["verdict"] == "skipped" and "the live layer runs the environment's Dynamo" in other["detail"]
+    unsupported = live_problem(installed("ai-dynamo") or "", "0.5.17")
+    assert unsupported is not None and "supports sglang" in unsupported

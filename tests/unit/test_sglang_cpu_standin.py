@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,7 @@ from kvalign import sglang_cpu_standin as standin
 from kvalign.sglang_cpu_standin import kernels, ops
 
 PY = sys.executable
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _child(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -31,10 +33,11 @@ def test_pinned_version_matches_the_installed_sglang():
 
 
 def test_another_sglang_version_is_refused_with_one_clear_line(monkeypatch):
-    monkeypatch.setattr(standin.metadata, "version", lambda _name: "0.5.21")
+    monkeypatch.setattr(standin.metadata, "version", lambda _name: "0.5.17")
     problem = standin.version_problem()
-    assert problem == ("kvalign's SGLang CPU stand-in was written for sglang 0.5.23, but sglang 0.5.21 is "
-                       "installed: the real-engine CPU workers need the pinned version")
+    assert problem == ("kvalign's SGLang CPU stand-in supports sglang 0.5.19, 0.5.21, 0.5.23, not sglang 0.5.17: "
+                       "the real-engine CPU workers need one of those")
+    assert standin.version_problem("0.5.21") is None and standin.version_problem("0.5.18") is not None
 
 
 def test_a_worker_with_another_sglang_stops_at_start_up(tmp_path):
@@ -43,11 +46,12 @@ def test_a_worker_with_another_sglang_stops_at_start_up(tmp_path):
     dist = tmp_path / "sglang-9.9.9.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 9.9.9\n")
-    proc = _child("print('started')", **standin.worker_env(str(tmp_path)))
+    # the repo root after it: the worker's kvalign is this checkout's, also from a git worktree
+    proc = _child("print('started')", **standin.worker_env(os.pathsep.join([str(tmp_path), str(ROOT)])))
     assert proc.returncode == 2 and "started" not in proc.stdout
     assert proc.stderr.strip().splitlines() == [
-        "kvalign: kvalign's SGLang CPU stand-in was written for sglang 0.5.23, but sglang 9.9.9 is installed: "
-        "the real-engine CPU workers need the pinned version"]
+        "kvalign: kvalign's SGLang CPU stand-in supports sglang 0.5.19, 0.5.21, 0.5.23, not sglang 9.9.9: "
+        "the real-engine CPU workers need one of those"]
 
 
 def test_stand_in_is_absent_from_processes_that_did_not_ask_for_it():

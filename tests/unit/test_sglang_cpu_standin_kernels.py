@@ -1,5 +1,13 @@
 """The CPU kernel stand-ins against SGLang's own Triton kernels, run by Triton's interpreter.
 
+Once per supported release (``kvalign.sglang_cpu_standin.SUPPORTED``): the environment's SGLang,
+and each other release from ``kvalign matrix``'s wheel cache (installed by the fixture; skipped
+with the reason when it cannot be). Call sites moved between releases: in 0.5.19 and 0.5.21 the
+tree kernels' wrappers live in ``srt/speculative/eagle_utils.py`` (``build_tree_kernel_efficient``
+dispatches to its Triton / CPU branch functions directly, called here the same way), the
+draft-cache-locs launch is inline in ``eagle_worker_common.prepare_for_draft`` (reproduced here
+with its arguments), and ``fill_front_out_cache_loc_func`` does not exist (skipped there).
+
 For every ``*_cpu`` name in :mod:`kvalign.sglang_cpu_standin.kernels`, Hypothesis draws inputs
 shaped as SGLang 0.5.23 builds them (int32/int64 index tensors, small batches, topk=1 chains and
 topk>1 trees), and SGLang's ``*_func`` wrapper runs twice on identical copies: once down its
@@ -38,11 +46,13 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
+from kvalign.sglang_cpu_standin import SUPPORTED
 from kvalign.sglang_cpu_standin import kernels as standin
 
 #: The stand-in kernel comparison interprets SGLang's Triton kernels: minutes, so not in the fast tier.
 pytestmark = pytest.mark.slow
 
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 512  # the tiny test models' vocabulary
 REQUEST_TIMEOUT_S = 120.0
 
@@ -118,6 +128,11 @@ _SGLANG_MODULES = {
     "cache_move": "sglang.kernels.ops.kvcache.cache_move",
     "allocation": "sglang.srt.mem_cache.allocation",
 }
+#: Where a release keeps a call site elsewhere: "spec_tree" is the module holding the tree
+#: wrappers (and their platform flags), "spec_tree_kernels" the one holding the Triton kernels.
+_BEFORE_0_5_23 = {"spec_tree": "sglang.srt.speculative.eagle_utils",
+                  "spec_tree_kernels": "sglang.kernels.ops.speculative.spec_tree"}
+_RELEASE_MODULES = {"0.5.19": _BEFORE_0_5_23, "0.5.21": _BEFORE_0_5_23}
 #: The Triton kernels the references launch (module key, attribute).
 _REFERENCE_KERNELS = (
     ("eagle", "fill_bonus_tokens"), ("eagle", "fill_accept_out_cache_loc"),
@@ -187,9 +202,17 @@ def _call_fill_front(impl, num_front, out_cache_loc, front_out_cache_loc):
 
 
 def _call_assign_draft(impl, req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_cols):
+    cache_locs = _M["cache_locs"]
     with _branch("cache_locs", impl, "assign_draft_cache_locs_contiguous_cpu", "assign_draft_cache_locs_contiguous_cpu"):
-        _M["cache_locs"].assign_draft_cache_locs_contiguous_func(req_pool_indices, req_to_token, seq_lens,
-                                                                 out_cache_loc, topk, num_cols)
+        if hasattr(cache_locs, "assign_draft_cache_locs_contiguous_func"):
+            cache_locs.assign_draft_cache_locs_contiguous_func(req_pool_indices, req_to_token, seq_lens, out_cache_loc,
+                                                               topk, num_cols)
+        else:  # 0.5.21: eagle_worker_common.prepare_for_draft's two branches, inline, same arguments
+            args = (req_pool_indices, req_to_token, seq_lens, out_cache_loc, req_to_token.shape[1], topk, num_cols)
+            if cache_locs._is_cpu:
+                cache_locs.assign_draft_cache_locs_contiguous_cpu(*args)
+            else:
+                cache_locs.assign_draft_cache_locs_contiguous[(seq_lens.shape[0],)](*args)
     return out_cache_loc
 
 
@@ -210,10 +233,15 @@ def _call_copy_kv(impl, buffers, tgt_loc, src_loc):
 def _call_build_tree(impl, parent_list, selected_index, seq_lens, tree_mask, positions, retrieve_buf, topk, steps,
                      draft_token_num, mode):
     spec_tree = _M["spec_tree"]
+    args = (parent_list, selected_index, seq_lens, tree_mask, positions, *retrieve_buf, topk, steps, draft_token_num,
+            spec_tree.TreeMaskMode(mode))
     with _branch("spec_tree", impl, "sgl_build_tree_kernel_efficient_cpu", "build_tree_kernel_efficient_cpu", "_is_xpu"):
-        spec_tree.build_tree_kernel_efficient_func(parent_list, selected_index, seq_lens, tree_mask, positions,
-                                                   *retrieve_buf, topk, steps, draft_token_num,
-                                                   spec_tree.TreeMaskMode(mode))
+        if hasattr(spec_tree, "build_tree_kernel_efficient_func"):
+            spec_tree.build_tree_kernel_efficient_func(*args)
+        elif spec_tree._is_cpu:  # 0.5.21: build_tree_kernel_efficient's CPU and XPU branches, same arguments
+            spec_tree.sgl_build_tree_kernel_efficient_cpu(*args)
+        else:
+            spec_tree.sgl_build_tree_kernel_triton(*args)
     return tree_mask, positions, retrieve_buf
 
 
@@ -263,14 +291,22 @@ def _serve() -> None:
     os.dup2(2, 1)  # anything SGLang prints goes to stderr, not into the protocol
     for name in _TORCHVISION_SHIM:
         sys.modules.setdefault(name, types.ModuleType(name))
+    from importlib import metadata
+
     from triton.runtime.interpreter import InterpretedFunction
 
-    _M.update({key: importlib.import_module(path) for key, path in _SGLANG_MODULES.items()})
+    release = metadata.version("sglang")
+    _M.update({key: importlib.import_module(path)
+               for key, path in {**_SGLANG_MODULES, **_RELEASE_MODULES.get(release, {})}.items()})
+    kernels_of = lambda m: _M.get(f"{m}_kernels", _M[m])  # noqa: E731
     _send(protocol_out, {
+        "release": release,
         "sgl_kernel_imported": "sgl_kernel" in sys.modules,
         "not_interpreted": [f"{m}.{k}" for m, k in _REFERENCE_KERNELS
-                            if not isinstance(getattr(_M[m], k), InterpretedFunction)],
+                            if not isinstance(getattr(kernels_of(m), k), InterpretedFunction)],
         "is_cpu": [key for key, mod in _M.items() if getattr(mod, "_is_cpu", False)],
+        "calls": [c for c in CALLS if c != "fill_front_out_cache_loc_func"
+                  or hasattr(_M["cache_locs"], "fill_front_out_cache_loc_func")],
     })
     while True:
         try:
@@ -295,9 +331,11 @@ class KernelMismatch(AssertionError):
 class ReferenceProcess:
     """The child that runs SGLang's call sites; one per test module."""
 
-    def __init__(self, stderr_path: Path) -> None:
+    def __init__(self, stderr_path: Path, release_dir: Path | None = None) -> None:
         env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_USE_CPU_ENGINE", "KVALIGN_SGLANG_STANDIN")}
         env["TRITON_INTERPRET"] = "1"
+        if release_dir is not None:  # that release first, then this checkout's kvalign
+            env["PYTHONPATH"] = os.pathsep.join([str(release_dir), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         self.stderr_path = stderr_path
         self._stderr = stderr_path.open("wb")
         self.proc = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE,
@@ -334,14 +372,27 @@ class ReferenceProcess:
         self._stderr.close()
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReferenceProcess]:
+@pytest.fixture(scope="module", params=list(SUPPORTED))
+def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReferenceProcess]:
+    """SGLang's call sites in one supported release (the environment's, or one from the wheel cache)."""
+    from kvalign.matrix import MatrixError, ensure_release
+
     for package in ("sglang", "triton"):
         if importlib.util.find_spec(package) is None:
             pytest.skip(f"{package} is not installed: run scripts/setup.sh (SGLang's Triton kernels are the reference)")
-    ref = ReferenceProcess(tmp_path_factory.mktemp("triton-reference") / "stderr.log")
+    try:
+        release_dir = ensure_release("sglang", request.param)
+    except MatrixError as exc:
+        pytest.skip(f"sglang {request.param} cannot be installed into the wheel cache here: {exc}")
+    ref = ReferenceProcess(tmp_path_factory.mktemp("triton-reference") / "stderr.log", release_dir)
+    assert ref.hello["release"] == request.param
     yield ref
     ref.close()
+
+
+def _needs(reference: ReferenceProcess, call: str) -> None:
+    if call not in reference.hello["calls"]:
+        pytest.skip(f"sglang {reference.hello['release']} has no {call} call site")
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -582,6 +633,8 @@ def test_reference_is_sglangs_triton_kernels_interpreted_without_sgl_kernel(refe
 
 @pytest.mark.parametrize("call", CALLS)
 def test_stand_in_equals_sglang_triton_kernel(reference, count_case, call):
+    _needs(reference, call)
+
     @given(args=STRATEGIES[call])
     def prop(args):
         count_case()
@@ -592,6 +645,8 @@ def test_stand_in_equals_sglang_triton_kernel(reference, count_case, call):
 
 @pytest.mark.parametrize("call", CALLS)
 def test_negative_control_off_by_one_stand_in_is_caught(reference, call):
+    _needs(reference, call)
+
     @settings(settings.default, max_examples=50, derandomize=True, database=None, report_multiple_bugs=False,
               phases=(Phase.generate,))  # detection is the point here: skip shrinking
     @given(args=STRATEGIES[call])

@@ -1,0 +1,90 @@
+"""``kvalign report FINDING``: a self-contained Markdown report of one finding on one release pair.
+
+The pair defaults to the installed Dynamo release and the SGLang its ``ai-dynamo[sglang]`` extra
+pins (the pair a deployment runs). The releases come from ``kvalign matrix``'s per-version cache;
+the evidence is collected in a subprocess with that pair first on ``PYTHONPATH``
+(:mod:`kvalign.report`). Exit 0 report printed, 1 the finding does not reproduce on that pair
+(no report), 2 usage or environment error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from kvalign.causes import Cause
+from kvalign.commands.options import positive_int
+from kvalign.errors import UsageError
+
+#: Seconds the in-pair search + replay may take.
+COLLECT_TIMEOUT_S = 900
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="Markdown report of one finding (e.g. LORA_NOT_IN_EVENTS) on one release pair")
+    p.add_argument("finding", metavar="FINDING", help="a cause name, e.g. LORA_NOT_IN_EVENTS")
+    p.add_argument("--dynamo", metavar="V", default=None, help="ai-dynamo release (default: the installed one)")
+    p.add_argument("--sglang", metavar="V", default=None,
+                   help="sglang release (default: the one the Dynamo release's ai-dynamo[sglang] extra pins)")
+    p.add_argument("--mode", dest="modes", action="append", choices=("plain", "eagle"),
+                   help="only search this mode (default: plain, then eagle)")
+    p.add_argument("--examples", type=positive_int, default=30,
+                   help="generated cases per property x mode x variant in the search (default 30)")
+    p.add_argument("--out", metavar="FILE", type=Path, default=None, help="write the report here instead of stdout")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvalign.commands.matrix import VERSION
+    from kvalign.matrix import MatrixError, ensure_release, installed, one_line, pair_env, shipped_sglang
+
+    if args.finding not in Cause.__members__:
+        raise UsageError(f"unknown finding {args.finding!r}; expected a cause name such as LORA_NOT_IN_EVENTS "
+                         f"(one of {', '.join(Cause.__members__)})")
+    for flag, value in (("--dynamo", args.dynamo), ("--sglang", args.sglang)):
+        if value is not None and not re.match(VERSION, value):
+            raise UsageError(f"{flag} takes one release version, got {value!r}")
+    dynamo = args.dynamo or installed("ai-dynamo")
+    if dynamo is None:
+        raise UsageError("ai-dynamo is not installed here: pass --dynamo VERSION")
+    err = sys.stderr
+    log = lambda m: print(f"  {m}", file=err, flush=True)  # noqa: E731
+    try:
+        sglang = args.sglang or shipped_sglang(dynamo, log=log)
+        if sglang is None:
+            raise UsageError(f"ai-dynamo {dynamo} pins no sglang release: pass --sglang VERSION")
+        env = pair_env(ensure_release("dynamo", dynamo, log=log), ensure_release("sglang", sglang, log=log), sglang)
+    except MatrixError as exc:
+        raise UsageError(one_line(str(exc))) from None
+    print(f"kvalign report: {args.finding} on ai-dynamo {dynamo} x sglang {sglang} (searching, then replaying)",
+          file=err, flush=True)
+    modes = args.modes or ["plain", "eagle"]
+    cmd = [sys.executable, "-m", "kvalign.report", args.finding, "--examples", str(args.examples),
+           *[a for m in modes for a in ("--mode", m)]]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=COLLECT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise UsageError(f"collecting {args.finding} did not finish within {COLLECT_TIMEOUT_S}s") from None
+    if res.returncode == 3:
+        print(f"kvalign report: {args.finding} does not reproduce on ai-dynamo {dynamo} x sglang {sglang}: "
+              f"{one_line(res.stderr).removeprefix('not found: ')}", file=err)
+        return 1
+    if res.returncode != 0:
+        raise UsageError(f"collecting {args.finding} on ai-dynamo {dynamo} x sglang {sglang} failed: "
+                         f"{one_line(res.stderr or f'exit {res.returncode}')}")
+    from kvalign.report import render
+
+    data = json.loads(res.stdout.strip().splitlines()[-1])
+    mode_flag = f" --mode {data['mode']}"
+    text = render(data, f"kvalign report {args.finding} --dynamo {dynamo} --sglang {sglang}{mode_flag}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text, encoding="utf-8")
+        print(f"kvalign report: wrote {args.out}", file=err)
+    else:
+        sys.stdout.write(text)
+    return 0

@@ -1,0 +1,186 @@
+"""The three engine kinds of the live layer, one object each, behind one interface.
+
+A run of the seed scenario (``kvalign e2e``, ``kvalign live``, the e2e tests, ``matrix --live``)
+differs by engine only in: which options it accepts, how many GPUs and which topology it needs,
+how it is described, how its cluster is planned (ports, models, worker commands) and what it
+checks before starting. Keeping each engine's answers in one class means a new engine (or a new
+per-engine option such as ``--sglang``) is one place to change, not a set of ``if engine == ...``
+branches spread over the commands and the scenario.
+
+* :class:`FakeCpuEngine` (``fake-cpu``) — kvalign's fake workers keyed by SGLang's real radix
+  cache, no model, no speculation;
+* :class:`SglangCpuEngine` (``sglang-cpu``) — real ``dynamo.sglang`` on this CPU with the tiny
+  offline models and kvalign's stand-in, any supported SGLang release (``--sglang``);
+* :class:`SglangGpuEngine` (``sglang-gpu``) — real ``dynamo.sglang`` on GPUs (the nightly).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from kvalign.live import sglang_cpu_worker
+from kvalign.live.cluster import make_plan
+from kvalign.live.gpu import Prereqs, check_prereqs, resolve_model_dir
+from kvalign.live.sglang_worker import SglangWorkerKind, gpu_topology
+from kvalign.live.topology import ClusterPlan, CpuWorkerKind, Topology, WorkerKind
+
+if TYPE_CHECKING:
+    from kvalign.live.disagg_eagle import E2eOptions
+
+EngineName = Literal["sglang-gpu", "sglang-cpu", "fake-cpu"]
+
+
+class EngineKind(Protocol):
+    """What differs between engines, for one run described by :class:`E2eOptions`."""
+
+    name: EngineName
+    #: runs on this machine's CPU (no GPUs; prerequisites are reported by the harness or the stand-in)
+    cpu: bool
+    #: runs a real speculative decoder (assertions 3 and 4 apply)
+    speculates: bool
+    #: ``kvalign live up``'s default start-up budget, seconds
+    live_startup_timeout_s: float
+
+    def validate(self, opts: E2eOptions) -> None:
+        """Raise ValueError (one line) for an option this engine does not take."""
+        ...
+
+    def gpus_needed(self, opts: E2eOptions) -> int: ...
+
+    def topology(self, opts: E2eOptions) -> Topology: ...
+
+    def describe(self, opts: E2eOptions) -> str:
+        """The workers, for the run's first line."""
+        ...
+
+    def model_lines(self, opts: E2eOptions, plan: ClusterPlan) -> list[str]:
+        """What ``e2e plan`` says about the models served."""
+        ...
+
+    def plan(self, topology: Topology, run_dir: str | Path, opts: E2eOptions) -> tuple[ClusterPlan, WorkerKind]:
+        """Ports, env, models and the worker kind for ``topology`` (``live`` passes its own)."""
+        ...
+
+    def prerequisites(self, opts: E2eOptions, *, import_check: bool = True) -> Prereqs | None:
+        """What the run lacks here; None when the harness itself reports it at start."""
+        ...
+
+
+def _only_cpu_engine_options(name: str, opts: E2eOptions) -> None:
+    if opts.sglang is not None:
+        raise ValueError(f"--sglang picks the real CPU engine's SGLang release: it needs --engine sglang-cpu, not {name}")
+    if opts.draft != "agree":
+        raise ValueError("--draft disagree builds the tiny CPU draft: it needs --engine sglang-cpu")
+
+
+def _cpu_topology(opts: E2eOptions) -> Topology:
+    return Topology.disaggregated(opts.prefill, opts.decode, eagle=True,
+                                  register_eagle=None if opts.router_eagle else False, page_size=opts.page_size)
+
+
+class FakeCpuEngine:
+    """``fake-cpu``: kvalign's fake workers (SGLang's real radix cache, real Dynamo runtime, no model)."""
+
+    name: EngineName = "fake-cpu"
+    cpu = True
+    speculates = False
+    live_startup_timeout_s = 120.0
+
+    def validate(self, opts: E2eOptions) -> None:
+        _only_cpu_engine_options(self.name, opts)
+
+    def gpus_needed(self, opts: E2eOptions) -> int:
+        return 0
+
+    def topology(self, opts: E2eOptions) -> Topology:
+        return _cpu_topology(opts)
+
+    def describe(self, opts: E2eOptions) -> str:
+        return f"{opts.prefill} prefill + {opts.decode} decode CPU workers (SGLang radix cache, no model)"
+
+    def model_lines(self, opts: E2eOptions, plan: ClusterPlan) -> list[str]:
+        return []
+
+    def plan(self, topology: Topology, run_dir: str | Path, opts: E2eOptions) -> tuple[ClusterPlan, WorkerKind]:
+        return make_plan(topology, run_dir, control_plane=opts.control_plane), CpuWorkerKind()
+
+    def prerequisites(self, opts: E2eOptions, *, import_check: bool = True) -> Prereqs | None:
+        return None
+
+
+class SglangCpuEngine:
+    """``sglang-cpu``: the real engine on this CPU, on the environment's SGLang or ``opts.sglang``."""
+
+    name: EngineName = "sglang-cpu"
+    cpu = True
+    speculates = True
+    live_startup_timeout_s = 400.0
+
+    def validate(self, opts: E2eOptions) -> None:
+        """Every option applies (the release is checked against the stand-in when planning)."""
+
+    def gpus_needed(self, opts: E2eOptions) -> int:
+        return 0
+
+    def topology(self, opts: E2eOptions) -> Topology:
+        return _cpu_topology(opts)
+
+    def describe(self, opts: E2eOptions) -> str:
+        release = f" {opts.sglang} (wheel cache)" if opts.sglang else ""
+        return (f"{opts.prefill} prefill + {opts.decode} decode real SGLang{release} CPU workers, EAGLE3 "
+                f"(tiny Llama, {opts.draft}ing draft)")
+
+    def model_lines(self, opts: E2eOptions, plan: ClusterPlan) -> list[str]:
+        return [f"models: tiny Llama target + {opts.draft}ing EAGLE3 draft, built offline under RUN_DIR/models"]
+
+    def plan(self, topology: Topology, run_dir: str | Path, opts: E2eOptions) -> tuple[ClusterPlan, WorkerKind]:
+        return sglang_cpu_worker.plan_cluster(topology, run_dir, draft=opts.draft, control_plane=opts.control_plane,
+                                              sglang_version=opts.sglang)
+
+    def prerequisites(self, opts: E2eOptions, *, import_check: bool = True) -> Prereqs | None:
+        problem = sglang_cpu_worker.engine_problem(opts.sglang)
+        return Prereqs((), (problem,) if problem else ())
+
+
+class SglangGpuEngine:
+    """``sglang-gpu``: real ``dynamo.sglang`` on GPUs with the configured model + EAGLE3 draft."""
+
+    name: EngineName = "sglang-gpu"
+    cpu = False
+    speculates = True
+    live_startup_timeout_s = 900.0
+
+    def validate(self, opts: E2eOptions) -> None:
+        _only_cpu_engine_options(self.name, opts)
+
+    def gpus_needed(self, opts: E2eOptions) -> int:
+        return 1 if opts.single_gpu else 2
+
+    def topology(self, opts: E2eOptions) -> Topology:
+        return gpu_topology(single_gpu=opts.single_gpu, prefill=opts.prefill, decode=opts.decode,
+                            router_eagle=opts.router_eagle, page_size=opts.page_size)
+
+    def describe(self, opts: E2eOptions) -> str:
+        dgpu = 0 if opts.single_gpu else 1
+        return f"{opts.prefill} prefill (GPU 0) + {opts.decode} decode (GPU {dgpu}), EAGLE3"
+
+    def model_lines(self, opts: E2eOptions, plan: ClusterPlan) -> list[str]:
+        return [f"model:       {opts.model} -> --model-path {plan.model_path}", f"draft model: {opts.draft_model}"]
+
+    def plan(self, topology: Topology, run_dir: str | Path, opts: E2eOptions) -> tuple[ClusterPlan, WorkerKind]:
+        model_dir, _ = resolve_model_dir(opts.model)
+        draft_dir, _ = resolve_model_dir(opts.draft_model)
+        plan = make_plan(topology, run_dir, str(model_dir or opts.model), model_name=Path(opts.model).name,
+                         control_plane=opts.control_plane)
+        kind = SglangWorkerKind(
+            str(draft_dir or opts.draft_model), bind_host=opts.bind_host, mem_fraction_static=opts.mem_fraction_static,
+            context_length=opts.context_length, cuda_graph=opts.cuda_graph,
+        )
+        return plan, kind
+
+    def prerequisites(self, opts: E2eOptions, *, import_check: bool = True) -> Prereqs | None:
+        return check_prereqs(self.gpus_needed(opts), opts.model, opts.draft_model, import_check=import_check)
+
+
+ENGINE_KINDS: dict[EngineName, EngineKind] = {e.name: e for e in (SglangGpuEngine(), SglangCpuEngine(), FakeCpuEngine())}

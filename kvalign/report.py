@@ -1,0 +1,349 @@
+"""``kvalign report``'s engine: one finding, as a Markdown report a maintainer can act on.
+
+A matrix cell says *that* a pair disagrees; an upstream maintainer needs the evidence: the shrunk
+counterexample, the bytes the engine put on the wire, what the router indexed from them, what the
+engine holds, and where in each release's source the behaviour comes from. :func:`collect` runs in
+the pair's own environment (the matrix's per-version cache first on ``PYTHONPATH``): it searches the
+properties for the finding with Hypothesis, then replays the shrunk example once more through the
+real SGLang cache, SGLang's real ZMQ publisher and Dynamo's real relay + ``KvRouter``, recording the
+wire frames at the loopback hop between them. :func:`render` turns that JSON into Markdown.
+
+Run as ``python -m kvalign.report CAUSE --mode M --examples N`` (what ``kvalign report`` does in a
+subprocess); it prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.metadata
+import importlib.util
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvalign.causes import Cause
+
+#: The properties searched for a finding, most telling evidence first (``ingest`` has wire bytes).
+SEARCH_ORDER = ("ingest", "overlap", "pages", "hash")
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """A place in a release's source that a finding comes from, found by text in that release's files.
+
+    ``package`` is the top-level import (``sglang`` / ``dynamo``); ``path`` is relative to it.
+    A release where ``text`` does not occur says so in the report instead of quoting a stale line.
+    """
+
+    package: str
+    path: str
+    text: str
+    why: str
+    dist: str = ""  # the distribution shipping the file, when not the package's usual one
+
+
+ANCHORS: dict[Cause, tuple[Anchor, ...]] = {
+    Cause.LORA_NOT_IN_EVENTS: (
+        Anchor("sglang", "srt/managers/schedule_batch.py", "lora_id is concatenated to the extra key",
+               "the engine keys a LoRA request's pages by its lora_id: the id is appended to extra_key, "
+               "which namespaces every page hash of the request"),
+        Anchor("sglang", "srt/mem_cache/events.py", "lora_id=None,",
+               "but every BlockStored the cache publishes says lora_id=None"),
+        Anchor("sglang", "srt/disaggregation/kv_events.py", "lora_id: Optional[int]",
+               "the wire struct has a lora_id field and no lora_name field, so not even the id could name the "
+               "adapter to the router"),
+        Anchor("dynamo", "sglang/publisher.py", "publisher = KvEventPublisher(",
+               "dynamo.sglang relays the engine's ZMQ events into the router as they come: no LoRA context is "
+               "added on the way"),
+        Anchor("dynamo", "_core.pyi", "lora_name: Optional LoRA adapter name for adapter-aware block hashing.",
+               "the router hashes a LoRA block with the adapter's *name* (compute_block_hash_for_seq / "
+               "KvEventPublisher.publish_stored take lora_name; the relay itself is compiled Rust in dynamo._core); "
+               "an event without a name is hashed as a base-model block", dist="ai-dynamo-runtime"),
+    ),
+}
+
+
+def package_dir(package: str) -> Path | None:
+    """Where ``package`` would be imported from (the pair's release first), without importing it."""
+    spec = importlib.util.find_spec(package)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return Path(locations[0]) if locations else None
+
+
+def _enclosing(source: str, line: int) -> str:
+    """``Class.function`` (or ``<module>``) whose body holds ``line``."""
+    best: tuple[int, str] = (0, "<module>")
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        nonlocal best
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                end = getattr(child, "end_lineno", child.lineno)
+                if child.lineno <= line <= end and child.lineno >= best[0]:
+                    best = (child.lineno, name)
+                walk(child, name + ".")
+
+    try:
+        walk(ast.parse(source), "")
+    except SyntaxError:  # a .pyi with syntax this Python lacks: no name, the line still stands
+        return "<module>"
+    return best[1]
+
+
+def locate(anchor: Anchor) -> dict[str, Any]:
+    """The anchor in the installed release: file, line, enclosing function, the line itself."""
+    root = package_dir(anchor.package)
+    dist = anchor.dist or {"sglang": "sglang", "dynamo": "ai-dynamo"}[anchor.package]
+    try:
+        version = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    found: dict[str, Any] = {"package": anchor.package, "dist": dist, "version": version, "path": anchor.path,
+                             "text": anchor.text, "why": anchor.why, "line": None}
+    if root is None or not (root / anchor.path).is_file():
+        found["missing"] = "file not in this release"
+        return found
+    source = (root / anchor.path).read_text(encoding="utf-8", errors="replace")
+    lines = source.splitlines()
+    for i, line in enumerate(lines, 1):
+        if anchor.text in line:
+            found.update(line=i, function=_enclosing(source, i), source=line.strip())
+            return found
+    found["missing"] = "text not found in this release"
+    return found
+
+
+def _hexable(value: Any) -> Any:
+    """A decoded msgpack value as JSON: bytes as hex, tuples as lists, everything else as is."""
+    if isinstance(value, bytes):
+        return {"hex": value.hex()}
+    if isinstance(value, (list, tuple)):
+        return [_hexable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(_hexable(k)): _hexable(v) for k, v in value.items()}
+    return value
+
+
+def _is_sentinel(payload: Any) -> bool:
+    from kvalign.oracles.router_path import sentinel_hash
+
+    if isinstance(payload, dict):
+        events = payload.get("events") or []
+    else:
+        events = payload[1] if isinstance(payload, (list, tuple)) and len(payload) > 1 else []
+    hashes = [h for ev in events for h in _event_hashes(ev)]
+    return bool(hashes) and all(sentinel_hash(0) <= h < sentinel_hash(1 << 20) for h in hashes)
+
+
+def _event_hashes(ev: Any) -> list[int]:
+    if isinstance(ev, dict):
+        return [int(h) for h in ev.get("block_hashes", [])]
+    if isinstance(ev, (list, tuple)) and len(ev) > 1 and isinstance(ev[1], list):
+        return [int(h) for h in ev[1] if isinstance(h, int)]
+    return []
+
+
+def search(cause: Cause, modes: Sequence[str], examples: int) -> tuple[Any, str, str, str, Any]:
+    """The first shrunk counterexample any property gives for ``cause``: (mismatch, prop, mode, variant, hasher)."""
+    from kvalign.check import VARIANTS, Systems, property_body, run_search, strategy_for
+    from kvalign.oracles.base import OracleUnavailable
+    from kvalign.oracles.dynamo import DynamoRadixTree, load_router_hasher
+    from kvalign.oracles.sglang import SglangRadixCache
+
+    hasher = load_router_hasher(None)
+    make_cache = lambda p, eagle: SglangRadixCache(p, eagle=eagle)  # noqa: E731
+    systems = Systems(hasher, make_cache, DynamoRadixTree)
+    try:
+        for prop in SEARCH_ORDER:
+            try:
+                body = property_body(prop, hasher, make_cache, DynamoRadixTree, systems)
+            except OracleUnavailable:
+                continue
+            for mode in modes:
+                for variant in VARIANTS:
+                    _calls, _failures, found = run_search(body, strategy_for(prop, mode, variant), examples)
+                    if found is not None and found.cause is cause:
+                        return found, prop, mode, variant, hasher
+    finally:
+        systems.close()
+    raise LookupError(f"no counterexample for {cause.name} in {examples} examples per property x mode x variant")
+
+
+def replay_ingest(isc: Any, hasher: Any) -> dict[str, Any]:
+    """Send ``isc``'s engine events once more through the real path and record every step of it."""
+    import msgpack
+
+    from kvalign.hashing import U64_MASK, block_hashes
+    from kvalign.oracles.router_path import RouterPath
+    from kvalign.oracles.sglang import SglangRadixCache, lora_id_for, to_kvalign_event
+    from kvalign.properties import engine_batches
+    from kvalign.events import BlockStored
+    from kvalign.sglang_keys import event_page_windows
+
+    sc = isc.scenario
+    p, eagle = sc.page_size, sc.eagle
+    frames: list[list[bytes]] = []
+
+    def record(parts: list[bytes]) -> list[bytes]:
+        frames.append(list(parts))
+        return parts
+
+    path = RouterPath(transform=record)
+    try:
+        worker = path.worker(p, eagle)
+        if not worker.barrier():
+            raise RuntimeError(f"Dynamo {path.version}'s relay never indexed a plain sentinel page")
+        base = worker.token_space()
+        shift = lambda tokens: [base + t for t in tokens]  # noqa: E731
+        start = len(frames)
+        cache, batches = engine_batches(lambda ps, e: SglangRadixCache(ps, eagle=e), isc, shift, worker.publisher.clear)
+        for raw in batches:
+            if raw:
+                worker.publisher.publish(raw)
+        worker.barrier()
+        wire = []
+        for parts in frames[start:]:
+            payload = msgpack.unpackb(parts[-1], raw=False, strict_map_key=False)
+            if _is_sentinel(payload):
+                continue
+            wire.append({"frames_hex": [f.hex() for f in parts], "topic": parts[0].decode("utf-8", "replace"),
+                         "seq": int.from_bytes(parts[1], "big") if len(parts) > 2 else None,
+                         "decoded": _hexable(payload)})
+        events = [to_kvalign_event(e) for raw in batches for e in raw]
+        stored = [e for e in events if isinstance(e, BlockStored)]
+        dumped = {h: t for _p, h, t in worker.dump()}
+        tenants = sorted({t for _tok, t in sc.inserts if t[0]}, key=str)
+        indexed = []
+        for ev in stored:
+            for h, window in zip(ev.block_hashes, event_page_windows(ev.token_ids, ev.block_size, len(ev.block_hashes))):
+                h &= U64_MASK
+                indexed.append({
+                    "engine_hash": h, "tokens": list(window), "event_lora_id": ev.lora_id,
+                    "event_lora_name": ev.lora_name, "event_cache_salt": ev.cache_salt,
+                    "router_local_hash": dumped.get(h),
+                    "base_model_hash": block_hashes(window, p, eagle=eagle, cache_namespace=ev.cache_salt)[0],
+                    "adapter_hashes": {lora: block_hashes(window, p, eagle=eagle, lora_name=lora,
+                                                          cache_namespace=ev.cache_salt)[0] for lora, _ns in tenants},
+                })
+        queries = []
+        q_tokens = list(sc.query[0]) or list(sc.inserts[0][0])
+        for lora, ns in dict.fromkeys([t for _tok, t in sc.inserts] + [sc.query[1], (None, None)]):
+            q = shift(q_tokens)
+            queries.append({"lora_name": lora, "cache_salt": ns, "tokens": q,
+                            "engine_pages": cache.match(q, lora_name=lora, cache_salt=ns) // p,
+                            "router_blocks": worker.overlap(q, lora, ns),
+                            "router_query_hashes": [int(h) for h in hasher(q, p, None, lora, eagle, ns)]})
+        return {"token_offset": base, "wire": wire, "indexed": indexed, "queries": queries,
+                "requests": [{"tokens": shift(tok), "lora_name": t[0], "cache_salt": t[1],
+                              "engine_extra_key": lora_id_for(t[0]) if t[0] else None} for tok, t in sc.inserts]}
+    finally:
+        path.close()
+
+
+def collect(cause: Cause, modes: Sequence[str], examples: int) -> dict[str, Any]:
+    """Everything the report says, from the releases importable here (run inside the pair's environment)."""
+    from kvalign.check import _plain
+
+    found, prop, mode, variant, hasher = search(cause, modes, examples)
+    out: dict[str, Any] = {
+        "cause": cause.name, "cause_text": cause.value, "property": prop, "mode": mode, "variant": variant,
+        "detail": found.detail, "counterexample": _plain(found.example),
+        "versions": {d: _version(d) for d in ("ai-dynamo", "ai-dynamo-runtime", "sglang")},
+        "anchors": [locate(a) for a in ANCHORS.get(cause, ())],
+    }
+    if prop == "ingest":
+        out["replay"] = replay_ingest(found.example, hasher)
+    return out
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _fence(text: str, lang: str = "") -> str:
+    return f"```{lang}\n{text}\n```"
+
+
+def render(data: dict[str, Any], command: str) -> str:
+    """The Markdown report for one collected finding; ``command`` reproduces it."""
+    v = data["versions"]
+    pair = f"ai-dynamo {v['ai-dynamo']} (ai-dynamo-runtime {v['ai-dynamo-runtime']}) × sglang {v['sglang']}"
+    out = [f"# {data['cause']}: {data['cause_text']}", "",
+           f"**Pair:** {pair}.  ",
+           f"**Found by:** kvalign's `{data['property']}` property, {data['mode']} mode, `{data['variant']}` variant "
+           "(Hypothesis search, shrunk).  ",
+           f"**Reproduce:** `{command}`", "",
+           "## What goes wrong", "", data["detail"], "",
+           "## Shrunk counterexample", "", _fence(json.dumps(data["counterexample"], ensure_ascii=False), "json"), ""]
+    replay = data.get("replay")
+    if replay:
+        out += ["The replay below sends this example once more through the real path: SGLang's "
+                "`UnifiedRadixCache` → SGLang's `ZmqEventPublisher` → a 127.0.0.1 hop (recorded here) → Dynamo's "
+                f"`KvEventPublisher` relay → `KvRouter`. Token ids are offset by {replay['token_offset']} (each "
+                "example gets its own token range in the long-lived router).", "",
+                "## Requests the engine cached", "",
+                "| # | tokens | lora_name | cache_salt | SGLang extra_key (the LoRA id) |", "|---|---|---|---|---|"]
+        for i, r in enumerate(replay["requests"], 1):
+            out.append(f"| {i} | {r['tokens']} | {r['lora_name']!r} | {r['cache_salt']!r} | {r['engine_extra_key']!r} |")
+        out += ["", "## Event bytes on the wire, as decoded", ""]
+        for i, w in enumerate(replay["wire"], 1):
+            out += [f"Message {i} (topic {w['topic']!r}, seq {w['seq']}): frames (hex)", "",
+                    _fence("\n".join(w["frames_hex"])), "", "decoded (msgpack):", "",
+                    _fence(json.dumps(w["decoded"], ensure_ascii=False), "json"), ""]
+        out += ["## What the router indexed", "",
+                "| engine block hash | page tokens | event lora_id | event lora_name | router's local hash | "
+                "= base-model hash? | adapter hash(es) |", "|---|---|---|---|---|---|---|"]
+        for b in replay["indexed"]:
+            local = b["router_local_hash"]
+            out.append(f"| {b['engine_hash']} | {b['tokens']} | {b['event_lora_id']!r} | {b['event_lora_name']!r} | "
+                       f"{'not indexed' if local is None else local} | {'yes' if local == b['base_model_hash'] else 'no'} | "
+                       + ", ".join(f"{k}: {h}" for k, h in b["adapter_hashes"].items()) + " |")
+        out += ["", "## What the engine holds vs what the router answers", "",
+                "| query tenant (lora_name, cache_salt) | SGLang `match_prefix` (pages) | router overlap (blocks) |",
+                "|---|---|---|"]
+        for q in replay["queries"]:
+            out.append(f"| ({q['lora_name']!r}, {q['cache_salt']!r}) | {q['engine_pages']} | {q['router_blocks']} |")
+        out.append("")
+    anchors = data.get("anchors") or []
+    out += ["## Source lines responsible", ""]
+    if not anchors:
+        out.append(f"kvalign records no source anchors for {data['cause']} yet.")
+    for a in anchors:
+        where = f"`{a['package']}/{a['path']}`"
+        if a.get("missing"):
+            out.append(f"- {a['dist']} {a['version']}: {where}: {a['missing']} (looked for `{a['text']}`) — {a['why']}.")
+        else:
+            out.append(f"- {a['dist']} {a['version']}: {where}:{a['line']} in `{a['function']}`: `{a['source']}` — "
+                       f"{a['why']}.")
+    out += ["", "---", "Generated by `kvalign report` from real runs of the wheels named above."]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The in-pair collector: one JSON object on stdout, or one error line on stderr (exit 2)."""
+    ap = argparse.ArgumentParser(prog="python -m kvalign.report")
+    ap.add_argument("cause", choices=[c.name for c in Cause])
+    ap.add_argument("--mode", action="append", choices=("plain", "eagle"))
+    ap.add_argument("--examples", type=int, default=30)
+    args = ap.parse_args(argv)
+    try:
+        data = collect(Cause[args.cause], tuple(args.mode or ("plain", "eagle")), args.examples)
+    except LookupError as exc:
+        print(f"not found: {exc}", file=sys.stderr)
+        return 3
+    json.dump(data, sys.stdout, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o),
+              ensure_ascii=False)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

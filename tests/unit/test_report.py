@@ -1,0 +1,68 @@
+"""``kvalign report``: one finding, as a Markdown report, from real runs of the real wheels.
+
+The shipped pair ai-dynamo 1.6.1 x sglang 0.5.21 is installed into the matrix's per-version cache
+(skipped with the reason when the package index cannot be reached); the report must show the
+LoRA finding end to end: SGLang's own event bytes without a LoRA name, the router indexing the
+adapter's page under the base-model hash, and the source lines in both wheels.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvalign.causes import Cause
+from kvalign.cli import main
+from kvalign.report import ANCHORS, Anchor, locate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _kvalign(*argv: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "kvalign", *argv], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["report", "LORA_MISSING"], "unknown finding 'LORA_MISSING'"),
+    (["report", "LORA_NOT_IN_EVENTS", "--sglang", "0.5;x"], "--sglang takes one release version"),
+    (["report", "LORA_NOT_IN_EVENTS", "--examples", "0"], "must be >= 1"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, argv, message):
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1 and message in err
+
+
+def test_anchors_are_found_in_the_installed_sglang_or_said_missing(sglang_available):
+    """Against the environment's SGLang (0.5.23, which names LoRA in its events): each anchor is
+    either located with its enclosing function or reported missing, never invented."""
+    for found in map(locate, ANCHORS[Cause.LORA_NOT_IN_EVENTS]):
+        assert found["line"] is not None or found["missing"]
+        if found["line"]:
+            assert found["text"] in found["source"] and found["function"]
+    gone = locate(Anchor("sglang", "srt/no_such_module.py", "x", "why"))
+    assert gone["line"] is None and gone["missing"] == "file not in this release"
+
+
+@pytest.mark.timeout(900)
+def test_lora_report_on_the_shipped_pair_1_6_1_x_0_5_21(tmp_path):
+    out = tmp_path / "report.md"
+    res = _kvalign("report", "LORA_NOT_IN_EVENTS", "--dynamo", "1.6.1", "--sglang", "0.5.21", "--mode", "plain",
+                   "--examples", "20", "--out", str(out))
+    if res.returncode == 2 and "cannot install" in res.stderr:
+        pytest.skip(f"the 1.6.1 x 0.5.21 wheels cannot be installed here: {res.stderr.strip().splitlines()[-1]}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    text = out.read_text()
+    assert "ai-dynamo 1.6.1" in text and "sglang 0.5.21" in text
+    assert '"lora_id": null' in text and "lora_name" not in text.split("decoded (msgpack)")[1].split("```")[1]
+    indexed = text.split("## What the router indexed")[1].split("##")[0]
+    assert "| yes |" in indexed  # the adapter's page is indexed under its base-model hash
+    assert "schedule_batch.py`:" in text and "in `Req.__init__`" in text
+    assert "events.py`:" in text and "KVCacheEventRecorder.record_store" in text
+    assert "kvalign report LORA_NOT_IN_EVENTS --dynamo 1.6.1 --sglang 0.5.21" in text
