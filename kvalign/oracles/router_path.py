@@ -192,6 +192,16 @@ class IngestWorker:
                 parent = b["block_hash"]
         return out
 
+    def dump_tiers(self) -> list[tuple[str | None, int]]:
+        """``(storage tier, engine block hash)`` for every block the router indexed, in any tier
+        (``device``, ``host_pinned``, ``disk``; None from a release that does not say)."""
+        out = []
+        for entry in json.loads(self.path.call(self.router.dump_events)):
+            stored = entry["event"]["data"].get("stored") if isinstance(entry["event"]["data"], dict) else None
+            if stored:
+                out.extend((entry.get("storage_tier"), int(b["block_hash"])) for b in stored["blocks"])
+        return out
+
     def barrier(self) -> bool:
         """Publish a sentinel page and wait until the router indexed it (so everything before it was
         processed: one stream, one relay, in order). False when it never arrives."""
@@ -333,24 +343,62 @@ class RouterPath:
             self._workers[key] = IngestWorker(self, block_size, eagle, pub, router, relay)
         return self._workers[key]
 
-    def query_overlap(self, router: Any, tokens: list[int], lora_name: str | None, cache_namespace: str | None) -> int:
+    def _tiered_router(self) -> bool:
+        """Whether this release's router weighs host / disk tiers into its overlap (``host_cache_hit_weight``)."""
+        return "host_cache_hit_weight" in (getattr(self.core.KvRouterConfig, "__text_signature__", None) or "")
+
+    def _query(self, fn: Callable[..., Any], tokens: list[int], lora_name: str | None, cache_namespace: str | None) -> Any:
         kw: dict[str, Any] = {}
         if lora_name:
             kw["lora_name"] = lora_name
         if cache_namespace:
             kw["cache_namespace"] = cache_namespace
-        if hasattr(router, "get_overlap_scores"):
-            fn, pick = router.get_overlap_scores, lambda r: max((w.get("device_blocks", 0) for w in r["workers"]), default=0)
-        else:
-            fn, pick = router.best_worker, lambda r: int(r[2])
         try:
-            return int(pick(self.call(fn, tokens, **kw)))
+            return self.call(fn, tokens, **kw)
         except TypeError:
             if "cache_namespace" not in kw:
                 raise
             self.missing.add("KvRouter query cache_namespace")
             kw.pop("cache_namespace")
-            return int(pick(self.call(fn, tokens, **kw)))
+            return self.call(fn, tokens, **kw)
+
+    def query_tiers(self, router: Any, tokens: list[int], lora_name: str | None, cache_namespace: str | None) -> dict[str, int]:
+        """The router's per-tier answer for a query: ``device_blocks``, ``host_pinned_extension_blocks``,
+        ``disk_extension_blocks`` (0 each when no worker matched), from ``get_overlap_scores``.
+
+        A release without ``get_overlap_scores``, or whose rows lack one of these keys, cannot say
+        which tier a credited block is in: :class:`OracleUnavailable`, never a guessed 0."""
+        if not hasattr(router, "get_overlap_scores"):
+            raise OracleUnavailable(f"Dynamo {self.version}'s KvRouter has no get_overlap_scores: it does not report "
+                                    "its overlap per tier")
+        keys = ("device_blocks", "host_pinned_extension_blocks", "disk_extension_blocks")
+        rows = self._query(router.get_overlap_scores, tokens, lora_name, cache_namespace)["workers"]
+        if not rows:
+            return dict.fromkeys(keys, 0)
+        if len(rows) != 1:
+            raise OracleUnavailable(f"one worker per router expected, get_overlap_scores answered {len(rows)}")
+        absent = [k for k in keys if k not in rows[0]]
+        if absent:
+            raise OracleUnavailable(f"Dynamo {self.version}'s get_overlap_scores rows have no {', '.join(absent)} "
+                                    f"(keys: {', '.join(sorted(rows[0]))})")
+        return {k: int(rows[0][k]) for k in keys}
+
+    def query_overlap(self, router: Any, tokens: list[int], lora_name: str | None, cache_namespace: str | None) -> int:
+        """The router's device-tier overlap (blocks) for a query.
+
+        ``device_blocks`` from ``get_overlap_scores`` where the release has it. Before that method,
+        ``best_worker``'s overlap is the only answer; it is taken only from a router that has no
+        tier weights, because a tiered router (``host_cache_hit_weight``) folds weighted host and
+        disk credit into it, which would read as device blocks. The fallback is recorded in
+        :attr:`missing`, so a report says which answer it compared.
+        """
+        if hasattr(router, "get_overlap_scores"):
+            return self.query_tiers(router, tokens, lora_name, cache_namespace)["device_blocks"]
+        if self._tiered_router():
+            raise OracleUnavailable(f"Dynamo {self.version}'s router weighs host / disk tiers into best_worker's "
+                                    "overlap and has no get_overlap_scores: no device-only overlap to compare")
+        self.missing.add("KvRouter.get_overlap_scores (best_worker's overlap compared)")
+        return int(self._query(router.best_worker, tokens, lora_name, cache_namespace)[2])
 
     def close(self) -> None:
         """Stop the publishers, then the runtime.
