@@ -39,7 +39,18 @@ class Cause(str, Enum):
     INGEST_STALE = "router index kept blocks the engine removed or cleared"
     LORA_NOT_IN_EVENTS = "SGLang's events carry no LoRA name: the router keys adapter pages as base-model pages"
     PATH_UNAVAILABLE = "the release's worker relay / router cannot run here"
+    TIER_MISFILED = "router files a page under another tier than the one SGLang's event names (device vs host)"
+    TIER_RESIDENCY = "router's device / host credit differs from SGLang's HiCache residency"
+    MEDIUM_NOT_INDEXED = "the relay maps no tier to the event's medium: those pages are indexed nowhere, silently"
+    HOST_CREDIT_NOT_SERVABLE = ("router credits host-tier pages that SGLang will not load back (host-only stretch "
+                                "below its load_back_threshold): the engine re-prefills them")
     UNKNOWN = "unclassified hash difference"
+
+
+#: Causes that ``check`` reports as findings without failing alignment: the router and the engine
+#: agree on every key and on where each page lives, and the router's *cost estimate* is still off.
+#: Why HOST_CREDIT_NOT_SERVABLE is one: docs/check.md#servable.
+FINDINGS = frozenset({Cause.HOST_CREDIT_NOT_SERVABLE})
 
 
 def _window_b_eagle_count(tokens: Sequence[int], b: int, **kw: Any) -> list[int]:
