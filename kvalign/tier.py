@@ -51,8 +51,10 @@ TIER_PAGE_SIZES = (2, 4, 16)
 STEPS = 8
 #: Dynamo 1.6.1's relay: SGLang ``medium`` string -> the router's storage tier (tests/unit/test_check_tier.py
 #: checks it against the real relay). Any other string is indexed in no tier, with no error.
+#: (The tier names are the router's ``dump_events`` ``storage_tier``; ``get_overlap_scores`` credits
+#: ``external`` blocks in ``disk_extension_blocks``.)
 RELAY_TIERS: dict[str | None, str] = {None: "device", "GPU": "device", "CPU_PINNED": "host_pinned", "CPU": "host_pinned",
-                                      "DISK": "disk", "EXTERNAL": "disk"}
+                                      "DISK": "disk", "EXTERNAL": "external"}
 #: How long to wait for one published step to be indexed.
 SETTLE_TIMEOUT_S = 4.0
 
@@ -217,8 +219,10 @@ class TierMachine(RuleBasedStateMachine):
     """One worker's HiCache life, step by step, checked against the router after every step."""
 
     def __init__(self, path: TierPath, eagle: bool, lora: bool, namespace: bool, servable: bool,
-                 make_engine: Callable[..., Any], cores: tuple[str, ...], failures: list[int]) -> None:
+                 make_engine: Callable[..., Any], cores: tuple[str, ...], failures: list[int],
+                 page_sizes: tuple[int, ...] = TIER_PAGE_SIZES) -> None:
         super().__init__()
+        self.page_sizes = page_sizes
         self.failures = failures
         self.path, self.eagle, self.servable, self.make_engine = path, eagle, servable, make_engine
         self.tenant = tenants(lora=lora, namespace=namespace)
@@ -229,12 +233,14 @@ class TierMachine(RuleBasedStateMachine):
         self.expected = _ExpectedTiers()
 
     # -- set-up -----------------------------------------------------------------------------
-    @initialize(p=st.sampled_from(TIER_PAGE_SIZES), core=st.integers(0, 1),
+    @initialize(p=st.integers(0, len(TIER_PAGE_SIZES) - 1), core=st.integers(0, 1),
                 policy=st.sampled_from(("write_through", "write_through_selective", "write_back")),
-                host_pages=st.one_of(st.just(0), st.integers(1, 6)))
+                host_pages=st.one_of(st.just(0), st.integers(1, 6)), data=st.data())
     @_counted
-    def start(self, p: int, core: int, policy: str, host_pages: int) -> None:
+    def start(self, p: int, core: int, policy: str, host_pages: int, data: st.DataObject) -> None:
+        """A fresh worker with HiCache on, and its first finished request."""
         core_name = self.cores[core % len(self.cores)]
+        p = self.page_sizes[p % len(self.page_sizes)]
         host_tokens = host_pages * p if host_pages else 1 << 20
         self.config = {"page_size": p, "eagle": self.eagle, "core": core_name, "policy": policy,
                        "host_tokens": host_tokens if host_pages else "unbounded"}
@@ -245,6 +251,7 @@ class TierMachine(RuleBasedStateMachine):
         self.worker, self.tap = self.path.worker(p, self.eagle)
         self.base = self.worker.token_space()
         self.engine.take_raw_events()
+        self._cache(data)
 
     def _example(self) -> dict[str, Any]:
         return {**self.config, "core": getattr(self.engine, "core", self.config["core"]), "steps": list(self.steps)}
@@ -257,6 +264,9 @@ class TierMachine(RuleBasedStateMachine):
     @_counted
     def cache_request(self, data: st.DataObject) -> None:
         """A request finishes and its prompt is cached (then the scheduler's transfer poll, or not yet)."""
+        self._cache(data)
+
+    def _cache(self, data: st.DataObject) -> None:
         p = self.engine.page_size
         prefix: list[int] = []
         if self.prompts and data.draw(st.booleans(), label="extends"):
@@ -376,8 +386,11 @@ def _tenant_kw(tenant: tuple[str | None, str | None]) -> dict[str, str]:
 
 
 def run_tier_search(path: TierPath, *, eagle: bool, lora: bool, namespace: bool, servable: bool, examples: int,
-                    seed: int | None = None, make_engine: Callable[..., Any] | None = None) -> tuple[int, int, Mismatch | None]:
-    """Run the state machine ``examples`` times: (examples run, failing examples seen, shrunk mismatch)."""
+                    seed: int | None = None, make_engine: Callable[..., Any] | None = None,
+                    page_sizes: tuple[int, ...] = TIER_PAGE_SIZES, shrink: bool = True) -> tuple[int, int, Mismatch | None]:
+    """Run the state machine ``examples`` times: (examples run, failing examples seen, shrunk mismatch).
+
+    ``shrink=False`` stops at the first failing example (the negative controls only need its cause)."""
     from kvalign.oracles.hicache import HiCacheEngine, available_cores
 
     make = make_engine or HiCacheEngine
@@ -387,11 +400,11 @@ def run_tier_search(path: TierPath, *, eagle: bool, lora: bool, namespace: bool,
     def factory() -> TierMachine:
         nonlocal calls
         calls += 1
-        return TierMachine(path, eagle, lora, namespace, servable, make, cores, failures)
+        return TierMachine(path, eagle, lora, namespace, servable, make, cores, failures, page_sizes)
 
     cfg = settings(max_examples=examples, stateful_step_count=STEPS, deadline=None, database=None,
                    derandomize=seed is None, suppress_health_check=list(HealthCheck), report_multiple_bugs=False,
-                   print_blob=False, phases=(Phase.explicit, Phase.generate, Phase.shrink))
+                   print_blob=False, phases=(Phase.explicit, Phase.generate) + ((Phase.shrink,) if shrink else ()))
     test = get_state_machine_test(factory, settings=cfg)
     if seed is not None:
         from hypothesis import seed as hseed
@@ -403,3 +416,47 @@ def run_tier_search(path: TierPath, *, eagle: bool, lora: bool, namespace: bool,
     except Mismatch as exc:
         found = exc
     return calls, failures[0], found
+
+
+#: Generated examples per tier / servable row (each runs up to STEPS steps through the real path).
+TIER_EXAMPLES = 12
+#: servable rows run the base tenant only: load-back does not depend on the tenant.
+SERVABLE_VARIANTS = ("base",)
+
+
+def run_tier_rows(systems: Any, prop: str, modes: tuple[str, ...], variants: tuple[str, ...], examples: int,
+                  seed: int | None = None) -> list[Any]:
+    """``check``'s rows for ``tier`` (every mode x variant) or ``servable`` (every mode, base variant)."""
+    from kvalign.causes import FINDINGS
+    from kvalign.check import VARIANTS, RowResult
+    from kvalign.hicache_standin import version_problem
+    from kvalign.oracles.sglang import sglang_version
+
+    if prop == "servable":
+        variants = tuple(v for v in variants if v in SERVABLE_VARIANTS)
+    rows: list[Any] = []
+    skipped = version_problem(sglang_version())
+    if skipped:
+        return [RowResult(prop, mode, variant, skipped=skipped) for mode in modes for variant in variants]
+    try:
+        path = TierPath(systems.router_path())
+    except OracleUnavailable as exc:
+        return [RowResult(prop, mode, variant, 0, 1, 0.0, Cause.PATH_UNAVAILABLE.value, Cause.PATH_UNAVAILABLE.name,
+                          str(exc)) for mode in modes for variant in variants]
+    try:
+        for mode in modes:
+            for variant in variants:
+                lora, namespace = VARIANTS[variant]
+                start = time.perf_counter()
+                calls, failures, found = run_tier_search(path, eagle=mode == "eagle", lora=lora, namespace=namespace,
+                                                         servable=prop == "servable", examples=examples, seed=seed)
+                row = RowResult(prop, mode, variant, calls, failures, time.perf_counter() - start)
+                if found is not None:
+                    row.cause, row.cause_name, row.detail = found.cause.value, found.cause.name, found.detail
+                    row.counterexample = found.example
+                    if found.cause in FINDINGS and prop == "servable":  # reported, not a misalignment
+                        row.findings, row.mismatches = failures, 0
+                rows.append(row)
+    finally:
+        path.close()
+    return rows

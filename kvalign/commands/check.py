@@ -33,14 +33,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", dest="modes", action="append", choices=MODES, help="only these modes")
     p.add_argument("--ingest-examples", type=int, default=25,
                    help="cap on generated cases per ingest row (each runs the real relay and router; default 25)")
+    p.add_argument("--tier-examples", type=int, default=None,
+                   help="cap on generated state-machine runs per tier / servable row (default 12)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: derandomized, reproducible)")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     p.set_defaults(run=run)
 
 
+def _result(r: RowResult) -> str:
+    if r.skipped:
+        return f"skipped: {r.skipped}"
+    if not r.ok:
+        return f"MISALIGNED: {r.cause}"
+    return f"ok, finding {r.cause_name}" if r.findings else "ok"
+
+
 def _table(rows: list[RowResult]) -> str:
     head = ("property", "mode", "variant", "cases", "mismatches", "result")
-    body = [(r.prop, r.mode, r.variant, str(r.cases), str(r.mismatches), "ok" if r.ok else f"MISALIGNED: {r.cause}") for r in rows]
+    body = [(r.prop, r.mode, r.variant, str(r.cases), str(r.mismatches), _result(r)) for r in rows]
     widths = [max(len(x[i]) for x in (head, *body)) for i in range(len(head))]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, body)])
@@ -51,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--examples must be >= 1, got {args.examples}")
     if args.ingest_examples < 1:
         raise UsageError(f"--ingest-examples must be >= 1, got {args.ingest_examples}")
+    if args.tier_examples is not None and args.tier_examples < 1:
+        raise UsageError(f"--tier-examples must be >= 1, got {args.tier_examples}")
     from kvalign.oracles.dynamo import DynamoRadixTree, dynamo_version, load_router_hasher
     from kvalign.oracles.sglang import SglangRadixCache, sglang_version
 
@@ -64,12 +76,12 @@ def run(args: argparse.Namespace) -> int:
               f"Dynamo RadixTree {versions['ai-dynamo-runtime']}; {args.examples} examples per row", flush=True)
     start = time.perf_counter()
     progress = None if args.json else lambda r: print(f"  {r.prop}/{r.mode}/{r.variant}: "
-                                                      f"{'ok' if r.ok else r.cause} ({r.cases} cases, {r.seconds:.1f}s)",
+                                                      f"{_result(r) if r.ok else r.cause} ({r.cases} cases, {r.seconds:.1f}s)",
                                                       file=console(), flush=True)
     rows = run_check(hasher, make_cache, DynamoRadixTree, examples=args.examples,
                      props=tuple(args.props or PROPERTIES), modes=tuple(args.modes or MODES),
                      variants=tuple(VARIANTS), seed=args.seed, progress=progress,
-                     ingest_examples=args.ingest_examples)
+                     ingest_examples=args.ingest_examples, tier_examples=args.tier_examples)
     aligned = all(r.ok for r in rows)
     if args.json:
         json.dump({"aligned": aligned, "router_hasher": label, "cache": args.cache, "versions": versions,
@@ -79,10 +91,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_table(rows))
         for r in rows:
-            if not r.ok:
-                print(f"\n{r.prop} / {r.mode} / {r.variant}: {r.detail}\n  cause: {r.cause}\n  shrunk counterexample: {r.counterexample}")
+            if not r.ok or r.findings:
+                kind = "finding (does not fail alignment)" if r.ok else "cause"
+                print(f"\n{r.prop} / {r.mode} / {r.variant}: {r.detail}\n  {kind}: {r.cause}\n  shrunk counterexample: {r.counterexample}")
         total = sum(r.cases for r in rows)
         verdict = "ALIGNED" if aligned else "MISALIGNED"
+        found = sorted({r.cause_name for r in rows if r.findings and r.cause_name})
+        note = f"; findings: {', '.join(found)}" if found else ""
         print(f"\n{verdict}: {total} cases in {time.perf_counter() - start:.1f}s, "
-              f"{sum(not r.ok for r in rows)} of {len(rows)} rows mismatched")
+              f"{sum(not r.ok for r in rows)} of {len(rows)} rows mismatched{note}")
     return 0 if aligned else 1

@@ -1,0 +1,212 @@
+"""The ``tier`` and ``servable`` properties against the real systems, and their negative controls.
+
+SGLang's real ``UnifiedRadixCache`` with HiCache on (its own ``init_hicache``; only the transfer
+path is :mod:`kvalign.hicache_standin`), SGLang's real publisher, Dynamo's real relay and a real
+``KvRouter``. The negative controls put a broken hop between SGLang's publisher and the real relay:
+one that files host-tier stores under the device tier, one that renames the host medium to a string
+the relay does not map.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+import pytest
+
+from kvalign.oracles.base import OracleUnavailable
+
+EXAMPLES = 10
+
+
+def _rewrite_medium(old: str, new: str) -> Callable[[list[bytes]], list[bytes]]:
+    def transform(frames: list[bytes]) -> list[bytes]:
+        batch = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
+        for ev in batch[1]:
+            if isinstance(ev, dict) and ev.get("medium") == old:
+                ev["medium"] = new
+        return [frames[0], frames[1], msgpack.packb(batch, use_bin_type=True)]
+
+    transform.__name__ = f"medium_{old}_to_{new}"
+    return transform
+
+
+#: A relay that files SGLang's host-tier stores (and removals) under the device tier.
+host_as_device = _rewrite_medium("CPU_PINNED", "GPU")
+#: SGLang sends a host medium string the relay does not map (what a renamed StorageMedium would do).
+unknown_host_medium = _rewrite_medium("CPU_PINNED", "HOST_PINNED")
+
+
+@pytest.fixture(scope="module")
+def tier_paths(sglang_available) -> Iterator[Callable[[Any], Any]]:
+    """``tier_paths(transform)``: one real RouterPath (wrapped for the tier machine) per hop kind."""
+    from kvalign.hicache_standin import version_problem
+    from kvalign.oracles.router_path import RouterPath
+    from kvalign.tier import TierPath
+
+    problem = version_problem(sglang_available)
+    if problem:
+        pytest.skip(problem)
+    opened: dict[Any, Any] = {}
+
+    def get(transform: Any = None) -> Any:
+        if transform not in opened:
+            try:
+                opened[transform] = TierPath(RouterPath(transform))
+            except OracleUnavailable as exc:
+                pytest.skip(f"real Dynamo router path unavailable: {exc}")
+        return opened[transform]
+
+    yield get
+    for tp in opened.values():
+        tp.close()
+        tp.path.close()
+
+
+def _search(tp: Any, **kw: Any) -> Any:
+    from kvalign.tier import run_tier_search
+
+    kw.setdefault("lora", False)
+    kw.setdefault("namespace", False)
+    kw.setdefault("servable", False)
+    kw.setdefault("examples", EXAMPLES)
+    kw.setdefault("shrink", False)  # the controls need the cause, not the smallest case (check shrinks)
+    return run_tier_search(tp, **kw)
+
+
+@pytest.mark.parametrize("eagle", [False, True], ids=["plain", "eagle"])
+def test_router_tiers_equal_sglang_residency(tier_paths, count_case, eagle):
+    calls, failures, found = _search(tier_paths(), eagle=eagle, lora=True, namespace=True, page_sizes=(4,))
+    for _ in range(calls):
+        count_case()
+    assert found is None, (found.detail, found.example) if found else None
+    assert failures == 0 and calls >= EXAMPLES
+
+
+def test_relay_filing_host_under_device_is_tier_misfiled(tier_paths):
+    calls, failures, found = _search(tier_paths(host_as_device), eagle=False, page_sizes=(4,))
+    assert found is not None and failures > 0, "a relay that files host pages under device must fail the tier rows"
+    assert found.cause.name == "TIER_MISFILED", (found.cause, found.detail)
+    assert "host_pinned tier" in found.detail and "filed it under device" in found.detail
+
+
+@pytest.mark.parametrize("eagle", [False, True], ids=["plain", "eagle"])
+def test_unknown_medium_is_medium_not_indexed(tier_paths, eagle):
+    calls, failures, found = _search(tier_paths(unknown_host_medium), eagle=eagle, page_sizes=(4,))
+    assert found is not None and found.cause.name == "MEDIUM_NOT_INDEXED", found and (found.cause, found.detail)
+    assert "'HOST_PINNED'" in found.detail and "indexed it nowhere" in found.detail
+
+
+def test_servable_finds_host_credit_below_sglangs_load_back_threshold(tier_paths):
+    """Page 2: a host-only stretch of 1-4 pages is 2-8 tokens, under SGLang's threshold; the router credits it."""
+    calls, failures, found = _search(tier_paths(), eagle=False, servable=True, examples=15, page_sizes=(2,))
+    assert found is not None and found.cause.name == "HOST_CREDIT_NOT_SERVABLE", found and found.detail
+    from kvalign.causes import FINDINGS
+
+    assert found.cause in FINDINGS
+    assert "load_back_threshold (10)" in found.detail and found.example["page_size"] == 2
+
+
+def test_servable_holds_at_a_page_of_the_threshold_or_more(tier_paths):
+    """Page 16 >= SGLang's threshold: every host-only stretch is loaded back, the router's credit is served."""
+    calls, failures, found = _search(tier_paths(), eagle=False, servable=True, examples=8, page_sizes=(16,))
+    assert found is None, found and found.detail
+
+
+def test_relay_medium_map_is_the_one_kvalign_names_causes_with(tier_paths):
+    """RELAY_TIERS (used only to name MEDIUM_NOT_INDEXED) against the real relay, plus an unmapped string."""
+    from kvalign.tier import RELAY_TIERS
+
+    tp = tier_paths()
+    worker, tap = tp.worker(4, False)
+    kv = worker.publisher.kv
+    got = {}
+    for i, medium in enumerate([*RELAY_TIERS, "HOST_PINNED"]):
+        base = worker.token_space()
+        h = 9_000_000 + base
+        worker.publisher.publish([kv.BlockStored(block_hashes=[h], parent_block_hash=None,
+                                                 token_ids=[base + j for j in range(4)], block_size=4, lora_id=None,
+                                                 medium=medium)])
+        assert tp.settle(worker, tap)
+        tiers = {t for t, hh in worker.dump_tiers() if hh == h}
+        got[medium] = tiers.pop() if tiers else None
+    assert got == {**RELAY_TIERS, "HOST_PINNED": None}
+
+
+def test_query_overlap_reads_device_blocks_never_weighted_host_credit(tier_paths):
+    """Host-only pages: the router's best_worker overlap counts them (weighted), query_overlap must not."""
+    tp = tier_paths()
+    worker, tap = tp.worker(4, False)
+    kv, base = worker.publisher.kv, worker.token_space()
+    tokens = [base + j for j in range(12)]
+    worker.publisher.publish([kv.BlockStored(block_hashes=[7_000_000 + base + i for i in range(3)], parent_block_hash=None,
+                                             token_ids=tokens, block_size=4, lora_id=None, medium="CPU_PINNED")])
+    assert tp.settle(worker, tap)
+    path = tp.path
+    assert path.call(worker.router.best_worker, tokens)[2] > 0  # what the old fallback would have read
+    assert path.query_overlap(worker.router, tokens, None, None) == 0
+    assert path.query_tiers(worker.router, tokens, None, None)["host_pinned_extension_blocks"] == 3
+
+    class NoTierAnswer:  # the real router as a release without get_overlap_scores would expose it
+        best_worker = worker.router.best_worker
+
+    with pytest.raises(OracleUnavailable, match="weighs host / disk tiers"):
+        path.query_overlap(NoTierAnswer(), tokens, None, None)
+
+
+def _init_hicache_literal(name: str) -> Any:
+    """The constant SGLang's own init_hicache assigns to ``self.<name>`` (read from its source)."""
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    tree = ast.parse(inspect.getsource(UnifiedRadixCache.init_hicache).lstrip().replace("\n    ", "\n"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            for target in node.targets:
+                if isinstance(target, ast.Attribute) and target.attr == name:
+                    return node.value.value
+    raise AssertionError(f"init_hicache assigns no constant to {name}")
+
+
+@pytest.mark.parametrize("core", ["unified", "unified-python"])
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+def test_standin_runs_sglangs_own_hicache_set_up_and_events(sglang_available, core, policy):
+    """The stand-in turns the tier on through SGLang's init_hicache (its thresholds, not kvalign's), and
+    the tier emits the events the issue lists per write policy, on both tree cores."""
+    from kvalign.hicache_standin import version_problem
+    from kvalign.oracles.hicache import HiCacheEngine, available_cores
+
+    if version_problem(sglang_available):
+        pytest.skip(version_problem(sglang_available))
+    if core not in available_cores():
+        pytest.skip(f"SGLang {sglang_available} has no selectable {core} tree core")
+    e = HiCacheEngine(4, eagle=False, core=core, policy=policy, host_tokens=1 << 20)
+    assert e.load_back_threshold == _init_hicache_literal("load_back_threshold")
+    assert e.cache.write_through_threshold == (1 if policy == "write_through" else 2)
+    assert e.cache.is_write_back == (policy == "write_back")
+
+    def events() -> list[tuple[str, str, int]]:
+        return [(type(ev).__name__, getattr(ev.medium, "value", ev.medium), len(ev.block_hashes)) for ev in e.take_raw_events()]
+
+    prompt = list(range(1, 9))  # two pages
+    e.take_raw_events()
+    e.insert(prompt)
+    e.transfers_done()
+    first = events()
+    e.insert(prompt)  # the second hit: write_through_selective backs up now
+    e.transfers_done()
+    second = events()
+    e.evict(8)
+    evicted = events()
+    assert first[0] == ("BlockStored", "GPU", 2)
+    backed = (first + second)[1:]
+    if policy == "write_back":
+        assert backed == [] and evicted == [("BlockStored", "CPU_PINNED", 2), ("BlockRemoved", "GPU", 2)]
+    else:
+        assert backed == [("BlockStored", "CPU_PINNED", 2)] and evicted == [("BlockRemoved", "GPU", 2)]
+    assert e.residency(prompt).device == 0 and e.residency(prompt).host == 2
+    assert e.admit(prompt) == (8, 0)  # 8 tokens < 10: SGLang declines the load-back
+    e.evict_host(8)
+    assert events() == [("BlockRemoved", "CPU_PINNED", 2)]
