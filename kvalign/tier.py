@@ -35,6 +35,7 @@ from typing import Any
 import msgpack
 import zmq
 from hypothesis import HealthCheck, Phase, settings
+from hypothesis.errors import Flaky
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test, initialize, precondition, rule
 
@@ -47,6 +48,8 @@ from kvalign.strategies import tenants
 #: Page sizes the tier machine draws: two below SGLang 0.5.23's load_back_threshold (10 tokens) and
 #: one above it. Each (page size, mode) is one registered worker in the router path (shared with ingest).
 TIER_PAGE_SIZES = (2, 4, 16)
+#: "Evict every unlocked device page" (more than any example caches).
+EVICT_ALL_PAGES = 64
 #: Steps per example (each one publishes, waits for the router, and checks every prompt).
 STEPS = 8
 #: Dynamo 1.6.1's relay: SGLang ``medium`` string -> the router's storage tier (tests/unit/test_check_tier.py
@@ -120,24 +123,29 @@ class TierPath:
         return worker, tap
 
     def settle(self, worker: Any, tap: WireTap) -> bool:
-        """Publish a sentinel page and wait until the router credits it (everything before it on
-        the one stream was processed). Polls the router's own overlap answer, not its index dump."""
+        """Publish a sentinel page per tier (device and host) and wait until the router credits both,
+        so that everything before them on the one stream was processed in each tier's index (the
+        router indexes the tiers separately: a device sentinel alone can overtake host events).
+        Polls the router's own overlap answer, not its index dump."""
         from kvalign.oracles.router_path import SENTINEL_BASE, sentinel_hash
 
-        k, p = next(worker._sentinels), worker.block_size
-        s = SENTINEL_BASE + k
-        # a bigram page for an EAGLE worker, so that the router's own (EAGLE) query side can find it
-        sentinel = worker.publisher.kv.BlockStored(block_hashes=[sentinel_hash(k)], parent_block_hash=None,
-                                                   token_ids=[(s, s)] * p if worker.eagle else [s] * p, block_size=p,
-                                                   lora_id=None, medium="GPU")
-        tokens = [s] * (p + worker.eagle)
+        p, kv = worker.block_size, worker.publisher.kv
+        sentinels, queries = [], []
+        for medium, key in (("GPU", "device_blocks"), ("CPU_PINNED", "host_pinned_extension_blocks")):
+            k = next(worker._sentinels)
+            s = SENTINEL_BASE + k
+            # a bigram page for an EAGLE worker, so that the router's own (EAGLE) query side can find it
+            sentinels.append(kv.BlockStored(block_hashes=[sentinel_hash(k)], parent_block_hash=None,
+                                            token_ids=[(s, s)] * p if worker.eagle else [s] * p, block_size=p,
+                                            lora_id=None, medium=medium))
+            queries.append(([s] * (p + worker.eagle), key))
         deadline, sent_at = time.monotonic() + SETTLE_TIMEOUT_S, 0.0
         while time.monotonic() < deadline:
             if time.monotonic() - sent_at > 0.5:
-                worker.publisher.publish([sentinel])
+                worker.publisher.publish(sentinels)
                 sent_at = time.monotonic()
             time.sleep(0.003)
-            if self.path.query_tiers(worker.router, tokens, None, None)["device_blocks"] >= 1:
+            if all(self.path.query_tiers(worker.router, tokens, None, None)[key] >= 1 for tokens, key in queries):
                 tap.drain()
                 return True
         return False
@@ -208,8 +216,9 @@ def _counted(fn: Callable[..., Any]) -> Callable[..., Any]:
     def step(self: TierMachine, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(self, *args, **kwargs)
-        except Mismatch:
+        except Mismatch as exc:
             self.failures[0] += 1
+            self.failures[1] = exc
             raise
 
     return step
@@ -219,7 +228,7 @@ class TierMachine(RuleBasedStateMachine):
     """One worker's HiCache life, step by step, checked against the router after every step."""
 
     def __init__(self, path: TierPath, eagle: bool, lora: bool, namespace: bool, servable: bool,
-                 make_engine: Callable[..., Any], cores: tuple[str, ...], failures: list[int],
+                 make_engine: Callable[..., Any], cores: tuple[str, ...], failures: list[Any],
                  page_sizes: tuple[int, ...] = TIER_PAGE_SIZES) -> None:
         super().__init__()
         self.page_sizes = page_sizes
@@ -251,7 +260,7 @@ class TierMachine(RuleBasedStateMachine):
         self.worker, self.tap = self.path.worker(p, self.eagle)
         self.base = self.worker.token_space()
         self.engine.take_raw_events()
-        self._cache(data)
+        self._cache(data, first=True)
 
     def _example(self) -> dict[str, Any]:
         return {**self.config, "core": getattr(self.engine, "core", self.config["core"]), "steps": list(self.steps)}
@@ -266,13 +275,14 @@ class TierMachine(RuleBasedStateMachine):
         """A request finishes and its prompt is cached (then the scheduler's transfer poll, or not yet)."""
         self._cache(data)
 
-    def _cache(self, data: st.DataObject) -> None:
+    def _cache(self, data: st.DataObject, first: bool = False) -> None:
         p = self.engine.page_size
         prefix: list[int] = []
         if self.prompts and data.draw(st.booleans(), label="extends"):
             doc = data.draw(st.sampled_from([t for t, _ in self.prompts]), label="of")
             prefix = doc[: data.draw(st.integers(0, len(doc)), label="cut")]
-        tokens = prefix + data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=3 * p), label="new")
+        least = p + self.eagle if first else 1  # the first request fills at least one page
+        tokens = prefix + data.draw(st.lists(st.integers(0, 3), min_size=least, max_size=3 * p + self.eagle), label="new")
         tenant = data.draw(st.one_of(st.just(self.prompts[0][1]), self.tenant) if self.prompts else self.tenant, label="tenant")
         poll = data.draw(st.booleans(), label="poll")
         self.engine.insert(self._shift(tokens), *tenant)
@@ -307,10 +317,11 @@ class TierMachine(RuleBasedStateMachine):
         self._admit(data)
 
     @precondition(lambda self: bool(self.prompts))
-    @rule(pages=st.integers(1, 6), data=st.data())
+    @rule(pages=st.one_of(st.just(EVICT_ALL_PAGES), st.integers(1, 6)), data=st.data())
     @_counted
     def evict_then_admit(self, pages: int, data: st.DataObject) -> None:
-        """Device pressure evicts pages, then a request for a cached prompt arrives (the host tier's use)."""
+        """Device pressure evicts pages (often all that are unlocked), then a request for a cached
+        prompt arrives: the host tier's use."""
         self.engine.evict(pages * self.engine.page_size)
         self._after(("evict_device", pages))
         self._admit(data)
@@ -395,7 +406,7 @@ def run_tier_search(path: TierPath, *, eagle: bool, lora: bool, namespace: bool,
 
     make = make_engine or HiCacheEngine
     cores = available_cores()
-    calls, failures = 0, [0]
+    calls, failures = 0, [0, None]  # failing examples, the last Mismatch raised
 
     def factory() -> TierMachine:
         nonlocal calls
@@ -415,6 +426,14 @@ def run_tier_search(path: TierPath, *, eagle: bool, lora: bool, namespace: bool,
         test()
     except Mismatch as exc:
         found = exc
+    except Flaky:
+        # SGLang's eviction order among leaves of equal access time is not reproducible (the Rust
+        # core's maps are seeded per process), so a replay while shrinking can take another path.
+        # The mismatch seen is real; it is reported as found, unshrunk.
+        found = failures[1]
+        if found is None:
+            raise
+        found.detail += " (not shrunk: SGLang evicted differently when Hypothesis replayed the case)"
     return calls, failures[0], found
 
 
@@ -422,6 +441,9 @@ def run_tier_search(path: TierPath, *, eagle: bool, lora: bool, namespace: bool,
 TIER_EXAMPLES = 12
 #: servable rows run the base tenant only: load-back does not depend on the tenant.
 SERVABLE_VARIANTS = ("base",)
+#: servable rows run this many times the tier examples: a finding needs a cache, a device eviction
+#: and a request for the evicted prompt in one example (two rows, each well under a second).
+SERVABLE_FACTOR = 3
 
 
 def run_tier_rows(systems: Any, prop: str, modes: tuple[str, ...], variants: tuple[str, ...], examples: int,
@@ -448,8 +470,9 @@ def run_tier_rows(systems: Any, prop: str, modes: tuple[str, ...], variants: tup
             for variant in variants:
                 lora, namespace = VARIANTS[variant]
                 start = time.perf_counter()
+                n = examples * SERVABLE_FACTOR if prop == "servable" else examples
                 calls, failures, found = run_tier_search(path, eagle=mode == "eagle", lora=lora, namespace=namespace,
-                                                         servable=prop == "servable", examples=examples, seed=seed)
+                                                         servable=prop == "servable", examples=n, seed=seed)
                 row = RowResult(prop, mode, variant, calls, failures, time.perf_counter() - start)
                 if found is not None:
                     row.cause, row.cause_name, row.detail = found.cause.value, found.cause.name, found.detail

@@ -25,7 +25,8 @@ def run_cli(capsys, *argv: str, stdin: str | None = None, monkeypatch=None) -> t
 
 
 #: The only lines `kvalign check` may write to stderr on an aligned pair: one progress line per row.
-PROGRESS = re.compile(r"^  (card|hash|pages|overlap|ingest)/(plain|eagle)/[a-z+]+: ok \(\d+ cases, \d+\.\ds\)$")
+PROGRESS = re.compile(r"^  (card|hash|pages|overlap|ingest|tier|servable)/(plain|eagle)/[a-z+]+: ok(, finding [A-Z_]+)? "
+                      r"\(\d+ cases, \d+\.\ds\)$")
 
 
 @pytest.mark.slow  # the whole check as a user runs it; each property's negative control stays in the fast tier
@@ -41,11 +42,12 @@ def test_check_real_pair_is_aligned_and_quiet(router_hasher, sglang_available, t
     rc, out = res.returncode, res.stdout
     assert rc == 0, out + res.stderr[-2000:]
     assert "ALIGNED: " in out and "MISALIGNED" not in out
-    assert out.count(" ok") == 34  # card x 2 modes + (hash, pages, overlap, ingest) x 2 modes x 4 variants
+    # card x 2 modes + (hash, pages, overlap, ingest, tier) x 2 modes x 4 variants + servable x 2 modes
+    assert out.count(" ok") == 44
     assert [ln.split()[0] for ln in out.splitlines() if ln.endswith(" ok")].count("ingest") == 8
     # quiet: stderr holds kvalign's progress lines only; the runtimes' own lines are in the kept log
     lines = res.stderr.splitlines()
-    assert len(lines) == 34 and all(PROGRESS.match(ln) for ln in lines), res.stderr
+    assert len(lines) == 44 and all(PROGRESS.match(ln) for ln in lines), res.stderr
     assert all(log.name.startswith("check-") and log.stat().st_size for log in tmp_path.iterdir())
 
 
