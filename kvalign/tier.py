@@ -60,6 +60,8 @@ RELAY_TIERS: dict[str | None, str] = {None: "device", "GPU": "device", "CPU_PINN
                                       "DISK": "disk", "EXTERNAL": "external"}
 #: How long to wait for one published step to be indexed.
 SETTLE_TIMEOUT_S = 4.0
+#: How long the host sentinel may trail the device one of the same batch.
+HOST_SENTINEL_GRACE_S = 0.5
 
 
 def _medium(ev: Any) -> str | None:
@@ -122,11 +124,12 @@ class TierPath:
                     break
         return worker, tap
 
-    def settle(self, worker: Any, tap: WireTap) -> bool:
+    def settle(self, worker: Any, tap: WireTap) -> tuple[Cause, str] | None:
         """Publish a sentinel page per tier (device and host) and wait until the router credits both,
         so that everything before them on the one stream was processed in each tier's index (the
         router indexes the tiers separately: a device sentinel alone can overtake host events).
-        Polls the router's own overlap answer, not its index dump."""
+        Polls the router's own overlap answer, not its index dump. None when settled, else the
+        named reason (from the index dump and the wire tap) why not."""
         from kvalign.oracles.router_path import SENTINEL_BASE, sentinel_hash
 
         p, kv = worker.block_size, worker.publisher.kv
@@ -139,16 +142,34 @@ class TierPath:
                                             token_ids=[(s, s)] * p if worker.eagle else [s] * p, block_size=p,
                                             lora_id=None, medium=medium))
             queries.append(([s] * (p + worker.eagle), key))
-        deadline, sent_at = time.monotonic() + SETTLE_TIMEOUT_S, 0.0
+        deadline, sent_at, device_at = time.monotonic() + SETTLE_TIMEOUT_S, 0.0, None
         while time.monotonic() < deadline:
             if time.monotonic() - sent_at > 0.5:
                 worker.publisher.publish(sentinels)
                 sent_at = time.monotonic()
             time.sleep(0.003)
-            if all(self.path.query_tiers(worker.router, tokens, None, None)[key] >= 1 for tokens, key in queries):
+            got = [self.path.query_tiers(worker.router, tokens, None, None)[key] >= 1 for tokens, key in queries]
+            if all(got):
                 tap.drain()
-                return True
-        return False
+                return None
+            if got[0] and device_at is None:  # the batch arrived; its host page must be in the host tier by now
+                device_at = time.monotonic()
+                deadline = min(deadline, device_at + HOST_SENTINEL_GRACE_S)
+        if device_at is None:
+            return Cause.EVENTS_DROPPED, (f"the relay stopped indexing (Dynamo {self.path.version}): a sentinel page "
+                                          "published after this step never reached the router")
+        tap.drain()
+        h = int(sentinels[1].block_hashes[0])
+        held = sorted(str(t) for t, hh in worker.dump_tiers() if hh == h)
+        what = (f"a host-tier sentinel page (BlockStored[CPU_PINNED], published with a device one after this "
+                f"step) is not credited in the router's host tier")
+        if held:
+            return Cause.TIER_MISFILED, f"{what}: the router filed it under {', '.join(held)}"
+        wire = tap.stored_medium.get(h, "(not seen)")
+        if wire != "(not seen)" and wire not in RELAY_TIERS:
+            return Cause.MEDIUM_NOT_INDEXED, (f"{what}: the relay received it with medium {wire!r}, which it maps to "
+                                              "no tier, and the router indexed it nowhere")
+        return Cause.EVENTS_DROPPED, f"{what}: the router indexed it in no tier (the relay received medium {wire!r})"
 
     def close(self) -> None:
         for tap in self._taps.values():
@@ -359,9 +380,9 @@ class TierMachine(RuleBasedStateMachine):
             for ev in events:
                 self.expected.apply(ev)
             self.worker.publisher.publish(events)
-        if not self.path.settle(self.worker, self.tap):
-            raise Mismatch("tier", f"the relay stopped indexing (Dynamo {self.path.path.version}): a sentinel page "
-                           "published after this step never reached the router", Cause.EVENTS_DROPPED, self._example())
+        unsettled = self.path.settle(self.worker, self.tap)
+        if unsettled is not None:
+            raise Mismatch("tier", unsettled[1], unsettled[0], self._example())
         tenants_seen = list(dict.fromkeys(t for _, t in self.prompts))
         queries = list(dict.fromkeys((tuple(t), ten) for t, ten in self.prompts))
         if self.prompts:

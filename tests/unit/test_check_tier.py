@@ -90,7 +90,7 @@ def test_relay_filing_host_under_device_is_tier_misfiled(tier_paths):
     calls, failures, found = _search(tier_paths(host_as_device), eagle=False, page_sizes=(4,))
     assert found is not None and failures > 0, "a relay that files host pages under device must fail the tier rows"
     assert found.cause.name == "TIER_MISFILED", (found.cause, found.detail)
-    assert "host_pinned tier" in found.detail and "filed it under device" in found.detail
+    assert "filed it under device" in found.detail
 
 
 @pytest.mark.parametrize("eagle", [False, True], ids=["plain", "eagle"])
@@ -130,7 +130,7 @@ def test_relay_medium_map_is_the_one_kvalign_names_causes_with(tier_paths):
         worker.publisher.publish([kv.BlockStored(block_hashes=[h], parent_block_hash=None,
                                                  token_ids=[base + j for j in range(4)], block_size=4, lora_id=None,
                                                  medium=medium)])
-        assert tp.settle(worker, tap)
+        assert tp.settle(worker, tap) is None
         tiers = {t for t, hh in worker.dump_tiers() if hh == h}
         got[medium] = tiers.pop() if tiers else None
     assert got == {**RELAY_TIERS, "HOST_PINNED": None}
@@ -144,7 +144,7 @@ def test_query_overlap_reads_device_blocks_never_weighted_host_credit(tier_paths
     tokens = [base + j for j in range(12)]
     worker.publisher.publish([kv.BlockStored(block_hashes=[7_000_000 + base + i for i in range(3)], parent_block_hash=None,
                                              token_ids=tokens, block_size=4, lora_id=None, medium="CPU_PINNED")])
-    assert tp.settle(worker, tap)
+    assert tp.settle(worker, tap) is None
     path = tp.path
     assert path.call(worker.router.best_worker, tokens)[2] > 0  # what the old fallback would have read
     assert path.query_overlap(worker.router, tokens, None, None) == 0
