@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from kvalign.errors import UsageError
-from kvalign.live.fuzz.driver import ENGINES, FuzzDriver, FuzzEnvironmentError, FuzzOptions, engine_problem, fuzz_cluster
-from kvalign.live.processes import ProcessExited
+from kvalign.live.runs.fuzz.driver import ENGINES, FuzzDriver, FuzzEnvironmentError, FuzzOptions, engine_problem, fuzz_cluster
+from kvalign.live.cluster.processes import ProcessExited
 
 #: A fixed seed: the same workloads every run (CI), chosen so that 3 examples of 10 steps draw
 #: every rule at least once under the pinned Hypothesis (a unit test re-derives this offline).
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
              f"KV pool {opts.max_total_tokens} tokens" + ("" if opts.router_eagle else " [NEGATIVE CONTROL: router eagle off]")
              + ("" if opts.gap_check else " [NEGATIVE CONTROL: gap check off]")
              + (" [NEGATIVE CONTROL: the hop strips cache_salt]" if opts.strip_salt else "") + f"; run dir {run_dir}")
-    from kvalign.live.fuzz.machine import replay, run_fuzz
+    from kvalign.live.runs.fuzz.machine import replay, run_fuzz
 
     try:
         with fuzz_cluster(opts, run_dir) as (cluster, hop):

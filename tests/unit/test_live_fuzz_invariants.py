@@ -1,12 +1,12 @@
-"""The live fuzz's six invariants (kvalign/live/fuzz/invariants.py): each holds on agreeing
+"""The live fuzz's six invariants (kvalign/live/runs/fuzz/invariants.py): each holds on agreeing
 numbers and fails, naming itself, when one view disagrees."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvalign.live.client import Completion
-from kvalign.live.fuzz.invariants import INVARIANTS, Observation, Tally, evaluate
+from kvalign.live.wire.client import Completion
+from kvalign.live.runs.fuzz.invariants import INVARIANTS, Observation, Tally, evaluate
 
 B = 16
 

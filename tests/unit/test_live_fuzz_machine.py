@@ -1,4 +1,4 @@
-"""The fuzz's Hypothesis wiring (kvalign/live/fuzz/machine.py), on a recording driver.
+"""The fuzz's Hypothesis wiring (kvalign/live/runs/fuzz/machine.py), on a recording driver.
 
 No cluster here: the driver only records steps (and fails on demand), which is enough to hold
 what the live run relies on — the default seed draws every rule, a failure is shrunk to a minimal
@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from kvalign.commands.fuzz import DEFAULT_SEED
-from kvalign.live.fuzz.driver import COUNTS, FuzzOptions
-from kvalign.live.fuzz.invariants import InvariantFailed, Tally
-from kvalign.live.fuzz.machine import replay, run_fuzz
+from kvalign.live.runs.fuzz.driver import COUNTS, FuzzOptions
+from kvalign.live.runs.fuzz.invariants import InvariantFailed, Tally
+from kvalign.live.runs.fuzz.machine import replay, run_fuzz
 
 RULES = {"request", "concurrent", "flush", "fill", "drop_batch", "restart"}
 

@@ -1,4 +1,4 @@
-"""kvalign's engine/router views and page arithmetic of the live fuzz (kvalign/live/fuzz/views.py).
+"""kvalign's engine/router views and page arithmetic of the live fuzz (kvalign/live/runs/fuzz/views.py).
 
 The reuse values below were observed on the real engine (sglang 0.5.23, EAGLE3, page 16, through
 dynamo.frontend 1.6.1's ``/v1/completions``): a 40-token prompt repeated reported
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvalign.hashing import block_hashes
-from kvalign.live.fuzz.views import (
+from kvalign.live.runs.fuzz.views import (
     credited_blocks,
     engine_cached_tokens,
     engine_reusable_pages,
@@ -99,7 +99,7 @@ def _seq(seq: int, *events: object) -> EventBatch:
 
 
 def test_delivered_view_counts_only_the_engine_batches_the_hop_delivered() -> None:
-    from kvalign.live.fuzz.views import DeliveredViews, WorkerViews
+    from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews
 
     toks = list(range(10, 10 + 3 * B + 1))
     q_blocks = block_hashes(toks, B, eagle=True)
@@ -117,7 +117,7 @@ def test_delivered_view_keeps_the_engines_salt_when_the_hop_strips_it() -> None:
     the hop's own (stripped) output holds them under no tenant (the negative control's contrast)."""
     from dataclasses import replace
 
-    from kvalign.live.fuzz.views import DeliveredViews, WorkerViews
+    from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews
 
     toks = list(range(10, 10 + 2 * B + 1))
     salted = _seq(1, replace(_stored(toks, None, [101, 102]), cache_salt="tenant-a"))

@@ -1,4 +1,4 @@
-"""The fuzz's lossy hop (kvalign/live/lossy_hop.py) between SGLang's real KV-event publisher and a
+"""The fuzz's lossy hop (kvalign/live/wire/lossy_hop.py) between SGLang's real KV-event publisher and a
 subscriber, on loopback: it forwards every batch byte for byte, and once armed swallows exactly
 the next batch that stores blocks (never a removal or a clear)."""
 
@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from kvalign.events import decode_frames
-from kvalign.live.lossy_hop import LossyHop
+from kvalign.live.wire.lossy_hop import LossyHop
 
 pytestmark = pytest.mark.slow  # SGLang's real publisher: the first import of SGLang costs about a minute
 from sglang_publisher import RealPublisher, free_port

@@ -25,14 +25,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvalign.live import discovery
-from kvalign.live.capture import EventCapture
-from kvalign.live.client import wait_ready
-from kvalign.live.model_dir import MODEL_NAME, write_model_dir
-from kvalign.live.discovery import EtcdStore
-from kvalign.live.ports import LOOPBACK, PortPool
-from kvalign.live.processes import ProcessGroup, ProcessSpec
-from kvalign.live.topology import ClusterPlan, ControlPlane, Topology, WorkerKind, WorkerPorts, WorkerSpec
+from kvalign.live.cluster import discovery
+from kvalign.live.wire.capture import EventCapture
+from kvalign.live.wire.client import wait_ready
+from kvalign.live.engines.model_dir import MODEL_NAME, write_model_dir
+from kvalign.live.cluster.discovery import EtcdStore
+from kvalign.live.cluster.ports import LOOPBACK, PortPool
+from kvalign.live.cluster.processes import ProcessGroup, ProcessSpec
+from kvalign.live.cluster.topology import ClusterPlan, ControlPlane, Topology, WorkerKind, WorkerPorts, WorkerSpec
 
 
 def make_plan(

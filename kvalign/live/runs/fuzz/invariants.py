@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvalign.live.client import Completion
-from kvalign.live.fuzz.views import credited_blocks, engine_cached_tokens
+from kvalign.live.wire.client import Completion
+from kvalign.live.runs.fuzz.views import credited_blocks, engine_cached_tokens
 
 INVARIANTS = ("router_matches_prediction", "engine_matches_index", "no_stale_credit", "best_worker_chosen",
               "gap_diagnosed", "restart_forgotten")

@@ -29,7 +29,7 @@ import msgpack
 import zmq
 
 from kvalign.events import BlockStored, EventDecodeError, decode_frames
-from kvalign.live.ports import LOOPBACK
+from kvalign.live.cluster.ports import LOOPBACK
 
 
 @dataclass(frozen=True)

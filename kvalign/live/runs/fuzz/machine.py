@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
 
-from kvalign.live.fuzz.driver import FuzzDriver, FuzzOptions
-from kvalign.live.fuzz.invariants import InvariantFailed
-from kvalign.live.fuzz.prompts import lengths, max_tokens, prompt_specs
+from kvalign.live.runs.fuzz.driver import FuzzDriver, FuzzOptions
+from kvalign.live.runs.fuzz.invariants import InvariantFailed
+from kvalign.live.runs.fuzz.prompts import lengths, max_tokens, prompt_specs
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The fuzz cluster and the steps a generated (or replayed) workload runs on it.
 
 :func:`fuzz_cluster` starts real workers behind the real frontend and KV router, each worker's
-KV events passing through a :class:`~kvalign.live.lossy_hop.LossyHop` on their way to Dynamo's
+KV events passing through a :class:`~kvalign.live.wire.lossy_hop.LossyHop` on their way to Dynamo's
 relay, with kvalign capturing both sides of the hop. :class:`FuzzDriver` runs one JSON-able step
 at a time — the Hypothesis machine and ``--replay`` call the same code — and checks every answered
 request (:mod:`.invariants`) before the next step.
@@ -25,16 +25,16 @@ from typing import Any
 
 from kvalign.causes import Cause
 from kvalign.events import BlockRemoved, BlockStored
-from kvalign.live.client import Completion, SseError, complete_tokens
-from kvalign.live.cluster import Cluster
-from kvalign.live.control import ControlError, clear_kv_blocks
-from kvalign.live.fuzz.invariants import InvariantFailed, Observation, Tally, evaluate, observation_json
-from kvalign.live.fuzz.prompts import Sent, new_tokens, resolve
-from kvalign.live.fuzz.views import DeliveredViews, WorkerViews
-from kvalign.live.lossy_hop import LossyHop
-from kvalign.live.ports import PortPool
-from kvalign.live.processes import rss_bytes, run_pids
-from kvalign.live.topology import COMPONENT, RUN_MARKER_ENV, Topology
+from kvalign.live.wire.client import Completion, SseError, complete_tokens
+from kvalign.live.cluster.lifecycle import Cluster
+from kvalign.live.cluster.control import ControlError, clear_kv_blocks
+from kvalign.live.runs.fuzz.invariants import InvariantFailed, Observation, Tally, evaluate, observation_json
+from kvalign.live.runs.fuzz.prompts import Sent, new_tokens, resolve
+from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews
+from kvalign.live.wire.lossy_hop import LossyHop
+from kvalign.live.cluster.ports import PortPool
+from kvalign.live.cluster.processes import rss_bytes, run_pids
+from kvalign.live.cluster.topology import COMPONENT, RUN_MARKER_ENV, Topology
 
 ENGINES = ("sglang-cpu", "fake-cpu", "sglang-gpu")
 COUNTS = ("evictions", "flushes", "dropped_batches", "restarts", "concurrent_requests")
@@ -83,7 +83,7 @@ def engine_problem(opts: FuzzOptions) -> str | None:
     if opts.engine == "fake-cpu":
         return ("--engine fake-cpu has no engine reuse report (cached_tokens), no clear_kv_blocks endpoint and no "
                 "speculative decoder; the fuzz needs the real engine: run --engine sglang-cpu")
-    from kvalign.live.sglang_cpu_worker import engine_problem as cpu_problem
+    from kvalign.live.engines.sglang_cpu import engine_problem as cpu_problem
 
     return cpu_problem()
 
@@ -104,7 +104,7 @@ def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Clust
     Aggregated, not disaggregated: only a worker that both prefills and decodes caches its own
     generated tokens and publishes them, and follow-ups are meant to reuse them.
     """
-    from kvalign.live.sglang_cpu_worker import plan_cluster
+    from kvalign.live.engines.sglang_cpu import plan_cluster
 
     topo = Topology.aggregated(opts.workers, eagle=True, register_eagle=None if opts.router_eagle else False,
                                page_size=opts.page_size)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from kvalign.events import EventBatch
 from kvalign.hashing import block_hashes
 from kvalign.index import PrefixIndex
-from kvalign.live.capture import EventCapture
+from kvalign.live.wire.capture import EventCapture
 from kvalign.relay import Relay
 
 _WORKER = 0  # one index per worker view: the id inside it is arbitrary
