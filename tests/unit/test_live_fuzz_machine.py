@@ -24,7 +24,7 @@ class RecordingDriver:
     """The part of FuzzDriver the machine calls; ``fail_on(step)`` decides a failure."""
 
     def __init__(self, fail_on: Any = None) -> None:
-        self.opts, self.labels = FuzzOptions(), ["worker0", "worker1"]
+        self.opts, self.labels, self.disagg = FuzzOptions(), ["worker0", "worker1"], False
         self.fail_on = fail_on
         self.examples = self.steps_run = self.requests = self.unsettled = self.restarts_in_example = 0
         self.steps: list[dict] = []

@@ -1,6 +1,6 @@
 """The fuzz's lossy hop (kvalign/live/wire/lossy_hop.py) between SGLang's real KV-event publisher and a
 subscriber, on loopback: it forwards every batch byte for byte, and once armed swallows exactly
-the next batch that stores blocks (never a removal or a clear)."""
+the next batch of the kind asked for (all stores, or all removals/clears), never a mixed one."""
 
 from __future__ import annotations
 
@@ -58,11 +58,26 @@ def test_hop_forwards_and_drops_only_the_next_store_batch() -> None:
     with hop_stream() as (pub, hop, sub):
         hop.drop_next_store_batch()
         seq_removed = pub.publish([pub.kv.BlockRemoved(block_hashes=[9], medium="GPU")])  # passes: not a store
+        seq_mixed = pub.publish([_stored(pub.kv), pub.kv.BlockRemoved(block_hashes=[9], medium="GPU")])  # passes: mixed
         seq_lost = pub.publish([_stored(pub.kv)])
         seq_kept = pub.publish([_stored(pub.kv)])
-        assert [decode_frames(f).seq for f in _collect(sub, 2)] == [seq_removed, seq_kept]
-        assert [(d.label, d.seq, d.blocks) for d in hop.dropped] == [("w", seq_lost, 1)]
+        assert [decode_frames(f).seq for f in _collect(sub, 3)] == [seq_removed, seq_mixed, seq_kept]
+        assert [(d.label, d.seq, d.blocks, d.kind) for d in hop.dropped] == [("w", seq_lost, 1, "store")]
         assert not hop.disarm()
+
+
+def test_hop_armed_for_a_removal_loses_only_a_removal_batch_of_that_worker() -> None:
+    with hop_stream() as (pub, hop, sub):
+        hop.drop_next_removal_batch("other")  # another worker's removal: this stream loses nothing
+        seq_a = pub.publish([pub.kv.BlockRemoved(block_hashes=[9], medium="GPU")])
+        assert [decode_frames(f).seq for f in _collect(sub, 1)] == [seq_a] and hop.dropped == []
+        hop.drop_next_removal_batch("w")
+        seq_store = pub.publish([_stored(pub.kv)])
+        seq_mixed = pub.publish([_stored(pub.kv), pub.kv.BlockRemoved(block_hashes=[9], medium="GPU")])
+        seq_lost = pub.publish([pub.kv.BlockRemoved(block_hashes=[11], medium="GPU")])
+        seq_clear = pub.publish([pub.kv.AllBlocksCleared()])
+        assert [decode_frames(f).seq for f in _collect(sub, 3)] == [seq_store, seq_mixed, seq_clear]
+        assert [(d.seq, d.blocks, d.kind) for d in hop.dropped] == [(seq_lost, 1, "removal")]
 
 
 def test_negative_control_an_unarmed_hop_loses_nothing() -> None:

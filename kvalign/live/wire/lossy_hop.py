@@ -7,10 +7,22 @@ the fuzz cluster routes each worker's events through this hop::
 
     SGLang PUB (bind 127.0.0.1:P) -> hop SUB ... hop PUB (bind 127.0.0.1:H) -> Dynamo's relay SUB
 
-Frames are forwarded byte for byte. :meth:`LossyHop.drop_next_store_batch` arms it to swallow the
-next batch (of any worker) that stores blocks — only stores, so the router can miss pages but
-never keep pages the engine removed (a lost removal would make every later credit unprovable).
-Each dropped batch is recorded (:class:`Dropped`) so the fuzz can name the request it hit.
+Frames are forwarded byte for byte. The hop loses exactly the kind of batch it is armed for, and
+a batch that mixes kinds always passes (a full pool makes store+remove batches common, and losing
+one would lose both facts at once):
+
+* :meth:`LossyHop.drop_next_store_batch`: the next batch (of any worker) whose events are all
+  stores — the router misses pages the engine holds (a gap);
+* :meth:`LossyHop.drop_next_removal_batch`: the next batch of ``label`` whose events are all
+  removals or clears, none a store — the router keeps pages the engine evicted (stale credit).
+
+Each dropped batch is recorded (:class:`Dropped`, with its kind) so the fuzz can name the request
+it hit.
+
+``hide_gaps`` is the negative control of gap detection: after a loss the hop renumbers the worker's
+later batches to close the gap (as a forwarder that re-stamps sequence numbers would), so no
+subscriber can see that anything was lost. :meth:`LossyHop.original_seq` maps a delivered number
+back to the engine's, so kvalign's router view still knows which engine batch arrived.
 
 ``strip_salt`` is the tenant negative control: the hop re-encodes every batch whose stored blocks
 carry a ``cache_salt`` without it (SGLang's tagged-map encoding, 0.5.21 and later), as a relay
@@ -22,13 +34,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgpack
 import zmq
 
-from kvalign.events import BlockStored, EventDecodeError, decode_frames
+from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_frames
 from kvalign.live.cluster.ports import LOOPBACK
 
 
@@ -40,12 +52,24 @@ class Dropped:
     seq: int | None
     blocks: int
     at: float
+    kind: str = "store"  # "store" or "removal"
+
+
+def batch_kind(events: Sequence[object]) -> str | None:
+    """``"store"`` when every event stores blocks, ``"removal"`` when every event removes blocks or
+    clears the cache, None for an empty or mixed batch (which the hop never loses)."""
+    if events and all(isinstance(e, BlockStored) for e in events):
+        return "store"
+    if events and all(isinstance(e, (BlockRemoved, AllBlocksCleared)) for e in events):
+        return "removal"
+    return None
 
 
 class LossyHop:
     """Forwards ``upstream[label]`` (SGLang PUB endpoints) to PUB sockets bound at ``downstream[label]``."""
 
-    def __init__(self, upstream: Mapping[str, str], downstream: Mapping[str, int], *, strip_salt: bool = False) -> None:
+    def __init__(self, upstream: Mapping[str, str], downstream: Mapping[str, int], *, strip_salt: bool = False,
+                 hide_gaps: bool = False) -> None:
         if set(upstream) != set(downstream):
             raise ValueError(f"hop labels differ: {sorted(upstream)} vs {sorted(downstream)}")
         self._ctx = zmq.Context()
@@ -65,39 +89,48 @@ class LossyHop:
         self.dropped: list[Dropped] = []
         self.forwarded = 0
         self.strip_salt, self.stripped = strip_salt, 0
-        self._armed = False
+        self.hide_gaps = hide_gaps
+        self._shift: dict[str, int] = {}  # per worker: batches lost so far while hiding gaps
+        self._originals: dict[tuple[str, int], int] = {}  # (worker, delivered seq) -> engine seq
+        self._armed: tuple[str, str | None] | None = None  # (kind, worker label or None for any)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvalign-lossy-hop", daemon=True)
         self._thread.start()
 
     def drop_next_store_batch(self) -> None:
-        """Swallow the next batch, from any worker, that carries a ``BlockStored`` event."""
+        """Swallow the next batch, from any worker, whose events are all ``BlockStored``."""
         with self._lock:
-            self._armed = True
+            self._armed = ("store", None)
+
+    def drop_next_removal_batch(self, label: str) -> None:
+        """Swallow ``label``'s next batch whose events are all ``BlockRemoved``/``AllBlocksCleared``."""
+        with self._lock:
+            self._armed = ("removal", label)
 
     def disarm(self) -> bool:
         """Cancel a pending drop; True if one was still pending."""
         with self._lock:
-            was, self._armed = self._armed, False
+            was, self._armed = self._armed is not None, None
         return was
 
     def _should_drop(self, label: str, frames: list[bytes]) -> bool:
         with self._lock:
-            if not self._armed:
-                return False
+            armed = self._armed
+        if armed is None or armed[1] not in (None, label):
+            return False
         try:
             batch = decode_frames(frames)
         except EventDecodeError:
             return False  # undecodable frames pass through: the relay's problem, and a capture finding
-        stored = sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockStored))
-        if not stored:
+        if batch_kind(batch.events) != armed[0]:
             return False
+        blocks = sum(len(getattr(e, "block_hashes", ())) for e in batch.events)
         with self._lock:
-            if not self._armed:
+            if self._armed != armed:
                 return False
-            self._armed = False
-            self.dropped.append(Dropped(label, batch.seq, stored, time.monotonic()))
+            self._armed = None
+            self.dropped.append(Dropped(label, batch.seq, blocks, time.monotonic(), armed[0]))
         return True
 
     def _without_salt(self, frames: list[bytes]) -> list[bytes]:
@@ -126,11 +159,26 @@ class LossyHop:
                 label = self._subs[sock]
                 frames = sock.recv_multipart()
                 if self._should_drop(label, frames):
+                    if self.hide_gaps:
+                        self._shift[label] = self._shift.get(label, 0) + 1
                     continue
+                if self._shift.get(label) and len(frames) == 3 and len(frames[1]) == 8:
+                    seq = int.from_bytes(frames[1], "big", signed=True)
+                    new = seq - self._shift[label]
+                    with self._lock:
+                        self._originals[(label, new)] = seq
+                    frames = [frames[0], new.to_bytes(8, "big", signed=True), frames[2]]
                 if self.strip_salt:
                     frames = self._without_salt(frames)
                 self._pubs[label].send_multipart(frames)
                 self.forwarded += 1
+
+    def original_seq(self, label: str, seq: int | None) -> int | None:
+        """The engine's sequence number of a batch delivered as ``seq`` (itself unless renumbered)."""
+        if seq is None:
+            return None
+        with self._lock:
+            return self._originals.get((label, seq), seq)
 
     def close(self) -> None:
         self._stop.set()

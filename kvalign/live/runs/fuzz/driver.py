@@ -1,16 +1,21 @@
 """The fuzz cluster and the steps a generated (or replayed) workload runs on it.
 
-:func:`fuzz_cluster` starts real workers behind the real frontend and KV router, each worker's
-KV events passing through a :class:`~kvalign.live.wire.lossy_hop.LossyHop` on their way to Dynamo's
-relay, with kvalign capturing both sides of the hop. :class:`FuzzDriver` runs one JSON-able step
-at a time — the Hypothesis machine and ``--replay`` call the same code — and checks every answered
-request (:mod:`.invariants`) before the next step.
+:func:`fuzz_cluster` starts real workers behind the real frontend and KV router — two aggregated
+EAGLE3 workers, or the nightly's 2 prefill + 1 decode — each publishing worker's KV events passing
+through a :class:`~kvalign.live.wire.lossy_hop.LossyHop` on their way to Dynamo's relay, with
+kvalign capturing both sides of the hop. :class:`FuzzDriver` runs one JSON-able step at a time —
+the Hypothesis machine and ``--replay`` call the same code — and checks every answered request
+(:mod:`.invariants`) before the next step.
 
 Settling (bounded, never after an outcome is seen): before a request is sent, the driver waits
 until no capture has received a batch for ``quiet_s`` (the engine's previous events are all out
 and the router, a few milliseconds behind on loopback, has them), at most ``settle_timeout_s``.
 A prediction is taken at the marks of that moment, so a request is never re-sent or re-checked
 to make a disagreement go away.
+
+Every fault a step injects is observed by a later request of the same step: a ``fill`` re-queries
+its first prompt (whose pages the later fill prompts evicted), a ``flush`` re-queries the flushed
+worker's latest prompt on that worker, a ``drop_batch`` follows up on the lost pages.
 """
 
 from __future__ import annotations
@@ -21,23 +26,28 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kvalign.causes import Cause
 from kvalign.events import BlockRemoved, BlockStored
-from kvalign.live.wire.client import Completion, SseError, complete_tokens
-from kvalign.live.cluster.lifecycle import Cluster
 from kvalign.live.cluster.control import ControlError, clear_kv_blocks
-from kvalign.live.runs.fuzz.invariants import InvariantFailed, Observation, Tally, evaluate, observation_json
-from kvalign.live.runs.fuzz.prompts import Sent, new_tokens, resolve
-from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews
-from kvalign.live.wire.lossy_hop import LossyHop
-from kvalign.live.cluster.ports import PortPool
+from kvalign.live.cluster.lifecycle import Cluster
+from kvalign.live.cluster.ports import LOOPBACK, PortPool
 from kvalign.live.cluster.processes import rss_bytes, run_pids
 from kvalign.live.cluster.topology import COMPONENT, RUN_MARKER_ENV, Topology
+from kvalign.live.runs.fuzz.invariants import (
+    MIN_SPEC_TOKENS, InvariantFailed, Observation, Tally, evaluate, failure_numbers, observation_json,
+)
+from kvalign.live.runs.fuzz.prompts import Sent, new_tokens, resolve
+from kvalign.live.runs.fuzz.surfaces import MetricReader, SurfaceMissing
+from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews, common_blocks
+from kvalign.live.wire.client import Completion, SseError, complete_tokens
+from kvalign.live.wire.lossy_hop import LossyHop
 
 ENGINES = ("sglang-cpu", "fake-cpu", "sglang-gpu")
-COUNTS = ("evictions", "flushes", "dropped_batches", "restarts", "concurrent_requests")
+TOPOLOGIES = ("agg", "disagg")
+COUNTS = ("evictions", "flushes", "dropped_batches", "restarts", "concurrent_requests", "evicted_requeried",
+          "flushed_requeried", "lost_requeried")
 
 
 class FuzzEnvironmentError(RuntimeError):
@@ -49,12 +59,16 @@ class FuzzOptions:
     """What a fuzz run launches and how it checks."""
 
     engine: str = "sglang-cpu"
-    workers: int = 2
+    topology: Literal["agg", "disagg"] = "agg"
+    workers: int = 2  # aggregated workers, or prefill workers in disaggregation (plus one decode)
     page_size: int = 16
     max_total_tokens: int = 512  # small, so a few long prompts make the scheduler evict
+    sglang: str | None = None  # an SGLang release from the wheel cache; None: the environment's
+    draft: Literal["agree", "disagree"] = "agree"  # disagree: decode speculation's negative control
     router_eagle: bool = True
     gap_check: bool = True  # False: predict the router from the engine's stream (negative control)
     strip_salt: bool = False  # the hop removes cache_salt from stored blocks (negative control)
+    hide_gaps: bool = False  # the hop renumbers batches after a loss (negative control of gap_diagnosed)
     quiet_s: float = 0.4
     settle_timeout_s: float = 8.0
     restart_grace_s: float = 2.0
@@ -64,28 +78,40 @@ class FuzzOptions:
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"--topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
         if self.workers < 2:
             raise ValueError(f"the fuzz needs at least 2 workers (routing has a choice), got {self.workers}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.draft not in ("agree", "disagree"):
+            raise ValueError(f"--draft must be agree or disagree, got {self.draft!r}")
 
     def as_json(self) -> dict[str, Any]:
-        return {"engine": self.engine, "workers": self.workers, "page_size": self.page_size,
-                "max_total_tokens": self.max_total_tokens, "router_eagle": self.router_eagle,
-                "gap_check": self.gap_check, "strip_salt": self.strip_salt}
+        return {"engine": self.engine, "topology": self.topology, "workers": self.workers,
+                "page_size": self.page_size, "max_total_tokens": self.max_total_tokens, "sglang": self.sglang,
+                "draft": self.draft, "router_eagle": self.router_eagle, "gap_check": self.gap_check,
+                "strip_salt": self.strip_salt, "hide_gaps": self.hide_gaps}
 
 
 def engine_problem(opts: FuzzOptions) -> str | None:
     """Why ``opts.engine`` cannot run the fuzz on this machine (None when it can)."""
     if opts.engine == "sglang-gpu":
-        return ("the fuzz on --engine sglang-gpu needs the GPU worker kind in aggregated mode with a lossy hop, "
-                "which the gpu_2 nightly does not provide yet; run --engine sglang-cpu")
+        return ("the fuzz on --engine sglang-gpu needs the GPU worker kind with a lossy hop, which the gpu_2 "
+                "nightly does not provide yet; run --engine sglang-cpu")
     if opts.engine == "fake-cpu":
         return ("--engine fake-cpu has no engine reuse report (cached_tokens), no clear_kv_blocks endpoint and no "
                 "speculative decoder; the fuzz needs the real engine: run --engine sglang-cpu")
     from kvalign.live.engines.sglang_cpu import engine_problem as cpu_problem
 
-    return cpu_problem()
+    return cpu_problem(opts.sglang)
+
+
+def fuzz_topology(opts: FuzzOptions) -> Topology:
+    register = None if opts.router_eagle else False
+    if opts.topology == "disagg":
+        return Topology.disaggregated(opts.workers, 1, eagle=True, register_eagle=register, page_size=opts.page_size)
+    return Topology.aggregated(opts.workers, eagle=True, register_eagle=register, page_size=opts.page_size)
 
 
 def _hop_ports(plan: Any, labels: list[str]) -> dict[str, int]:
@@ -99,22 +125,22 @@ def _hop_ports(plan: Any, labels: list[str]) -> dict[str, int]:
 
 @contextlib.contextmanager
 def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Cluster, LossyHop]]:
-    """The real workers (aggregated EAGLE3), frontend, router and lossy hop; torn down on exit.
+    """The real workers, frontend, router and lossy hop; torn down on exit.
 
-    Aggregated, not disaggregated: only a worker that both prefills and decodes caches its own
-    generated tokens and publishes them, and follow-ups are meant to reuse them.
+    Aggregated workers cache their own generated tokens and publish them, so a follow-up reuses
+    them; prefill workers do not (they never decode), which a follow-up on ``disagg`` checks live.
     """
     from kvalign.live.engines.sglang_cpu import plan_cluster
 
-    topo = Topology.aggregated(opts.workers, eagle=True, register_eagle=None if opts.router_eagle else False,
-                               page_size=opts.page_size)
-    plan, kind = plan_cluster(topo, run_dir)
-    labels = [w.name for w in topo.workers]
+    topo = fuzz_topology(opts)
+    plan, kind = plan_cluster(topo, run_dir, draft=opts.draft, sglang_version=opts.sglang)
+    publishing = [w for w in topo.workers if w.publishes_kv_events]
+    labels = [w.name for w in publishing]
     downstream = _hop_ports(plan, labels)
     kind.max_total_tokens = opts.max_total_tokens
-    kind.relay_subscribe = {label: f"tcp://127.0.0.1:{port}" for label, port in downstream.items()}
-    upstream = {w.name: plan.kv_events_connect(w) for w in topo.workers}
-    with LossyHop(upstream, downstream, strip_salt=opts.strip_salt) as hop:
+    kind.relay_subscribe = {label: f"tcp://{LOOPBACK}:{port}" for label, port in downstream.items()}
+    upstream = {w.name: plan.kv_events_connect(w) for w in publishing}
+    with LossyHop(upstream, downstream, strip_salt=opts.strip_salt, hide_gaps=opts.hide_gaps) as hop:
         cluster = Cluster(plan, kind, startup_timeout_s=opts.startup_timeout_s, router_view=hop.downstream)
         with cluster:
             yield cluster, hop
@@ -140,26 +166,35 @@ class FuzzDriver:
         b = self.opts.page_size
         self.engine_views = WorkerViews(self.cluster.capture, b)
         self.router_views = WorkerViews(self.cluster.router_capture, b)
+        self.delivered_views = DeliveredViews(self.engine_views, self.router_views, self.hop.original_seq)
+        self.disagg = self.opts.topology == "disagg"
+        plan = self.cluster.plan
+        decode = [w.name for w in plan.topology.workers if w.role in ("decode", "agg")]
+        self.metrics = MetricReader(self.cluster.frontend_url, {
+            name: f"http://{LOOPBACK}:{plan.worker_ports[name].system}/metrics" for name in decode})
         self.history: list[Sent] = []
+        self.served: list[str | None] = []  # the worker each history prompt ran on
         self.steps: list[dict[str, Any]] = []
         self.observed: list[dict[str, Any]] = []
-        self.retired: set[int] = set()
-        self.restarted: set[str] = set()
         self.restarts_in_example = 0
 
     # ---- helpers --------------------------------------------------------------------------
 
     @property
     def labels(self) -> list[str]:
-        return list(self.cluster.workers)
+        """The workers the router routes prefill to (and whose events it indexes)."""
+        return [n for n, h in self.cluster.workers.items() if h.spec.publishes_kv_events]
 
     @property
     def prediction_views(self) -> WorkerViews | DeliveredViews:
         """The engine's batches the hop delivered; all of them with the gap check off."""
-        return DeliveredViews(self.engine_views, self.router_views) if self.opts.gap_check else self.engine_views
+        return self.delivered_views if self.opts.gap_check else self.engine_views
 
     def engine_eagle(self, label: str) -> bool:
         return self.cluster.workers[label].spec.eagle
+
+    def decode_label(self, label: str) -> str:
+        return next(n for n, h in self.cluster.workers.items() if h.spec.role == "decode") if self.disagg else label
 
     def _settle(self) -> bool:
         """Wait until no capture received a batch for ``quiet_s`` (bounded)."""
@@ -179,46 +214,55 @@ class FuzzDriver:
     def _label_of(self, instance_id: int | None) -> str | None:
         return next((n for n, h in self.cluster.workers.items() if h.instance_id == instance_id), None)
 
-    def _send(self, tokens: list[int], max_tokens: int, pin: int | None = None, salt: str | None = None) -> Completion:
+    def _send(self, tokens: list[int], max_tokens: int, pin: int | None = None, salt: str | None = None,
+              overlap_weight: float | None = None) -> Completion:
         try:
             return complete_tokens(self.cluster.frontend_url, self.cluster.model, tokens, max_tokens=max_tokens, pin=pin,
-                                   cache_salt=salt)
+                                   cache_salt=salt, overlap_weight=overlap_weight)
         except (SseError, OSError) as exc:
             raise FuzzEnvironmentError(f"request of {len(tokens)} tokens failed: {exc}") from None
 
+    def _held(self, views: WorkerViews | DeliveredViews, label: str, tokens: list[int], lo: int, hi: int | None = None,
+              salt: str | None = None) -> list[int]:
+        return views.held(label, tokens, eagle=self.engine_eagle(label), lo=lo, hi=hi, namespace=salt)
+
+    def _marks(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """(prediction, delivered, engine) marks now."""
+        return self.prediction_views.marks(), self.delivered_views.marks(), self.engine_views.marks()
+
     def _best(self, tokens: list[int], marks: dict[str, int], salt: str | None) -> str | None:
-        held = {lab: self.prediction_views.held(lab, tokens, eagle=self.engine_eagle(lab), lo=marks[lab],
-                                                namespace=salt)[0]
-                for lab in self.labels}
+        held = {lab: self._held(self.prediction_views, lab, tokens, marks[lab], salt=salt)[0] for lab in self.labels}
         top = max(held.values(), default=0)
         leaders = [lab for lab, h in held.items() if h == top]
         return leaders[0] if top > 0 and len(leaders) == 1 else None
 
-    def _observe(self, tokens: list[int], c: Completion, *, concurrent: bool, pred_lo: dict[str, int],
-                 eng_lo: dict[str, int], pred_hi: dict[str, int] | None, eng_hi: dict[str, int] | None,
-                 best: str | None, salt: str | None = None) -> Observation:
-        self.requests += 1
-        label = self._label_of(c.prefill_worker_id)
-        predicted = engine_held = [0]
+    def _observation(self, tokens: list[int], c: Completion, label: str | None, marks: tuple, *, concurrent: bool,
+                     engine_tokens: int | None, surface: str, best: str | None = None, salt: str | None = None,
+                     spec: Any = None) -> Observation:
+        pred_m, deliv_m, eng_m = marks
+        predicted = engine_held = 0
+        faulted = False
         if label is not None:
-            eagle = self.engine_eagle(label)
-            predicted = self.prediction_views.held(label, tokens, eagle=eagle, lo=pred_lo[label],
-                                                   hi=None if pred_hi is None else pred_hi[label], namespace=salt)
-            engine_held = self.engine_views.held(label, tokens, eagle=eagle, lo=eng_lo[label],
-                                                 hi=None if eng_hi is None else eng_hi[label], namespace=salt)
-        obs = Observation(self.requests, tokens, c, label, concurrent, self.opts.page_size,
-                          self.engine_eagle(label) if label else True, predicted, engine_held, best,
-                          frozenset(self.retired), label in self.restarted)
-        self.history.append(Sent(tuple(tokens), tuple(c.completion_token_ids)))
+            predicted = self._held(self.prediction_views, label, tokens, pred_m[label], salt=salt)[0]
+            engine_held = self._held(self.engine_views, label, tokens, eng_m[label], salt=salt)[0]
+            delivered = self._held(self.delivered_views, label, tokens, deliv_m[label], salt=salt)[0]
+            faulted = delivered != engine_held and any(d.label == label for d in self.hop.dropped)
+        self.requests += 1
+        return Observation(self.requests, tokens, c, label, concurrent, self.opts.page_size,
+                           self.engine_eagle(label) if label else True, predicted, engine_held, engine_tokens,
+                           surface, faulted, best, spec)
+
+    def _record(self, obs: Observation) -> None:
+        self.history.append(Sent(tuple(obs.tokens), tuple(obs.completion.completion_token_ids)))
+        self.served.append(obs.label)
         self.observed.append(observation_json(obs))
-        return obs
 
     def _check(self, obs: Observation) -> None:
         failures = evaluate(obs, self.tally)
         if failures:
             name, detail = failures[0]
             raise InvariantFailed(name, detail, cause=self.cause(obs.label, obs.tokens), worker=obs.label,
-                                  request=obs.request)
+                                  request=obs.request, numbers=failure_numbers(obs))
 
     def cause(self, label: str | None, tokens: list[int]) -> str:
         """Why the router's view differs: the tenant cause when the hop delivered a stored block
@@ -231,7 +275,8 @@ class FuzzDriver:
 
     def _salt_lost(self, label: str) -> bool:
         def salts(views: WorkerViews) -> dict[int | None, list[str | None]]:
-            return {b.seq: [e.cache_salt for e in b.events if isinstance(e, BlockStored)] for b in views.since_epoch(label)}
+            return {self.hop.original_seq(label, b.seq): [e.cache_salt for e in b.events if isinstance(e, BlockStored)]
+                    for b in views.since_epoch(label)}
 
         engine, router = salts(self.engine_views), salts(self.router_views)
         return any(engine.get(seq) not in (None, got) for seq, got in router.items())
@@ -260,8 +305,9 @@ class FuzzDriver:
         for views in (self.engine_views, self.router_views):
             for label in self.labels:
                 views.start_epoch(label)
-        self.history, self.steps, self.observed = [], [], []
-        self.retired, self.restarted, self.restarts_in_example = set(), set(), 0
+        self.history, self.served, self.steps, self.observed = [], [], [], []
+        self.restarts_in_example = 0
+        self.hop.dropped.clear()
         self.examples += 1
 
     def _clear(self, labels: list[str]) -> None:
@@ -284,63 +330,155 @@ class FuzzDriver:
         self.steps.append(step)
         self.steps_run += 1
         rule = step["rule"]
+        try:
+            self._run(rule, step)
+        except SurfaceMissing as exc:
+            raise FuzzEnvironmentError(f"a per-request surface is missing: {exc}") from None
+        self.peak_rss_bytes = max(self.peak_rss_bytes, rss_bytes(run_pids(RUN_MARKER_ENV, str(self.cluster.plan.run_dir))))
+
+    def _run(self, rule: str, step: dict[str, Any]) -> None:
         if rule == "request":
             pin = step.get("pin")
             self._request(resolve(step["prompt"], self.history), step["max_tokens"],
-                          pin=None if pin is None else self.labels[pin % len(self.labels)], salt=step.get("salt"))
+                          pin=None if pin is None else self.labels[pin % len(self.labels)], salt=step.get("salt"),
+                          overlap_weight=step.get("overlap_weight"))
         elif rule == "concurrent":
             self._concurrent([(resolve(p, self.history), mt) for p, mt in step["requests"]])
         elif rule == "flush":
-            label = self.labels[step["worker"] % len(self.labels)]
-            self.progress(f"flush {label}")
-            self._clear([label])
-            self.counts["flushes"] += 1
+            self._flush(self.labels[step["worker"] % len(self.labels)], step.get("seed", 0))
         elif rule == "fill":
             self._fill(step["seed"])
         elif rule == "drop_batch":
             self._drop(resolve(step["prompt"], self.history), step["max_tokens"])
+        elif rule == "lose_removal":
+            self._lose_removal(self.labels[step.get("worker", 0) % len(self.labels)], step["seed"],
+                               lose=step.get("lose", True))
         elif rule == "restart":
             self._restart(self.labels[step["worker"] % len(self.labels)])
         else:
             raise ValueError(f"unknown step rule {rule!r}")
-        self.peak_rss_bytes = max(self.peak_rss_bytes, rss_bytes(run_pids(RUN_MARKER_ENV, str(self.cluster.plan.run_dir))))
 
-    def _request(self, tokens: list[int], max_tokens: int, pin: str | None = None,
-                 salt: str | None = None) -> Observation:
+    def _request(self, tokens: list[int], max_tokens: int, pin: str | None = None, salt: str | None = None,
+                 overlap_weight: float | None = None) -> Observation:
+        """One request sent alone on a settled cluster, with every surface read around it."""
         self._settle()
-        pred_lo, eng_lo = self.prediction_views.marks(), self.engine_views.marks()
-        best = None if pin else self._best(tokens, pred_lo, salt)
-        c = self._send(tokens, max_tokens, None if pin is None else self.cluster.workers[pin].instance_id, salt)
+        marks = self._marks()
+        best = None if pin else self._best(tokens, marks[0], salt)
+        decode = self.metrics.decode(self.metrics.decode_urls) if max_tokens >= MIN_SPEC_TOKENS else None
+        reused_before = self.metrics.prefill_reused() if self.disagg else 0.0
+        c = self._send(tokens, max_tokens, None if pin is None else self.cluster.workers[pin].instance_id, salt,
+                       overlap_weight)
         self._settle()
-        obs = self._observe(tokens, c, concurrent=False, pred_lo=pred_lo, eng_lo=eng_lo, pred_hi=None, eng_hi=None,
-                            best=best, salt=salt)
+        label = self._label_of(c.prefill_worker_id)
+        if self.disagg:
+            engine_tokens: int | None = round(self.metrics.prefill_reused() - reused_before)
+            surface = "frontend router_kv_worker_reused_tokens_total{phase=prefill} delta"
+        else:
+            engine_tokens, surface = c.cached_tokens, "usage.prompt_tokens_details.cached_tokens"
+            if engine_tokens is None:
+                raise FuzzEnvironmentError("the response has no usage.prompt_tokens_details.cached_tokens: the "
+                                           "aggregated worker's reuse cannot be read")
+        spec = None
+        if decode is not None and label is not None and len(c.completion_token_ids) >= MIN_SPEC_TOKENS:
+            d = self.decode_label(label)
+            spec = self.metrics.spec(decode[d], d)
+        obs = self._observation(tokens, c, label, marks, concurrent=False, engine_tokens=engine_tokens,
+                                surface=surface, best=best, salt=salt, spec=spec)
+        obs.stored_pages = 0 if label is None else self._held(self.engine_views, label, tokens,
+                                                              self.engine_views.mark(label), salt=salt)[0]
+        self._record(obs)
+        tpv = "" if spec is None else f", tokens/verify {spec.tokens_per_verify}"
         self.progress(f"request {obs.request}: {len(tokens)} tokens -> {obs.label}, kv_hit_rate {c.kv_hit_rate} "
-                      f"(kvalign {obs.predicted[0]} blocks), cached_tokens {c.cached_tokens}")
+                      f"({obs.router_tokens} tokens credited, router view {obs.predicted} blocks), engine reused "
+                      f"{engine_tokens}{' [hop fault]' if obs.hop_faulted else ''}{tpv}")
         self._check(obs)
         return obs
 
     def _concurrent(self, reqs: list[tuple[list[int], int]]) -> None:
+        """A burst, judged against the state settled before it. A request whose credit a sibling
+        could change — the sibling shares a page of its prompt that neither view held before the
+        burst, or the burst evicted a page it held — is counted ``unattributable``, not judged."""
+        if self.disagg:
+            raise FuzzEnvironmentError("bursts cannot be checked in disaggregation: the prefill worker's reuse is "
+                                       "read per request from a counter, which a burst merges")
         self._settle()
-        pred_lo, eng_lo = self.prediction_views.marks(), self.engine_views.marks()
+        marks = self._marks()
         with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
             futures = [pool.submit(self._send, toks, mt) for toks, mt in reqs]
             answers = [f.result() for f in futures]
         self._settle()
-        pred_hi, eng_hi = self.prediction_views.marks(), self.engine_views.marks()
+        end = self._marks()
         self.counts["concurrent_requests"] += len(reqs)
-        observations = [self._observe(toks, c, concurrent=True, pred_lo=pred_lo, eng_lo=eng_lo, pred_hi=pred_hi,
-                                      eng_hi=eng_hi, best=None) for (toks, _), c in zip(reqs, answers)]
-        self.progress(f"concurrent burst of {len(reqs)}: " + ", ".join(
-            f"{len(o.tokens)} tokens -> {o.label} (kv_hit_rate {o.completion.kv_hit_rate})" for o in observations))
-        for obs in observations:
+        shown, checks = [], []
+        for i, ((toks, _), c) in enumerate(zip(reqs, answers)):
+            label = self._label_of(c.prefill_worker_id)
+            obs = self._observation(toks, c, label, marks, concurrent=True, engine_tokens=c.cached_tokens,
+                                    surface="usage.prompt_tokens_details.cached_tokens")
+            self._record(obs)
+            siblings = [t for j, (t, _) in enumerate(reqs) if j != i]
+            if label is not None and not self._attributable(label, toks, siblings, obs, marks, end):
+                self.tally.unattributable += 1
+                shown.append(f"{len(toks)} tokens -> {label} (kv_hit_rate {c.kv_hit_rate}, unattributable)")
+                continue
+            shown.append(f"{len(toks)} tokens -> {label} (kv_hit_rate {c.kv_hit_rate}, reused {c.cached_tokens})")
+            checks.append(obs)
+        self.progress(f"concurrent burst of {len(reqs)}: " + ", ".join(shown))
+        for obs in checks:
             self._check(obs)
 
+    def _attributable(self, label: str, tokens: list[int], siblings: list[list[int]], obs: Observation,
+                      start: tuple, end: tuple) -> bool:
+        eagle = self.engine_eagle(label)
+        settled = min(obs.predicted, obs.engine_held)
+        if any(common_blocks(tokens, s, self.opts.page_size, eagle=eagle) > settled for s in siblings):
+            return False
+        for views, lo, hi, before in ((self.engine_views, start[2], end[2], obs.engine_held),
+                                      (self.prediction_views, start[0], end[0], obs.predicted)):
+            if min(self._held(views, label, tokens, lo[label], hi[label])) < before:
+                return False  # the burst evicted a page the request could have been credited with
+        return True
+
+    def _held_now(self, label: str, tokens: list[int]) -> int:
+        return self._held(self.engine_views, label, tokens, self.engine_views.mark(label))[0]
+
     def _fill(self, seed: int) -> None:
-        """Long fresh prompts until every worker's pool has had to evict (or ``fill_prompts`` sent)."""
+        """Long fresh prompts on one worker until its pool has had to evict, then the first of them
+        again: its pages were evicted, so router and engine must both say so (pinned, because the
+        router would spread fresh prompts over the workers and no pool would fill)."""
+        label = self.labels[seed % len(self.labels)]
         length = min(self.opts.max_total_tokens * 3 // 5, 300)
-        self.progress(f"fill: {self.opts.fill_prompts} fresh prompts of {length} tokens")
-        for i in range(self.opts.fill_prompts):
-            self._request(new_tokens(seed * 1000 + i, length), 1)
+        self.progress(f"fill: {self.opts.fill_prompts} fresh prompts of {length} tokens on {label}, then the first again")
+        first = [self._request(new_tokens(seed * 1000 + i, length), 1, pin=label)
+                 for i in range(self.opts.fill_prompts)][0]
+        self._requery(first, "evicted_requeried", "fill")
+
+    def _requery(self, obs: Observation, counter: str, why: str) -> None:
+        """Re-send ``obs``'s prompt pinned to the worker that served it; counted in ``counter`` when
+        the engine has since dropped pages it stored for it (the check then looks at them)."""
+        if obs.label is None:
+            return
+        again = self._request(obs.tokens, 1, pin=obs.label)
+        if again.engine_held < obs.stored_pages:
+            self.counts[counter] += 1
+            self.progress(f"{why}: request {again.request} re-queried {obs.label} after {obs.stored_pages - again.engine_held} "
+                          f"of the prompt's {obs.stored_pages} pages were dropped")
+
+    def _flush(self, label: str, seed: int) -> None:
+        """Flush ``label``, then re-query its latest prompt on it (sending one first if it held none)."""
+        mine = [i for i, served in enumerate(self.served) if served == label]
+        if mine:
+            tokens = list(self.history[mine[-1]].tokens)
+        else:
+            tokens = new_tokens(seed, 3 * self.opts.page_size + 1)
+            self._request(tokens, 1, pin=label)
+        held = self._held_now(label, tokens)
+        self.progress(f"flush {label} (it held {held} pages of the prompt re-queried next)")
+        self._clear([label])
+        self.counts["flushes"] += 1
+        again = self._request(tokens, 1, pin=label)
+        if held > 0:
+            self.counts["flushed_requeried"] += 1
+            self.progress(f"flush: request {again.request} re-queried {held} flushed pages on {label}")
 
     def _drop(self, tokens: list[int], max_tokens: int) -> None:
         """Lose the request's store batch on the hop, then make the loss observable: a follow-up
@@ -352,7 +490,8 @@ class FuzzDriver:
         self.hop.disarm()
         lost = self.hop.dropped[dropped_before:]
         if not lost:
-            self.progress("drop_batch: the request stored nothing new; no batch lost")
+            self.progress("drop_batch: the request's stores shared a batch with removals (or stored nothing new); "
+                          "no batch lost")
             return
         self.counts["dropped_batches"] += len(lost)
         label = lost[0].label
@@ -360,6 +499,7 @@ class FuzzDriver:
                       f"of request {obs.request}")
         follow = [*tokens, *self.history[-1].output, *new_tokens(len(tokens), self.opts.page_size + 1)]
         self._request(follow, 1, pin=label)
+        self.counts["lost_requeried"] += 1
         d = self.diagnose(label, follow)
         cause = "none" if d is None or d.cause is None else d.cause.name
         self.tally.checked["gap_diagnosed"] += 1
@@ -370,6 +510,31 @@ class FuzzDriver:
                                   f"{obs.request}, but kvalign diagnose on its capture names {cause}"
                                   + ("" if d is None else f" ({d.detail})"), cause=cause, worker=label,
                                   request=obs.request)
+
+    def _lose_removal(self, label: str, seed: int, *, lose: bool) -> None:
+        """A prompt on ``label``, then fresh prompts on it until the pool evicts, with the hop armed
+        to lose the first batch of pure removals; then the prompt again. The router still holds the
+        evicted pages, so its credit on them is stale (``lose=False``: the passing twin)."""
+        b = self.opts.page_size
+        length = min(self.opts.max_total_tokens * 3 // 5, 300)
+        first = self._request(new_tokens(seed, length), 1, pin=label)
+        dropped_before = len(self.hop.dropped)
+        if lose:
+            self.hop.drop_next_removal_batch(label)
+        for i in range(1, self.opts.fill_prompts + 1):
+            self._request(new_tokens(seed * 1000 + i, length), 1, pin=label)
+            if self._held_now(label, first.tokens) < len(first.tokens) // b and (
+                    not lose or len(self.hop.dropped) > dropped_before):
+                break
+        self.hop.disarm()
+        lost = self.hop.dropped[dropped_before:]
+        self.counts["dropped_batches"] += len(lost)
+        self.progress(f"lose_removal: the hop lost {len(lost)} removal batch(es) of {label}"
+                      + "".join(f"; seq {d.seq} ({d.blocks} blocks)" for d in lost))
+        if lose and not lost:
+            raise FuzzEnvironmentError(f"{label} published no batch of pure removals within {self.opts.fill_prompts} "
+                                       "fill prompts: nothing to lose")
+        self._requery(first, "evicted_requeried", "lose_removal")
 
     def _restart(self, label: str) -> None:
         old = self.cluster.workers[label].instance_id
@@ -383,8 +548,7 @@ class FuzzDriver:
         self._settle()
         for views in (self.engine_views, self.router_views):
             views.start_epoch(label)
-        self.retired.add(old)
-        self.restarted.add(label)
+        self.hop.dropped[:] = [d for d in self.hop.dropped if d.label != label]
         self.restarts_in_example += 1
         self.counts["restarts"] += 1
         self.progress(f"restart {label}: new instance {new.instance_id} after {time.monotonic() - t0:.0f}s")
