@@ -56,7 +56,7 @@ def register(actions: argparse._SubParsersAction) -> None:
                         "ignores tenants); meant for --replay scripts whose requests carry a salt")
     p.add_argument("--hide-gaps", dest="hide_gaps", action="store_const", const=True, default=None,
                    help="negative control: after a lost batch the hop renumbers later batches, so no sequence gap "
-                        "is visible (gap_diagnosed must fail); meant for --replay scripts that drop a batch")
+                        "is visible (kvalign diagnose must still name the loss); meant for --replay scripts that drop a batch")
     p.add_argument("--workers", type=int, default=2,
                    help="aggregated workers, or prefill workers with --topology disagg (default 2)")
     p.add_argument("--max-total-tokens", type=int, default=512,

@@ -66,38 +66,41 @@ def load(name: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _live(name: str, opts: FuzzOptions) -> Iterator[Live]:
+def _live(request: pytest.FixtureRequest, name: str, opts: FuzzOptions) -> Iterator[Live]:
+    """A started cluster for one class of tests; its run dir (logs, captures, progress.log) is
+    kept when any test that used it failed."""
     missing = sglang_cpu_missing(opts.sglang)
     if missing:
         pytest.skip(f"real SGLang engine cannot run on this CPU: {missing}")
     run_dir = OUT_ROOT / f"fuzz-{name}-{os.getpid()}"
-    ok = False
-    try:
-        with fuzz_cluster(opts, run_dir) as (cluster, hop):
-            live = Live(cluster, hop, opts, run_dir)
+    failed_before = request.session.testsfailed
+    with fuzz_cluster(opts, run_dir) as (cluster, hop):
+        live = Live(cluster, hop, opts, run_dir)
+        try:
             yield live
+        finally:
             live.log.close()
-        ok = True
-    finally:
-        if ok:
-            shutil.rmtree(run_dir, ignore_errors=True)
+    if request.session.testsfailed == failed_before:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    else:
+        print(f"\nkvalign fuzz run dir kept: {run_dir}")
 
 
 @pytest.fixture(scope="class")
-def shipped() -> Iterator[Live]:
-    with _live("shipped", FuzzOptions(sglang=SHIPPED_SGLANG)) as live:
+def shipped(request: pytest.FixtureRequest) -> Iterator[Live]:
+    with _live(request, "shipped", FuzzOptions(sglang=SHIPPED_SGLANG)) as live:
         yield live
 
 
 @pytest.fixture(scope="class")
-def disagg() -> Iterator[Live]:
-    with _live("disagg", FuzzOptions(topology="disagg")) as live:
+def disagg(request: pytest.FixtureRequest) -> Iterator[Live]:
+    with _live(request, "disagg", FuzzOptions(topology="disagg")) as live:
         yield live
 
 
 @pytest.fixture(scope="class")
-def blind() -> Iterator[Live]:
-    with _live("blind", FuzzOptions(router_eagle=False, draft="disagree")) as live:
+def blind(request: pytest.FixtureRequest) -> Iterator[Live]:
+    with _live(request, "blind", FuzzOptions(router_eagle=False, draft="disagree")) as live:
         yield live
 
 
@@ -129,7 +132,8 @@ class TestShippedPair:
         assert inv["router_credits_engine_reuse"]["checked"] >= 30 and all(v["failed"] == 0 for v in inv.values()), inv
         assert out["unattributable"] <= 0.1 * out["requests"], out
         assert counts["evicted_requeried"] >= 1 and counts["flushed_requeried"] >= 1 and counts["lost_requeried"] >= 1, counts
-        assert inv["gap_diagnosed"]["checked"] >= 1 and inv["best_worker_chosen"]["checked"] >= 1, inv
+        assert counts["lost_batches_diagnosed"] == counts["dropped_batches"] >= 1 and not out["notes"], out
+        assert inv["best_worker_chosen"]["checked"] >= 1, inv
         assert inv["decode_keeps_speculating"]["checked"] >= 1, inv
 
 
@@ -139,12 +143,13 @@ class TestShippedPair:
         assert shipped.replay("lost-batch.json", gap_check=True).passed  # twin: the loss is modelled
 
 
-    def test_a_hop_that_hides_the_gap_fails_gap_diagnosed(self, shipped: Live) -> None:
-        f = failed(shipped.replay("gap-hidden.json"))
-        assert f["invariant"] == "gap_diagnosed" and f["cause"] != "SEQUENCE_GAP", f
-        res = shipped.replay("gap-hidden.json", hide_gaps=False)  # twin: the gap is visible and diagnosed
-        assert res.passed and res.driver.tally.checked["gap_diagnosed"] == 1, res.failure
-
+    def test_diagnose_names_a_lost_batch_even_when_the_hop_hides_the_gap(self, shipped: Live) -> None:
+        """Why ``gap_diagnosed`` is no invariant: even a hop that renumbers the stream after the loss
+        leaves orphaned stores behind, and ``kvalign diagnose`` names the loss from them."""
+        for hide in (True, False):
+            res = shipped.replay("gap-hidden.json", hide_gaps=hide)
+            assert res.passed, res.failure
+            assert res.driver.counts["lost_batches_diagnosed"] == 1 and res.driver.tally.hop_faulted == 1, hide
 
     def test_lost_removal_fails_no_stale_credit(self, shipped: Live) -> None:
         f = failed(shipped.replay("lost-removal.json"))

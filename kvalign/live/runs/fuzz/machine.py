@@ -72,7 +72,7 @@ class FuzzResult:
             "options": d.opts.as_json(), "startup_s": round(self.startup_s, 1), "seconds": round(self.seconds, 1),
             "requests_per_minute": round(60 * d.requests / self.seconds, 1) if self.seconds > 0 else None,
             "unsettled_waits": d.unsettled, "peak_rss_gib": round(d.peak_rss_bytes / 2**30, 2),
-            "notes": self.notes, "run_dir": str(d.cluster.plan.run_dir),
+            "notes": [*self.notes, *d.notes], "run_dir": str(d.cluster.plan.run_dir),
         }
 
 
