@@ -151,6 +151,14 @@ class TestShippedPair:
             assert res.passed, res.failure
             assert res.driver.counts["lost_batches_diagnosed"] == 1 and res.driver.tally.hop_faulted == 1, hide
 
+    def test_a_batch_lost_unpublished_fails_engine_matches_index(self, shipped: Live) -> None:
+        f = failed(shipped.replay("unpublished-batch.json"))
+        assert f["invariant"] == "engine_matches_index", f
+        twin = copy.deepcopy(load("unpublished-batch.json"))
+        twin["steps"][0]["unpublished"] = False
+        res = shipped.replay_script(twin)
+        assert res.passed and res.driver.tally.hop_faulted == 1, res.failure
+
     def test_lost_removal_fails_no_stale_credit(self, shipped: Live) -> None:
         f = failed(shipped.replay("lost-removal.json"))
         assert f["invariant"] == "no_stale_credit", f
@@ -158,7 +166,7 @@ class TestShippedPair:
         twin["steps"][0]["lose"] = False
         res = shipped.replay_script(twin)
         assert res.passed, res.failure
-        assert res.driver.counts["evicted_requeried"] == 1
+        assert res.driver.counts["flushed_requeried"] == 1
 
 
     def test_a_hop_that_strips_cache_salt_fails_router_credits_engine_reuse_naming_tenants(self, shipped: Live) -> None:
@@ -170,15 +178,13 @@ class TestShippedPair:
         assert res.driver.tally.checked["router_credits_engine_reuse"] == 2
 
 
-    def test_routing_that_ignores_overlap_fails_best_worker_chosen(self, shipped: Live) -> None:
-        f = failed(shipped.replay("routing-ignores-overlap.json"))
+    def test_routing_against_the_cache_view_fails_best_worker_chosen(self, shipped: Live) -> None:
+        f = failed(shipped.replay("routing-against-cache.json"))
         assert f["invariant"] == "best_worker_chosen", f
-        twin = copy.deepcopy(load("routing-ignores-overlap.json"))
-        for step in twin["steps"]:
-            step.pop("overlap_weight", None)
+        twin = copy.deepcopy(load("routing-against-cache.json"))
+        del twin["steps"][1]["pin"]
         res = shipped.replay_script(twin)
-        assert res.passed and res.driver.tally.checked["best_worker_chosen"] == 8, res.failure
-
+        assert res.passed and res.driver.tally.checked["best_worker_chosen"] == 1, res.failure
 
     def test_the_blind_clusters_scripts_pass_on_an_honest_cluster(self, shipped: Live) -> None:
         res = shipped.replay("router-eagle-off.json")  # the card says eagle: the router credits the reuse

@@ -103,3 +103,40 @@ def test_strip_salt_hop_delivers_stored_blocks_without_their_tenant() -> None:
         pub.publish([salted])
         (frames,) = _collect(sub, 1)
         assert decode_frames(frames).events[0].cache_salt == "tenant-a"
+
+
+def test_the_tap_sees_every_batch_but_one_lost_unpublished() -> None:
+    """kvalign's engine view reads the tap: a batch the hop loses for the router is still the
+    engine's; one lost *unpublished* is lost to every subscriber."""
+    pub = RealPublisher()
+    ctx = zmq.Context()
+    sub, tap = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB)
+    for s in (sub, tap):
+        s.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        with LossyHop({"w": pub.endpoint}, {"w": free_port()}, taps={"w": free_port()}) as hop:
+            sub.connect(hop.downstream["w"])
+            tap.connect(hop.taps["w"])
+            deadline = time.monotonic() + 10
+            while not (sub.poll(50) and tap.poll(50)):
+                assert time.monotonic() < deadline, "no batch crossed the hop"
+                pub.publish([pub.kv.AllBlocksCleared()])
+            for s in (sub, tap):
+                while s.poll(200):
+                    s.recv_multipart()
+            hop.drop_next_store_batch()
+            seq_router_lost = pub.publish([_stored(pub.kv)])
+            while not hop.dropped:  # the hop took the first arm before it is armed again
+                assert time.monotonic() < deadline + 10, "the hop never dropped the armed batch"
+                time.sleep(0.01)
+            hop.drop_next_store_batch(unpublished=True)
+            seq_unpublished = pub.publish([_stored(pub.kv)])
+            seq_kept = pub.publish([_stored(pub.kv)])
+            assert [decode_frames(f).seq for f in _collect(tap, 2)] == [seq_router_lost, seq_kept]
+            assert [decode_frames(f).seq for f in _collect(sub, 1)] == [seq_kept]
+            assert [(d.seq, d.unpublished) for d in hop.dropped] == [(seq_router_lost, False), (seq_unpublished, True)]
+    finally:
+        sub.close(linger=0)
+        tap.close(linger=0)
+        ctx.term()
+        pub.close()

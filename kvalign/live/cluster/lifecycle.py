@@ -94,9 +94,10 @@ class Cluster:
     """A running topology; use as a context manager (teardown is unconditional)."""
 
     def __init__(self, plan: ClusterPlan, kind: WorkerKind, *, startup_timeout_s: float = 120.0, keep_logs: bool = True,
-                 router_view: Mapping[str, str] | None = None):
+                 router_view: Mapping[str, str] | None = None, engine_view: Mapping[str, str] | None = None):
         """``router_view``: per worker, the endpoint Dynamo's relay reads (a lossy hop); when given,
-        :attr:`router_capture` records it beside :attr:`capture`, which reads SGLang directly."""
+        :attr:`router_capture` records it beside :attr:`capture`, which reads SGLang directly, or
+        ``engine_view`` (the hop's unaltered copy of SGLang's stream) when that is given."""
         self.plan, self.kind = plan, kind
         self.startup_timeout_s = startup_timeout_s
         self.keep_logs = keep_logs
@@ -104,6 +105,7 @@ class Cluster:
         self.workers: dict[str, WorkerHandle] = {}
         self.capture: EventCapture | None = None
         self.router_view = dict(router_view) if router_view is not None else None
+        self.engine_view = dict(engine_view) if engine_view is not None else None
         self.router_capture: EventCapture | None = None
         self.ready_s: float | None = None
 
@@ -141,7 +143,8 @@ class Cluster:
             self.group.start(self.kind.command(w, self.plan))
         for w in self.plan.topology.workers:
             self.workers[w.name] = self._await_registration(w, deadline)
-        endpoints = {name: h.kv_events_endpoint for name, h in self.workers.items() if h.kv_events_endpoint}
+        endpoints = self.engine_view if self.engine_view is not None else {
+            name: h.kv_events_endpoint for name, h in self.workers.items() if h.kv_events_endpoint}
         self.capture = EventCapture(endpoints, capture_dir=self.plan.run_dir / "captures")
         if self.router_view is not None:
             self.router_capture = EventCapture(self.router_view, capture_dir=self.plan.run_dir / "captures" / "router")

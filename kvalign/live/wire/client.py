@@ -220,21 +220,16 @@ def parse_completion(body: Any) -> Completion:
 
 
 def complete_tokens(base_url: str, model: str, tokens: Sequence[int], *, max_tokens: int,
-                    pin: int | None = None, cache_salt: str | None = None, overlap_weight: float | None = None,
-                    timeout_s: float = 120.0) -> Completion:
+                    pin: int | None = None, cache_salt: str | None = None, timeout_s: float = 120.0) -> Completion:
     """POST one greedy completion whose prompt is ``tokens`` (ids, no template: the router, the
     engine and kvalign then hash exactly the same sequence). ``pin``: an instance id the request
     must run on (``nvext.backend_instance_id``), instead of the router's choice; ``cache_salt``:
-    the tenant (``nvext.cache_salt``), which keys the engine's pages and the router's hashes;
-    ``overlap_weight``: this request's ``nvext.router_config_override.overlap_score_weight`` (0: the
-    router ignores cached blocks when it picks a worker, a routing fault injected per request)."""
+    the tenant (``nvext.cache_salt``), which keys the engine's pages and the router's hashes."""
     nvext: dict[str, Any] = {"extra_fields": list(COMPLETION_FIELDS)}
     if pin is not None:
         nvext["backend_instance_id"] = pin
     if cache_salt:
         nvext["cache_salt"] = cache_salt
-    if overlap_weight is not None:
-        nvext["router_config_override"] = {"overlap_score_weight": overlap_weight}
     payload = {
         "model": model, "prompt": list(tokens), "max_tokens": max_tokens, "temperature": 0.0, "stream": False,
         "nvext": nvext,

@@ -53,6 +53,7 @@ class Dropped:
     blocks: int
     at: float
     kind: str = "store"  # "store" or "removal"
+    unpublished: bool = False  # lost to every subscriber, kvalign's engine view included
 
 
 def batch_kind(events: Sequence[object]) -> str | None:
@@ -69,7 +70,9 @@ class LossyHop:
     """Forwards ``upstream[label]`` (SGLang PUB endpoints) to PUB sockets bound at ``downstream[label]``."""
 
     def __init__(self, upstream: Mapping[str, str], downstream: Mapping[str, int], *, strip_salt: bool = False,
-                 hide_gaps: bool = False) -> None:
+                 hide_gaps: bool = False, taps: Mapping[str, int] | None = None) -> None:
+        """``taps``: per worker, a port where the hop republishes the engine's stream unaltered — what
+        kvalign's engine view subscribes to, so a batch lost *unpublished* is lost to every subscriber."""
         if set(upstream) != set(downstream):
             raise ValueError(f"hop labels differ: {sorted(upstream)} vs {sorted(downstream)}")
         self._ctx = zmq.Context()
@@ -86,27 +89,35 @@ class LossyHop:
             sub.connect(upstream[label])
             self._subs[sub] = label
         self.downstream = {label: f"tcp://{LOOPBACK}:{port}" for label, port in downstream.items()}
+        self._taps: dict[str, zmq.Socket] = {}
+        for label, port in (taps or {}).items():
+            tap = self._ctx.socket(zmq.PUB)
+            tap.setsockopt(zmq.LINGER, 0)
+            tap.bind(f"tcp://{LOOPBACK}:{port}")
+            self._taps[label] = tap
+        self.taps = {label: f"tcp://{LOOPBACK}:{port}" for label, port in (taps or {}).items()}
         self.dropped: list[Dropped] = []
         self.forwarded = 0
         self.strip_salt, self.stripped = strip_salt, 0
         self.hide_gaps = hide_gaps
         self._shift: dict[str, int] = {}  # per worker: batches lost so far while hiding gaps
         self._originals: dict[tuple[str, int], int] = {}  # (worker, delivered seq) -> engine seq
-        self._armed: tuple[str, str | None] | None = None  # (kind, worker label or None for any)
+        self._armed: tuple[str, str | None, bool] | None = None  # (kind, worker label or None, unpublished)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvalign-lossy-hop", daemon=True)
         self._thread.start()
 
-    def drop_next_store_batch(self) -> None:
-        """Swallow the next batch, from any worker, whose events are all ``BlockStored``."""
+    def drop_next_store_batch(self, *, unpublished: bool = False) -> None:
+        """Swallow the next batch, from any worker, whose events are all ``BlockStored``; with
+        ``unpublished`` the taps lose it too (a batch the engine's publisher never sent)."""
         with self._lock:
-            self._armed = ("store", None)
+            self._armed = ("store", None, unpublished)
 
     def drop_next_removal_batch(self, label: str) -> None:
         """Swallow ``label``'s next batch whose events are all ``BlockRemoved``/``AllBlocksCleared``."""
         with self._lock:
-            self._armed = ("removal", label)
+            self._armed = ("removal", label, False)
 
     def disarm(self) -> bool:
         """Cancel a pending drop; True if one was still pending."""
@@ -114,24 +125,25 @@ class LossyHop:
             was, self._armed = self._armed is not None, None
         return was
 
-    def _should_drop(self, label: str, frames: list[bytes]) -> bool:
+    def _should_drop(self, label: str, frames: list[bytes]) -> Dropped | None:
         with self._lock:
             armed = self._armed
         if armed is None or armed[1] not in (None, label):
-            return False
+            return None
         try:
             batch = decode_frames(frames)
         except EventDecodeError:
-            return False  # undecodable frames pass through: the relay's problem, and a capture finding
+            return None  # undecodable frames pass through: the relay's problem, and a capture finding
         if batch_kind(batch.events) != armed[0]:
-            return False
+            return None
         blocks = sum(len(getattr(e, "block_hashes", ())) for e in batch.events)
         with self._lock:
             if self._armed != armed:
-                return False
+                return None
             self._armed = None
-            self.dropped.append(Dropped(label, batch.seq, blocks, time.monotonic(), armed[0]))
-        return True
+            dropped = Dropped(label, batch.seq, blocks, time.monotonic(), armed[0], armed[2])
+            self.dropped.append(dropped)
+        return dropped
 
     def _without_salt(self, frames: list[bytes]) -> list[bytes]:
         """The batch with ``cache_salt`` removed from every stored block (other frames unchanged)."""
@@ -158,7 +170,10 @@ class LossyHop:
             for sock, _ in poller.poll(50):
                 label = self._subs[sock]
                 frames = sock.recv_multipart()
-                if self._should_drop(label, frames):
+                dropped = self._should_drop(label, frames)
+                if label in self._taps and not (dropped and dropped.unpublished):
+                    self._taps[label].send_multipart(frames)
+                if dropped:
                     if self.hide_gaps:
                         self._shift[label] = self._shift.get(label, 0) + 1
                     continue
@@ -183,7 +198,7 @@ class LossyHop:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
-        for s in [*self._pubs.values(), *self._subs]:
+        for s in [*self._pubs.values(), *self._taps.values(), *self._subs]:
             s.close(linger=0)
         self._ctx.term()
 

@@ -114,13 +114,13 @@ def fuzz_topology(opts: FuzzOptions) -> Topology:
     return Topology.aggregated(opts.workers, eagle=True, register_eagle=register, page_size=opts.page_size)
 
 
-def _hop_ports(plan: Any, labels: list[str]) -> dict[str, int]:
-    """A loopback port per worker for the hop's downstream PUB, distinct from every plan port."""
+def _hop_ports(plan: Any, labels: list[str], *, taken: list[int] = (), what: str = "hop") -> dict[str, int]:
+    """A loopback port per worker for one of the hop's PUBs, distinct from every plan port."""
     pool = PortPool()
-    taken = [plan.http_port, plan.broker_xsub, plan.broker_xpub, plan.etcd_client, plan.etcd_peer, plan.nats_port,
-             *(p for wp in plan.worker_ports.values() for p in (wp.rpc, wp.kv_events, wp.system, wp.bootstrap))]
+    taken = [*taken, plan.http_port, plan.broker_xsub, plan.broker_xpub, plan.etcd_client, plan.etcd_peer,
+             plan.nats_port, *(p for wp in plan.worker_ports.values() for p in (wp.rpc, wp.kv_events, wp.system, wp.bootstrap))]
     pool.assigned.update({f"plan.{i}": p for i, p in enumerate(taken) if p is not None})
-    return {label: pool.take(f"{label}.hop") for label in labels}
+    return {label: pool.take(f"{label}.{what}") for label in labels}
 
 
 @contextlib.contextmanager
@@ -137,11 +137,13 @@ def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Clust
     publishing = [w for w in topo.workers if w.publishes_kv_events]
     labels = [w.name for w in publishing]
     downstream = _hop_ports(plan, labels)
+    taps = _hop_ports(plan, labels, taken=list(downstream.values()), what="tap")
     kind.max_total_tokens = opts.max_total_tokens
     kind.relay_subscribe = {label: f"tcp://{LOOPBACK}:{port}" for label, port in downstream.items()}
     upstream = {w.name: plan.kv_events_connect(w) for w in publishing}
-    with LossyHop(upstream, downstream, strip_salt=opts.strip_salt, hide_gaps=opts.hide_gaps) as hop:
-        cluster = Cluster(plan, kind, startup_timeout_s=opts.startup_timeout_s, router_view=hop.downstream)
+    with LossyHop(upstream, downstream, strip_salt=opts.strip_salt, hide_gaps=opts.hide_gaps, taps=taps) as hop:
+        cluster = Cluster(plan, kind, startup_timeout_s=opts.startup_timeout_s, router_view=hop.downstream,
+                          engine_view=hop.taps)
         with cluster:
             yield cluster, hop
 
@@ -215,11 +217,10 @@ class FuzzDriver:
     def _label_of(self, instance_id: int | None) -> str | None:
         return next((n for n, h in self.cluster.workers.items() if h.instance_id == instance_id), None)
 
-    def _send(self, tokens: list[int], max_tokens: int, pin: int | None = None, salt: str | None = None,
-              overlap_weight: float | None = None) -> Completion:
+    def _send(self, tokens: list[int], max_tokens: int, pin: int | None = None, salt: str | None = None) -> Completion:
         try:
             return complete_tokens(self.cluster.frontend_url, self.cluster.model, tokens, max_tokens=max_tokens, pin=pin,
-                                   cache_salt=salt, overlap_weight=overlap_weight)
+                                   cache_salt=salt)
         except (SseError, OSError) as exc:
             raise FuzzEnvironmentError(f"request of {len(tokens)} tokens failed: {exc}") from None
 
@@ -342,7 +343,7 @@ class FuzzDriver:
             pin = step.get("pin")
             self._request(resolve(step["prompt"], self.history), step["max_tokens"],
                           pin=None if pin is None else self.labels[pin % len(self.labels)], salt=step.get("salt"),
-                          overlap_weight=step.get("overlap_weight"))
+                          judge_routing=step.get("judge_routing", False))
         elif rule == "concurrent":
             self._concurrent([(resolve(p, self.history), mt) for p, mt in step["requests"]])
         elif rule == "flush":
@@ -350,7 +351,7 @@ class FuzzDriver:
         elif rule == "fill":
             self._fill(step["seed"])
         elif rule == "drop_batch":
-            self._drop(resolve(step["prompt"], self.history), step["max_tokens"])
+            self._drop(resolve(step["prompt"], self.history), step["max_tokens"], unpublished=step.get("unpublished", False))
         elif rule == "lose_removal":
             self._lose_removal(self.labels[step.get("worker", 0) % len(self.labels)], step["seed"],
                                lose=step.get("lose", True))
@@ -360,15 +361,16 @@ class FuzzDriver:
             raise ValueError(f"unknown step rule {rule!r}")
 
     def _request(self, tokens: list[int], max_tokens: int, pin: str | None = None, salt: str | None = None,
-                 overlap_weight: float | None = None) -> Observation:
-        """One request sent alone on a settled cluster, with every surface read around it."""
+                 judge_routing: bool = False) -> Observation:
+        """One request sent alone on a settled cluster, with every surface read around it.
+        ``judge_routing``: a pinned request's worker is still judged as a routing decision (the
+        best-worker control: a gateway that pins against the router's cache view)."""
         self._settle()
         marks = self._marks()
-        best = None if pin else self._best(tokens, marks[0], salt)
+        best = self._best(tokens, marks[0], salt) if pin is None or judge_routing else None
         decode = self.metrics.decode(self.metrics.decode_urls) if max_tokens >= MIN_SPEC_TOKENS else None
         reused_before = self.metrics.prefill_reused() if self.disagg else 0.0
-        c = self._send(tokens, max_tokens, None if pin is None else self.cluster.workers[pin].instance_id, salt,
-                       overlap_weight)
+        c = self._send(tokens, max_tokens, None if pin is None else self.cluster.workers[pin].instance_id, salt)
         self._settle()
         label = self._label_of(c.prefill_worker_id)
         if self.disagg:
@@ -481,12 +483,13 @@ class FuzzDriver:
             self.counts["flushed_requeried"] += 1
             self.progress(f"flush: request {again.request} re-queried {held} flushed pages on {label}")
 
-    def _drop(self, tokens: list[int], max_tokens: int) -> None:
+    def _drop(self, tokens: list[int], max_tokens: int, *, unpublished: bool = False) -> None:
         """Lose the request's store batch on the hop, then make the loss observable: a follow-up
         pinned to the same worker stores pages under the lost ones (orphans to the router), which
-        is the evidence ``kvalign diagnose`` needs to name the gap."""
+        is the evidence ``kvalign diagnose`` needs to name the gap. ``unpublished`` (scripts only):
+        kvalign's engine view loses it too, as if SGLang's publisher never sent it."""
         dropped_before = len(self.hop.dropped)
-        self.hop.drop_next_store_batch()
+        self.hop.drop_next_store_batch(unpublished=unpublished)
         obs = self._request(tokens, max_tokens)
         self.hop.disarm()
         lost = self.hop.dropped[dropped_before:]
@@ -511,29 +514,24 @@ class FuzzDriver:
                               f"diagnose names {cause}" + ("" if d is None else f" ({d.detail})"))
 
     def _lose_removal(self, label: str, seed: int, *, lose: bool) -> None:
-        """A prompt on ``label``, then fresh prompts on it until the pool evicts, with the hop armed
-        to lose the first batch of pure removals; then the prompt again. The router still holds the
-        evicted pages, so its credit on them is stale (``lose=False``: the passing twin)."""
-        b = self.opts.page_size
-        length = min(self.opts.max_total_tokens * 3 // 5, 300)
-        first = self._request(new_tokens(seed, length), 1, pin=label)
+        """A prompt on ``label``, then a flush of ``label`` with the hop armed to lose its next batch
+        of pure removals (the flush's ``AllBlocksCleared``: SGLang publishes evictions together with
+        the stores that caused them, never alone), then the prompt again on ``label``. The router
+        still holds the cleared pages, so its credit on them is stale (``lose=False``: the twin)."""
+        first = self._request(new_tokens(seed, 100), 1, pin=label)
         dropped_before = len(self.hop.dropped)
         if lose:
             self.hop.drop_next_removal_batch(label)
-        for i in range(1, self.opts.fill_prompts + 1):
-            self._request(new_tokens(seed * 1000 + i, length), 1, pin=label)
-            if self._held_now(label, first.tokens) < len(first.tokens) // b and (
-                    not lose or len(self.hop.dropped) > dropped_before):
-                break
+        self._clear([label])
         self.hop.disarm()
         lost = self.hop.dropped[dropped_before:]
         self.counts["dropped_batches"] += len(lost)
-        self.progress(f"lose_removal: the hop lost {len(lost)} removal batch(es) of {label}"
-                      + "".join(f"; seq {d.seq} ({d.blocks} blocks)" for d in lost))
+        self.counts["flushes"] += 1
+        self.progress(f"lose_removal: flushed {label}; the hop lost {len(lost)} removal batch(es)"
+                      + "".join(f" (seq {d.seq})" for d in lost))
         if lose and not lost:
-            raise FuzzEnvironmentError(f"{label} published no batch of pure removals within {self.opts.fill_prompts} "
-                                       "fill prompts: nothing to lose")
-        self._requery(first, "evicted_requeried", "lose_removal")
+            raise FuzzEnvironmentError(f"the hop saw no batch of pure removals from {label} after its flush")
+        self._requery(first, "flushed_requeried", "lose_removal")
 
     def _restart(self, label: str) -> None:
         old = self.cluster.workers[label].instance_id
