@@ -199,11 +199,15 @@ class FuzzDriver:
     def decode_label(self, label: str) -> str:
         return next(n for n, h in self.cluster.workers.items() if h.spec.role == "decode") if self.disagg else label
 
-    def _settle(self) -> bool:
-        """Wait until no capture received a batch for ``quiet_s`` (bounded)."""
+    def _settle(self, *, after_request: bool = False) -> bool:
+        """Wait until no capture received a batch for ``quiet_s`` (bounded). After a request the
+        quiet time counts from now (its events may not be out yet); before one it counts from the
+        latest batch's arrival, so a cluster that the previous step already settled costs no wait."""
         caps = (self.cluster.capture, self.cluster.router_capture)
         deadline = time.monotonic() + self.opts.settle_timeout_s
-        last, since = None, time.monotonic()
+        arrivals = [t for t in (c.last_received() for c in caps) if t is not None]
+        since = time.monotonic() if after_request else max(arrivals, default=0.0)
+        last = tuple(c.count() for c in caps)
         while time.monotonic() < deadline:
             now = tuple(c.count() for c in caps)
             if now != last:
@@ -371,7 +375,7 @@ class FuzzDriver:
         decode = self.metrics.decode(self.metrics.decode_urls) if max_tokens >= MIN_SPEC_TOKENS else None
         reused_before = self.metrics.prefill_reused() if self.disagg else 0.0
         c = self._send(tokens, max_tokens, None if pin is None else self.cluster.workers[pin].instance_id, salt)
-        self._settle()
+        self._settle(after_request=True)
         label = self._label_of(c.prefill_worker_id)
         if self.disagg:
             engine_tokens: int | None = round(self.metrics.prefill_reused() - reused_before)
@@ -409,7 +413,7 @@ class FuzzDriver:
         with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
             futures = [pool.submit(self._send, toks, mt) for toks, mt in reqs]
             answers = [f.result() for f in futures]
-        self._settle()
+        self._settle(after_request=True)
         end = self._marks()
         self.counts["concurrent_requests"] += len(reqs)
         shown, checks = [], []
