@@ -30,7 +30,7 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -44,6 +44,11 @@ FORMAT_VERSION = 1
 ENCODING_RELEASES = {"positional": "sglang <= 0.5.19 (positional events)", "map": "sglang >= 0.5.23 (tagged-map events)"}
 
 assert array("I").itemsize == 4, "kvalign needs a 4-byte unsigned int array type"
+
+
+#: A block size a capture line may carry: larger ones cannot be real (no prompt has 2^32 tokens)
+#: and would overflow the replay's int64 arithmetic, so such a line is damage, counted like any other.
+BlockSize = Annotated[int, msgspec.Meta(le=2**32)]
 
 
 class CaptureError(UsageError):
@@ -60,7 +65,7 @@ class Header(msgspec.Struct, kw_only=True):
     topic: str | None = None
     started: str | None = None
     started_unix: float | None = None
-    block_size: int | None = None
+    block_size: BlockSize | None = None
 
 
 class Stored(msgspec.Struct, tag_field="k", tag="stored", kw_only=True, omit_defaults=True, gc=False):
@@ -71,7 +76,7 @@ class Stored(msgspec.Struct, tag_field="k", tag="stored", kw_only=True, omit_def
 
     h: bytes
     p: int | None = None
-    bs: int
+    bs: BlockSize
     t: bytes = b""
     pairs: bool = False
     tok: list[Any] | None = None

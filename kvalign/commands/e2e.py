@@ -21,13 +21,13 @@ from pathlib import Path
 
 from kvalign.commands import fuzz
 from kvalign.errors import UsageError
-from kvalign.live import disagg_eagle
-from kvalign.live.cluster import Cluster, plan_specs
-from kvalign.live.client import SseError
-from kvalign.live.disagg_eagle import ENGINES, E2eOptions
-from kvalign.live.processes import ProcessExited, ProcessSpec
-from kvalign.live.topology import CONTROL_PLANES, ClusterPlan, control_plane_missing
-from kvalign.live.sglang_worker import ROUTER_EAGLE_ENV, default_models, router_eagle_from
+from kvalign.live.runs import disagg_eagle
+from kvalign.live.cluster.lifecycle import Cluster, plan_specs
+from kvalign.live.wire.client import SseError
+from kvalign.live.runs.disagg_eagle import ENGINES, E2eOptions
+from kvalign.live.cluster.processes import ProcessExited, ProcessSpec
+from kvalign.live.cluster.topology import CONTROL_PLANES, ClusterPlan, control_plane_missing
+from kvalign.live.engines.sglang_worker import ROUTER_EAGLE_ENV, default_models, router_eagle_from
 
 RUN_DIR_VAR = "$RUN_DIR"
 

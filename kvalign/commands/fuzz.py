@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from kvalign.errors import UsageError
-from kvalign.live.fuzz.driver import ENGINES, FuzzDriver, FuzzEnvironmentError, FuzzOptions, engine_problem, fuzz_cluster
-from kvalign.live.processes import ProcessExited
+from kvalign.live.runs.fuzz.driver import (
+    ENGINES, TOPOLOGIES, FuzzDriver, FuzzEnvironmentError, FuzzOptions, engine_problem, fuzz_cluster,
+)
+from kvalign.live.cluster.processes import ProcessExited
 
 #: A fixed seed: the same workloads every run (CI), chosen so that 3 examples of 10 steps draw
 #: every rule at least once under the pinned Hypothesis (a unit test re-derives this offline).
@@ -29,6 +31,15 @@ def register(actions: argparse._SubParsersAction) -> None:
                                         "restarts) checked against the router and the engine on every request")
     p.add_argument("--engine", choices=ENGINES, default="sglang-cpu",
                    help="sglang-cpu: real dynamo.sglang EAGLE3 workers on this CPU (default)")
+    p.add_argument("--topology", choices=TOPOLOGIES, default=None,
+                   help="agg: aggregated workers (default); disagg: the nightly's 2 prefill + 1 decode, the prefill "
+                        "worker's reuse read from the frontend's metrics")
+    p.add_argument("--sglang", metavar="VERSION", default=None,
+                   help="the SGLang release the workers run (0.5.19, 0.5.21, 0.5.23; from the wheel cache); "
+                        "default the environment's")
+    p.add_argument("--draft", choices=("agree", "disagree"), default=None,
+                   help="disagree = negative control of decode_keeps_speculating: a draft whose tokens the target "
+                        "rejects (default agree)")
     p.add_argument("--examples", type=int, default=3, help="Hypothesis examples (workloads) on one cluster (default 3)")
     p.add_argument("--steps", type=int, default=10, help="most steps per example (default 10)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED,
@@ -43,7 +54,11 @@ def register(actions: argparse._SubParsersAction) -> None:
     p.add_argument("--strip-salt", dest="strip_salt", action="store_const", const=True, default=None,
                    help="negative control: the hop delivers stored blocks without their cache_salt (a relay that "
                         "ignores tenants); meant for --replay scripts whose requests carry a salt")
-    p.add_argument("--workers", type=int, default=2, help="aggregated workers (default 2)")
+    p.add_argument("--hide-gaps", dest="hide_gaps", action="store_const", const=True, default=None,
+                   help="negative control: after a lost batch the hop renumbers later batches, so no sequence gap "
+                        "is visible (kvalign diagnose must still name the loss); meant for --replay scripts that drop a batch")
+    p.add_argument("--workers", type=int, default=2,
+                   help="aggregated workers, or prefill workers with --topology disagg (default 2)")
     p.add_argument("--max-total-tokens", type=int, default=512,
                    help="each worker's KV pool in tokens; small so the scheduler evicts (default 512)")
     p.add_argument("--shrink-seconds", type=float, default=300.0,
@@ -72,11 +87,14 @@ def _options(args: argparse.Namespace, script: dict[str, Any] | None) -> FuzzOpt
     try:
         return FuzzOptions(
             engine=given.get("engine", args.engine), workers=int(given.get("workers", args.workers)),
+            topology=args.topology or given.get("topology", "agg"),
+            sglang=args.sglang or given.get("sglang"), draft=args.draft or given.get("draft", "agree"),
             page_size=int(given.get("page_size", 16)),
             max_total_tokens=int(given.get("max_total_tokens", args.max_total_tokens)),
             router_eagle=args.router_eagle == "on" if args.router_eagle else bool(given.get("router_eagle", True)),
             gap_check=args.gap_check if args.gap_check is not None else bool(given.get("gap_check", True)),
             strip_salt=args.strip_salt if args.strip_salt is not None else bool(given.get("strip_salt", False)),
+            hide_gaps=args.hide_gaps if args.hide_gaps is not None else bool(given.get("hide_gaps", False)),
         )
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
@@ -97,15 +115,20 @@ def run(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir or Path("out") / "e2e" / f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     what = f"replay of {args.replay}" if script else f"{args.examples} examples x <= {args.steps} steps"
-    progress(f"kvalign e2e fuzz: {what} on {opts.workers} {opts.engine} EAGLE3 workers, page {opts.page_size}, "
+    shape = (f"{opts.workers} prefill + 1 decode" if opts.topology == "disagg" else f"{opts.workers} aggregated")
+    progress(f"kvalign e2e fuzz: {what} on {shape} {opts.engine} EAGLE3 workers"
+             f"{f' (SGLang {opts.sglang})' if opts.sglang else ''}, page {opts.page_size}, "
              f"KV pool {opts.max_total_tokens} tokens" + ("" if opts.router_eagle else " [NEGATIVE CONTROL: router eagle off]")
              + ("" if opts.gap_check else " [NEGATIVE CONTROL: gap check off]")
-             + (" [NEGATIVE CONTROL: the hop strips cache_salt]" if opts.strip_salt else "") + f"; run dir {run_dir}")
-    from kvalign.live.fuzz.machine import replay, run_fuzz
+             + (" [NEGATIVE CONTROL: the hop strips cache_salt]" if opts.strip_salt else "")
+             + (" [NEGATIVE CONTROL: disagreeing draft]" if opts.draft == "disagree" else "")
+             + (" [NEGATIVE CONTROL: the hop hides sequence gaps]" if opts.hide_gaps else "") + f"; run dir {run_dir}")
+    from kvalign.live.runs.fuzz.machine import replay, run_fuzz
 
     try:
         with fuzz_cluster(opts, run_dir) as (cluster, hop):
-            progress("cluster ready: " + ", ".join(
+            startup_s = time.monotonic() - start
+            progress(f"cluster ready after {startup_s:.0f}s: " + ", ".join(
                 f"{n}={h.instance_id} (enable_eagle={h.enable_eagle})" for n, h in cluster.workers.items()))
             driver = FuzzDriver(cluster, hop, opts, progress)
             if script is not None:
@@ -114,8 +137,9 @@ def run(args: argparse.Namespace) -> int:
                 result = run_fuzz(driver, examples=args.examples, steps=args.steps, seed=args.seed,
                                   shrink_seconds=args.shrink_seconds, script_path=run_dir / "fuzz-failure.json",
                                   report=progress)
+            result.startup_s = startup_s
             out = result.as_json()
-    except (ProcessExited, TimeoutError, FuzzEnvironmentError) as exc:
+    except (ProcessExited, TimeoutError, FuzzEnvironmentError, RuntimeError) as exc:
         raise UsageError(f"{str(exc).splitlines()[0]} (logs kept under {run_dir / 'logs'})") from None
     if args.json:
         print(json.dumps(out, indent=1))

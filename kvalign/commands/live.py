@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 
 from kvalign.errors import UsageError
-from kvalign.live.cluster import Cluster, plan_specs
-from kvalign.live.disagg_eagle import E2eOptions
-from kvalign.live.engines import ENGINE_KINDS
-from kvalign.live.processes import ProcessExited, sigterm_as_interrupt
-from kvalign.live.topology import (
+from kvalign.live.cluster.lifecycle import Cluster, plan_specs
+from kvalign.live.runs.disagg_eagle import E2eOptions
+from kvalign.live.engines.kinds import ENGINE_KINDS
+from kvalign.live.cluster.processes import ProcessExited, sigterm_as_interrupt
+from kvalign.live.cluster.topology import (
     CONTROL_PLANES,
     ClusterPlan,
     Topology,
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace, plan: ClusterPlan, kind: WorkerKind) -> int:
-    from kvalign.live import scenario
+    from kvalign.live.runs import scenario
 
     missing = control_plane_missing(plan.control_plane)
     if missing:
@@ -145,7 +145,7 @@ def _hold(seconds: float | None) -> None:
 
 
 def _verdict(cluster: Cluster, records: list, plan: ClusterPlan) -> int:
-    from kvalign.live import scenario
+    from kvalign.live.runs import scenario
 
     checks = [scenario.check_timing, scenario.check_prompt_tokens, scenario.check_same_worker,
               scenario.check_hit_positive, scenario.check_prediction]

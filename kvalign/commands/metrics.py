@@ -12,7 +12,7 @@ import json
 import sys
 
 from kvalign.errors import UsageError
-from kvalign.live import metrics as m
+from kvalign.live.wire import metrics as m
 
 _SPEC_COUNTERS = (m.GENERATION_TOKENS, m.FINISHED_REQUESTS)
 _KV_MARKERS = ("kv", "cache_hit", "cached_tokens")

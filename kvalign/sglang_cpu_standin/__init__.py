@@ -38,7 +38,7 @@ class Release:
     ``kv_events_bind``: the KV-events config has ``bind`` (0.5.23+). Before, the config model drops
     the key and the publisher *connects* to a concrete host, as Dynamo's relay does: the harness then
     points the publisher at a local IPC socket (the ``kv_events_local_publish`` patch) and runs a
-    loopback forwarder that binds the relay's 127.0.0.1 endpoint (:mod:`kvalign.live.kv_forwarder`).
+    loopback forwarder that binds the relay's 127.0.0.1 endpoint (:mod:`kvalign.live.wire.kv_forwarder`).
     ``patches``: module -> names of the extra :mod:`.patches` functions this release needs on top of
     the common ones (run right after that module executes).
     """

@@ -1,6 +1,6 @@
 """Fixtures for live e2e tests: a cluster launcher with per-test logs and guaranteed teardown.
 
-``live_cluster(topology, kind)`` starts a :class:`kvalign.live.cluster.Cluster` and returns it
+``live_cluster(topology, kind)`` starts a :class:`kvalign.live.cluster.lifecycle.Cluster` and returns it
 ready; every cluster a test started is torn down after the test whatever happened (pass, fail,
 timeout, Ctrl-C). Each test's run directory — process logs, discovery store, KV-event
 captures — lives under ``$KVALIGN_E2E_OUT`` (default ``out/e2e``) / ``<test name>-<random>``; it is deleted
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from kvalign.live.cluster import Cluster, make_plan
-from kvalign.live.topology import CpuWorkerKind, Topology, WorkerKind
+from kvalign.live.cluster.lifecycle import Cluster, make_plan
+from kvalign.live.cluster.topology import CpuWorkerKind, Topology, WorkerKind
 
 OUT_ROOT = Path(os.environ.get("KVALIGN_E2E_OUT", Path(__file__).resolve().parents[2] / "out" / "e2e"))
 
@@ -46,7 +46,7 @@ def cpu_stack_missing() -> str | None:
 def sglang_cpu_missing(release: str | None = None) -> str | None:
     """Why the real SGLang engine (the environment's, or ``release`` from the wheel cache) cannot run
     on this CPU (None when it can)."""
-    from kvalign.live.sglang_cpu_worker import engine_problem
+    from kvalign.live.engines.sglang_cpu import engine_problem
 
     return cpu_stack_missing() or engine_problem(release)
 

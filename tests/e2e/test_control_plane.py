@@ -12,9 +12,10 @@ import subprocess
 
 import pytest
 
-from kvalign.live import discovery, scenario
-from kvalign.live.processes import group_alive, pids_with_env
-from kvalign.live.topology import RUN_MARKER_ENV, Topology, control_plane_missing
+from kvalign.live.cluster import discovery
+from kvalign.live.runs import scenario
+from kvalign.live.cluster.processes import group_alive, pids_with_env
+from kvalign.live.cluster.topology import RUN_MARKER_ENV, Topology, control_plane_missing
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 

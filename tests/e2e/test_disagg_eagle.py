@@ -2,7 +2,7 @@
 
 2 SGLang prefill workers + 1 decode worker, EAGLE3 on both sides, behind
 ``dynamo.frontend --router-mode kv``; the scenario and its four assertions are
-:mod:`kvalign.live.disagg_eagle` over the shared harness. Only the engine differs:
+:mod:`kvalign.live.runs.disagg_eagle` over the shared harness. Only the engine differs:
 
 * ``sglang-gpu`` (gpu_2 / gpu_1 nightly): real ``dynamo.sglang`` on GPUs with Qwen3-8B + its EAGLE3
   draft (``KVALIGN_MODEL`` / ``KVALIGN_DRAFT_MODEL``); skips, naming every missing prerequisite,
@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 
 from kvalign.causes import Cause
-from kvalign.live import disagg_eagle
-from kvalign.live.cluster import Cluster
-from kvalign.live.disagg_eagle import E2eOptions, E2eResult
-from kvalign.live.metrics import MIN_TOKENS_PER_VERIFY
-from kvalign.live.sglang_worker import ROUTER_EAGLE_ENV, default_models, router_eagle_from
-from kvalign.live.topology import CpuWorkerKind
+from kvalign.live.runs import disagg_eagle
+from kvalign.live.cluster.lifecycle import Cluster
+from kvalign.live.runs.disagg_eagle import E2eOptions, E2eResult
+from kvalign.live.wire.metrics import MIN_TOKENS_PER_VERIFY
+from kvalign.live.engines.sglang_worker import ROUTER_EAGLE_ENV, default_models, router_eagle_from
+from kvalign.live.cluster.topology import CpuWorkerKind
 
 pytestmark = [pytest.mark.e2e]
 

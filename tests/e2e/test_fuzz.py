@@ -1,92 +1,225 @@
-"""``kvalign e2e fuzz`` on real SGLang CPU workers (EAGLE3) behind the real router, as a user runs it.
+"""``kvalign e2e fuzz`` on real SGLang CPU workers (EAGLE3) behind the real router.
 
-One generated run must hold every invariant while exercising every rule (eviction, concurrency,
-flushes, a lost batch, a restart); three live negative controls must fail for the right reason:
-the router's eagle forced off (generated, shrunk: ``ROUTER_EAGLE_OFF``), the gap check off (a
-replay script: the prediction ignores the batch the hop lost), and a hop that strips
-``cache_salt`` from a tenant's requests (a replay script: ``TENANTS_SHARE_KEYS``).
+Three live clusters, each started once and shared by its tests (a test flushes every worker
+before it runs, through Dynamo's ``clear_kv_blocks``, and the flush is confirmed on the engine's
+stream before any request):
+
+* **Dynamo 1.6.1 x SGLang 0.5.21, aggregated** — the pair Dynamo 1.6.1 ships: one generated run
+  must hold every invariant while exercising every rule, and one committed script per invariant
+  must fail naming *that* invariant (each beside its passing twin);
+* **2 prefill + 1 decode** (the nightly's topology, the environment's SGLang): one generated run,
+  with the prefill worker's reuse read from the frontend's metrics and decode speculation checked
+  per request;
+* **router eagle off, disagreeing draft** (aggregated): the two controls that need a cluster
+  registered or built differently, replayed one after the other.
+
+The driver runs in this process (the CLI is tested on its own in tests/unit/test_live_fuzz_cli.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import os
 import shutil
-import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from conftest import OUT_ROOT, sglang_cpu_missing
+from kvalign.commands.fuzz import DEFAULT_SEED
+from kvalign.live.runs.fuzz.driver import FuzzDriver, FuzzOptions, fuzz_cluster
+from kvalign.live.runs.fuzz.machine import FuzzResult, replay, run_fuzz
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 SCRIPTS = Path(__file__).parent / "fuzz_scripts"
+SHIPPED_SGLANG = "0.5.21"  # ai-dynamo[sglang]==1.6.1 pins it (docs/releases.md)
 
 
-@pytest.fixture(autouse=True)
-def _engine() -> None:
-    missing = sglang_cpu_missing()
+class Live:
+    """One started fuzz cluster and a driver factory for its tests."""
+
+    def __init__(self, cluster: Any, hop: Any, opts: FuzzOptions, run_dir: Path) -> None:
+        self.cluster, self.hop, self.opts, self.run_dir = cluster, hop, opts, run_dir
+        self.log = (run_dir / "progress.log").open("a")
+
+    def driver(self, **changes: Any) -> FuzzDriver:
+        opts = FuzzOptions(**{**self.opts.__dict__, **changes})
+        self.hop.strip_salt, self.hop.hide_gaps = opts.strip_salt, opts.hide_gaps
+        return FuzzDriver(self.cluster, self.hop, opts, lambda m: print(m, file=self.log, flush=True))
+
+    def replay(self, name: str, **changes: Any) -> FuzzResult:
+        script = load(name)
+        return self.replay_script(script, **changes)
+
+    def replay_script(self, script: dict[str, Any], **changes: Any) -> FuzzResult:
+        keys = ("gap_check", "strip_salt", "hide_gaps")
+        given = {k: v for k, v in script["options"].items() if k in keys}
+        return replay(self.driver(**{**given, **changes}), script, self.run_dir / "replayed.json")
+
+
+def load(name: str) -> dict[str, Any]:
+    return json.loads((SCRIPTS / name).read_text())
+
+
+@contextlib.contextmanager
+def _live(request: pytest.FixtureRequest, name: str, opts: FuzzOptions) -> Iterator[Live]:
+    """A started cluster for one class of tests; its run dir (logs, captures, progress.log) is
+    kept when any test that used it failed."""
+    missing = sglang_cpu_missing(opts.sglang)
     if missing:
         pytest.skip(f"real SGLang engine cannot run on this CPU: {missing}")
-
-
-def fuzz(name: str, *args: str) -> tuple[int, dict[str, Any], str]:
-    """Run the CLI; returns (exit code, its JSON, stderr). The run dir is kept on failure."""
     run_dir = OUT_ROOT / f"fuzz-{name}-{os.getpid()}"
-    proc = subprocess.run([sys.executable, "-m", "kvalign", "e2e", "fuzz", "--json", "--run-dir", str(run_dir), *args],
-                          capture_output=True, text=True, timeout=1700)
-    assert proc.returncode in (0, 1), f"exit {proc.returncode}: {proc.stderr[-3000:]}"
-    return proc.returncode, json.loads(proc.stdout), proc.stderr
+    failed_before = request.session.testsfailed
+    with fuzz_cluster(opts, run_dir) as (cluster, hop):
+        live = Live(cluster, hop, opts, run_dir)
+        try:
+            yield live
+        finally:
+            live.log.close()
+    if request.session.testsfailed == failed_before:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    else:
+        print(f"\nkvalign fuzz run dir kept: {run_dir}")
 
 
-def examples() -> str:
-    """3 examples in CI (the default seed draws every rule); the nightly profile runs 10x."""
-    return "30" if os.environ.get("HYPOTHESIS_PROFILE") == "nightly" else "3"
+@pytest.fixture(scope="class")
+def shipped(request: pytest.FixtureRequest) -> Iterator[Live]:
+    with _live(request, "shipped", FuzzOptions(sglang=SHIPPED_SGLANG)) as live:
+        yield live
 
 
-def test_generated_workload_holds_every_invariant() -> None:
-    rc, out, err = fuzz("pass", "--examples", examples())
-    assert rc == 0 and out["verdict"] == "pass", f"{out['failure']}\n{err[-3000:]}"
-    assert out["requests"] >= 30
-    assert all(v >= 1 for v in out["counts"].values()), out["counts"]
-    assert all(v["checked"] >= 1 and v["failed"] == 0 for v in out["invariants"].values()), out["invariants"]
+@pytest.fixture(scope="class")
+def disagg(request: pytest.FixtureRequest) -> Iterator[Live]:
+    with _live(request, "disagg", FuzzOptions(topology="disagg")) as live:
+        yield live
 
 
-def test_negative_control_router_eagle_off_fails_naming_the_cause() -> None:
-    """Seed 29's second example reaches a lost batch before any restart, so the failure shrinks
-    on replays of seconds each (a restart costs a minute per replay)."""
-    rc, out, err = fuzz("eagle-off", "--seed", "29", "--examples", "3", "--steps", "6", "--router-eagle", "off",
-                        "--shrink-seconds", "60")
-    assert rc == 1 and out["verdict"] == "fail", err[-3000:]
-    f = out["failure"]
-    assert f["invariant"] in ("router_matches_prediction", "engine_matches_index", "best_worker_chosen", "gap_diagnosed")
-    assert f["cause"] == "ROUTER_EAGLE_OFF", f
-    script = json.loads(Path(f["script"]).read_text())
-    assert script["options"]["router_eagle"] is False and script["steps"]
-    shutil.rmtree(out["run_dir"])  # the expected failure's captures: kept only if an assertion above failed
+@pytest.fixture(scope="class")
+def blind(request: pytest.FixtureRequest) -> Iterator[Live]:
+    with _live(request, "blind", FuzzOptions(router_eagle=False, draft="disagree")) as live:
+        yield live
 
 
-def test_negative_control_gap_check_off_fails_router_matches_prediction() -> None:
-    rc, out, err = fuzz("gap-off", "--replay", str(SCRIPTS / "lost-batch.json"))
-    assert rc == 1, err[-3000:]
-    assert out["failure"]["invariant"] == "router_matches_prediction"
-    assert out["counts"]["dropped_batches"] == 1
-    shutil.rmtree(out["run_dir"])
+def generated(live: Live) -> dict[str, Any]:
+    d = live.driver()
+    res = run_fuzz(d, examples=30 if os.environ.get("HYPOTHESIS_PROFILE") == "nightly" else 3, steps=10,
+                   seed=DEFAULT_SEED, shrink_seconds=60, script_path=live.run_dir / "fuzz-failure.json",
+                   report=lambda m: print(m, file=live.log, flush=True))
+    out = res.as_json()
+    assert res.passed, f"{out['failure']} (progress: {live.run_dir / 'progress.log'})"
+    return out
 
 
-def test_negative_control_a_hop_that_strips_cache_salt_fails_with_the_tenant_cause(tmp_path: Path) -> None:
-    rc, out, err = fuzz("salt-stripped", "--replay", str(SCRIPTS / "salt-stripped.json"))
-    assert rc == 1, err[-3000:]
-    assert out["failure"]["invariant"] == "router_matches_prediction"
-    assert out["failure"]["cause"] == "TENANTS_SHARE_KEYS", out["failure"]
-    shutil.rmtree(out["run_dir"])
-    # positive control: the same tenant's steps through an honest hop hold every invariant
-    script = json.loads((SCRIPTS / "salt-stripped.json").read_text())
-    script["options"]["strip_salt"] = False
-    honest = tmp_path / "salt-kept.json"
-    honest.write_text(json.dumps(script))
-    rc, out, err = fuzz("salt-kept", "--replay", str(honest))
-    assert rc == 0 and out["verdict"] == "pass", f"{out['failure']}\n{err[-3000:]}"
-    assert out["invariants"]["router_matches_prediction"] == {"checked": 2, "failed": 0}
+def failed(res: FuzzResult) -> dict[str, Any]:
+    assert res.failure is not None, "the control passed: the invariant did not see the fault"
+    return res.failure.as_json()
+
+
+# ---- Dynamo 1.6.1 x its shipped SGLang (0.5.21), aggregated ------------------------------------
+
+
+class TestShippedPair:
+    """Dynamo 1.6.1 x SGLang 0.5.21 aggregated: the generated run and one control per invariant."""
+
+    def test_generated_workload_on_the_shipped_pair_holds_every_invariant(self, shipped: Live) -> None:
+        out = generated(shipped)
+        assert out["sglang"] == SHIPPED_SGLANG and out["topology"] == "agg"
+        inv, counts = out["invariants"], out["counts"]
+        assert inv["router_credits_engine_reuse"]["checked"] >= 30 and all(v["failed"] == 0 for v in inv.values()), inv
+        assert out["unattributable"] <= 0.1 * out["requests"], out
+        assert counts["evicted_requeried"] >= 1 and counts["flushed_requeried"] >= 1 and counts["lost_requeried"] >= 1, counts
+        assert counts["lost_batches_diagnosed"] == counts["dropped_batches"] >= 1 and not out["notes"], out
+        assert inv["best_worker_chosen"]["checked"] >= 1, inv
+        assert inv["decode_keeps_speculating"]["checked"] >= 1, inv
+
+
+    def test_lost_store_with_the_gap_check_off_fails_router_matches_prediction(self, shipped: Live) -> None:
+        f = failed(shipped.replay("lost-batch.json"))
+        assert f["invariant"] == "router_matches_prediction", f
+        assert shipped.replay("lost-batch.json", gap_check=True).passed  # twin: the loss is modelled
+
+
+    def test_diagnose_names_a_lost_batch_even_when_the_hop_hides_the_gap(self, shipped: Live) -> None:
+        """Why ``gap_diagnosed`` is no invariant: even a hop that renumbers the stream after the loss
+        leaves orphaned stores behind, and ``kvalign diagnose`` names the loss from them."""
+        for hide in (True, False):
+            res = shipped.replay("gap-hidden.json", hide_gaps=hide)
+            assert res.passed, res.failure
+            assert res.driver.counts["lost_batches_diagnosed"] == 1 and res.driver.tally.hop_faulted == 1, hide
+
+    def test_a_batch_lost_unpublished_fails_engine_matches_index(self, shipped: Live) -> None:
+        f = failed(shipped.replay("unpublished-batch.json"))
+        assert f["invariant"] == "engine_matches_index", f
+        twin = copy.deepcopy(load("unpublished-batch.json"))
+        twin["steps"][0]["unpublished"] = False
+        res = shipped.replay_script(twin)
+        assert res.passed and res.driver.tally.hop_faulted == 1, res.failure
+
+    def test_lost_removal_fails_no_stale_credit(self, shipped: Live) -> None:
+        f = failed(shipped.replay("lost-removal.json"))
+        assert f["invariant"] == "no_stale_credit", f
+        twin = copy.deepcopy(load("lost-removal.json"))
+        twin["steps"][0]["lose"] = False
+        res = shipped.replay_script(twin)
+        assert res.passed, res.failure
+        assert res.driver.counts["flushed_requeried"] == 1
+
+
+    def test_a_hop_that_strips_cache_salt_fails_router_credits_engine_reuse_naming_tenants(self, shipped: Live) -> None:
+        f = failed(shipped.replay("salt-stripped.json"))
+        assert f["invariant"] == "router_credits_engine_reuse" and f["cause"] == "TENANTS_SHARE_KEYS", f
+        assert f["router_tokens"] == 0 and f["engine_tokens"] > 0, f
+        res = shipped.replay("salt-stripped.json", strip_salt=False)  # twin: an honest hop
+        assert res.passed, res.failure
+        assert res.driver.tally.checked["router_credits_engine_reuse"] == 2
+
+
+    def test_routing_against_the_cache_view_fails_best_worker_chosen(self, shipped: Live) -> None:
+        f = failed(shipped.replay("routing-against-cache.json"))
+        assert f["invariant"] == "best_worker_chosen", f
+        twin = copy.deepcopy(load("routing-against-cache.json"))
+        del twin["steps"][1]["pin"]
+        res = shipped.replay_script(twin)
+        assert res.passed and res.driver.tally.checked["best_worker_chosen"] == 1, res.failure
+
+    def test_the_blind_clusters_scripts_pass_on_an_honest_cluster(self, shipped: Live) -> None:
+        res = shipped.replay("router-eagle-off.json")  # the card says eagle: the router credits the reuse
+        assert res.passed and res.driver.tally.checked["router_credits_engine_reuse"] == 2, res.failure
+        res = shipped.replay("draft-disagrees.json")  # the agreeing draft keeps speculating
+        assert res.passed and res.driver.tally.checked["decode_keeps_speculating"] == 1, res.failure
+
+
+# ---- 2 prefill + 1 decode ------------------------------------------------------------------------
+
+
+class TestTwoPrefillOneDecode:
+    """The nightly's topology: prefill reuse from the frontend's metrics, decode speculation per request."""
+
+    def test_generated_workload_on_two_prefill_one_decode_holds_every_invariant(self, disagg: Live) -> None:
+        out = generated(disagg)
+        assert out["topology"] == "disagg"
+        inv = out["invariants"]
+        assert all(v["failed"] == 0 for v in inv.values()), inv
+        assert inv["router_credits_engine_reuse"]["checked"] + out["hop_faulted"] == out["requests"], out
+        assert inv["decode_keeps_speculating"]["checked"] >= 1 and inv["best_worker_chosen"]["checked"] >= 1, inv
+
+
+# ---- controls that need their own cluster --------------------------------------------------------
+
+
+class TestBlindCluster:
+    """Router eagle off and a disagreeing draft: each control's passing twin is the same script on
+    the shipped pair's honest cluster (TestShippedPair)."""
+
+    def test_router_eagle_off_fails_router_credits_engine_reuse(self, blind: Live) -> None:
+        f = failed(blind.replay("router-eagle-off.json"))
+        assert f["invariant"] == "router_credits_engine_reuse" and f["cause"] == "ROUTER_EAGLE_OFF", f
+        assert f["router_tokens"] == 0 and f["engine_tokens"] > 0, f
+
+    def test_a_disagreeing_draft_fails_decode_keeps_speculating(self, blind: Live) -> None:
+        f = failed(blind.replay("draft-disagrees.json"))
+        assert f["invariant"] == "decode_keeps_speculating", f

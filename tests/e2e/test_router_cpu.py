@@ -1,7 +1,7 @@
 """Live router decisions on CPU: real Dynamo frontend + KV router, workers keyed by SGLang's
-real radix cache (``kvalign.live.cpu_worker``), real processes and sockets on 127.0.0.1.
+real radix cache (``kvalign.live.engines.fake_cpu_worker``), real processes and sockets on 127.0.0.1.
 
-Thin per-topology tests over the shared scenario and checks in :mod:`kvalign.live.scenario`;
+Thin per-topology tests over the shared scenario and checks in :mod:`kvalign.live.runs.scenario`;
 the GPU nightly runs the same scenario with ``dynamo.sglang`` workers.
 """
 
@@ -13,9 +13,9 @@ import sys
 import pytest
 
 from kvalign.causes import Cause
-from kvalign.live import scenario
-from kvalign.live.processes import group_alive, pids_with_env
-from kvalign.live.topology import RUN_MARKER_ENV, CpuWorkerKind, Topology
+from kvalign.live.runs import scenario
+from kvalign.live.cluster.processes import group_alive, pids_with_env
+from kvalign.live.cluster.topology import RUN_MARKER_ENV, CpuWorkerKind, Topology
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

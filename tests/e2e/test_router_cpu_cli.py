@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvalign.causes import Cause
-from kvalign.live.processes import group_alive, pids_with_env, run_pids
-from kvalign.live.topology import RUN_MARKER_ENV
+from kvalign.live.cluster.processes import group_alive, pids_with_env, run_pids
+from kvalign.live.cluster.topology import RUN_MARKER_ENV
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

@@ -74,7 +74,7 @@ def test_negative_control_switch_changes_the_entry_point(capsys, monkeypatch, ho
     else:
         out = _plan(capsys, "--router-eagle", "off")
     assert "NEGATIVE CONTROL: router eagle forced off" in out
-    assert out.count("-m kvalign.live.sglang_worker") == 3 and "-m dynamo.sglang" not in out
+    assert out.count("-m kvalign.live.engines.sglang_worker") == 3 and "-m dynamo.sglang" not in out
 
 
 def test_flag_overrides_environment_switch(capsys, monkeypatch):
@@ -102,7 +102,7 @@ def test_models_from_env_and_options(capsys, monkeypatch, tmp_path):
 def test_cpu_plan_uses_the_same_harness_with_cpu_workers(capsys):
     blocks = _blocks(_plan(capsys, "--cpu"))
     assert list(blocks) == ["broker", "prefill0", "prefill1", "decode0", "frontend"]
-    assert all("-m kvalign.live.cpu_worker" in blocks[n] for n in ("prefill0", "prefill1", "decode0"))
+    assert all("-m kvalign.live.engines.fake_cpu_worker" in blocks[n] for n in ("prefill0", "prefill1", "decode0"))
     assert "CUDA_VISIBLE_DEVICES" not in "".join(blocks.values())
 
 
@@ -134,7 +134,7 @@ def test_bad_options_are_one_line_errors(capsys, args, message):
 
 @pytest.mark.slow  # probes every real-engine prerequisite (imports the engine's stack)
 def test_run_refuses_with_every_missing_prerequisite(capsys):
-    from kvalign.live.gpu import visible_gpus
+    from kvalign.live.engines.gpu import visible_gpus
 
     if len(visible_gpus()[0]) >= 2:
         pytest.skip("this machine has 2 GPUs: `e2e run` would really start")

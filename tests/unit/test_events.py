@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_frames, decode_payload
-from kvalign.live.ports import PortPool
+from kvalign.live.cluster.ports import PortPool
 from kvalign.strategies import PAGE_SIZES, token_ids
 
 # Recorded from sglang 0.5.19 (positional) and 0.5.23 (map): P=4, insert 1..10, evict(4).

@@ -12,8 +12,8 @@ import pytest
 import zmq
 
 from kvalign.hashing import block_hashes
-from kvalign.live.capture import EventCapture
-from kvalign.live.ports import PortPool
+from kvalign.live.wire.capture import EventCapture
+from kvalign.live.cluster.ports import PortPool
 from kvalign.index import router_kv_hit_rate
 
 
@@ -78,7 +78,7 @@ def test_malformed_frames_are_recorded_not_fatal():
 def test_broker_relays_publishers_to_subscribers_on_loopback():
     pool = PortPool()
     xsub, xpub = (f"tcp://127.0.0.1:{pool.take(n)}" for n in ("xsub", "xpub"))
-    broker = subprocess.Popen([sys.executable, "-m", "kvalign.live.broker", "--xsub", xsub, "--xpub", xpub])
+    broker = subprocess.Popen([sys.executable, "-m", "kvalign.live.cluster.broker", "--xsub", xsub, "--xpub", xpub])
     ctx = zmq.Context()
     pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
     try:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvalign.live.client import SseError, chat_payload, parse_sse
+from kvalign.live.wire.client import SseError, chat_payload, parse_sse
 
 
 def _data(obj) -> str:
@@ -88,7 +88,7 @@ LIVE_COMPLETION = {
 
 
 def test_completion_body_gives_router_engine_and_output_views():
-    from kvalign.live.client import parse_completion
+    from kvalign.live.wire.client import parse_completion
 
     c = parse_completion(LIVE_COMPLETION)
     assert (c.prompt_tokens, c.cached_tokens, c.completion_token_ids) == (40, 32, [4, 0, 0, 0, 0])
@@ -101,7 +101,7 @@ def test_completion_body_gives_router_engine_and_output_views():
     ({"usage": {"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": "1"}}}, "cached_tokens is not an integer"),
 ])
 def test_malformed_completion_bodies_raise_one_clear_error(body, msg):
-    from kvalign.live.client import SseError, parse_completion
+    from kvalign.live.wire.client import SseError, parse_completion
 
     with pytest.raises(SseError, match=msg):
         parse_completion(body)

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from kvalign.events import BlockStored
-from kvalign.live import cpu_worker
+from kvalign.live.engines import fake_cpu_worker as cpu_worker
 
 
 def _engine(eagle: bool) -> cpu_worker.Engine:

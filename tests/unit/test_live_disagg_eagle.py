@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvalign.live.client import ChatResult
-from kvalign.live.disagg_eagle import E2eOptions, E2eResult
-from kvalign.live.metrics import parse_metrics, spec_window
-from kvalign.live.scenario import RequestRecord
+from kvalign.live.wire.client import ChatResult
+from kvalign.live.runs.disagg_eagle import E2eOptions, E2eResult
+from kvalign.live.wire.metrics import parse_metrics, spec_window
+from kvalign.live.runs.scenario import RequestRecord
 
 
 def _metrics(verify: int, gen: int, done: int, accept: float | None) -> str:

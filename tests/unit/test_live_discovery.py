@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from kvalign.live import discovery
-from kvalign.live.model_dir import write_model_dir
-from kvalign.live.ports import PortPool
+from kvalign.live.cluster import discovery
+from kvalign.live.engines.model_dir import write_model_dir
+from kvalign.live.cluster.ports import PortPool
 
 
 def test_instance_and_card_as_registered_by_dynamo(tmp_path, monkeypatch):

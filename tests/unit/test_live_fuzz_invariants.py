@@ -1,61 +1,102 @@
-"""The live fuzz's six invariants (kvalign/live/fuzz/invariants.py): each holds on agreeing
-numbers and fails, naming itself, when one view disagrees."""
+"""The live fuzz's invariants (kvalign/live/runs/fuzz/invariants.py): each holds on agreeing numbers
+and fails *alone*, naming itself first, on the disagreement its live control produces."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvalign.live.client import Completion
-from kvalign.live.fuzz.invariants import INVARIANTS, Observation, Tally, evaluate
+from kvalign.live.runs.fuzz.invariants import INVARIANTS, Observation, Tally, evaluate
+from kvalign.live.wire.client import Completion
+from kvalign.live.wire.metrics import SpecDecodeWindow
 
 B = 16
 
 
-def obs(n: int = 40, rate: float | None = 2 / 3, cached: int | None = 32, *, predicted: tuple = (2,),
-        held: tuple = (2,), worker: int = 7, label: str | None = "worker0", best: str | None = None,
-        retired: frozenset = frozenset(), restarted: bool = False) -> Observation:
-    c = Completion(n, cached, [4, 0], worker, worker, rate)
-    return Observation(1, list(range(n)), c, label, False, B, True, list(predicted), list(held), best, retired, restarted)
+def obs(n: int = 40, rate: float | None = 2 / 3, engine: int | None = 32, *, predicted: int = 2, held: int = 2,
+        label: str | None = "worker0", best: str | None = None, faulted: bool = False, prompt_tokens: int | None = None,
+        spec: SpecDecodeWindow | None = None) -> Observation:
+    c = Completion(n if prompt_tokens is None else prompt_tokens, engine, [4, 0, 4], 7, 7, rate)
+    return Observation(1, list(range(n)), c, label, False, B, True, predicted, held, engine, hop_faulted=faulted,
+                       best=best, spec=spec)
 
 
-def failed(o: Observation) -> set[str]:
-    tally = Tally()
-    names = {name for name, _ in evaluate(o, tally)}
+def first_failure(o: Observation, tally: Tally | None = None) -> tuple[str | None, set[str]]:
+    tally = tally or Tally()
+    failures = evaluate(o, tally)
+    names = {name for name, _ in failures}
     assert all(tally.failed[n] == (n in names) for n in INVARIANTS)
-    return names
+    return (failures[0][0] if failures else None), names
+
+
+def window(verify: float, gen: float, finished: float = 1, accept: tuple = (2.0,)) -> SpecDecodeWindow:
+    return SpecDecodeWindow(verify, gen, finished, accept, None)
 
 
 def test_agreeing_views_pass_every_checked_invariant() -> None:
     tally = Tally()
-    assert evaluate(obs(best="worker0", retired=frozenset({1}), restarted=False), tally) == []
+    assert evaluate(obs(best="worker0", spec=window(2, 5)), tally) == []
     assert {n for n, v in tally.checked.items() if v} == {
-        "router_matches_prediction", "engine_matches_index", "no_stale_credit", "best_worker_chosen", "restart_forgotten"}
+        "router_credits_engine_reuse", "router_matches_prediction", "engine_matches_index", "no_stale_credit",
+        "best_worker_chosen", "decode_keeps_speculating"}
 
 
-@pytest.mark.parametrize("case, broken", [
-    (dict(rate=0.0), {"router_matches_prediction"}),  # router blind: ROUTER_EAGLE_OFF looks like this
-    (dict(cached=16), {"engine_matches_index"}),
-    (dict(rate=1.0, predicted=(3,), held=(2,), cached=32), {"no_stale_credit"}),
-    (dict(best="worker1"), {"best_worker_chosen"}),
-    (dict(retired=frozenset({7})), {"restart_forgotten"}),
-    (dict(rate=1 / 3, predicted=(1,), held=(1,), cached=16, restarted=True, retired=frozenset({5})), set()),
-    (dict(rate=2 / 3, predicted=(0,), held=(2,), restarted=True, retired=frozenset({5})),
-     {"router_matches_prediction", "restart_forgotten"}),
+@pytest.mark.parametrize("control, case, first", [
+    # router eagle off (or a salt the hop stripped): the router credits 0, the engine reused 32
+    ("router eagle off", dict(rate=0.0, predicted=2), "router_credits_engine_reuse"),
+    # the hop lost a store batch and kvalign ignores it (--no-gap-check): rcer is not asked
+    ("gap check off", dict(rate=0.0, predicted=2, faulted=True), "router_matches_prediction"),
+    # the hop lost a removal: router and its view still hold 2 blocks the engine evicted
+    ("lost removal", dict(rate=2 / 3, predicted=2, held=0, engine=0, faulted=True), "no_stale_credit"),
+    # the engine saw other tokens, or reused pages kvalign never saw it store
+    ("engine view wrong", dict(held=1), "engine_matches_index"),
+    ("prompt changed", dict(prompt_tokens=41), "engine_matches_index"),
+    ("routing ignores overlap", dict(best="worker1"), "best_worker_chosen"),
+    ("disagreeing draft", dict(spec=window(4, 5)), "decode_keeps_speculating"),
 ])
-def test_each_disagreement_fails_its_invariant(case: dict, broken: set[str]) -> None:
-    assert failed(obs(**case)) == broken
+def test_each_control_fails_its_own_invariant_first(control: str, case: dict, first: str) -> None:
+    assert first_failure(obs(**case))[0] == first, control
 
 
-def test_a_concurrent_window_accepts_any_mark_and_nothing_outside_it() -> None:
-    assert failed(obs(rate=1 / 3, cached=16, predicted=(0, 1, 2), held=(0, 1, 2))) == set()
-    assert failed(obs(rate=1.0, predicted=(0, 1, 2), held=(0, 1, 2))) >= {"router_matches_prediction", "no_stale_credit"}
+@pytest.mark.parametrize("case, failing", [
+    (dict(rate=0.0, predicted=2), {"router_credits_engine_reuse", "router_matches_prediction"}),
+    (dict(rate=0.0, predicted=2, faulted=True), {"router_matches_prediction"}),
+    (dict(rate=2 / 3, predicted=2, held=0, engine=0, faulted=True), {"no_stale_credit"}),
+    (dict(best="worker1"), {"best_worker_chosen"}),
+    (dict(spec=window(4, 5)), {"decode_keeps_speculating"}),
+])
+def test_which_invariants_a_control_breaks(case: dict, failing: set[str]) -> None:
+    assert first_failure(obs(**case))[1] == failing
 
 
-def test_an_unknown_worker_fails_routing() -> None:
-    assert failed(obs(label=None)) == {"router_matches_prediction"}
-
-
-def test_engine_check_is_skipped_only_without_an_engine_report() -> None:
+def test_the_last_page_over_credit_is_allowed_and_counted() -> None:
+    """33 tokens, 2 pages held: the router credits 2 blocks (32 tokens), the engine reuses 16."""
     tally = Tally()
-    evaluate(obs(cached=None), tally)
-    assert tally.checked["engine_matches_index"] == 0 and tally.checked["router_matches_prediction"] == 1
+    assert first_failure(obs(33, 2 / 3, 16), tally) == (None, set())
+    assert tally.last_page_overcredits == 1
+
+
+def test_negative_control_the_same_difference_off_the_boundary_fails() -> None:
+    """40 tokens is no EAGLE boundary ((40-1) % 16 != 0): one block over is a real disagreement."""
+    assert first_failure(obs(40, 2 / 3, 16, held=1))[0] == "router_credits_engine_reuse"
+
+
+def test_a_rate_over_another_denominator_fails_the_user_check() -> None:
+    assert first_failure(obs(rate=2 / 3 + 1e-9))[0] == "router_credits_engine_reuse"
+
+
+def test_a_hop_faulted_request_is_counted_not_judged_by_the_user_check() -> None:
+    tally = Tally()
+    evaluate(obs(rate=0.0, predicted=0, faulted=True), tally)
+    assert tally.hop_faulted == 1 and tally.checked["router_credits_engine_reuse"] == 0
+    assert tally.failed["router_matches_prediction"] == 0
+
+
+def test_an_unknown_worker_is_a_finding() -> None:
+    assert first_failure(obs(label=None))[0] == "router_credits_engine_reuse"
+
+
+def test_speculation_is_judged_only_with_a_window() -> None:
+    tally = Tally()
+    evaluate(obs(), tally)
+    assert tally.checked["decode_keeps_speculating"] == 0
+    assert first_failure(obs(spec=window(0, 3)))[0] == "decode_keeps_speculating"  # no verify step at all

@@ -1,4 +1,4 @@
-"""The fuzz's Hypothesis wiring (kvalign/live/fuzz/machine.py), on a recording driver.
+"""The fuzz's Hypothesis wiring (kvalign/live/runs/fuzz/machine.py), on a recording driver.
 
 No cluster here: the driver only records steps (and fails on demand), which is enough to hold
 what the live run relies on — the default seed draws every rule, a failure is shrunk to a minimal
@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from kvalign.commands.fuzz import DEFAULT_SEED
-from kvalign.live.fuzz.driver import COUNTS, FuzzOptions
-from kvalign.live.fuzz.invariants import InvariantFailed, Tally
-from kvalign.live.fuzz.machine import replay, run_fuzz
+from kvalign.live.runs.fuzz.driver import COUNTS, FuzzOptions
+from kvalign.live.runs.fuzz.invariants import InvariantFailed, Tally
+from kvalign.live.runs.fuzz.machine import replay, run_fuzz
 
 RULES = {"request", "concurrent", "flush", "fill", "drop_batch", "restart"}
 
@@ -24,7 +24,7 @@ class RecordingDriver:
     """The part of FuzzDriver the machine calls; ``fail_on(step)`` decides a failure."""
 
     def __init__(self, fail_on: Any = None) -> None:
-        self.opts, self.labels = FuzzOptions(), ["worker0", "worker1"]
+        self.opts, self.labels, self.disagg = FuzzOptions(), ["worker0", "worker1"], False
         self.fail_on = fail_on
         self.examples = self.steps_run = self.requests = self.unsettled = self.restarts_in_example = 0
         self.steps: list[dict] = []

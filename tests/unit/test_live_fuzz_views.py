@@ -1,4 +1,4 @@
-"""kvalign's engine/router views and page arithmetic of the live fuzz (kvalign/live/fuzz/views.py).
+"""kvalign's engine/router views and page arithmetic of the live fuzz (kvalign/live/runs/fuzz/views.py).
 
 The reuse values below were observed on the real engine (sglang 0.5.23, EAGLE3, page 16, through
 dynamo.frontend 1.6.1's ``/v1/completions``): a 40-token prompt repeated reported
@@ -14,11 +14,13 @@ from hypothesis import strategies as st
 
 from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvalign.hashing import block_hashes
-from kvalign.live.fuzz.views import (
+from kvalign.live.runs.fuzz.views import (
+    common_blocks,
     credited_blocks,
     engine_cached_tokens,
     engine_reusable_pages,
     isl_blocks,
+    last_page_overcredit,
     overlaps,
 )
 
@@ -48,6 +50,49 @@ def test_reuse_never_covers_the_last_token(n: int, held: int, eagle: bool) -> No
 def test_router_credit_round_trips_kv_hit_rate() -> None:
     assert isl_blocks(33, B) == 3 and credited_blocks(2 / 3, 33, B) == 2
     assert credited_blocks(0.6, 75, B) == 3 and credited_blocks(None, 1, B) is None
+
+
+@given(st.integers(1, 400), st.data())
+def test_credit_is_recovered_exactly_for_every_k_over_the_prompt_blocks(n: int, data: st.DataObject) -> None:
+    isl = isl_blocks(n, B)
+    k = data.draw(st.integers(0, isl))
+    assert credited_blocks(k / isl, n, B) == k
+
+
+def test_negative_control_a_rate_over_another_denominator_is_no_credit() -> None:
+    """A router dividing by another denominator (2 of 3 hashable blocks of a 49-token prompt,
+    which has 4 prompt blocks) reports 2/3: no k/4, so no credit, not the nearest count (3)."""
+    assert credited_blocks(2 / 3, 49, B) is None
+    assert credited_blocks(0.5 + 1e-9, 49, B) is None
+
+
+@given(st.integers(1, 30), st.booleans())
+def test_last_page_rule_allows_exactly_one_page_at_a_boundary(k: int, eagle: bool) -> None:
+    n = k * B + (1 if eagle else 0)  # a prompt that ends exactly at a page boundary
+    full = k
+    assert last_page_overcredit(full * B, (full - 1) * B, n, B, eagle=eagle)
+    # nothing else: equal numbers are not an over-credit, two pages is too many, one token off the
+    # boundary has no uncovered page, and the other key mode's boundary is not this one's
+    assert not last_page_overcredit(full * B, full * B, n, B, eagle=eagle)
+    assert not last_page_overcredit(full * B, (full - 2) * B, n, B, eagle=eagle)
+    assert not last_page_overcredit(full * B, (full - 1) * B, n + 1, B, eagle=eagle)
+    assert not last_page_overcredit((full - 1) * B, (full - 2) * B, n, B, eagle=eagle)  # not every block credited
+
+
+def test_last_page_rule_matches_the_live_33_token_prompt() -> None:
+    """Observed live (see the module docstring): 33 tokens, router 2 blocks (32 tokens), engine 16."""
+    assert last_page_overcredit(32, 16, 33, B, eagle=True)
+    assert not last_page_overcredit(32, 16, 33, B, eagle=False)  # plain keys: 33 is not a boundary
+
+
+def test_common_blocks_follow_the_key_windows() -> None:
+    a = list(range(100, 150))
+    b = a[:33] + [1] * 17
+    assert common_blocks(a, b, B, eagle=False) == 2  # tokens 0..31 equal
+    assert common_blocks(a, b, B, eagle=True) == 2  # windows [0,16] and [16,32] equal
+    c = a[:32] + [1] * 18
+    assert common_blocks(a, c, B, eagle=False) == 2 and common_blocks(a, c, B, eagle=True) == 1
+    assert common_blocks(a, [9] + a[1:], B, eagle=True) == 0
 
 
 def _stored(tokens: list[int], parent: int | None, hashes: list[int]) -> BlockStored:
@@ -99,7 +144,7 @@ def _seq(seq: int, *events: object) -> EventBatch:
 
 
 def test_delivered_view_counts_only_the_engine_batches_the_hop_delivered() -> None:
-    from kvalign.live.fuzz.views import DeliveredViews, WorkerViews
+    from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews
 
     toks = list(range(10, 10 + 3 * B + 1))
     q_blocks = block_hashes(toks, B, eagle=True)
@@ -117,7 +162,7 @@ def test_delivered_view_keeps_the_engines_salt_when_the_hop_strips_it() -> None:
     the hop's own (stripped) output holds them under no tenant (the negative control's contrast)."""
     from dataclasses import replace
 
-    from kvalign.live.fuzz.views import DeliveredViews, WorkerViews
+    from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews
 
     toks = list(range(10, 10 + 2 * B + 1))
     salted = _seq(1, replace(_stored(toks, None, [101, 102]), cache_salt="tenant-a"))

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvalign.live import gpu
+from kvalign.live.engines import gpu
 
 SMI = (
     "0, GPU-11111111-aaaa-bbbb-cccc-000000000000, NVIDIA H200, 143771\n"
@@ -87,7 +87,7 @@ def test_model_problems(tmp_path):
 def test_hub_id_missing_from_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     proc = subprocess.run(
-        [sys.executable, "-c", "from kvalign.live.gpu import model_problem; print(model_problem('Qwen/Qwen3-8B'))"],
+        [sys.executable, "-c", "from kvalign.live.engines.gpu import model_problem; print(model_problem('Qwen/Qwen3-8B'))"],
         capture_output=True, text=True, timeout=60,
     )
     assert proc.stdout.strip() == f"model Qwen/Qwen3-8B: not in the local Hugging Face cache ({tmp_path}); download it first"

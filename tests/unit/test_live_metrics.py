@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, start_http_server
 
 from kvalign.errors import UsageError
-from kvalign.live import metrics as m
+from kvalign.live.wire import metrics as m
 from kvalign.oracles.base import OracleUnavailable
 
 NUM_DRAFT_TOKENS = 4

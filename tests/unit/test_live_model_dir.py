@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from kvalign.live.model_dir import CHAT_TEMPLATE, EOS, SPECIAL, WORDS, write_model_dir
-from kvalign.live.scenario import BASE_TEXT, prefix_prompts, prompt_tokens
+from kvalign.live.engines.model_dir import CHAT_TEMPLATE, EOS, SPECIAL, WORDS, write_model_dir
+from kvalign.live.runs.scenario import BASE_TEXT, prefix_prompts, prompt_tokens
 
 
 def test_files_and_config(tmp_path):

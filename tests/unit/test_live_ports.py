@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from kvalign.live.ports import LOOPBACK, PORT_RANGE, PortPool, is_free
+from kvalign.live.cluster.ports import LOOPBACK, PORT_RANGE, PortPool, is_free
 
 
 def test_ports_are_distinct_stable_free_and_i16():

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvalign.live.processes import ProcessExited, ProcessGroup, ProcessSpec, group_alive, pids_with_env
+from kvalign.live.cluster.processes import ProcessExited, ProcessGroup, ProcessSpec, group_alive, pids_with_env
 
 PY = sys.executable
 

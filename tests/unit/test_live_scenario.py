@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvalign.live import scenario
-from kvalign.live.client import ChatResult
-from kvalign.live.scenario import RequestRecord
+from kvalign.live.runs import scenario
+from kvalign.live.wire.client import ChatResult
+from kvalign.live.runs.scenario import RequestRecord
 
 
 def _rec(i, n_tokens, worker, observed, overlap, decode=None, prompt_tokens=None):

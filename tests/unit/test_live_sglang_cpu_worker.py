@@ -12,10 +12,10 @@ import pytest
 from safetensors.torch import load_file
 
 from kvalign import sglang_cpu_standin
-from kvalign.live import engine_model
-from kvalign.live.scenario import prompt_tokens
-from kvalign.live.sglang_cpu_worker import CpuEagle, plan_cluster
-from kvalign.live.topology import Topology
+from kvalign.live.engines import engine_model
+from kvalign.live.runs.scenario import prompt_tokens
+from kvalign.live.engines.sglang_cpu import CpuEagle, plan_cluster
+from kvalign.live.cluster.topology import Topology
 
 
 def _flags(argv: list[str]) -> dict[str, str | None]:
@@ -47,7 +47,7 @@ def test_disaggregated_commands(tmp_path):
 
 def test_negative_control_worker_forces_the_card_off_and_plain_workers_have_no_draft(tmp_path):
     plan, kind = plan_cluster(Topology.aggregated(2, eagle=True, register_eagle=False), tmp_path / "a")
-    assert all(kind.command(w, plan).argv[1:3] == ["-m", "kvalign.live.sglang_worker"] for w in plan.topology.workers)
+    assert all(kind.command(w, plan).argv[1:3] == ["-m", "kvalign.live.engines.sglang_worker"] for w in plan.topology.workers)
     plan, kind = plan_cluster(Topology.aggregated(1, eagle=False), tmp_path / "b")
     argv = kind.command(plan.topology.workers[0], plan).argv
     assert "--speculative-algorithm" not in argv and "--disaggregation-mode" not in argv
@@ -88,7 +88,7 @@ def test_id_zero_is_the_word_the_zero_head_generates(tmp_path):
 
 def test_a_release_without_bind_gets_an_ipc_publisher_and_a_loopback_forwarder(tmp_path):
     """0.5.21 from the wheel cache (a directory given, nothing installed here: only the commands)."""
-    from kvalign.live.sglang_cpu_worker import SglangCpuWorkerKind
+    from kvalign.live.engines.sglang_cpu import SglangCpuWorkerKind
 
     plan, _ = plan_cluster(Topology.disaggregated(2, 1, eagle=True), tmp_path)
     release = tmp_path / "sglang-0.5.21"
@@ -97,7 +97,7 @@ def test_a_release_without_bind_gets_an_ipc_publisher_and_a_loopback_forwarder(t
     assert [s.name for s in forwarders] == ["prefill0.kv-forwarder", "prefill1.kv-forwarder"]
     for spec, worker in zip(forwarders, plan.topology.by_role("prefill")):
         ipc, bind = spec.argv[-2:]
-        assert spec.argv[1:3] == ["-m", "kvalign.live.kv_forwarder"] and spec.infrastructure
+        assert spec.argv[1:3] == ["-m", "kvalign.live.wire.kv_forwarder"] and spec.infrastructure
         assert bind == plan.kv_events_connect(worker) and bind.startswith("tcp://127.0.0.1:")
         command = kind.command(worker, plan)
         config = json.loads(_flags(command.argv)["--kv-events-config"])
@@ -112,7 +112,7 @@ def test_a_release_without_bind_gets_an_ipc_publisher_and_a_loopback_forwarder(t
 
 
 def test_forwarder_binds_only_loopback():
-    from kvalign.live.kv_forwarder import check_bind, main
+    from kvalign.live.wire.kv_forwarder import check_bind, main
 
     assert check_bind("tcp://127.0.0.1:25000") == "tcp://127.0.0.1:25000"
     for bad in ("tcp://0.0.0.0:25000", "tcp://*:25000", "ipc:///tmp/x", "tcp://127.0.0.1"):

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvalign.live.cluster import make_plan
-from kvalign.live.sglang_worker import (
+from kvalign.live.cluster.lifecycle import make_plan
+from kvalign.live.engines.sglang_worker import (
     DEFAULT_DRAFT_MODEL,
     DEFAULT_MODEL,
     SglangWorkerKind,
@@ -24,7 +24,7 @@ from kvalign.live.sglang_worker import (
     gpu_topology,
     router_eagle_from,
 )
-from kvalign.live.topology import Topology
+from kvalign.live.cluster.topology import Topology
 
 
 def _plan(tmp_path: Path, **topo):
@@ -165,7 +165,7 @@ def test_loopback_bind_host_uses_sglang_bind_flag(tmp_path):
 def test_negative_control_runs_through_the_eagle_off_entry(tmp_path):
     _, specs = _specs(tmp_path, router_eagle=False)
     for s in specs.values():
-        assert s.argv[1:3] == ["-m", "kvalign.live.sglang_worker"]
+        assert s.argv[1:3] == ["-m", "kvalign.live.engines.sglang_worker"]
         assert _flag(s.argv, "--speculative-algorithm") == "EAGLE3"  # the engine still keys by bigrams
 
 
@@ -198,7 +198,7 @@ def test_negative_control_patch_takes_effect():
         import dynamo.sglang.register as register
     except Exception as exc:  # noqa: BLE001
         pytest.skip(f"dynamo.sglang does not import here: {type(exc).__name__}: {exc}")
-    from kvalign.live.sglang_worker import force_router_eagle_off
+    from kvalign.live.engines.sglang_worker import force_router_eagle_off
 
     original = register._eagle_enabled_for
     try:
@@ -249,11 +249,11 @@ def test_relay_hop_patch_redirects_only_dynamos_subscriber_address():
     import sys
 
     from kvalign import sglang_cpu_standin
-    from kvalign.live.sglang_cpu_worker import engine_problem
+    from kvalign.live.engines.sglang_cpu import engine_problem
 
     if engine_problem():
         pytest.skip(f"the real engine's packages are missing: {engine_problem()}")
-    code = ("import dynamo.sglang.publisher as p; from kvalign.live.sglang_worker import relay_via; "
+    code = ("import dynamo.sglang.publisher as p; from kvalign.live.engines.sglang_worker import relay_via; "
             "print(p.format_zmq_endpoint('tcp://*:5557', '127.0.0.1')); relay_via('tcp://127.0.0.1:6001'); "
             "print(p.format_zmq_endpoint('tcp://*:5557', '127.0.0.1'))")
     env = {**os.environ, **sglang_cpu_standin.worker_env(os.environ.get("PYTHONPATH"))}
@@ -263,12 +263,12 @@ def test_relay_hop_patch_redirects_only_dynamos_subscriber_address():
 
 
 def test_cpu_kind_routes_the_relay_through_the_hop_only_when_asked(tmp_path):
-    from kvalign.live.sglang_cpu_worker import SglangCpuWorkerKind
-    from kvalign.live.sglang_worker import RELAY_SUBSCRIBE_ENV, ROUTER_EAGLE_ENV
+    from kvalign.live.engines.sglang_cpu import SglangCpuWorkerKind
+    from kvalign.live.engines.sglang_worker import RELAY_SUBSCRIBE_ENV, ROUTER_EAGLE_ENV
 
     plan = make_plan(Topology.aggregated(2, eagle=True), tmp_path, DEFAULT_MODEL)
     kind = SglangCpuWorkerKind("/draft", relay_subscribe={"worker1": "tcp://127.0.0.1:6001"})
     w0, w1 = (kind.command(w, plan) for w in plan.topology.workers)
     assert w0.argv[1:3] == ["-m", "dynamo.sglang"] and RELAY_SUBSCRIBE_ENV not in w0.env
-    assert w1.argv[1:3] == ["-m", "kvalign.live.sglang_worker"] and w1.env[RELAY_SUBSCRIBE_ENV] == "tcp://127.0.0.1:6001"
+    assert w1.argv[1:3] == ["-m", "kvalign.live.engines.sglang_worker"] and w1.env[RELAY_SUBSCRIBE_ENV] == "tcp://127.0.0.1:6001"
     assert ROUTER_EAGLE_ENV not in w1.env  # the wrapper forces eagle off only when the topology says so

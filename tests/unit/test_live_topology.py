@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from kvalign.live import cpu_worker
-from kvalign.live.cluster import make_plan, plan_specs
-from kvalign.live.topology import RUN_MARKER_ENV, CpuWorkerKind, Topology
+from kvalign.live.engines import fake_cpu_worker as cpu_worker
+from kvalign.live.cluster.lifecycle import make_plan, plan_specs
+from kvalign.live.cluster.topology import RUN_MARKER_ENV, CpuWorkerKind, Topology
 
 
 @pytest.fixture
@@ -127,7 +127,7 @@ def test_file_plane_is_the_default_and_unknown_planes_are_refused(tmp_path):
 
 
 def test_missing_control_plane_binaries_are_named(monkeypatch):
-    from kvalign.live import topology
+    from kvalign.live.cluster import topology
 
     assert topology.control_plane_missing("file") is None
     monkeypatch.setattr(topology.shutil, "which", lambda name, path=None: None)

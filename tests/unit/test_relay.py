@@ -19,7 +19,7 @@ from hypothesis import given, settings
 
 from kvalign.hashing import block_hashes
 from kvalign.index import PrefixIndex
-from kvalign.live.ports import PortPool
+from kvalign.live.cluster.ports import PortPool
 from kvalign.oracles.sglang import to_kvalign_event
 from kvalign.relay import Relay
 from kvalign.strategies import PAGE_SIZES, scenarios

@@ -1,17 +1,17 @@
 """What a live run launches: the topology, its ports and environment, and the worker command.
 
 One harness serves the CPU live tests and the GPU nightly. Everything except the worker's
-command line is shared and lives here or in :mod:`kvalign.live.cluster`: the roles and their
+command line is shared and lives here or in :mod:`kvalign.live.cluster.lifecycle`: the roles and their
 Dynamo components, the ports each worker needs, the control-plane settings (:data:`CONTROL_PLANES`),
 the 127.0.0.1-only host settings, and the frontend command. A :class:`WorkerKind` turns one
-:class:`WorkerSpec` into a :class:`~kvalign.live.processes.ProcessSpec`; the CPU kind is
-:class:`CpuWorkerKind` (``python -m kvalign.live.cpu_worker``), the GPU kind builds
+:class:`WorkerSpec` into a :class:`~kvalign.live.cluster.processes.ProcessSpec`; the CPU kind is
+:class:`CpuWorkerKind` (``python -m kvalign.live.engines.fake_cpu_worker``), the GPU kind builds
 ``python -m dynamo.sglang``.
 
 Loopback settings (checked against ai-dynamo-runtime 1.6.1): ``DYN_TCP_RPC_HOST`` (request
 plane bind and advertised address), ``DYN_TCP_RESPONSE_STREAM_HOST``, ``DYN_SYSTEM_HOST``
 (metrics/health server), ``DYN_EVENT_PLANE_HOST`` (advertised event-plane address), frontend
-``--http-host``, and the event-plane broker (:mod:`kvalign.live.broker`), because a direct-mode
+``--http-host``, and the event-plane broker (:mod:`kvalign.live.cluster.broker`), because a direct-mode
 event-plane publisher always binds ``tcp://0.0.0.0:0``. SGLang side: ``SGLANG_HOST_IP`` /
 ``HOST_IP`` (what ``get_local_ip_auto`` returns).
 
@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from kvalign.live.broker import broker_url
-from kvalign.live.discovery import EtcdStore, Store
-from kvalign.live.ports import LOOPBACK, PortPool
-from kvalign.live.processes import ProcessSpec
+from kvalign.live.cluster.broker import broker_url
+from kvalign.live.cluster.discovery import EtcdStore, Store
+from kvalign.live.cluster.ports import LOOPBACK, PortPool
+from kvalign.live.cluster.processes import ProcessSpec
 
 Role = Literal["agg", "prefill", "decode"]
 ControlPlane = Literal["file", "etcd-nats"]
@@ -265,7 +265,7 @@ class ClusterPlan:
     def broker_spec(self) -> ProcessSpec:
         return ProcessSpec(
             "broker",
-            [self.python, "-m", "kvalign.live.broker", "--xsub", f"tcp://{LOOPBACK}:{self.broker_xsub}",
+            [self.python, "-m", "kvalign.live.cluster.broker", "--xsub", f"tcp://{LOOPBACK}:{self.broker_xsub}",
              "--xpub", f"tcp://{LOOPBACK}:{self.broker_xpub}"],
             {RUN_MARKER_ENV: str(self.run_dir)},
             infrastructure=True,
@@ -305,7 +305,7 @@ class WorkerKind(Protocol):
 
 
 class CpuWorkerKind:
-    """``python -m kvalign.live.cpu_worker``: real Dynamo runtime + SGLang radix cache, no model."""
+    """``python -m kvalign.live.engines.fake_cpu_worker``: real Dynamo runtime + SGLang radix cache, no model."""
 
     name = "cpu"
 
@@ -317,7 +317,7 @@ class CpuWorkerKind:
         ports = plan.worker_ports[worker.name]
         mode = {"agg": "null", "prefill": "prefill", "decode": "decode"}[worker.role]
         argv = [
-            plan.python, "-m", "kvalign.live.cpu_worker", "--model-path", plan.model_path,
+            plan.python, "-m", "kvalign.live.engines.fake_cpu_worker", "--model-path", plan.model_path,
             "--served-model-name", plan.model_name, "--namespace", plan.namespace,
             "--component", worker.component, "--page-size", str(plan.topology.page_size),
             "--disaggregation-mode", mode, "--disaggregation-bootstrap-port", str(ports.bootstrap),

@@ -2,7 +2,7 @@
 
 The same Dynamo worker, SGLang scheduler, speculative decoder, radix cache and KV-event publisher
 as the GPU nightly, on this machine's CPU, serving the tiny offline models of
-:mod:`kvalign.live.engine_model`. Everything kvalign adds to the SGLang processes comes from
+:mod:`kvalign.live.engines.engine_model`. Everything kvalign adds to the SGLang processes comes from
 :mod:`kvalign.sglang_cpu_standin` (kernel stand-ins + patches), loaded through ``PYTHONPATH`` of
 these worker processes only.
 
@@ -30,12 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvalign import sglang_cpu_standin
-from kvalign.live.cluster import make_plan
-from kvalign.live.engine_model import TARGET_NAME, Draft, write_models
-from kvalign.live.processes import ProcessSpec
-from kvalign.live.sglang_worker import RELAY_SUBSCRIBE_ENV, ROUTER_EAGLE_ENV
+from kvalign.live.cluster.lifecycle import make_plan
+from kvalign.live.engines.engine_model import TARGET_NAME, Draft, write_models
+from kvalign.live.cluster.processes import ProcessSpec
+from kvalign.live.engines.sglang_worker import RELAY_SUBSCRIBE_ENV, ROUTER_EAGLE_ENV
 from kvalign.oracles.sglang import torch_extensions_dir
-from kvalign.live.topology import ClusterPlan, ControlPlane, Topology, WorkerSpec
+from kvalign.live.cluster.topology import ClusterPlan, ControlPlane, Topology, WorkerSpec
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class SglangCpuWorkerKind:
         if self.release.kv_events_bind:
             return []
         return [ProcessSpec(f"{w.name}.kv-forwarder",
-                            [plan.python, "-m", "kvalign.live.kv_forwarder", self._kv_ipc(w, plan), plan.kv_events_connect(w)],
+                            [plan.python, "-m", "kvalign.live.wire.kv_forwarder", self._kv_ipc(w, plan), plan.kv_events_connect(w)],
                             infrastructure=True)
                 for w in plan.topology.workers if w.publishes_kv_events]
 
@@ -99,7 +99,7 @@ class SglangCpuWorkerKind:
         forced_off = worker.eagle and worker.register_eagle is False
         hop = self.relay_subscribe.get(worker.name)
         wrapped = forced_off or hop is not None
-        entry = ["-m", "kvalign.live.sglang_worker"] if wrapped else ["-m", "dynamo.sglang"]
+        entry = ["-m", "kvalign.live.engines.sglang_worker"] if wrapped else ["-m", "dynamo.sglang"]
         argv = [
             plan.python, *entry, "--model-path", plan.model_path, "--served-model-name", plan.model_name,
             "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",

@@ -30,8 +30,8 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvalign.live.processes import ProcessSpec
-from kvalign.live.topology import ClusterPlan, Topology, WorkerSpec
+from kvalign.live.cluster.processes import ProcessSpec
+from kvalign.live.cluster.topology import ClusterPlan, Topology, WorkerSpec
 
 DEFAULT_MODEL = "Qwen/Qwen3-8B"
 DEFAULT_DRAFT_MODEL = "Tengyunw/qwen3_8b_eagle3"
@@ -122,7 +122,7 @@ class SglangWorkerKind:
             raise ValueError(f"{worker.name} has no GPU assigned")
         ports = plan.worker_ports[worker.name]
         forced_off = worker.eagle and worker.register_eagle is False
-        entry = ["-m", "kvalign.live.sglang_worker"] if forced_off else ["-m", "dynamo.sglang"]
+        entry = ["-m", "kvalign.live.engines.sglang_worker"] if forced_off else ["-m", "dynamo.sglang"]
         argv = [
             plan.python, *entry, "--model-path", plan.model_path, "--served-model-name", plan.model_name,
             "--page-size", str(plan.topology.page_size),
@@ -188,7 +188,7 @@ def relay_via(endpoint: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m kvalign.live.sglang_worker ARGS``: ``python -m dynamo.sglang ARGS`` with the
+    """``python -m kvalign.live.engines.sglang_worker ARGS``: ``python -m dynamo.sglang ARGS`` with the
     router-facing ``enable_eagle`` forced off (the negative control, ``KVALIGN_ROUTER_EAGLE=off``)
     and/or the relay subscribed through a loopback hop (``KVALIGN_RELAY_SUBSCRIBE``)."""
     os.environ.setdefault("PYTHONHASHSEED", "0")  # as dynamo.sglang.__main__, for SGLang's children

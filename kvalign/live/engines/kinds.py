@@ -19,14 +19,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from kvalign.live import sglang_cpu_worker
-from kvalign.live.cluster import make_plan
-from kvalign.live.gpu import Prereqs, check_prereqs, resolve_model_dir
-from kvalign.live.sglang_worker import SglangWorkerKind, gpu_topology
-from kvalign.live.topology import ClusterPlan, CpuWorkerKind, Topology, WorkerKind
+from kvalign.live.engines import sglang_cpu as sglang_cpu_worker
+from kvalign.live.cluster.lifecycle import make_plan
+from kvalign.live.engines.gpu import Prereqs, check_prereqs, resolve_model_dir
+from kvalign.live.engines.sglang_worker import SglangWorkerKind, gpu_topology
+from kvalign.live.cluster.topology import ClusterPlan, CpuWorkerKind, Topology, WorkerKind
 
 if TYPE_CHECKING:
-    from kvalign.live.disagg_eagle import E2eOptions
+    from kvalign.live.runs.disagg_eagle import E2eOptions
 
 EngineName = Literal["sglang-gpu", "sglang-cpu", "fake-cpu"]
 

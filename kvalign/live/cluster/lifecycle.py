@@ -25,14 +25,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvalign.live import discovery
-from kvalign.live.capture import EventCapture
-from kvalign.live.client import wait_ready
-from kvalign.live.model_dir import MODEL_NAME, write_model_dir
-from kvalign.live.discovery import EtcdStore
-from kvalign.live.ports import LOOPBACK, PortPool
-from kvalign.live.processes import ProcessGroup, ProcessSpec
-from kvalign.live.topology import ClusterPlan, ControlPlane, Topology, WorkerKind, WorkerPorts, WorkerSpec
+from kvalign.live.cluster import discovery
+from kvalign.live.wire.capture import EventCapture
+from kvalign.live.wire.client import wait_ready
+from kvalign.live.engines.model_dir import MODEL_NAME, write_model_dir
+from kvalign.live.cluster.discovery import EtcdStore
+from kvalign.live.cluster.ports import LOOPBACK, PortPool
+from kvalign.live.cluster.processes import ProcessGroup, ProcessSpec
+from kvalign.live.cluster.topology import ClusterPlan, ControlPlane, Topology, WorkerKind, WorkerPorts, WorkerSpec
 
 
 def make_plan(
@@ -94,9 +94,10 @@ class Cluster:
     """A running topology; use as a context manager (teardown is unconditional)."""
 
     def __init__(self, plan: ClusterPlan, kind: WorkerKind, *, startup_timeout_s: float = 120.0, keep_logs: bool = True,
-                 router_view: Mapping[str, str] | None = None):
+                 router_view: Mapping[str, str] | None = None, engine_view: Mapping[str, str] | None = None):
         """``router_view``: per worker, the endpoint Dynamo's relay reads (a lossy hop); when given,
-        :attr:`router_capture` records it beside :attr:`capture`, which reads SGLang directly."""
+        :attr:`router_capture` records it beside :attr:`capture`, which reads SGLang directly, or
+        ``engine_view`` (the hop's unaltered copy of SGLang's stream) when that is given."""
         self.plan, self.kind = plan, kind
         self.startup_timeout_s = startup_timeout_s
         self.keep_logs = keep_logs
@@ -104,6 +105,7 @@ class Cluster:
         self.workers: dict[str, WorkerHandle] = {}
         self.capture: EventCapture | None = None
         self.router_view = dict(router_view) if router_view is not None else None
+        self.engine_view = dict(engine_view) if engine_view is not None else None
         self.router_capture: EventCapture | None = None
         self.ready_s: float | None = None
 
@@ -141,7 +143,8 @@ class Cluster:
             self.group.start(self.kind.command(w, self.plan))
         for w in self.plan.topology.workers:
             self.workers[w.name] = self._await_registration(w, deadline)
-        endpoints = {name: h.kv_events_endpoint for name, h in self.workers.items() if h.kv_events_endpoint}
+        endpoints = self.engine_view if self.engine_view is not None else {
+            name: h.kv_events_endpoint for name, h in self.workers.items() if h.kv_events_endpoint}
         self.capture = EventCapture(endpoints, capture_dir=self.plan.run_dir / "captures")
         if self.router_view is not None:
             self.router_capture = EventCapture(self.router_view, capture_dir=self.plan.run_dir / "captures" / "router")

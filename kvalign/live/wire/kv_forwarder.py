@@ -1,4 +1,4 @@
-"""A loopback forwarder for SGLang KV events: ``python -m kvalign.live.kv_forwarder SOURCE BIND``.
+"""A loopback forwarder for SGLang KV events: ``python -m kvalign.live.wire.kv_forwarder SOURCE BIND``.
 
 Before 0.5.23 SGLang's KV-events config has no ``bind``: its publisher connects to the configured
 ``tcp://127.0.0.1:PORT``, and Dynamo's relay (and kvalign's capture) connect there too, so nothing
@@ -49,7 +49,7 @@ def forward(source: str, bind: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvalign.live.kv_forwarder")
+    ap = argparse.ArgumentParser(prog="python -m kvalign.live.wire.kv_forwarder")
     ap.add_argument("source", help="SGLang's KV-event PUB endpoint (ipc://...)")
     ap.add_argument("bind", help=f"where the relay subscribes (tcp://{LOOPBACK}:PORT)")
     args = ap.parse_args(argv)

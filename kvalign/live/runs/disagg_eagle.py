@@ -2,14 +2,14 @@
 
 ``tests/e2e/test_disagg_eagle.py`` and ``kvalign e2e run`` both call this module; the cluster,
 requests, kvalign's prediction and the routing checks are the shared harness's
-(:mod:`kvalign.live.cluster`, :mod:`kvalign.live.scenario`), so runs differ only in the engine
-(:data:`ENGINES`; one :class:`~kvalign.live.engines.EngineKind` object each), i.e. the worker kind
+(:mod:`kvalign.live.cluster.lifecycle`, :mod:`kvalign.live.runs.scenario`), so runs differ only in the engine
+(:data:`ENGINES`; one :class:`~kvalign.live.engines.kinds.EngineKind` object each), i.e. the worker kind
 and model:
 
 * ``sglang-gpu`` — real ``dynamo.sglang`` with EAGLE3 on GPUs (the nightly; Qwen3-8B + its draft);
 * ``sglang-cpu`` — the same real ``dynamo.sglang`` on this machine's CPU
-  (:class:`~kvalign.live.sglang_cpu_worker.SglangCpuWorkerKind`), serving the tiny offline
-  target + EAGLE3 draft of :mod:`kvalign.live.engine_model`;
+  (:class:`~kvalign.live.engines.sglang_cpu.SglangCpuWorkerKind`), serving the tiny offline
+  target + EAGLE3 draft of :mod:`kvalign.live.engines.engine_model`;
 * ``fake-cpu`` — kvalign's fake worker keyed by SGLang's real radix cache, no model (no
   speculation, so assertions 3 and 4 do not apply).
 
@@ -18,9 +18,9 @@ Assertions (issue 8):
 2. ``kv_hit_rate`` > 0 on requests 2..N and kvalign's prediction from the captured events agrees
    within one block; a failure names its cause from the catalog (the router-eagle-off negative
    control must fail here, naming ROUTER_EAGLE_OFF);
-3. Δ``spec_verify_calls_total`` > 0 on the decode worker(s) (:func:`kvalign.live.metrics.verify_failures`);
+3. Δ``spec_verify_calls_total`` > 0 on the decode worker(s) (:func:`kvalign.live.wire.metrics.verify_failures`);
 4. tokens per verify from the accepted-draft metric (``spec_accept_length``, cross-checked by the
-   unbiased counter form) > 1.2 (:func:`kvalign.live.metrics.accept_failures`); the
+   unbiased counter form) > 1.2 (:func:`kvalign.live.wire.metrics.accept_failures`); the
    never-agreeing-draft negative control must fail here while assertion 3 still holds.
 Every response also carries timing, and ``kv_transfer_estimated_latency_ms`` >= 0 where present
 (the "response" check).
@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvalign.live import scenario
-from kvalign.live.engine_model import Draft
-from kvalign.live.engines import ENGINE_KINDS, EngineKind, EngineName
-from kvalign.live.gpu import Prereqs
-from kvalign.live.metrics import (
+from kvalign.live.runs import scenario
+from kvalign.live.engines.engine_model import Draft
+from kvalign.live.engines.kinds import ENGINE_KINDS, EngineKind, EngineName
+from kvalign.live.engines.gpu import Prereqs
+from kvalign.live.wire.metrics import (
     MetricsSnapshot,
     SpecDecodeWindow,
     accept_failures,
@@ -47,10 +47,10 @@ from kvalign.live.metrics import (
     spec_window,
     verify_failures,
 )
-from kvalign.live.ports import LOOPBACK
-from kvalign.live.processes import rss_bytes, run_pids
-from kvalign.live.sglang_worker import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
-from kvalign.live.topology import RUN_MARKER_ENV, ClusterPlan, ControlPlane, Topology, WorkerKind
+from kvalign.live.cluster.ports import LOOPBACK
+from kvalign.live.cluster.processes import rss_bytes, run_pids
+from kvalign.live.engines.sglang_worker import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
+from kvalign.live.cluster.topology import RUN_MARKER_ENV, ClusterPlan, ControlPlane, Topology, WorkerKind
 
 Engine = EngineName
 ENGINES: tuple[Engine, ...] = tuple(ENGINE_KINDS)

@@ -22,7 +22,7 @@ def broker_url(xsub: str, xpub: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvalign.live.broker", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvalign.live.cluster.broker", description=__doc__.splitlines()[0])
     p.add_argument("--xsub", required=True, help="publishers connect here, e.g. tcp://127.0.0.1:5601")
     p.add_argument("--xpub", required=True, help="subscribers connect here, e.g. tcp://127.0.0.1:5602")
     args = p.parse_args(argv)

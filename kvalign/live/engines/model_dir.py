@@ -69,7 +69,7 @@ def write_model_dir(path: str | Path, *, name: str = MODEL_NAME, leading_word: s
     """Write config, tokenizer and chat template into ``path`` (created if missing); return it.
 
     ``config`` overrides ``config.json`` keys (the real-engine model's shapes, see
-    :mod:`kvalign.live.engine_model`).
+    :mod:`kvalign.live.engines.engine_model`).
     """
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)

@@ -24,12 +24,12 @@ Page arithmetic (checked live against sglang 0.5.23 + dynamo 1.6.1, page/block s
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvalign.events import EventBatch
 from kvalign.hashing import block_hashes
 from kvalign.index import PrefixIndex
-from kvalign.live.capture import EventCapture
+from kvalign.live.wire.capture import EventCapture
 from kvalign.relay import Relay
 
 _WORKER = 0  # one index per worker view: the id inside it is arbitrary
@@ -41,8 +41,39 @@ def isl_blocks(n_tokens: int, block_size: int) -> int:
 
 
 def credited_blocks(kv_hit_rate: float | None, n_tokens: int, block_size: int) -> int | None:
-    """The blocks the router credited, recovered from its reported ``kv_hit_rate``."""
-    return None if kv_hit_rate is None else round(kv_hit_rate * isl_blocks(n_tokens, block_size))
+    """The blocks the router credited, recovered exactly from its reported ``kv_hit_rate``.
+
+    Dynamo reports ``overlap / isl_blocks`` as an f64, so the credit is the one integer k in
+    ``0..isl_blocks`` whose ``k / isl_blocks`` *is* that float. No rounding: a rate that is no such
+    fraction (a router dividing by another denominator) gives None, which every check treats as a
+    disagreement rather than the nearest count.
+    """
+    if kv_hit_rate is None:
+        return None
+    isl = isl_blocks(n_tokens, block_size)
+    if isl == 0:
+        return 0 if kv_hit_rate == 0 else None
+    k = round(kv_hit_rate * isl)
+    return k if 0 <= k <= isl and k / isl == kv_hit_rate else None
+
+
+def last_page_overcredit(router_tokens: int, engine_tokens: int, n_tokens: int, block_size: int, *,
+                         eagle: bool) -> bool:
+    """True when ``router_tokens`` exceeds ``engine_tokens`` by exactly SGLang's last-page rule.
+
+    SGLang always computes the prompt's last token, so it never reuses the page that would cover
+    the whole prompt; Dynamo's router still credits it. That page exists only when the prompt ends
+    exactly at a page boundary: EAGLE (bigram pages of B+1 raw tokens) when ``(N-1) % B == 0``,
+    plain keys when ``N % B == 0``. Then, and only then, the router may credit every hashable block
+    (``(N-1)/B`` or ``N/B``) while the engine reuses one page less; any other difference is not
+    allowed.
+    """
+    b = block_size
+    units = n_tokens - 1 if eagle else n_tokens
+    if units <= 0 or units % b:
+        return False
+    full = units // b
+    return router_tokens == full * b and engine_tokens == (full - 1) * b
 
 
 def engine_reusable_pages(n_tokens: int, block_size: int, *, eagle: bool) -> int:
@@ -55,6 +86,17 @@ def engine_reusable_pages(n_tokens: int, block_size: int, *, eagle: bool) -> int
 def engine_cached_tokens(held_pages: int, n_tokens: int, block_size: int, *, eagle: bool) -> int:
     """``cached_tokens`` the engine reports when it holds ``held_pages`` leading pages of the prompt."""
     return block_size * min(held_pages, engine_reusable_pages(n_tokens, block_size, eagle=eagle))
+
+
+def common_blocks(a: Sequence[int], b: Sequence[int], block_size: int, *, eagle: bool) -> int:
+    """Leading blocks two prompts share: block k covers raw tokens ``[kB, kB+B]`` under EAGLE
+    (B+1 tokens) and ``[kB, kB+B)`` with plain keys, so it is shared when those tokens are equal."""
+    span = block_size + 1 if eagle else block_size
+    k = 0
+    while k * block_size + span <= min(len(a), len(b)) and \
+            list(a[k * block_size:k * block_size + span]) == list(b[k * block_size:k * block_size + span]):
+        k += 1
+    return k
 
 
 def overlaps(batches: Sequence[EventBatch], query: Sequence[int], block_size: int, lo: int, hi: int) -> list[int]:
@@ -120,8 +162,10 @@ class DeliveredViews:
     as the router disagreeing with this view. Marks are router-side marks.
     """
 
-    def __init__(self, engine: WorkerViews, router: WorkerViews) -> None:
-        self.engine, self.router = engine, router
+    def __init__(self, engine: WorkerViews, router: WorkerViews,
+                 original: Callable[[str, int | None], int | None] = lambda _label, seq: seq) -> None:
+        """``original``: a delivered batch's engine sequence number (a hop that renumbers maps it back)."""
+        self.engine, self.router, self.original = engine, router, original
 
     def mark(self, label: str) -> int:
         return self.router.mark(label)
@@ -136,7 +180,7 @@ class DeliveredViews:
         query = query_hashes(tokens, self.engine.block_size, eagle, namespace)
         out = []
         for j in range(max(lo - start, 0), max((lo if hi is None else hi) - start, 0) + 1):
-            seqs = {b.seq for b in delivered[:j]}
+            seqs = {self.original(label, b.seq) for b in delivered[:j]}
             kept = [b for b in engine if b.seq in seqs]
             out.append(overlaps(kept, query, self.engine.block_size, len(kept), len(kept))[0])
         return out

@@ -116,6 +116,11 @@ class EventCapture:
         with self._lock:
             return list(self.batches)
 
+    def last_received(self) -> float | None:
+        """``time.monotonic()`` when the latest batch arrived (None before any)."""
+        with self._lock:
+            return self.batches[-1].received if self.batches else None
+
     def count(self, label: str | None = None) -> int:
         with self._lock:
             return sum(1 for c in self.batches if label is None or c.label == label)

@@ -3,7 +3,7 @@
 ``dynamo.sglang`` serves ``<namespace>.<component>.clear_kv_blocks`` on every worker (1.6.1,
 ``init_llm.py``): it calls SGLang's ``flush_cache`` when no request is active, and SGLang then
 publishes ``AllBlocksCleared``. The call goes over Dynamo's request plane to one instance id, so
-it runs in a short-lived child process (``python -m kvalign.live.control``) with the run's
+it runs in a short-lived child process (``python -m kvalign.live.cluster.control``) with the run's
 control-plane environment: the driver never hosts a Dynamo runtime, and the runtime's log lines
 go to the run's ``logs/control.log``, not the terminal.
 """
@@ -18,7 +18,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from kvalign.live.topology import ClusterPlan
+from kvalign.live.cluster.topology import ClusterPlan
 
 CLEAR_TIMEOUT_S = 60.0
 
@@ -30,7 +30,7 @@ class ControlError(RuntimeError):
 def clear_kv_blocks(plan: ClusterPlan, component: str, instance_ids: Sequence[int]) -> None:
     """Flush each instance's cache; raises :class:`ControlError` naming the first that refused."""
     log = plan.run_dir / "logs" / "control.log"
-    cmd = [plan.python, "-m", "kvalign.live.control", "--namespace", plan.namespace, "--component", component,
+    cmd = [plan.python, "-m", "kvalign.live.cluster.control", "--namespace", plan.namespace, "--component", component,
            *map(str, instance_ids)]
     with open(log, "ab") as err:
         try:
@@ -68,7 +68,7 @@ async def _clear(namespace: str, component: str, instance_ids: list[int]) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvalign.live.control", description="flush live workers' KV caches")
+    p = argparse.ArgumentParser(prog="python -m kvalign.live.cluster.control", description="flush live workers' KV caches")
     p.add_argument("--namespace", required=True)
     p.add_argument("--component", required=True)
     p.add_argument("instance_ids", nargs="+", type=int)

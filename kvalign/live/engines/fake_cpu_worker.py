@@ -48,7 +48,7 @@ MODES = ("null", "prefill", "decode")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kvalign.live.cpu_worker", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvalign.live.engines.fake_cpu_worker", description=__doc__.splitlines()[0])
     p.add_argument("--model-path", required=True, help="local model dir (tokenizer, config, chat template)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--namespace", default=os.environ.get("DYN_NAMESPACE", "dynamo"))

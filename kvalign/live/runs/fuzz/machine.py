@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
 
-from kvalign.live.fuzz.driver import FuzzDriver, FuzzOptions
-from kvalign.live.fuzz.invariants import InvariantFailed
-from kvalign.live.fuzz.prompts import lengths, max_tokens, prompt_specs
+from kvalign.live.runs.fuzz.driver import FuzzDriver, FuzzEnvironmentError, FuzzOptions
+from kvalign.live.runs.fuzz.invariants import InvariantFailed
+from kvalign.live.runs.fuzz.prompts import lengths, max_tokens, prompt_specs
 
 
 @dataclass
@@ -36,10 +36,12 @@ class Failure:
     detail: str
     script: str
     flaky: bool = False
+    numbers: dict[str, Any] = field(default_factory=dict)  # router_tokens, engine_tokens
+    note: str | None = None  # e.g. why shrinking stopped early
 
     def as_json(self) -> dict[str, Any]:
         return {"invariant": self.invariant, "cause": self.cause, "detail": self.detail, "script": self.script,
-                **({"flaky": True} if self.flaky else {})}
+                **self.numbers, **({"flaky": True} if self.flaky else {}), **({"note": self.note} if self.note else {})}
 
 
 @dataclass
@@ -49,6 +51,7 @@ class FuzzResult:
     driver: FuzzDriver
     failure: Failure | None = None
     seconds: float = 0.0
+    startup_s: float = 0.0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -59,13 +62,17 @@ class FuzzResult:
         d = self.driver
         return {
             "verdict": "pass" if self.passed else "fail",
+            "topology": d.opts.topology, "sglang": d.cluster.kind.sglang_version,
             "examples": d.examples, "steps": d.steps_run, "requests": d.requests,
             "counts": d.finish_counts(),
             "invariants": d.tally.as_json(),
+            "last_page_overcredits": d.tally.last_page_overcredits, "unattributable": d.tally.unattributable,
+            "hop_faulted": d.tally.hop_faulted,
             "failure": None if self.failure is None else self.failure.as_json(),
-            "options": d.opts.as_json(), "seconds": round(self.seconds, 1), "unsettled_waits": d.unsettled,
-            "peak_rss_gib": round(d.peak_rss_bytes / 2**30, 2),
-            "run_dir": str(d.cluster.plan.run_dir),
+            "options": d.opts.as_json(), "startup_s": round(self.startup_s, 1), "seconds": round(self.seconds, 1),
+            "requests_per_minute": round(60 * d.requests / self.seconds, 1) if self.seconds > 0 else None,
+            "unsettled_waits": d.unsettled, "peak_rss_gib": round(d.peak_rss_bytes / 2**30, 2),
+            "notes": [*self.notes, *d.notes], "run_dir": str(d.cluster.plan.run_dir),
         }
 
 
@@ -96,6 +103,7 @@ def machine_class(driver: FuzzDriver) -> type[RuleBasedStateMachine]:
         def request(self, prompt: dict, mt: int) -> None:
             driver.run_step({"rule": "request", "prompt": prompt, "max_tokens": mt})
 
+        @precondition(lambda self: not driver.disagg)  # prefill reuse is a counter: a burst merges it
         @rule(reqs=st.lists(st.tuples(specs, max_tokens()), min_size=2, max_size=3))
         def concurrent(self, reqs: list) -> None:
             driver.run_step({"rule": "concurrent", "requests": [list(r) for r in reqs]})
@@ -155,6 +163,12 @@ def run_fuzz(driver: FuzzDriver, *, examples: int, steps: int, seed: int | None,
         if not failures:
             raise
         result.failure = _failure(driver, failures[-1][0], failures, script_path, flaky=True)
+    except FuzzEnvironmentError as exc:
+        if not failures:
+            raise
+        # the environment broke while shrinking: the failure already found stands, with its script
+        result.failure = _failure(driver, failures[-1][0], failures, script_path,
+                                  note=f"shrinking stopped: {str(exc).splitlines()[0]}")
     finally:
         engine.MAX_SHRINKING_SECONDS = saved
         driver.run_step = original_step  # type: ignore[method-assign]
@@ -163,10 +177,10 @@ def run_fuzz(driver: FuzzDriver, *, examples: int, steps: int, seed: int | None,
 
 
 def _failure(driver: FuzzDriver, exc: InvariantFailed, failures: list, script_path: Path, *,
-             flaky: bool = False) -> Failure:
+             flaky: bool = False, note: str | None = None) -> Failure:
     _, steps, observed = next(((e, s, o) for e, s, o in reversed(failures) if e is exc), failures[-1])
     write_script(script_path, driver.opts, steps, exc, observed)
-    return Failure(exc.invariant, exc.cause, exc.detail, str(script_path), flaky)
+    return Failure(exc.invariant, exc.cause, exc.detail, str(script_path), flaky, exc.numbers, note)
 
 
 def replay(driver: FuzzDriver, script: dict[str, Any], out_path: Path) -> FuzzResult:
@@ -180,7 +194,7 @@ def replay(driver: FuzzDriver, script: dict[str, Any], out_path: Path) -> FuzzRe
             driver.run_step(step)
     except InvariantFailed as exc:
         write_script(out_path, driver.opts, list(driver.steps), exc, list(driver.observed))
-        result.failure = Failure(exc.invariant, exc.cause, exc.detail, str(out_path))
+        result.failure = Failure(exc.invariant, exc.cause, exc.detail, str(out_path), numbers=exc.numbers)
     result.seconds = time.monotonic() - start
     return result
 

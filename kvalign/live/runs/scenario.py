@@ -3,7 +3,7 @@
 Modelled on Dynamo's router e2e tests: N sequential streaming chat completions, request i's
 content is a base text repeated i+1 times, so each prompt extends the previous one. For each
 request kvalign predicts the router's ``kv_hit_rate`` *before* sending it, from its own index
-rebuilt from the captured SGLang events (:mod:`kvalign.live.capture`) and its own hashing of
+rebuilt from the captured SGLang events (:mod:`kvalign.live.wire.capture`) and its own hashing of
 the prompt with the eagle flag the worker registered; the response then says what the router
 actually did. Every check is a function raising ``AssertionError`` with the numbers, so the CPU
 tests, ``kvalign live`` and the GPU nightly share them verbatim.
@@ -26,9 +26,9 @@ from typing import Any
 
 from kvalign.hashing import block_hashes
 from kvalign.index import router_kv_hit_rate
-from kvalign.live.client import ChatResult, stream_chat
+from kvalign.live.wire.client import ChatResult, stream_chat
 
-#: 18 in-vocabulary words (see :mod:`kvalign.live.model_dir`): with the chat framing, request 1
+#: 18 in-vocabulary words (see :mod:`kvalign.live.engines.model_dir`): with the chat framing, request 1
 #: is 21 tokens (> B+1 = 17, so it holds one EAGLE block at B=16) and each repeat adds 18.
 BASE_TEXT = "the quick brown fox jumps over lazy dog a rabbit ran across green field under bright morning sun"
 

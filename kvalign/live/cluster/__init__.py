@@ -1,0 +1,1 @@
+"""The processes' lifecycle: launch, ports, discovery, broker, control, topology, teardown."""

@@ -1,0 +1,560 @@
+"""The fuzz cluster and the steps a generated (or replayed) workload runs on it.
+
+:func:`fuzz_cluster` starts real workers behind the real frontend and KV router — two aggregated
+EAGLE3 workers, or the nightly's 2 prefill + 1 decode — each publishing worker's KV events passing
+through a :class:`~kvalign.live.wire.lossy_hop.LossyHop` on their way to Dynamo's relay, with
+kvalign capturing both sides of the hop. :class:`FuzzDriver` runs one JSON-able step at a time —
+the Hypothesis machine and ``--replay`` call the same code — and checks every answered request
+(:mod:`.invariants`) before the next step.
+
+Settling (bounded, never after an outcome is seen): before a request is sent, the driver waits
+until no capture has received a batch for ``quiet_s`` (the engine's previous events are all out
+and the router, a few milliseconds behind on loopback, has them), at most ``settle_timeout_s``.
+A prediction is taken at the marks of that moment, so a request is never re-sent or re-checked
+to make a disagreement go away.
+
+Every fault a step injects is observed by a later request of the same step: a ``fill`` re-queries
+its first prompt (whose pages the later fill prompts evicted), a ``flush`` re-queries the flushed
+worker's latest prompt on that worker, a ``drop_batch`` follows up on the lost pages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from kvalign.causes import Cause
+from kvalign.events import BlockRemoved, BlockStored
+from kvalign.live.cluster.control import ControlError, clear_kv_blocks
+from kvalign.live.cluster.lifecycle import Cluster
+from kvalign.live.cluster.ports import LOOPBACK, PortPool
+from kvalign.live.cluster.processes import rss_bytes, run_pids
+from kvalign.live.cluster.topology import COMPONENT, RUN_MARKER_ENV, Topology
+from kvalign.live.runs.fuzz.invariants import (
+    MIN_SPEC_TOKENS, InvariantFailed, Observation, Tally, evaluate, failure_numbers, observation_json,
+)
+from kvalign.live.runs.fuzz.prompts import Sent, new_tokens, resolve
+from kvalign.live.runs.fuzz.surfaces import MetricReader, SurfaceMissing
+from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews, common_blocks
+from kvalign.live.wire.client import Completion, SseError, complete_tokens
+from kvalign.live.wire.lossy_hop import LossyHop
+
+ENGINES = ("sglang-cpu", "fake-cpu", "sglang-gpu")
+TOPOLOGIES = ("agg", "disagg")
+COUNTS = ("evictions", "flushes", "dropped_batches", "restarts", "concurrent_requests", "evicted_requeried",
+          "flushed_requeried", "lost_requeried", "lost_batches_diagnosed")
+
+
+class FuzzEnvironmentError(RuntimeError):
+    """The cluster could not do what a step needs (start, flush, answer): exit 2, not a finding."""
+
+
+@dataclass(frozen=True)
+class FuzzOptions:
+    """What a fuzz run launches and how it checks."""
+
+    engine: str = "sglang-cpu"
+    topology: Literal["agg", "disagg"] = "agg"
+    workers: int = 2  # aggregated workers, or prefill workers in disaggregation (plus one decode)
+    page_size: int = 16
+    max_total_tokens: int = 512  # small, so a few long prompts make the scheduler evict
+    sglang: str | None = None  # an SGLang release from the wheel cache; None: the environment's
+    draft: Literal["agree", "disagree"] = "agree"  # disagree: decode speculation's negative control
+    router_eagle: bool = True
+    gap_check: bool = True  # False: predict the router from the engine's stream (negative control)
+    strip_salt: bool = False  # the hop removes cache_salt from stored blocks (negative control)
+    hide_gaps: bool = False  # the hop renumbers batches after a loss, hiding the gap from every subscriber
+    quiet_s: float = 0.4
+    settle_timeout_s: float = 8.0
+    restart_grace_s: float = 2.0
+    fill_prompts: int = 4
+    startup_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"--topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
+        if self.workers < 2:
+            raise ValueError(f"the fuzz needs at least 2 workers (routing has a choice), got {self.workers}")
+        if self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.draft not in ("agree", "disagree"):
+            raise ValueError(f"--draft must be agree or disagree, got {self.draft!r}")
+
+    def as_json(self) -> dict[str, Any]:
+        return {"engine": self.engine, "topology": self.topology, "workers": self.workers,
+                "page_size": self.page_size, "max_total_tokens": self.max_total_tokens, "sglang": self.sglang,
+                "draft": self.draft, "router_eagle": self.router_eagle, "gap_check": self.gap_check,
+                "strip_salt": self.strip_salt, "hide_gaps": self.hide_gaps}
+
+
+def engine_problem(opts: FuzzOptions) -> str | None:
+    """Why ``opts.engine`` cannot run the fuzz on this machine (None when it can)."""
+    if opts.engine == "sglang-gpu":
+        return ("the fuzz on --engine sglang-gpu needs the GPU worker kind with a lossy hop, which the gpu_2 "
+                "nightly does not provide yet; run --engine sglang-cpu")
+    if opts.engine == "fake-cpu":
+        return ("--engine fake-cpu has no engine reuse report (cached_tokens), no clear_kv_blocks endpoint and no "
+                "speculative decoder; the fuzz needs the real engine: run --engine sglang-cpu")
+    from kvalign.live.engines.sglang_cpu import engine_problem as cpu_problem
+
+    return cpu_problem(opts.sglang)
+
+
+def fuzz_topology(opts: FuzzOptions) -> Topology:
+    register = None if opts.router_eagle else False
+    if opts.topology == "disagg":
+        return Topology.disaggregated(opts.workers, 1, eagle=True, register_eagle=register, page_size=opts.page_size)
+    return Topology.aggregated(opts.workers, eagle=True, register_eagle=register, page_size=opts.page_size)
+
+
+def _hop_ports(plan: Any, labels: list[str], *, taken: list[int] = (), what: str = "hop") -> dict[str, int]:
+    """A loopback port per worker for one of the hop's PUBs, distinct from every plan port."""
+    pool = PortPool()
+    taken = [*taken, plan.http_port, plan.broker_xsub, plan.broker_xpub, plan.etcd_client, plan.etcd_peer,
+             plan.nats_port, *(p for wp in plan.worker_ports.values() for p in (wp.rpc, wp.kv_events, wp.system, wp.bootstrap))]
+    pool.assigned.update({f"plan.{i}": p for i, p in enumerate(taken) if p is not None})
+    return {label: pool.take(f"{label}.{what}") for label in labels}
+
+
+@contextlib.contextmanager
+def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Cluster, LossyHop]]:
+    """The real workers, frontend, router and lossy hop; torn down on exit.
+
+    Aggregated workers cache their own generated tokens and publish them, so a follow-up reuses
+    them; prefill workers do not (they never decode), which a follow-up on ``disagg`` checks live.
+    """
+    from kvalign.live.engines.sglang_cpu import plan_cluster
+
+    topo = fuzz_topology(opts)
+    plan, kind = plan_cluster(topo, run_dir, draft=opts.draft, sglang_version=opts.sglang)
+    publishing = [w for w in topo.workers if w.publishes_kv_events]
+    labels = [w.name for w in publishing]
+    downstream = _hop_ports(plan, labels)
+    taps = _hop_ports(plan, labels, taken=list(downstream.values()), what="tap")
+    kind.max_total_tokens = opts.max_total_tokens
+    kind.relay_subscribe = {label: f"tcp://{LOOPBACK}:{port}" for label, port in downstream.items()}
+    upstream = {w.name: plan.kv_events_connect(w) for w in publishing}
+    with LossyHop(upstream, downstream, strip_salt=opts.strip_salt, hide_gaps=opts.hide_gaps, taps=taps) as hop:
+        cluster = Cluster(plan, kind, startup_timeout_s=opts.startup_timeout_s, router_view=hop.downstream,
+                          engine_view=hop.taps)
+        with cluster:
+            yield cluster, hop
+
+
+@dataclass
+class FuzzDriver:
+    """Runs steps on a live fuzz cluster and checks each answered request."""
+
+    cluster: Cluster
+    hop: LossyHop
+    opts: FuzzOptions
+    progress: Callable[[str], None] = lambda _msg: None
+    tally: Tally = field(default_factory=Tally)
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
+    requests: int = 0
+    examples: int = 0
+    steps_run: int = 0
+    unsettled: int = 0
+    peak_rss_bytes: int = 0  # every process of the run, sampled after each step
+
+    def __post_init__(self) -> None:
+        b = self.opts.page_size
+        self.engine_views = WorkerViews(self.cluster.capture, b)
+        self.router_views = WorkerViews(self.cluster.router_capture, b)
+        self.delivered_views = DeliveredViews(self.engine_views, self.router_views, self.hop.original_seq)
+        self.disagg = self.opts.topology == "disagg"
+        plan = self.cluster.plan
+        decode = [w.name for w in plan.topology.workers if w.role in ("decode", "agg")]
+        self.metrics = MetricReader(self.cluster.frontend_url, {
+            name: f"http://{LOOPBACK}:{plan.worker_ports[name].system}/metrics" for name in decode})
+        self.history: list[Sent] = []
+        self.served: list[str | None] = []  # the worker each history prompt ran on
+        self.steps: list[dict[str, Any]] = []
+        self.observed: list[dict[str, Any]] = []
+        self.restarts_in_example = 0
+        self.notes: list[str] = []  # what the run saw that no invariant judges (a loss diagnose did not name)
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    @property
+    def labels(self) -> list[str]:
+        """The workers the router routes prefill to (and whose events it indexes)."""
+        return [n for n, h in self.cluster.workers.items() if h.spec.publishes_kv_events]
+
+    @property
+    def prediction_views(self) -> WorkerViews | DeliveredViews:
+        """The engine's batches the hop delivered; all of them with the gap check off."""
+        return self.delivered_views if self.opts.gap_check else self.engine_views
+
+    def engine_eagle(self, label: str) -> bool:
+        return self.cluster.workers[label].spec.eagle
+
+    def decode_label(self, label: str) -> str:
+        return next(n for n, h in self.cluster.workers.items() if h.spec.role == "decode") if self.disagg else label
+
+    def _settle(self, *, after_request: bool = False) -> bool:
+        """Wait until no capture received a batch for ``quiet_s`` (bounded). After a request the
+        quiet time counts from now (its events may not be out yet); before one it counts from the
+        latest batch's arrival, so a cluster that the previous step already settled costs no wait."""
+        caps = (self.cluster.capture, self.cluster.router_capture)
+        deadline = time.monotonic() + self.opts.settle_timeout_s
+        arrivals = [t for t in (c.last_received() for c in caps) if t is not None]
+        since = time.monotonic() if after_request else max(arrivals, default=0.0)
+        last = tuple(c.count() for c in caps)
+        while time.monotonic() < deadline:
+            now = tuple(c.count() for c in caps)
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= self.opts.quiet_s:
+                return True
+            time.sleep(0.02)
+        self.unsettled += 1
+        return False
+
+    def _label_of(self, instance_id: int | None) -> str | None:
+        return next((n for n, h in self.cluster.workers.items() if h.instance_id == instance_id), None)
+
+    def _send(self, tokens: list[int], max_tokens: int, pin: int | None = None, salt: str | None = None) -> Completion:
+        try:
+            return complete_tokens(self.cluster.frontend_url, self.cluster.model, tokens, max_tokens=max_tokens, pin=pin,
+                                   cache_salt=salt)
+        except (SseError, OSError) as exc:
+            raise FuzzEnvironmentError(f"request of {len(tokens)} tokens failed: {exc}") from None
+
+    def _held(self, views: WorkerViews | DeliveredViews, label: str, tokens: list[int], lo: int, hi: int | None = None,
+              salt: str | None = None) -> list[int]:
+        return views.held(label, tokens, eagle=self.engine_eagle(label), lo=lo, hi=hi, namespace=salt)
+
+    def _marks(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """(prediction, delivered, engine) marks now."""
+        return self.prediction_views.marks(), self.delivered_views.marks(), self.engine_views.marks()
+
+    def _best(self, tokens: list[int], marks: dict[str, int], salt: str | None) -> str | None:
+        held = {lab: self._held(self.prediction_views, lab, tokens, marks[lab], salt=salt)[0] for lab in self.labels}
+        top = max(held.values(), default=0)
+        leaders = [lab for lab, h in held.items() if h == top]
+        return leaders[0] if top > 0 and len(leaders) == 1 else None
+
+    def _observation(self, tokens: list[int], c: Completion, label: str | None, marks: tuple, *, concurrent: bool,
+                     engine_tokens: int | None, surface: str, best: str | None = None, salt: str | None = None,
+                     spec: Any = None) -> Observation:
+        pred_m, deliv_m, eng_m = marks
+        predicted = engine_held = 0
+        faulted = False
+        if label is not None:
+            predicted = self._held(self.prediction_views, label, tokens, pred_m[label], salt=salt)[0]
+            engine_held = self._held(self.engine_views, label, tokens, eng_m[label], salt=salt)[0]
+            delivered = self._held(self.delivered_views, label, tokens, deliv_m[label], salt=salt)[0]
+            faulted = delivered != engine_held and any(d.label == label for d in self.hop.dropped)
+        self.requests += 1
+        return Observation(self.requests, tokens, c, label, concurrent, self.opts.page_size,
+                           self.engine_eagle(label) if label else True, predicted, engine_held, engine_tokens,
+                           surface, faulted, best, spec)
+
+    def _record(self, obs: Observation) -> None:
+        self.history.append(Sent(tuple(obs.tokens), tuple(obs.completion.completion_token_ids)))
+        self.served.append(obs.label)
+        self.observed.append(observation_json(obs))
+
+    def _check(self, obs: Observation) -> None:
+        failures = evaluate(obs, self.tally)
+        if failures:
+            name, detail = failures[0]
+            raise InvariantFailed(name, detail, cause=self.cause(obs.label, obs.tokens), worker=obs.label,
+                                  request=obs.request, numbers=failure_numbers(obs))
+
+    def cause(self, label: str | None, tokens: list[int]) -> str:
+        """Why the router's view differs: the tenant cause when the hop delivered a stored block
+        without the ``cache_salt`` the engine published it with; else ``kvalign diagnose``'s cause
+        for ``tokens`` on ``label``'s router-side capture."""
+        if label is not None and self._salt_lost(label):
+            return Cause.TENANTS_SHARE_KEYS.name
+        d = self.diagnose(label, tokens)
+        return "none" if d is None or d.cause is None else d.cause.name
+
+    def _salt_lost(self, label: str) -> bool:
+        def salts(views: WorkerViews) -> dict[int | None, list[str | None]]:
+            return {self.hop.original_seq(label, b.seq): [e.cache_salt for e in b.events if isinstance(e, BlockStored)]
+                    for b in views.since_epoch(label)}
+
+        engine, router = salts(self.engine_views), salts(self.router_views)
+        return any(engine.get(seq) not in (None, got) for seq, got in router.items())
+
+    def diagnose(self, label: str | None, tokens: list[int]) -> Any:
+        from kvalign.diagnose import RouterSettings, diagnose
+
+        if label is None:
+            return None
+        path = self.cluster.router_capture.capture_path(label)
+        if path is None or not Path(path).exists():
+            return None
+        eagle = "on" if self.cluster.workers[label].enable_eagle else "off"
+        try:
+            return diagnose(path, tokens, RouterSettings(block_size=self.opts.page_size, eagle=eagle))
+        except Exception:  # noqa: BLE001 - a failure report must still come out, without a cause
+            return None
+
+    # ---- examples and steps ---------------------------------------------------------------
+
+    def begin_example(self) -> None:
+        """Flush every worker instead of restarting the cluster, and start a fresh model."""
+        self.hop.disarm()
+        self._settle()
+        self._clear(self.labels)
+        for views in (self.engine_views, self.router_views):
+            for label in self.labels:
+                views.start_epoch(label)
+        self.history, self.served, self.steps, self.observed = [], [], [], []
+        self.restarts_in_example = 0
+        self.hop.dropped.clear()
+        self.examples += 1
+
+    def _clear(self, labels: list[str]) -> None:
+        before = {lab: self.engine_views.mark(lab) for lab in labels}
+        groups: dict[str, list[int]] = {}
+        for lab in labels:
+            groups.setdefault(COMPONENT[self.cluster.workers[lab].spec.role], []).append(self.cluster.workers[lab].instance_id)
+        try:
+            for component, ids in groups.items():
+                clear_kv_blocks(self.cluster.plan, component, ids)
+        except ControlError as exc:
+            raise FuzzEnvironmentError(str(exc)) from None
+        if not self.cluster.capture.wait_for(
+                lambda _snap: all(self.engine_views.mark(lab) > before[lab] for lab in labels), self.opts.settle_timeout_s):
+            raise FuzzEnvironmentError(f"no AllBlocksCleared from {labels} after clear_kv_blocks")
+        self._settle()
+
+    def run_step(self, step: dict[str, Any]) -> None:
+        """Run one step (recorded first, so a failing step is in the replay script)."""
+        self.steps.append(step)
+        self.steps_run += 1
+        rule = step["rule"]
+        try:
+            self._run(rule, step)
+        except SurfaceMissing as exc:
+            raise FuzzEnvironmentError(f"a per-request surface is missing: {exc}") from None
+        self.peak_rss_bytes = max(self.peak_rss_bytes, rss_bytes(run_pids(RUN_MARKER_ENV, str(self.cluster.plan.run_dir))))
+
+    def _run(self, rule: str, step: dict[str, Any]) -> None:
+        if rule == "request":
+            pin = step.get("pin")
+            self._request(resolve(step["prompt"], self.history), step["max_tokens"],
+                          pin=None if pin is None else self.labels[pin % len(self.labels)], salt=step.get("salt"),
+                          judge_routing=step.get("judge_routing", False))
+        elif rule == "concurrent":
+            self._concurrent([(resolve(p, self.history), mt) for p, mt in step["requests"]])
+        elif rule == "flush":
+            self._flush(self.labels[step["worker"] % len(self.labels)], step.get("seed", 0))
+        elif rule == "fill":
+            self._fill(step["seed"])
+        elif rule == "drop_batch":
+            self._drop(resolve(step["prompt"], self.history), step["max_tokens"], unpublished=step.get("unpublished", False))
+        elif rule == "lose_removal":
+            self._lose_removal(self.labels[step.get("worker", 0) % len(self.labels)], step["seed"],
+                               lose=step.get("lose", True))
+        elif rule == "restart":
+            self._restart(self.labels[step["worker"] % len(self.labels)])
+        else:
+            raise ValueError(f"unknown step rule {rule!r}")
+
+    def _request(self, tokens: list[int], max_tokens: int, pin: str | None = None, salt: str | None = None,
+                 judge_routing: bool = False) -> Observation:
+        """One request sent alone on a settled cluster, with every surface read around it.
+        ``judge_routing``: a pinned request's worker is still judged as a routing decision (the
+        best-worker control: a gateway that pins against the router's cache view)."""
+        self._settle()
+        marks = self._marks()
+        best = self._best(tokens, marks[0], salt) if pin is None or judge_routing else None
+        decode = self.metrics.decode(self.metrics.decode_urls) if max_tokens >= MIN_SPEC_TOKENS else None
+        reused_before = self.metrics.prefill_reused() if self.disagg else 0.0
+        c = self._send(tokens, max_tokens, None if pin is None else self.cluster.workers[pin].instance_id, salt)
+        self._settle(after_request=True)
+        label = self._label_of(c.prefill_worker_id)
+        if self.disagg:
+            engine_tokens: int | None = round(self.metrics.prefill_reused() - reused_before)
+            surface = "frontend router_kv_worker_reused_tokens_total{phase=prefill} delta"
+        else:
+            engine_tokens, surface = c.cached_tokens, "usage.prompt_tokens_details.cached_tokens"
+            if engine_tokens is None:
+                raise FuzzEnvironmentError("the response has no usage.prompt_tokens_details.cached_tokens: the "
+                                           "aggregated worker's reuse cannot be read")
+        spec = None
+        if decode is not None and label is not None and len(c.completion_token_ids) >= MIN_SPEC_TOKENS:
+            d = self.decode_label(label)
+            spec = self.metrics.spec(decode[d], d)
+        obs = self._observation(tokens, c, label, marks, concurrent=False, engine_tokens=engine_tokens,
+                                surface=surface, best=best, salt=salt, spec=spec)
+        obs.stored_pages = 0 if label is None else self._held(self.engine_views, label, tokens,
+                                                              self.engine_views.mark(label), salt=salt)[0]
+        self._record(obs)
+        tpv = "" if spec is None else f", tokens/verify {spec.tokens_per_verify}"
+        self.progress(f"request {obs.request}: {len(tokens)} tokens -> {obs.label}, kv_hit_rate {c.kv_hit_rate} "
+                      f"({obs.router_tokens} tokens credited, router view {obs.predicted} blocks), engine reused "
+                      f"{engine_tokens}{' [hop fault]' if obs.hop_faulted else ''}{tpv}")
+        self._check(obs)
+        return obs
+
+    def _concurrent(self, reqs: list[tuple[list[int], int]]) -> None:
+        """A burst, judged against the state settled before it. A request whose credit a sibling
+        could change — the sibling shares a page of its prompt that neither view held before the
+        burst, or the burst evicted a page it held — is counted ``unattributable``, not judged."""
+        if self.disagg:
+            raise FuzzEnvironmentError("bursts cannot be checked in disaggregation: the prefill worker's reuse is "
+                                       "read per request from a counter, which a burst merges")
+        self._settle()
+        marks = self._marks()
+        with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
+            futures = [pool.submit(self._send, toks, mt) for toks, mt in reqs]
+            answers = [f.result() for f in futures]
+        self._settle(after_request=True)
+        end = self._marks()
+        self.counts["concurrent_requests"] += len(reqs)
+        shown, checks = [], []
+        for i, ((toks, _), c) in enumerate(zip(reqs, answers)):
+            label = self._label_of(c.prefill_worker_id)
+            obs = self._observation(toks, c, label, marks, concurrent=True, engine_tokens=c.cached_tokens,
+                                    surface="usage.prompt_tokens_details.cached_tokens")
+            self._record(obs)
+            siblings = [t for j, (t, _) in enumerate(reqs) if j != i]
+            if label is not None and not self._attributable(label, toks, siblings, obs, marks, end):
+                self.tally.unattributable += 1
+                shown.append(f"{len(toks)} tokens -> {label} (kv_hit_rate {c.kv_hit_rate}, unattributable)")
+                continue
+            shown.append(f"{len(toks)} tokens -> {label} (kv_hit_rate {c.kv_hit_rate}, reused {c.cached_tokens})")
+            checks.append(obs)
+        self.progress(f"concurrent burst of {len(reqs)}: " + ", ".join(shown))
+        for obs in checks:
+            self._check(obs)
+
+    def _attributable(self, label: str, tokens: list[int], siblings: list[list[int]], obs: Observation,
+                      start: tuple, end: tuple) -> bool:
+        eagle = self.engine_eagle(label)
+        settled = min(obs.predicted, obs.engine_held)
+        if any(common_blocks(tokens, s, self.opts.page_size, eagle=eagle) > settled for s in siblings):
+            return False
+        for views, lo, hi, before in ((self.engine_views, start[2], end[2], obs.engine_held),
+                                      (self.prediction_views, start[0], end[0], obs.predicted)):
+            if min(self._held(views, label, tokens, lo[label], hi[label])) < before:
+                return False  # the burst evicted a page the request could have been credited with
+        return True
+
+    def _held_now(self, label: str, tokens: list[int]) -> int:
+        return self._held(self.engine_views, label, tokens, self.engine_views.mark(label))[0]
+
+    def _fill(self, seed: int) -> None:
+        """Long fresh prompts on one worker until its pool has had to evict, then the first of them
+        again: its pages were evicted, so router and engine must both say so (pinned, because the
+        router would spread fresh prompts over the workers and no pool would fill)."""
+        label = self.labels[seed % len(self.labels)]
+        length = min(self.opts.max_total_tokens * 3 // 5, 300)
+        self.progress(f"fill: {self.opts.fill_prompts} fresh prompts of {length} tokens on {label}, then the first again")
+        first = [self._request(new_tokens(seed * 1000 + i, length), 1, pin=label)
+                 for i in range(self.opts.fill_prompts)][0]
+        self._requery(first, "evicted_requeried", "fill")
+
+    def _requery(self, obs: Observation, counter: str, why: str) -> None:
+        """Re-send ``obs``'s prompt pinned to the worker that served it; counted in ``counter`` when
+        the engine has since dropped pages it stored for it (the check then looks at them)."""
+        if obs.label is None:
+            return
+        again = self._request(obs.tokens, 1, pin=obs.label)
+        if again.engine_held < obs.stored_pages:
+            self.counts[counter] += 1
+            self.progress(f"{why}: request {again.request} re-queried {obs.label} after {obs.stored_pages - again.engine_held} "
+                          f"of the prompt's {obs.stored_pages} pages were dropped")
+
+    def _flush(self, label: str, seed: int) -> None:
+        """Flush ``label``, then re-query its latest prompt on it (sending one first if it held none)."""
+        mine = [i for i, served in enumerate(self.served) if served == label]
+        if mine:
+            tokens = list(self.history[mine[-1]].tokens)
+        else:
+            tokens = new_tokens(seed, 3 * self.opts.page_size + 1)
+            self._request(tokens, 1, pin=label)
+        held = self._held_now(label, tokens)
+        self.progress(f"flush {label} (it held {held} pages of the prompt re-queried next)")
+        self._clear([label])
+        self.counts["flushes"] += 1
+        again = self._request(tokens, 1, pin=label)
+        if held > 0:
+            self.counts["flushed_requeried"] += 1
+            self.progress(f"flush: request {again.request} re-queried {held} flushed pages on {label}")
+
+    def _drop(self, tokens: list[int], max_tokens: int, *, unpublished: bool = False) -> None:
+        """Lose the request's store batch on the hop, then make the loss observable: a follow-up
+        pinned to the same worker stores pages under the lost ones (orphans to the router), which
+        is the evidence ``kvalign diagnose`` needs to name the gap. ``unpublished`` (scripts only):
+        kvalign's engine view loses it too, as if SGLang's publisher never sent it."""
+        dropped_before = len(self.hop.dropped)
+        self.hop.drop_next_store_batch(unpublished=unpublished)
+        obs = self._request(tokens, max_tokens)
+        self.hop.disarm()
+        lost = self.hop.dropped[dropped_before:]
+        if not lost:
+            self.progress("drop_batch: the request's stores shared a batch with removals (or stored nothing new); "
+                          "no batch lost")
+            return
+        self.counts["dropped_batches"] += len(lost)
+        label = lost[0].label
+        self.progress(f"drop_batch: the hop lost {label}'s batch seq {lost[0].seq} ({lost[0].blocks} blocks) "
+                      f"of request {obs.request}")
+        follow = [*tokens, *self.history[-1].output, *new_tokens(len(tokens), self.opts.page_size + 1)]
+        self._request(follow, 1, pin=label)
+        self.counts["lost_requeried"] += 1
+        d = self.diagnose(label, follow)
+        cause = "none" if d is None or d.cause is None else d.cause.name
+        self.progress(f"drop_batch: kvalign diagnose on {label}'s router-side capture: {cause}")
+        if cause == "SEQUENCE_GAP":
+            self.counts["lost_batches_diagnosed"] += 1
+        else:
+            self.notes.append(f"the hop lost {label}'s batch seq {lost[0].seq} of request {obs.request}, but kvalign "
+                              f"diagnose names {cause}" + ("" if d is None else f" ({d.detail})"))
+
+    def _lose_removal(self, label: str, seed: int, *, lose: bool) -> None:
+        """A prompt on ``label``, then a flush of ``label`` with the hop armed to lose its next batch
+        of pure removals (the flush's ``AllBlocksCleared``: SGLang publishes evictions together with
+        the stores that caused them, never alone), then the prompt again on ``label``. The router
+        still holds the cleared pages, so its credit on them is stale (``lose=False``: the twin)."""
+        first = self._request(new_tokens(seed, 100), 1, pin=label)
+        dropped_before = len(self.hop.dropped)
+        if lose:
+            self.hop.drop_next_removal_batch(label)
+        self._clear([label])
+        self.hop.disarm()
+        lost = self.hop.dropped[dropped_before:]
+        self.counts["dropped_batches"] += len(lost)
+        self.counts["flushes"] += 1
+        self.progress(f"lose_removal: flushed {label}; the hop lost {len(lost)} removal batch(es)"
+                      + "".join(f" (seq {d.seq})" for d in lost))
+        if lose and not lost:
+            raise FuzzEnvironmentError(f"the hop saw no batch of pure removals from {label} after its flush")
+        self._requery(first, "flushed_requeried", "lose_removal")
+
+    def _restart(self, label: str) -> None:
+        old = self.cluster.workers[label].instance_id
+        self.progress(f"restart {label} (instance {old})")
+        t0 = time.monotonic()
+        try:
+            new = self.cluster.restart_worker(label, timeout_s=self.opts.startup_timeout_s)
+        except (TimeoutError, RuntimeError) as exc:
+            raise FuzzEnvironmentError(f"restart of {label} failed: {exc}") from None
+        time.sleep(self.opts.restart_grace_s)  # the frontend's discovery watch sees both changes
+        self._settle()
+        for views in (self.engine_views, self.router_views):
+            views.start_epoch(label)
+        self.hop.dropped[:] = [d for d in self.hop.dropped if d.label != label]
+        self.restarts_in_example += 1
+        self.counts["restarts"] += 1
+        self.progress(f"restart {label}: new instance {new.instance_id} after {time.monotonic() - t0:.0f}s")
+
+    def finish_counts(self) -> dict[str, int]:
+        """The counts, with evictions read off the engine's own stream (pages removed)."""
+        removed = sum(1 for c in self.cluster.capture.snapshot() for ev in c.batch.events if isinstance(ev, BlockRemoved))
+        return {**self.counts, "evictions": removed}

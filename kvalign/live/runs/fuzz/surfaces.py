@@ -1,0 +1,66 @@
+"""Where the fuzz reads what a worker really did, per request, from stable surfaces only.
+
+* **Engine reuse.** An aggregated worker reports its own reuse in the response:
+  ``usage.prompt_tokens_details.cached_tokens``. In prefill/decode disaggregation that field is the
+  decode hop's count (0 on the CPU path), so the prefill worker's reuse is read where Dynamo keeps
+  it: ``dynamo.sglang`` sends ``engine_data.kv_cache_hit = {prompt_tokens, reused_tokens}`` from the
+  prefill attempt, and the frontend adds ``reused_tokens`` to the counter
+  ``..._router_kv_worker_reused_tokens_total{phase="prefill"}``. The delta of that counter across a
+  request sent alone is that request's prefill reuse.
+* **Decode speculation.** ``dynamo.sglang`` leaves ``completion_tokens_details`` empty, so the
+  decode worker's SGLang counters are read before and after a request sent alone
+  (:func:`kvalign.live.wire.metrics.spec_window`).
+
+A surface that is missing is an environment error naming it (exit 2), never a skipped check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvalign.errors import UsageError
+from kvalign.live.wire.metrics import MetricsSnapshot, SpecDecodeWindow, scrape, spec_window
+
+#: The frontend's counter of what prefill workers reported reusing (Dynamo 1.6.1's
+#: ``prometheus_names``: ``router_kv_worker_reused_tokens_total``, prefixed ``dynamo_component_``).
+PREFILL_REUSED = "router_kv_worker_reused_tokens_total"
+
+
+class SurfaceMissing(RuntimeError):
+    """A surface the fuzz reads per request is not there: the environment cannot run the check."""
+
+
+def prefill_reused_total(snap: MetricsSnapshot) -> float | None:
+    """Sum of the frontend's ``*router_kv_worker_reused_tokens_total{phase="prefill"}`` samples
+    (None when the frontend exports no such counter yet: it appears with the first report)."""
+    found = [s.value for s in snap.samples
+             if s.name.endswith(PREFILL_REUSED) and dict(s.labels).get("phase") == "prefill"]
+    return float(sum(found)) if found else None
+
+
+class MetricReader:
+    """Scrapes of the frontend (prefill reuse) and of the decode workers (speculation)."""
+
+    def __init__(self, frontend_url: str, decode_urls: dict[str, str]) -> None:
+        self.frontend_url, self.decode_urls = f"{frontend_url}/metrics", dict(decode_urls)
+
+    def _scrape(self, url: str) -> MetricsSnapshot:
+        try:
+            return scrape(url)
+        except UsageError as exc:
+            raise SurfaceMissing(str(exc)) from None
+
+    def prefill_reused(self) -> float:
+        """The frontend's prefill-reuse counter now (0 before any prefill worker reported)."""
+        return prefill_reused_total(self._scrape(self.frontend_url)) or 0.0
+
+    def decode(self, labels: Sequence[str]) -> dict[str, MetricsSnapshot]:
+        return {label: self._scrape(self.decode_urls[label]) for label in labels}
+
+    def spec(self, before: MetricsSnapshot, label: str) -> SpecDecodeWindow:
+        """``label``'s decode window from ``before`` to now."""
+        after = self._scrape(self.decode_urls[label])
+        if not after.has("sglang:spec_verify_calls_total"):
+            raise SurfaceMissing(f"{self.decode_urls[label]} exports no sglang:spec_verify_calls_total: the decode "
+                                 "worker needs --enable-metrics and a speculative algorithm")
+        return spec_window(before, [after])

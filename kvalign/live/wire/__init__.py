@@ -1,0 +1,1 @@
+"""What crosses the process boundary: captures, hops, client, metrics."""
