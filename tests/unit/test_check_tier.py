@@ -19,7 +19,7 @@ import pytest
 
 from kvalign.oracles.base import OracleUnavailable
 
-EXAMPLES = 10
+EXAMPLES = 6
 
 
 def _rewrite_medium(old: str, new: str) -> Callable[[list[bytes]], list[bytes]]:
@@ -155,6 +155,24 @@ def test_query_overlap_reads_device_blocks_never_weighted_host_credit(tier_paths
 
     with pytest.raises(OracleUnavailable, match="weighs host / disk tiers"):
         path.query_overlap(NoTierAnswer(), tokens, None, None)
+
+
+def test_tier_rows_are_skipped_not_failed_without_a_per_tier_answer(tier_paths):
+    """A release whose router has no get_overlap_scores (before 1.5): nothing to compare, so no claim."""
+    import types
+
+    from kvalign.tier import run_tier_rows
+
+    real = tier_paths().path
+
+    class OldRelease:  # the real path, as a router without get_overlap_scores exposes it
+        version = real.version
+
+        def worker(self, page_size: int, eagle: bool) -> Any:
+            return types.SimpleNamespace(router=types.SimpleNamespace(best_worker=real.worker(page_size, eagle).router.best_worker))
+
+    rows = run_tier_rows(types.SimpleNamespace(router_path=OldRelease), "tier", ("plain",), ("base",), 2)
+    assert [r.ok for r in rows] == [True] and "has no get_overlap_scores" in rows[0].skipped and rows[0].cases == 0
 
 
 def _init_hicache_literal(name: str) -> Any:
