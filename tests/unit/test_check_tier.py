@@ -22,22 +22,32 @@ from kvalign.oracles.base import OracleUnavailable
 EXAMPLES = 6
 
 
-def _rewrite_medium(old: str, new: str) -> Callable[[list[bytes]], list[bytes]]:
+SENTINEL_HASHES = 1 << 62  # kvalign's barrier pages (kvalign.oracles.router_path.sentinel_hash)
+
+
+def _rewrite_medium(old: str, new: str, *, sentinels: bool) -> Callable[[list[bytes]], list[bytes]]:
+    """A hop that rewrites ``medium`` ``old`` to ``new``; ``sentinels=False`` leaves kvalign's barrier
+    pages alone, so that only SGLang's own events are broken and the engine-vs-router comparison
+    (not the barrier) has to catch it."""
+
     def transform(frames: list[bytes]) -> list[bytes]:
         batch = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
         for ev in batch[1]:
             if isinstance(ev, dict) and ev.get("medium") == old:
-                ev["medium"] = new
+                if sentinels or not any(int(h) >= SENTINEL_HASHES for h in ev.get("block_hashes") or []):
+                    ev["medium"] = new
         return [frames[0], frames[1], msgpack.packb(batch, use_bin_type=True)]
 
-    transform.__name__ = f"medium_{old}_to_{new}"
+    transform.__name__ = f"medium_{old}_to_{new}{'' if sentinels else '_engine_only'}"
     return transform
 
 
 #: A relay that files SGLang's host-tier stores (and removals) under the device tier.
-host_as_device = _rewrite_medium("CPU_PINNED", "GPU")
+host_as_device = _rewrite_medium("CPU_PINNED", "GPU", sentinels=False)
+host_as_device_everywhere = _rewrite_medium("CPU_PINNED", "GPU", sentinels=True)
 #: SGLang sends a host medium string the relay does not map (what a renamed StorageMedium would do).
-unknown_host_medium = _rewrite_medium("CPU_PINNED", "HOST_PINNED")
+unknown_host_medium = _rewrite_medium("CPU_PINNED", "HOST_PINNED", sentinels=False)
+unknown_host_medium_everywhere = _rewrite_medium("CPU_PINNED", "HOST_PINNED", sentinels=True)
 
 
 @pytest.fixture(scope="module")
@@ -86,18 +96,25 @@ def test_router_tiers_equal_sglang_residency(tier_paths, count_case, eagle):
     assert failures == 0 and calls >= EXAMPLES
 
 
-def test_relay_filing_host_under_device_is_tier_misfiled(tier_paths):
-    calls, failures, found = _search(tier_paths(host_as_device), eagle=False, page_sizes=(4,))
+@pytest.mark.parametrize("everywhere", [False, True], ids=["engine-pages", "barrier-too"])
+def test_relay_filing_host_under_device_is_tier_misfiled(tier_paths, everywhere):
+    transform = host_as_device_everywhere if everywhere else host_as_device
+    calls, failures, found = _search(tier_paths(transform), eagle=False, page_sizes=(4,))
     assert found is not None and failures > 0, "a relay that files host pages under device must fail the tier rows"
     assert found.cause.name == "TIER_MISFILED", (found.cause, found.detail)
     assert "filed it under device" in found.detail
+    # engine pages only: the verdict comes from SGLang's residency against the router's answer
+    assert everywhere or ("SGLang holds" in found.detail and "in its host_pinned tier" in found.detail)
 
 
+@pytest.mark.parametrize("everywhere", [False, True], ids=["engine-pages", "barrier-too"])
 @pytest.mark.parametrize("eagle", [False, True], ids=["plain", "eagle"])
-def test_unknown_medium_is_medium_not_indexed(tier_paths, eagle):
-    calls, failures, found = _search(tier_paths(unknown_host_medium), eagle=eagle, page_sizes=(4,))
+def test_unknown_medium_is_medium_not_indexed(tier_paths, eagle, everywhere):
+    transform = unknown_host_medium_everywhere if everywhere else unknown_host_medium
+    calls, failures, found = _search(tier_paths(transform), eagle=eagle, page_sizes=(4,))
     assert found is not None and found.cause.name == "MEDIUM_NOT_INDEXED", found and (found.cause, found.detail)
     assert "'HOST_PINNED'" in found.detail and "indexed it nowhere" in found.detail
+    assert everywhere or "SGLang holds" in found.detail
 
 
 def test_servable_finds_host_credit_below_sglangs_load_back_threshold(tier_paths):
