@@ -126,8 +126,10 @@ class TierPath:
 
     def settle(self, worker: Any, tap: WireTap) -> tuple[Cause, str] | None:
         """Publish a sentinel page per tier (device and host) and wait until the router credits both,
-        so that everything before them on the one stream was processed in each tier's index (the
-        router indexes the tiers separately: a device sentinel alone can overtake host events).
+        so that everything before them on the one stream was processed in each tier's index. With a
+        device sentinel alone, Dynamo 1.6.1 sometimes answered before applying the host events
+        published ahead of it (the index dump read just after held them): its tiers are not applied
+        in one order.
         Polls the router's own overlap answer, not its index dump. None when settled, else the
         named reason (from the index dump and the wire tap) why not."""
         from kvalign.oracles.router_path import SENTINEL_BASE, sentinel_hash
