@@ -474,10 +474,12 @@ class FuzzDriver:
                           f"of the prompt's {obs.stored_pages} pages were dropped")
 
     def _flush(self, label: str, seed: int) -> None:
-        """Flush ``label``, then re-query its latest prompt on it (sending one first if it held none)."""
+        """Send ``label``'s latest prompt again, unpinned (the router must choose a worker that holds
+        it best), flush ``label``, then re-query the prompt on it (one is sent first if it held none)."""
         mine = [i for i, served in enumerate(self.served) if served == label]
         if mine:
             tokens = list(self.history[mine[-1]].tokens)
+            self._request(tokens, 1)
         else:
             tokens = new_tokens(seed, 3 * self.opts.page_size + 1)
             self._request(tokens, 1, pin=label)
