@@ -50,6 +50,7 @@ def _child(release_dir: Path, argv: list[str], **env: str) -> subprocess.Complet
                           env={**base, "PYTHONPATH": path, **env})
 
 
+@pytest.mark.slow  # a child that imports the release's patched modules (its scheduler and model stack): 10-20 s
 def test_patches_find_their_targets_in_the_release(release, tmp_path):
     """Importing every patched module runs the patches; each one's ``_require`` checks its target in
     this release first, so a clean exit means every target was found (as in a worker: the harness's
