@@ -56,11 +56,11 @@ def render(doc: dict, top: int = 30) -> str:
         lines.append(f"-m {doc['markexpr']!r}")
     lines.append("")
     lines.append(f"top {top} tests (seconds: total = set-up + call + teardown)")
-    lines.append(f"{'total':>7} {'setup':>7} {'call':>7} {'teardn':>7}  test")
+    lines.append(f"{'total':>7} {'setup':>7} {'call':>7} {'teardn':>7} {'cases':>6}  test")
     ranked = sorted(tests.items(), key=lambda kv: total(kv[1]), reverse=True)
     for nodeid, row in ranked[:top]:
         lines.append(f"{total(row):7.2f} {row.get('setup', 0):7.2f} {row.get('call', 0):7.2f} "
-                     f"{row.get('teardown', 0):7.2f}  {nodeid}")
+                     f"{row.get('teardown', 0):7.2f} {row.get('cases', 0):6d}  {nodeid}")
     lines.append("")
     lines.append("per marker (a test with several markers counts towards each)")
     per_marker: dict[str, list[float]] = defaultdict(list)
@@ -72,10 +72,12 @@ def render(doc: dict, top: int = 30) -> str:
     lines.append("")
     lines.append("per file (top 15)")
     per_file: dict[str, list[float]] = defaultdict(list)
+    file_cases: dict[str, int] = defaultdict(int)
     for nodeid, row in tests.items():
         per_file[nodeid.split("::")[0]].append(total(row))
+        file_cases[nodeid.split("::")[0]] += int(row.get("cases", 0))
     for name, times in sorted(per_file.items(), key=lambda kv: -sum(kv[1]))[:15]:
-        lines.append(f"{sum(times):8.1f} s  {len(times):5d} tests  {name}")
+        lines.append(f"{sum(times):8.1f} s  {len(times):5d} tests  {file_cases[name]:6d} cases  {name}")
     return "\n".join(lines)
 
 

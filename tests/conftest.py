@@ -64,10 +64,20 @@ _DURATIONS: dict[str, dict] = {}
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    _record_start(item)
+    from gpu_skip import gpus_needed, skip_reason
+
+    needed = gpus_needed(item)
+    if needed and (why := skip_reason(needed)):
+        pytest.skip(why)
+
+
+def _record_start(item: pytest.Item) -> None:
     if item.config.getoption("durations_json"):
         _DURATIONS.setdefault(item.nodeid, {"markers": sorted({m.name for m in item.iter_markers()
                                                               if m.name not in ("parametrize", "timeout", "usefixtures",
-                                                                                "skipif", "xfail", "filterwarnings")})})
+                                                                                "skipif", "xfail", "filterwarnings")}),
+                                                 "_cases_before": _COUNTER.n})
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -76,6 +86,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         row[report.when] = round(report.duration, 4)
         if report.when == "call" or report.outcome != "passed":
             row["outcome"] = "skipped" if report.skipped else report.outcome
+        if report.when == "teardown" and "_cases_before" in row:
+            row["cases"] = _COUNTER.n - row.pop("_cases_before")
 
 
 def _write_durations(config: pytest.Config) -> None:
