@@ -7,7 +7,9 @@ as ``--durations=0`` reports them), written to JSON by the ``--durations-json PA
     .venv/bin/python bench/suite_times.py out/durations.json
     .venv/bin/python bench/suite_times.py --run -- -m "not slow and not e2e"
 
-A test's time is its set-up + call + teardown, so a module- or session-scoped fixture is charged
+A test's time is its set-up + call + teardown (and ``cpu`` the CPU seconds of the pytest process
+and its reaped children over the same span: on a shared machine, where wall time follows the load,
+this is the figure to compare), so a module- or session-scoped fixture is charged
 to the first test that uses it (and its teardown to the last), exactly as pytest charges it. A test
 with several markers counts towards each of them; ``(none)`` is the tests without a marker.
 """
@@ -42,11 +44,12 @@ def render(doc: dict, top: int = 30) -> str:
     tests: dict[str, dict] = doc["tests"]
     lines = []
     summed = sum(map(total, tests.values()))
+    cpu = sum(float(row.get("cpu", 0.0)) for row in tests.values())
     outcomes: dict[str, int] = defaultdict(int)
     for row in tests.values():
         outcomes[row.get("outcome", "unknown")] += 1
     head = f"{len(tests)} tests ({', '.join(f'{n} {o}' for o, n in sorted(outcomes.items()))}); " \
-           f"{summed:.1f} s in tests"
+           f"{summed:.1f} s in tests ({cpu:.1f} s CPU, children included)"
     if doc.get("session_s") is not None:
         head += f", {doc['session_s']:.1f} s session (collection and imports included)"
     if doc.get("generated_cases") is not None:
@@ -56,11 +59,11 @@ def render(doc: dict, top: int = 30) -> str:
         lines.append(f"-m {doc['markexpr']!r}")
     lines.append("")
     lines.append(f"top {top} tests (seconds: total = set-up + call + teardown)")
-    lines.append(f"{'total':>7} {'setup':>7} {'call':>7} {'teardn':>7} {'cases':>6}  test")
+    lines.append(f"{'total':>7} {'setup':>7} {'call':>7} {'teardn':>7} {'cpu':>7} {'cases':>6}  test")
     ranked = sorted(tests.items(), key=lambda kv: total(kv[1]), reverse=True)
     for nodeid, row in ranked[:top]:
         lines.append(f"{total(row):7.2f} {row.get('setup', 0):7.2f} {row.get('call', 0):7.2f} "
-                     f"{row.get('teardown', 0):7.2f} {row.get('cases', 0):6d}  {nodeid}")
+                     f"{row.get('teardown', 0):7.2f} {row.get('cpu', 0):7.2f} {row.get('cases', 0):6d}  {nodeid}")
     lines.append("")
     lines.append("per marker (a test with several markers counts towards each)")
     per_marker: dict[str, list[float]] = defaultdict(list)
@@ -70,14 +73,16 @@ def render(doc: dict, top: int = 30) -> str:
     for marker, times in sorted(per_marker.items(), key=lambda kv: -sum(kv[1])):
         lines.append(f"{sum(times):8.1f} s  {len(times):5d} tests  {marker}")
     lines.append("")
-    lines.append("per file (top 15)")
+    lines.append("per file (top 15): wall, CPU")
     per_file: dict[str, list[float]] = defaultdict(list)
     file_cases: dict[str, int] = defaultdict(int)
+    file_cpu: dict[str, float] = defaultdict(float)
     for nodeid, row in tests.items():
         per_file[nodeid.split("::")[0]].append(total(row))
         file_cases[nodeid.split("::")[0]] += int(row.get("cases", 0))
+        file_cpu[nodeid.split("::")[0]] += float(row.get("cpu", 0.0))
     for name, times in sorted(per_file.items(), key=lambda kv: -sum(kv[1]))[:15]:
-        lines.append(f"{sum(times):8.1f} s  {len(times):5d} tests  {file_cases[name]:6d} cases  {name}")
+        lines.append(f"{sum(times):8.1f} s {file_cpu[name]:7.1f} s  {len(times):5d} tests  {file_cases[name]:6d} cases  {name}")
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ set), ``dev`` (random, no deadline; the default otherwise), ``nightly`` (10x exa
 from __future__ import annotations
 
 import os
+import time
 
 # Dynamo's Rust core sets up logging when first imported; keep its INFO/WARN lines out of test
 # output (skipped stores are expected under the misaligned negative controls).
@@ -77,7 +78,7 @@ def _record_start(item: pytest.Item) -> None:
         _DURATIONS.setdefault(item.nodeid, {"markers": sorted({m.name for m in item.iter_markers()
                                                               if m.name not in ("parametrize", "timeout", "usefixtures",
                                                                                 "skipif", "xfail", "filterwarnings")}),
-                                                 "_cases_before": _COUNTER.n})
+                                                 "_cases_before": _COUNTER.n, "_cpu_before": _cpu_seconds()})
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -88,6 +89,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             row["outcome"] = "skipped" if report.skipped else report.outcome
         if report.when == "teardown" and "_cases_before" in row:
             row["cases"] = _COUNTER.n - row.pop("_cases_before")
+            row["cpu"] = round(_cpu_seconds() - row.pop("_cpu_before"), 3)
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and its reaped children: unlike wall time, barely moved by other
+    work on a shared machine."""
+    import resource
+
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + kids.ru_utime + kids.ru_stime
 
 
 def _write_durations(config: pytest.Config) -> None:
