@@ -27,9 +27,9 @@ def skip_reason(needed: int, check_prereqs: Callable | None = None, models: tupl
     if needed <= 0:
         return None
     if check_prereqs is None:
-        from kvalign.live.gpu import check_prereqs
+        from kvalign.live.engines.gpu import check_prereqs
     if models is None:
-        from kvalign.live.sglang_worker import default_models
+        from kvalign.live.engines.sglang_worker import default_models
 
         models = default_models()
     pre = check_prereqs(needed, *models, import_check=False)

@@ -6,7 +6,7 @@ import subprocess
 
 from gpu_skip import skip_reason
 
-from kvalign.live import gpu
+from kvalign.live.engines import gpu
 
 SMI = "0, GPU-11111111-aaaa-bbbb-cccc-000000000000, NVIDIA H200, 143771\n"
 
