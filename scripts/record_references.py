@@ -6,7 +6,12 @@ derandomized inputs of ``tests/unit/test_sglang_cpu_standin_releases.py`` and wr
 the kernels' outputs and the key (release, Triton version, kernel-source hash) to
 ``tests/unit/references/allocator-<release>.json``.
 
-    PYTHONPATH=. .venv/bin/python scripts/record_references.py [RELEASE ...]
+And the card table of the installed Dynamo x SGLang pair (algorithm -> the ``enable_eagle`` that
+``dynamo.sglang``'s real registration code puts on the card, and whether SGLang keys by bigrams),
+keyed by (Dynamo, SGLang, Triton, registration-source hash), to
+``tests/unit/references/card-<dynamo>-<sglang>.json``.
+
+    PYTHONPATH=. .venv/bin/python scripts/record_references.py [card] [RELEASE ...]   (default: all)
 """
 
 from __future__ import annotations
@@ -44,7 +49,19 @@ def main(argv: list[str]) -> int:
     sys.path.insert(0, str(TESTS))
     from recorded import path_for
 
-    releases = argv or [v for v in standin.SUPPORTED if v != standin.SGLANG_VERSION]
+    from recorded import card_key, card_table
+
+    from kvalign.oracles.registration import load_registration
+
+    if not argv or "card" in argv:
+        key = card_key()
+        out = path_for("card", f"{key['dynamo']}-{key['sglang']}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        table = card_table(load_registration())
+        out.write_text(json.dumps({"key": key, "table": table}, indent=1, sort_keys=True) + "\n")
+        print(f"{out.relative_to(ROOT)}: {len(table)} algorithms, key {key}")
+
+    releases = [a for a in argv if a != "card"] if argv else [v for v in standin.SUPPORTED if v != standin.SGLANG_VERSION]
     for release in releases:
         out = path_for("allocator", release)
         out.parent.mkdir(parents=True, exist_ok=True)

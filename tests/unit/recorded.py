@@ -75,3 +75,38 @@ def load_function(path: Path, name: str, namespace: dict[str, Any]) -> Callable[
     scope = dict(namespace)
     exec(code, scope)  # noqa: S102 - the release's own function, from its own file
     return scope[name]
+
+
+#: The sources the card table depends on: dynamo.sglang's registration code and its config
+#: defaults, and SGLang's speculative-algorithm definitions (which algorithms exist, is_eagle()).
+CARD_SOURCES = (("dynamo", "dynamo/sglang/register.py"), ("dynamo", "dynamo/sglang/args.py"),
+                ("sglang", "sglang/srt/speculative/spec_info.py"))
+
+
+def _package_root(package: str, rel: str) -> Path:
+    """The site directory holding ``rel`` of ``package`` (found without importing the package)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        root = Path(location).parent
+        if (root / rel).exists():
+            return root
+    raise LookupError(f"{rel} is not installed")
+
+
+def card_key() -> dict[str, str]:
+    """(Dynamo release, SGLang release, Triton version, registration-source hash) of the installed pair."""
+    digest = hashlib.sha256()
+    for package, rel in CARD_SOURCES:
+        digest.update(rel.encode() + b"\0" + (_package_root(package, rel) / rel).read_bytes() + b"\0")
+    return {"dynamo": metadata.version("ai-dynamo"), "sglang": metadata.version("sglang"),
+            "triton": metadata.version("triton"), "registration_source_sha256": digest.hexdigest()}
+
+
+def card_table(registration: Any) -> dict[str, dict[str, bool | None]]:
+    """algorithm -> the card's ``enable_eagle`` and whether SGLang keys by bigrams, from the real code."""
+    from kvalign.oracles.registration import sglang_keys_bigrams, speculative_algorithms
+
+    return {str(alg): {"enable_eagle": registration.derive(alg), "sglang_keys_bigrams": sglang_keys_bigrams(alg)}
+            for alg in speculative_algorithms()}
