@@ -40,16 +40,22 @@ def total(row: dict) -> float:
     return sum(float(row.get(k, 0.0)) for k in ("setup", "call", "teardown"))
 
 
+def _opt(row: dict, key: str, width: int, fmt: str) -> str:
+    """A column that older files lack (printed as '-')."""
+    return f"{row[key]:{width}{fmt}}" if key in row else f"{'-':>{width}}"
+
+
 def render(doc: dict, top: int = 30) -> str:
     tests: dict[str, dict] = doc["tests"]
     lines = []
     summed = sum(map(total, tests.values()))
     cpu = sum(float(row.get("cpu", 0.0)) for row in tests.values())
+    has_cpu = any("cpu" in row for row in tests.values())
     outcomes: dict[str, int] = defaultdict(int)
     for row in tests.values():
         outcomes[row.get("outcome", "unknown")] += 1
     head = f"{len(tests)} tests ({', '.join(f'{n} {o}' for o, n in sorted(outcomes.items()))}); " \
-           f"{summed:.1f} s in tests ({cpu:.1f} s CPU, children included)"
+           f"{summed:.1f} s in tests" + (f" ({cpu:.1f} s CPU, children included)" if has_cpu else "")
     if doc.get("session_s") is not None:
         head += f", {doc['session_s']:.1f} s session (collection and imports included)"
     if doc.get("generated_cases") is not None:
@@ -63,7 +69,7 @@ def render(doc: dict, top: int = 30) -> str:
     ranked = sorted(tests.items(), key=lambda kv: total(kv[1]), reverse=True)
     for nodeid, row in ranked[:top]:
         lines.append(f"{total(row):7.2f} {row.get('setup', 0):7.2f} {row.get('call', 0):7.2f} "
-                     f"{row.get('teardown', 0):7.2f} {row.get('cpu', 0):7.2f} {row.get('cases', 0):6d}  {nodeid}")
+                     f"{row.get('teardown', 0):7.2f} {_opt(row, 'cpu', 7, '.2f')} {_opt(row, 'cases', 6, 'd')}  {nodeid}")
     lines.append("")
     lines.append("per marker (a test with several markers counts towards each)")
     per_marker: dict[str, list[float]] = defaultdict(list)
@@ -82,7 +88,8 @@ def render(doc: dict, top: int = 30) -> str:
         file_cases[nodeid.split("::")[0]] += int(row.get("cases", 0))
         file_cpu[nodeid.split("::")[0]] += float(row.get("cpu", 0.0))
     for name, times in sorted(per_file.items(), key=lambda kv: -sum(kv[1]))[:15]:
-        lines.append(f"{sum(times):8.1f} s {file_cpu[name]:7.1f} s  {len(times):5d} tests  {file_cases[name]:6d} cases  {name}")
+        cpu_col = f"{file_cpu[name]:7.1f} s" if has_cpu else f"{'-':>7}  "
+        lines.append(f"{sum(times):8.1f} s {cpu_col}  {len(times):5d} tests  {file_cases[name]:6d} cases  {name}")
     return "\n".join(lines)
 
 
@@ -92,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run", action="store_true", help="run pytest (arguments after --) and map that run")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--keep", metavar="PATH", help="with --run: keep the JSON at PATH")
-    ap.add_argument("pytest_args", nargs=argparse.REMAINDER)
-    args = ap.parse_args(argv)
-    pytest_args = [a for a in args.pytest_args if a != "--"]
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, pytest_args = ap.parse_args(argv[:cut]), argv[cut + 1:]
     if args.run == bool(args.json):
         ap.error("give either a JSON file or --run [-- PYTEST ARGS]")
     if args.run:
