@@ -44,6 +44,16 @@ def allocator_key(release: str, root: Path) -> dict[str, str]:
             "kernel_source_sha256": source_hash(root, ALLOCATOR_SOURCES)}
 
 
+def dumps(doc: dict[str, Any]) -> str:
+    """A recording as JSON, one case per line (readable diffs when a key changes)."""
+    cases = doc.get("cases")
+    if cases is None:
+        return json.dumps(doc, indent=1, sort_keys=True) + "\n"
+    head = {k: v for k, v in doc.items() if k != "cases"}
+    lines = ",\n".join(json.dumps(c, sort_keys=True) for c in cases)
+    return json.dumps(head, sort_keys=True)[:-1] + ', "cases": [\n' + lines + "\n]}\n"
+
+
 def path_for(kind: str, release: str) -> Path:
     return DIR / f"{kind}-{release}.json"
 

@@ -256,11 +256,12 @@ def _allocator_main(record: str | None = None) -> int:
         import importlib.util
         from importlib import metadata
 
+        import recorded as recorded_module
         from recorded import allocator_key
 
         root = Path(importlib.util.find_spec("sglang").origin).resolve().parents[1]
         key = allocator_key(metadata.version("sglang"), root)
-        Path(record).write_text(json.dumps({"key": key, "examples": EXAMPLES, "cases": recorded}, indent=0) + "\n")
+        Path(record).write_text(recorded_module.dumps({"key": key, "examples": EXAMPLES, "cases": recorded}))
     print(json.dumps({"stand_in": verdict, "cases": cases, "mutant": caught}))
     return 0
 
