@@ -1,7 +1,12 @@
 """Live layer: the real Dynamo frontend + KV router in front of real worker processes.
 
-One harness for CPU CI and the GPU nightly: :mod:`topology` (roles, ports, env, worker kinds),
-:mod:`cluster` (launch, readiness, teardown), :mod:`processes`, :mod:`ports`, :mod:`client`
-(streaming chat + nvext), :mod:`capture` (live SGLang KV events -> kvalign's prediction),
-:mod:`discovery` (file-backed discovery store), :mod:`scenario` (shared requests + assertions).
+One harness for CPU CI and the GPU nightly, in four layers that import downwards only:
+
+* :mod:`.cluster` — the processes' lifecycle: topology (roles, ports, env), launch, readiness,
+  restart, teardown, discovery, the control endpoints;
+* :mod:`.engines` — the kinds of worker (fake CPU, real SGLang on CPU, real SGLang on GPU) and the
+  tiny offline models;
+* :mod:`.wire` — what crosses a process boundary: KV-event captures, the lossy hop, the HTTP
+  client (``nvext``), Prometheus metrics;
+* :mod:`.runs` — what runs on a cluster: the seed scenario, the EAGLE3 prefill/decode run, the fuzz.
 """

@@ -39,6 +39,25 @@ def test_every_algorithm_registers_the_card_sglang_needs(registration):
     assert rows[1].cases == 3 and rows[0].cases == len(algorithms) - 3
 
 
+def test_card_table_equals_the_recorded_one_while_its_key_holds(registration):
+    """The recorded card table (scripts/record_references.py) against the real registration code: equal
+    while the key (Dynamo, SGLang, Triton, registration sources) holds; a changed key is said, not hidden."""
+    import warnings
+
+    import recorded
+
+    key = recorded.card_key()
+    doc = recorded.load("card", f"{key['dynamo']}-{key['sglang']}")
+    why = recorded.stale_reason(doc, key, f" of the card table for ai-dynamo {key['dynamo']} x sglang {key['sglang']}")
+    if why:
+        warnings.warn(recorded.StaleReference(why))
+        pytest.skip(why)
+    table = recorded.card_table(registration)
+    assert table == doc["table"], "the registration code's cards changed under the same key"
+    assert {a for a, row in table.items() if row["sglang_keys_bigrams"]} == {"EAGLE", "EAGLE3", "FROZEN_KV_MTP"}
+    assert all(row["enable_eagle"] == row["sglang_keys_bigrams"] for row in table.values())
+
+
 def test_hand_kept_name_set_is_caught_as_card_eagle_off(registration, monkeypatch):
     """Dynamo #10982: enable_eagle from ("EAGLE", "NEXTN") misses EAGLE3 and FROZEN_KV_MTP."""
     import dynamo.sglang.register as register

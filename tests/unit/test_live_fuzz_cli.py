@@ -20,6 +20,8 @@ def kvalign(*args: str) -> subprocess.CompletedProcess:
     (["--examples", "0"], "--examples and --steps must be >= 1"),
     (["--engine", "fake-cpu"], "cannot run here: --engine fake-cpu"),
     (["--replay", "/nonexistent/script.json"], "cannot read /nonexistent/script.json"),
+    (["--sglang", "0.4.0"], "supports sglang 0.5.19, 0.5.21, 0.5.23, not sglang 0.4.0"),
+    (["--workers", "1", "--topology", "disagg"], "the fuzz needs at least 2 workers"),
 ])
 def test_bad_arguments_fail_in_one_line(args: list[str], says: str) -> None:
     p = kvalign(*args)

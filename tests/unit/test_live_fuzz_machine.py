@@ -12,8 +12,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvalign.commands.fuzz import DEFAULT_SEED
-from kvalign.live.runs.fuzz.driver import COUNTS, FuzzOptions
+from kvalign.live.runs.fuzz.driver import COUNTS, FuzzEnvironmentError, FuzzOptions
 from kvalign.live.runs.fuzz.invariants import InvariantFailed, Tally
 from kvalign.live.runs.fuzz.machine import replay, run_fuzz
 
@@ -80,3 +82,33 @@ def test_replay_runs_the_script_steps_as_one_example(tmp_path: Path) -> None:
     assert d.examples == 1 and d.steps == steps
     assert res.failure is not None and res.failure.script == str(tmp_path / "replayed.json")
     assert json.loads((tmp_path / "replayed.json").read_text())["steps"] == steps
+
+
+class BreakingDriver(RecordingDriver):
+    """Raises the environment error on the ``n``-th step (a cluster that dies mid-run)."""
+
+    def __init__(self, n: int, fail_on: Any = None) -> None:
+        super().__init__(fail_on)
+        self.n = n
+
+    def run_step(self, step: dict) -> None:
+        if self.steps_run + 1 >= self.n:
+            self.steps_run += 1
+            raise FuzzEnvironmentError("request of 40 tokens failed: HTTP 400")
+        super().run_step(step)
+
+
+def test_a_broken_environment_is_an_environment_error_not_a_hypothesis_one(tmp_path: Path) -> None:
+    d = BreakingDriver(3)
+    with pytest.raises(FuzzEnvironmentError, match="HTTP 400"):
+        run_fuzz(d, examples=3, steps=10, seed=DEFAULT_SEED, shrink_seconds=5, script_path=tmp_path / "x.json",
+                 report=lambda _m: None)
+
+
+def test_an_environment_error_while_shrinking_keeps_the_failure_already_found(tmp_path: Path) -> None:
+    d = BreakingDriver(4, fail_on=lambda s: True)  # fails on the first step, breaks on the 4th (shrinking)
+    script = tmp_path / "fuzz-failure.json"
+    res = run_fuzz(d, examples=3, steps=10, seed=DEFAULT_SEED, shrink_seconds=5, script_path=script,
+                   report=lambda _m: None)
+    assert res.failure is not None and res.failure.invariant == "router_matches_prediction"
+    assert res.failure.note and "shrinking stopped" in res.failure.note and script.exists()

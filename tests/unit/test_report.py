@@ -50,6 +50,7 @@ def test_anchors_are_found_in_the_installed_sglang_or_said_missing(sglang_availa
     assert gone["line"] is None and gone["missing"] == "file not in this release"
 
 
+@pytest.mark.slow  # a child that installs (or reuses) ai-dynamo 1.6.1 x sglang 0.5.21 and runs both: 20-30 s
 @pytest.mark.timeout(900)
 def test_lora_report_on_the_shipped_pair_1_6_1_x_0_5_21(tmp_path):
     out = tmp_path / "report.md"

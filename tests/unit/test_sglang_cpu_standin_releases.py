@@ -7,7 +7,10 @@ first on ``PYTHONPATH``:
 * the release's own patches and the common ones find their targets *in that release* and apply;
 * the allocator launches that stand in for 0.5.21's Triton-only paged allocator equal its Triton
   kernels run by Triton's interpreter, on Hypothesis inputs; a mutant (the next free page instead
-  of the right one) must be caught by the same comparison.
+  of the right one) must be caught by the same comparison. The inputs are derandomized, so the
+  fast tier compares against the kernels' outputs recorded by ``scripts/record_references.py``
+  (``tests/unit/recorded.py``) while their key matches, and the slow tier runs the kernels and
+  requires the recording to match them.
 
 This file doubles as the child's script (``--allocator``).
 """
@@ -19,9 +22,11 @@ import os
 import subprocess
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
+import recorded
 
 from kvalign import sglang_cpu_standin as standin
 
@@ -50,6 +55,7 @@ def _child(release_dir: Path, argv: list[str], **env: str) -> subprocess.Complet
                           env={**base, "PYTHONPATH": path, **env})
 
 
+@pytest.mark.slow  # a child that imports the release's patched modules (its scheduler and model stack): 10-20 s
 def test_patches_find_their_targets_in_the_release(release, tmp_path):
     """Importing every patched module runs the patches; each one's ``_require`` checks its target in
     this release first, so a clean exit means every target was found (as in a worker: the harness's
@@ -79,20 +85,92 @@ def test_patches_find_their_targets_in_the_release(release, tmp_path):
     assert publisher_patched == ("kv_events_local_publish" in extra)
 
 
-def test_allocator_launches_equal_the_release_s_triton_kernels(release):
-    _version, where = release
-    proc = _child(where, [__file__, "--allocator"], TRITON_INTERPRET="1")
+def _run_stand_ins(version: str, where: Path, cases: list[dict]) -> tuple[str | None, str | None]:
+    """The stand-in launches (and the decode mutant) on recorded cases, in this process: the first
+    case where each differs from the recorded Triton outputs (None: none differs)."""
+    import torch
+
+    from kvalign.sglang_cpu_standin.allocator import alloc_decode_cpu, alloc_extend_launch
+
+    naive = recorded.load_function(where / recorded.ALLOCATOR_SOURCES[1], "alloc_extend_naive", {"torch": torch})
+    extend_cpu = alloc_extend_launch(naive)
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    stand_in = mutant = None
+    for case in cases:
+        p, seq, prefix, pages, last_ext, last_dec = case["batch"]
+        bs = len(seq)
+        up = 1 << (bs - 1).bit_length()
+        got = torch.empty(bs, dtype=torch.int64)
+        alloc_decode_cpu(t(seq), t(last_dec), t(pages), got, up, p)
+        if stand_in is None and got.tolist() != case["decode"]:
+            stand_in = f"decode p={p} seq={seq} last={last_dec}: triton {case['decode']} stand-in {got.tolist()}"
+        ext = torch.empty(sum(s - x for s, x in zip(seq, prefix)), dtype=torch.int64)
+        extend_cpu(t(prefix), t(seq), t(last_ext), t(pages), ext, up, p)
+        if stand_in is None and ext.tolist() != case["extend"]:
+            stand_in = f"extend p={p} prefix={prefix} seq={seq}: triton {case['extend']} stand-in {ext.tolist()}"
+        alloc_decode_cpu(t(seq), t(last_dec), t(pages)[1:], got, up, p)  # the mutant: the next free page
+        if mutant is None and got.tolist() != case["decode"]:
+            mutant = f"decode p={p} seq={seq}: triton {case['decode']} mutant {got.tolist()}"
+    return stand_in, mutant
+
+
+def _run_real(where: Path, record: Path | None = None) -> dict:
+    argv = [__file__, "--allocator"] + (["--record", str(record)] if record else [])
+    proc = _child(where, argv, TRITON_INTERPRET="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["stand_in"] == "equal" and result["cases"] >= EXAMPLES
     assert result["mutant"].startswith("caught"), result
+    return result
+
+
+def test_allocator_launches_equal_the_recorded_triton_outputs(release):
+    """Fast tier: the stand-ins against the release's Triton outputs recorded on the derandomized
+    inputs, while the recording's key (release, Triton, kernel sources) matches; the mutant must be
+    caught on them. A stale key is said (a StaleReference warning) and the real kernels run instead."""
+    version, where = release
+    doc = recorded.load("allocator", version)
+    why = recorded.stale_reason(doc, recorded.allocator_key(version, where), f" for sglang {version}'s allocator")
+    if why:
+        warnings.warn(recorded.StaleReference(why + "; running the interpreted Triton kernels instead"))
+        _run_real(where)
+        return
+    assert len(doc["cases"]) >= EXAMPLES
+    stand_in, mutant = _run_stand_ins(version, where, doc["cases"])
+    assert stand_in is None, stand_in
+    assert mutant is not None, "the next-free-page mutant matched every recorded Triton output"
+
+
+@pytest.mark.slow  # interprets the release's Triton kernels: 15-30 s per release
+def test_allocator_launches_equal_the_release_s_triton_kernels_and_the_recording(release, tmp_path):
+    """The real thing: the interpreted kernels on the same inputs, and a fresh recording from them
+    equal to the committed one (else re-run scripts/record_references.py)."""
+    version, where = release
+    fresh = tmp_path / "fresh.json"
+    _run_real(where, fresh)
+    now, committed = json.loads(fresh.read_text()), recorded.load("allocator", version)
+    assert committed is not None, f"no recording for sglang {version}: run scripts/record_references.py"
+    assert now["key"] == committed["key"], "the key changed: run scripts/record_references.py"
+    assert now["cases"] == committed["cases"], "the Triton outputs changed under the same key"
+
+
+def test_a_stale_or_missing_recording_is_named(release):
+    version, where = release
+    key = recorded.allocator_key(version, where)
+    doc = recorded.load("allocator", version)
+    assert recorded.stale_reason(doc, key) is None
+    why = recorded.stale_reason(doc, {**key, "triton": "0.0"}, " for x")
+    assert why == f"recording for x is stale (triton {key['triton']!r} -> '0.0'): run scripts/record_references.py"
+    assert "kernel_source_sha256" in recorded.stale_reason(doc, {**key, "kernel_source_sha256": "0" * 64})
+    assert recorded.stale_reason(None, key) == "no recording: run scripts/record_references.py"
 
 
 # --------------------------------------------------------------------------------------------
 # Child side: the release's Triton allocator kernels (interpreted) vs the stand-in's launches.
 
 
-def _allocator_main() -> int:
+def _allocator_main(record: str | None = None) -> int:
+    """Compare (and with ``record``, write every case with the Triton kernels' outputs to that file)."""
     for name in ("torchvision._meta_registrations", "torchvision._autograd_registrations"):
         sys.modules.setdefault(name, types.ModuleType(name))
     import torch
@@ -123,6 +201,7 @@ def _allocator_main() -> int:
 
     cases = 0
     failures: list[str] = []
+    recorded: list[dict] = []
 
     def compare(decode_impl, batch) -> str | None:
         p, seq, prefix, pages, last_ext, last_dec = batch
@@ -132,14 +211,17 @@ def _allocator_main() -> int:
         a, b = torch.empty(bs, dtype=torch.int64), torch.empty(bs, dtype=torch.int64)
         alloc_decode_kernel[(bs,)](t(seq), t(last_dec), free, a, up, p)
         decode_impl(t(seq), t(last_dec), free, b, up, p)
+        n = sum(s - x for s, x in zip(seq, prefix))
+        ea, eb = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+        alloc_extend_kernel[(bs,)](t(prefix), t(seq), t(last_ext), free, ea, up, p)
+        extend_cpu(t(prefix), t(seq), t(last_ext), free, eb, up, p)
+        if record is not None and decode_impl is alloc_decode_cpu:
+            recorded.append({"batch": [p, seq, prefix, pages, last_ext, last_dec],
+                             "decode": a.tolist(), "extend": ea.tolist()})
         if not torch.equal(a, b):
             return f"decode p={p} seq={seq} last={last_dec}: triton {a.tolist()} stand-in {b.tolist()}"
-        n = sum(s - x for s, x in zip(seq, prefix))
-        a, b = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
-        alloc_extend_kernel[(bs,)](t(prefix), t(seq), t(last_ext), free, a, up, p)
-        extend_cpu(t(prefix), t(seq), t(last_ext), free, b, up, p)
-        if not torch.equal(a, b):
-            return f"extend p={p} prefix={prefix} seq={seq}: triton {a.tolist()} stand-in {b.tolist()}"
+        if not torch.equal(ea, eb):
+            return f"extend p={p} prefix={prefix} seq={seq}: triton {ea.tolist()} stand-in {eb.tolist()}"
         return None
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
@@ -170,9 +252,19 @@ def _allocator_main() -> int:
         caught = "missed"
     except AssertionError as exc:
         caught = f"caught: {str(exc).splitlines()[0]}"
+    if record is not None:
+        import importlib.util
+        from importlib import metadata
+
+        import recorded as recorded_module
+        from recorded import allocator_key
+
+        root = Path(importlib.util.find_spec("sglang").origin).resolve().parents[1]
+        key = allocator_key(metadata.version("sglang"), root)
+        Path(record).write_text(recorded_module.dumps({"key": key, "examples": EXAMPLES, "cases": recorded}))
     print(json.dumps({"stand_in": verdict, "cases": cases, "mutant": caught}))
     return 0
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--allocator"]:
-    sys.exit(_allocator_main())
+if __name__ == "__main__" and sys.argv[1:2] == ["--allocator"]:
+    sys.exit(_allocator_main(sys.argv[3] if sys.argv[2:3] == ["--record"] else None))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvalign.events import BlockStored
@@ -19,6 +19,10 @@ from kvalign.sglang_keys import (
 )
 from kvalign.strategies import PAGE_SIZES, token_ids
 
+#: These properties cost a few milliseconds a case (one small real cache each), so even the fast tier runs
+#: 300 of each: part of its 5,000 generated cases.
+CHEAP = settings(max_examples=max(300, settings.default.max_examples))
+
 
 def stored_pages(cache: SglangRadixCache) -> list[tuple[int, list]]:
     """(engine hash, page units) for every page in the cache's pending BlockStored events."""
@@ -31,6 +35,7 @@ def stored_pages(cache: SglangRadixCache) -> list[tuple[int, list]]:
     return out
 
 
+@CHEAP
 @given(
     tokens=token_ids(max_size=70, vocab=5),
     page_size=st.sampled_from(PAGE_SIZES),
@@ -67,6 +72,7 @@ def test_negative_control_misframed_page_model_is_detected(sglang_available, eag
         assert_engine_matches_page_model(tokens, 4, eagle, None, None, False, model_eagle=not eagle)
 
 
+@CHEAP
 @given(doc=token_ids(min_size=1, max_size=40, vocab=3), cut=st.integers(0, 40), page_size=st.sampled_from(PAGE_SIZES), eagle=st.booleans())
 def test_match_prefix_is_page_aligned_over_shared_raw_tokens(sglang_available, count_case, doc, cut, page_size, eagle):
     """SGLang reuses floor(S/P) pages (plain) or floor((S-1)/P) pages (EAGLE) for S shared raw tokens."""

@@ -71,6 +71,10 @@ class SglangCpuWorkerKind:
                  sglang_dir: Path | None = None, relay_subscribe: Mapping[str, str] | None = None) -> None:
         self.draft_model, self.eagle = draft_model, eagle
         self.max_total_tokens, self.threads = max_total_tokens, threads
+        #: the decode workers' pool when it must differ (a small prefill pool that evicts): SGLang's
+        #: decode pre-allocation reserves ``--num-reserved-decode-tokens`` (512) per request, so a
+        #: 512-token decode pool admits no request and every hand-off waits forever
+        self.decode_max_total_tokens: int | None = None
         self.sglang_version, self.sglang_dir = sglang_version, sglang_dir
         self.release = sglang_cpu_standin.SUPPORTED[sglang_version]
         self.relay_subscribe = dict(relay_subscribe or {})  # worker name -> the fuzz's lossy-hop endpoint
@@ -104,7 +108,8 @@ class SglangCpuWorkerKind:
             plan.python, *entry, "--model-path", plan.model_path, "--served-model-name", plan.model_name,
             "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
             "--disable-overlap-schedule", "--page-size", str(plan.topology.page_size),
-            "--max-total-tokens", str(self.max_total_tokens), "--host", "127.0.0.1", "--enable-metrics",
+            "--max-total-tokens", str(self.decode_max_total_tokens if worker.role == "decode" and self.decode_max_total_tokens
+                                     else self.max_total_tokens), "--host", "127.0.0.1", "--enable-metrics",
         ]
         if worker.publishes_kv_events:
             argv += ["--kv-events-config", plan.kv_events_config(worker, bind=self.release.kv_events_bind)]

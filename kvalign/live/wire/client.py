@@ -220,14 +220,19 @@ def parse_completion(body: Any) -> Completion:
 
 
 def complete_tokens(base_url: str, model: str, tokens: Sequence[int], *, max_tokens: int,
-                    pin: int | None = None, cache_salt: str | None = None, timeout_s: float = 120.0) -> Completion:
+                    pin: int | None = None, prefill_pin: int | None = None, cache_salt: str | None = None,
+                    timeout_s: float = 120.0) -> Completion:
     """POST one greedy completion whose prompt is ``tokens`` (ids, no template: the router, the
     engine and kvalign then hash exactly the same sequence). ``pin``: an instance id the request
-    must run on (``nvext.backend_instance_id``), instead of the router's choice; ``cache_salt``:
+    must run on (``nvext.backend_instance_id``), instead of the router's choice; ``prefill_pin``: in
+    disaggregation, the prefill instance (``nvext.prefill_worker_id``: ``backend_instance_id`` names
+    the decode worker there, and a prefill id is rejected as invalid); ``cache_salt``:
     the tenant (``nvext.cache_salt``), which keys the engine's pages and the router's hashes."""
     nvext: dict[str, Any] = {"extra_fields": list(COMPLETION_FIELDS)}
     if pin is not None:
         nvext["backend_instance_id"] = pin
+    if prefill_pin is not None:
+        nvext["prefill_worker_id"] = prefill_pin
     if cache_salt:
         nvext["cache_salt"] = cache_salt
     payload = {

@@ -46,6 +46,7 @@ from kvalign.live.wire.lossy_hop import LossyHop
 
 ENGINES = ("sglang-cpu", "fake-cpu", "sglang-gpu")
 TOPOLOGIES = ("agg", "disagg")
+DECODE_POOL_TOKENS = 4096  # the decode worker's pool in disaggregation (see SglangCpuWorkerKind)
 COUNTS = ("evictions", "flushes", "dropped_batches", "restarts", "concurrent_requests", "evicted_requeried",
           "flushed_requeried", "lost_requeried", "lost_batches_diagnosed")
 
@@ -138,7 +139,8 @@ def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Clust
     labels = [w.name for w in publishing]
     downstream = _hop_ports(plan, labels)
     taps = _hop_ports(plan, labels, taken=list(downstream.values()), what="tap")
-    kind.max_total_tokens = opts.max_total_tokens
+    kind.max_total_tokens = opts.max_total_tokens  # the publishing workers': small, so they evict
+    kind.decode_max_total_tokens = DECODE_POOL_TOKENS
     kind.relay_subscribe = {label: f"tcp://{LOOPBACK}:{port}" for label, port in downstream.items()}
     upstream = {w.name: plan.kv_events_connect(w) for w in publishing}
     with LossyHop(upstream, downstream, strip_salt=opts.strip_salt, hide_gaps=opts.hide_gaps, taps=taps) as hop:
@@ -222,9 +224,10 @@ class FuzzDriver:
         return next((n for n, h in self.cluster.workers.items() if h.instance_id == instance_id), None)
 
     def _send(self, tokens: list[int], max_tokens: int, pin: int | None = None, salt: str | None = None) -> Completion:
+        pins = {"prefill_pin": pin} if self.disagg else {"pin": pin}
         try:
-            return complete_tokens(self.cluster.frontend_url, self.cluster.model, tokens, max_tokens=max_tokens, pin=pin,
-                                   cache_salt=salt)
+            return complete_tokens(self.cluster.frontend_url, self.cluster.model, tokens, max_tokens=max_tokens,
+                                   cache_salt=salt, **pins)
         except (SseError, OSError) as exc:
             raise FuzzEnvironmentError(f"request of {len(tokens)} tokens failed: {exc}") from None
 
@@ -471,10 +474,12 @@ class FuzzDriver:
                           f"of the prompt's {obs.stored_pages} pages were dropped")
 
     def _flush(self, label: str, seed: int) -> None:
-        """Flush ``label``, then re-query its latest prompt on it (sending one first if it held none)."""
+        """Send ``label``'s latest prompt again, unpinned (the router must choose a worker that holds
+        it best), flush ``label``, then re-query the prompt on it (one is sent first if it held none)."""
         mine = [i for i, served in enumerate(self.served) if served == label]
         if mine:
             tokens = list(self.history[mine[-1]].tokens)
+            self._request(tokens, 1)
         else:
             tokens = new_tokens(seed, 3 * self.opts.page_size + 1)
             self._request(tokens, 1, pin=label)

@@ -19,7 +19,6 @@ from typing import Any
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.errors import Flaky
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
 
 from kvalign.live.runs.fuzz.driver import FuzzDriver, FuzzEnvironmentError, FuzzOptions
@@ -138,13 +137,19 @@ def run_fuzz(driver: FuzzDriver, *, examples: int, steps: int, seed: int | None,
     if seed is not None:
         cls._hypothesis_internal_use_seed = seed  # what hypothesis.seed() sets on a test
     failures: list[tuple[InvariantFailed, list[dict[str, Any]], list[dict[str, Any]]]] = []
+    broken: list[FuzzEnvironmentError] = []  # the environment failed: every later step fails at once
     original_step = driver.run_step
 
     def recording_step(step: dict[str, Any]) -> None:
+        if broken:
+            raise broken[0]  # Hypothesis retries a failing example: never on a broken cluster
         try:
             original_step(step)
         except InvariantFailed as exc:
             failures.append((exc, list(driver.steps), list(driver.observed)))
+            raise
+        except FuzzEnvironmentError as exc:
+            broken.append(exc)
             raise
 
     driver.run_step = recording_step  # type: ignore[method-assign]
@@ -157,18 +162,18 @@ def run_fuzz(driver: FuzzDriver, *, examples: int, steps: int, seed: int | None,
     try:
         with with_reporter(report):
             run_state_machine_as_test(cls, settings=conf)
-    except InvariantFailed as exc:
-        result.failure = _failure(driver, exc, failures, script_path)
-    except Flaky:
+    except Exception as exc:  # noqa: BLE001 - InvariantFailed, Flaky, or a broken environment seen by Hypothesis
+        if broken and not failures:
+            raise broken[0] from None
         if not failures:
             raise
-        result.failure = _failure(driver, failures[-1][0], failures, script_path, flaky=True)
-    except FuzzEnvironmentError as exc:
-        if not failures:
-            raise
-        # the environment broke while shrinking: the failure already found stands, with its script
-        result.failure = _failure(driver, failures[-1][0], failures, script_path,
-                                  note=f"shrinking stopped: {str(exc).splitlines()[0]}")
+        if isinstance(exc, InvariantFailed) and not broken:
+            result.failure = _failure(driver, exc, failures, script_path)
+        elif broken:  # the environment broke while shrinking: the failure already found stands, with its script
+            result.failure = _failure(driver, failures[-1][0], failures, script_path,
+                                      note=f"shrinking stopped: {str(broken[0]).splitlines()[0]}")
+        else:  # Flaky: the failure did not reproduce on replay (a race, or a live state shrinking lost)
+            result.failure = _failure(driver, failures[-1][0], failures, script_path, flaky=True)
     finally:
         engine.MAX_SHRINKING_SECONDS = saved
         driver.run_step = original_step  # type: ignore[method-assign]
