@@ -112,3 +112,28 @@ def test_an_environment_error_while_shrinking_keeps_the_failure_already_found(tm
                    report=lambda _m: None)
     assert res.failure is not None and res.failure.invariant == "router_matches_prediction"
     assert res.failure.note and "shrinking stopped" in res.failure.note and script.exists()
+
+
+class TwoFailuresDriver(RecordingDriver):
+    """A blind router: every flush fails the user's invariant, and any drop_batch fails routing."""
+
+    def run_step(self, step: dict) -> None:
+        self.steps.append(step)
+        self.steps_run += 1
+        if step["rule"] == "flush":
+            raise InvariantFailed("router_credits_engine_reuse", "router 0, engine 48", cause="ROUTER_EAGLE_OFF",
+                                  numbers={"router_tokens": 0, "engine_tokens": 48})
+        if step["rule"] == "drop_batch":
+            raise InvariantFailed("best_worker_chosen", "blind routing", cause="ROUTER_EAGLE_OFF")
+
+
+def test_the_reported_failure_is_the_first_invariant_seen_not_the_shortest(tmp_path: Path) -> None:
+    """Hypothesis shrinks towards any failure; the report keeps the user's question first."""
+    script = tmp_path / "fuzz-failure.json"
+    res = run_fuzz(TwoFailuresDriver(), examples=20, steps=10, seed=1, shrink_seconds=20, script_path=script,
+                   report=lambda _m: None)
+    assert res.failure is not None and res.failure.invariant == "router_credits_engine_reuse"
+    assert res.failure.as_json()["router_tokens"] == 0 and res.failure.as_json()["engine_tokens"] == 48
+    saved = json.loads(script.read_text())
+    assert saved["failure"]["invariant"] == "router_credits_engine_reuse"
+    assert any(s["rule"] == "flush" for s in saved["steps"])

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
 
 from kvalign.live.runs.fuzz.driver import FuzzDriver, FuzzEnvironmentError, FuzzOptions
-from kvalign.live.runs.fuzz.invariants import InvariantFailed
+from kvalign.live.runs.fuzz.invariants import INVARIANTS, InvariantFailed
 from kvalign.live.runs.fuzz.prompts import lengths, max_tokens, prompt_specs
 
 
@@ -183,7 +183,12 @@ def run_fuzz(driver: FuzzDriver, *, examples: int, steps: int, seed: int | None,
 
 def _failure(driver: FuzzDriver, exc: InvariantFailed, failures: list, script_path: Path, *,
              flaky: bool = False, note: str | None = None) -> Failure:
-    _, steps, observed = next(((e, s, o) for e, s, o in reversed(failures) if e is exc), failures[-1])
+    """The failure to report: of every failure seen while generating and shrinking, the one of the
+    first invariant in :data:`INVARIANTS` order (the user's own question before the model checks),
+    with the fewest steps seen for it. Hypothesis shrinks towards *any* failure, and a blind router
+    also fails ``best_worker_chosen`` on shorter workloads; the report must still say that the
+    router credited 0 where the engine reused tokens."""
+    exc, steps, observed = min(failures, key=lambda f: (INVARIANTS.index(f[0].invariant), len(f[1])))
     write_script(script_path, driver.opts, steps, exc, observed)
     return Failure(exc.invariant, exc.cause, exc.detail, str(script_path), flaky, exc.numbers, note)
 
