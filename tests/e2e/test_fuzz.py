@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from conftest import OUT_ROOT, sglang_cpu_missing
-from kvalign.commands.fuzz import DEFAULT_SEED
+from kvalign.commands.fuzz import DEFAULT_SEED, DISAGG_SEED
 from kvalign.live.runs.fuzz.driver import FuzzDriver, FuzzOptions, fuzz_cluster
 from kvalign.live.runs.fuzz.machine import FuzzResult, replay, run_fuzz
 
@@ -104,10 +104,10 @@ def blind(request: pytest.FixtureRequest) -> Iterator[Live]:
         yield live
 
 
-def generated(live: Live) -> dict[str, Any]:
+def generated(live: Live, seed: int = DEFAULT_SEED) -> dict[str, Any]:
     d = live.driver()
     res = run_fuzz(d, examples=30 if os.environ.get("HYPOTHESIS_PROFILE") == "nightly" else 3, steps=10,
-                   seed=DEFAULT_SEED, shrink_seconds=60, script_path=live.run_dir / "fuzz-failure.json",
+                   seed=seed, shrink_seconds=60, script_path=live.run_dir / "fuzz-failure.json",
                    report=lambda m: print(m, file=live.log, flush=True))
     out = res.as_json()
     assert res.passed, f"{out['failure']} (progress: {live.run_dir / 'progress.log'})"
@@ -200,7 +200,7 @@ class TestTwoPrefillOneDecode:
     """The nightly's topology: prefill reuse from the frontend's metrics, decode speculation per request."""
 
     def test_generated_workload_on_two_prefill_one_decode_holds_every_invariant(self, disagg: Live) -> None:
-        out = generated(disagg)
+        out = generated(disagg, DISAGG_SEED)
         assert out["topology"] == "disagg"
         inv = out["invariants"]
         assert all(v["failed"] == 0 for v in inv.values()), inv

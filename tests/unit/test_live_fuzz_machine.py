@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvalign.commands.fuzz import DEFAULT_SEED
+from kvalign.commands.fuzz import DEFAULT_SEED, DISAGG_SEED
 from kvalign.live.runs.fuzz.driver import COUNTS, FuzzEnvironmentError, FuzzOptions
 from kvalign.live.runs.fuzz.invariants import InvariantFailed, Tally
 from kvalign.live.runs.fuzz.machine import replay, run_fuzz
@@ -137,3 +137,12 @@ def test_the_reported_failure_is_the_first_invariant_seen_not_the_shortest(tmp_p
     saved = json.loads(script.read_text())
     assert saved["failure"]["invariant"] == "router_credits_engine_reuse"
     assert any(s["rule"] == "flush" for s in saved["steps"])
+
+
+def test_the_disaggregated_ci_seed_draws_every_rule_but_bursts_with_one_restart() -> None:
+    d = RecordingDriver()
+    d.disagg = True
+    run_fuzz(d, examples=3, steps=10, seed=DISAGG_SEED, shrink_seconds=5, script_path=Path("/nonexistent"),
+             report=lambda _m: None)
+    drawn = Counter(s["rule"] for ex in d.all_steps for s in ex)
+    assert set(drawn) == RULES - {"concurrent"} and drawn["restart"] == 1, drawn
