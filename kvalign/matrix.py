@@ -486,3 +486,149 @@ def table(results: Sequence[PairResult], props: Sequence[str] = PROPERTIES, mode
     widths = [max(len(row[i]) for row in (head, *body)) for i in range(len(head))]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, body)])
+
+
+# ---- cells: one pair per CI job, merged into the one-run table ---------------------------------
+
+#: ``"format"`` of the JSON that ``kvalign matrix --cell D:S --json`` prints (one row plus its plan).
+CELL_FORMAT = "kvalign-matrix-cell/1"
+#: The SGLang of a cell whose Dynamo release's shipped pin could not be read (an error row).
+UNKNOWN = "unknown"
+VERDICTS = ("aligned", "misaligned", "error")
+FINDING_KEYS = ("property", "mode", "variant", "cause", "detail")
+
+
+class CellFileError(ValueError):
+    """A cell file that cannot be merged (malformed, duplicate, or from another plan/environment)."""
+
+
+def cell_id(dynamo: str, sglang: str) -> str:
+    return f"{dynamo}:{sglang}"
+
+
+def list_cells(pairs: Sequence[Pair], unknown: dict[str, str]) -> list[dict[str, Any]]:
+    """The cells one ``matrix`` run over ``pairs`` checks, in its row order; a Dynamo release whose
+    shipped SGLang is unknown is a cell ``D:unknown`` (its ``--cell`` run gives the same error row)."""
+    cells = [{"cell": cell_id(p.dynamo, p.sglang), "dynamo": p.dynamo, "sglang": p.sglang, "shipped": p.shipped}
+             for p in pairs]
+    cells += [{"cell": cell_id(d, UNKNOWN), "dynamo": d, "sglang": UNKNOWN, "shipped": True, "error": why}
+              for d, why in unknown.items()]
+    return cells
+
+
+def unknown_result(dynamo: str, why: str) -> PairResult:
+    """The row of a Dynamo release whose shipped SGLang could not be read (as one run reports it)."""
+    return PairResult(dynamo, UNKNOWN, "error", error=f"shipped SGLang unknown: {why}", shipped=True)
+
+
+def report_json(results: Sequence[PairResult], versions: dict[str, Any]) -> dict[str, Any]:
+    """``matrix --json``'s document."""
+    return {"versions": versions, "rows": [r.as_json() for r in results]}
+
+
+def render(results: Sequence[PairResult]) -> str:
+    """``matrix``'s stdout without ``--json``: the table, then one line per error row."""
+    out = [table(results)]
+    out += [f"\n{r.dynamo} x {r.sglang}: error: {one_line(r.error or 'unknown error')}"
+            for r in results if r.verdict == "error"]
+    return "\n".join(out)
+
+
+def exit_code(results: Sequence[PairResult]) -> int:
+    """0 all aligned, 1 any misaligned (or a live scenario failed), 2 any error."""
+    if any(r.verdict == "error" or (r.live or {}).get("verdict") == "error" for r in results):
+        return 2
+    return 1 if any(r.verdict == "misaligned" or (r.live or {}).get("verdict") == "fail" for r in results) else 0
+
+
+def cell_document(result: PairResult, versions: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+    """``--cell --json``: the matrix's own document for that one row, plus what a merge needs
+    (the cell, and the plan it belongs to: the ``--dynamo``/``--sglang``/``--shipped`` options and
+    the example counts; cells of different plans do not merge)."""
+    return {**report_json([result], versions), "format": CELL_FORMAT,
+            "cell": {"cell": cell_id(result.dynamo, result.sglang), "plan": plan}}
+
+
+def result_from_row(row: Any) -> PairResult:
+    """The :class:`PairResult` a ``--json`` row was printed from (:meth:`PairResult.as_json` inverted);
+    ValueError names what is wrong with a row that no run prints."""
+    if not isinstance(row, dict):
+        raise ValueError("a row is not a JSON object")
+    for key in ("dynamo", "sglang", "verdict"):
+        if not isinstance(row.get(key), str) or not row[key]:
+            raise ValueError(f"row has no {key!r} string")
+    if row["verdict"] not in VERDICTS:
+        raise ValueError(f"row verdict {row['verdict']!r} is not one of {', '.join(VERDICTS)}")
+    if not isinstance(row.get("shipped"), bool):
+        raise ValueError("row has no 'shipped' true/false")
+    findings = row.get("findings")
+    if not isinstance(findings, list) or not all(
+            isinstance(f, dict) and set(f) == set(FINDING_KEYS) and all(isinstance(v, str) for v in f.values())
+            for f in findings):
+        raise ValueError(f"row 'findings' is not a list of {{{', '.join(FINDING_KEYS)}}} string objects")
+    if (row["verdict"] == "error") != isinstance(row.get("error"), str):
+        raise ValueError("row has an 'error' string exactly when its verdict is error, and this one does not")
+    live = row.get("live")
+    if live is not None and not (isinstance(live, dict) and isinstance(live.get("verdict"), str)):
+        raise ValueError("row 'live' is not an object with a 'verdict'")
+    extra = set(row) - {"dynamo", "sglang", "shipped", "verdict", "findings", "error", "live"}
+    if extra:
+        raise ValueError(f"row has unknown keys {sorted(extra)}")
+    return PairResult(row["dynamo"], row["sglang"], row["verdict"], list(findings), error=row.get("error"),
+                      shipped=row["shipped"], live=live)
+
+
+def _plan_order(plan: dict[str, Any], r: PairResult) -> tuple[Any, ...]:
+    """Where one run over ``plan`` puts row ``r``: Dynamo releases in ``--dynamo`` order (the default
+    list is sorted), each one's SGLang releases sorted; the unknown-pin rows last (see plan_pairs)."""
+    dynamo = plan.get("dynamo")
+    where = dynamo.index(r.dynamo) if dynamo and r.dynamo in dynamo else _version_key(r.dynamo)
+    if r.sglang == UNKNOWN:
+        return (1, where, ())
+    return (0, where, _version_key(r.sglang))
+
+
+def merge_cells(docs: Sequence[tuple[str, Any]]) -> tuple[dict[str, Any], list[PairResult]]:
+    """The ``versions`` and rows, in one run's order, of the cell documents ``(name, parsed JSON)``.
+
+    Raises :class:`CellFileError` (one line naming the file) for a document that is not a cell,
+    a cell given twice, or cells whose plan or environment versions differ."""
+    seen: dict[str, str] = {}
+    first: tuple[str, dict[str, Any], dict[str, Any]] | None = None
+    results: list[PairResult] = []
+    for name, doc in docs:
+        if not isinstance(doc, dict) or doc.get("format") != CELL_FORMAT:
+            raise CellFileError(f"{name}: not a kvalign matrix cell (no \"format\": \"{CELL_FORMAT}\"; "
+                                "write it with kvalign matrix --cell DYNAMO:SGLANG --json)")
+        cell, rows, versions = doc.get("cell"), doc.get("rows"), doc.get("versions")
+        if not isinstance(cell, dict) or not isinstance(cell.get("cell"), str) or not isinstance(cell.get("plan"), dict):
+            raise CellFileError(f"{name}: malformed cell: no \"cell\" object with its id and plan")
+        if not isinstance(versions, dict):
+            raise CellFileError(f"{name}: malformed cell: no \"versions\" object")
+        if not isinstance(rows, list) or len(rows) != 1:
+            raise CellFileError(f"{name}: malformed cell: \"rows\" must hold exactly one row")
+        try:
+            result = result_from_row(rows[0])
+        except ValueError as exc:
+            raise CellFileError(f"{name}: malformed cell: {exc}") from None
+        if cell["cell"] != cell_id(result.dynamo, result.sglang) and not (
+                cell["cell"] == cell_id(result.dynamo, UNKNOWN)):
+            raise CellFileError(f"{name}: malformed cell: cell {cell['cell']!r} holds the row of "
+                                f"{cell_id(result.dynamo, result.sglang)!r}")
+        key = cell_id(result.dynamo, result.sglang)
+        if key in seen:
+            raise CellFileError(f"{name}: duplicate cell {key} (also in {seen[key]})")
+        seen[key] = name
+        if first is None:
+            first = (name, cell["plan"], versions)
+        elif cell["plan"] != first[1]:
+            raise CellFileError(f"{name}: mismatched cell: its plan {json.dumps(cell['plan'], sort_keys=True)} is not "
+                                f"{first[0]}'s {json.dumps(first[1], sort_keys=True)}")
+        elif versions != first[2]:
+            raise CellFileError(f"{name}: mismatched cell: it ran with versions {json.dumps(versions, sort_keys=True)}, "
+                                f"{first[0]} with {json.dumps(first[2], sort_keys=True)}")
+        results.append(result)
+    if first is None:
+        raise CellFileError("no cell files to merge")
+    plan = first[1]
+    return first[2], sorted(results, key=lambda r: _plan_order(plan, r))

@@ -6,6 +6,10 @@ list alone does not.
 
 Exit 0 all pairs aligned, 1 any pair misaligned, 2 environment error (a release that cannot be
 installed or checked, or the index cannot be read).
+
+Cells, for a CI job matrix: ``--list-cells`` prints the pairs a run with the same options would
+check, ``--cell DYNAMO:SGLANG`` checks exactly one of them as the run does, and ``--merge FILE...``
+prints the table (or with ``--json`` the report) of one run over the cells' pairs.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import sys
 import time
 
 from kvalign.errors import UsageError
-from kvalign.matrix import (DEFAULT_SGLANG, LIVE_COLUMN, MatrixError, PairResult, cache_root, default_dynamo_versions,
-                            one_line, plan_pairs, run_live, run_matrix, shipped_sglang, table)
+from kvalign.matrix import (DEFAULT_SGLANG, LIVE_COLUMN, UNKNOWN, CellFileError, MatrixError, PairResult, cache_root,
+                            cell_document, default_dynamo_versions, exit_code, list_cells, merge_cells, one_line,
+                            plan_pairs, render, report_json, run_live, run_matrix, shipped_sglang, unknown_result)
 from kvalign.runtime_log import console
 from kvalign.versions import installed_versions
 
@@ -52,27 +57,104 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also run the seed scenario (kvalign e2e run --engine sglang-cpu) per pair, one at a time, "
                         f"as column {LIVE_COLUMN!r} (real CPU engines: ~3 min and ~6 GiB per pair)")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    cells = p.add_mutually_exclusive_group()
+    cells.add_argument("--list-cells", action="store_true",
+                       help="print the cells (release pairs) this run would check, one DYNAMO:SGLANG a line; with "
+                            "--json a JSON list of {cell, dynamo, sglang, shipped} objects (a CI job matrix)")
+    cells.add_argument("--cell", metavar="DYNAMO:SGLANG", default=None,
+                       help="check only this cell of the matrix the other options describe, as the whole run would; "
+                            "--json adds what --merge needs")
+    cells.add_argument("--merge", metavar="CELL.json", nargs="+", default=None,
+                       help="print the table (--json: the report) of one run over these --cell --json files")
     p.set_defaults(run=run)
 
 
+def _cell_arg(text: str) -> tuple[str, str]:
+    import re
+
+    dynamo, sep, sglang = text.partition(":")
+    if not sep or not re.match(VERSION, dynamo) or not (re.match(VERSION, sglang) or sglang == UNKNOWN):
+        raise UsageError(f"--cell takes DYNAMO:SGLANG release versions (as --list-cells prints them), got {text!r}")
+    return dynamo, sglang
+
+
+def _plan(args: argparse.Namespace) -> dict[str, object]:
+    """The options that decide a run's rows; every cell of one run carries the same plan."""
+    return {"dynamo": _versions(args.dynamo, "--dynamo"), "sglang": _versions(args.sglang, "--sglang"),
+            "shipped": bool(args.shipped), "examples": args.examples, "ingest_examples": args.ingest_examples,
+            "live": bool(args.live)}
+
+
+def _merge(args: argparse.Namespace) -> int:
+    docs = []
+    for name in args.merge:
+        try:
+            with open(name, encoding="utf-8") as fh:
+                text = fh.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"cannot read cell file {name}: {getattr(exc, 'strerror', None) or exc}") from None
+        try:
+            docs.append((name, json.loads(text)))
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{name}: malformed cell: not JSON ({exc.msg} at line {exc.lineno})") from None
+    try:
+        versions, results = merge_cells(docs)
+    except CellFileError as exc:
+        raise UsageError(str(exc)) from None
+    _print(results, versions, as_json=args.json)
+    print(f"kvalign matrix: merged {len(results)} cells ({sum(r.verdict == 'aligned' for r in results)} aligned, "
+          f"{sum(r.verdict == 'misaligned' for r in results)} misaligned, "
+          f"{sum(r.verdict == 'error' for r in results)} error)", file=console(), flush=True)
+    return exit_code(results)
+
+
+def _print(results: list[PairResult], versions: dict, *, as_json: bool, doc: dict | None = None) -> None:
+    if as_json:
+        json.dump(doc or report_json(results, versions), sys.stdout, ensure_ascii=False)
+        sys.stdout.write("\n")
+    else:
+        print(render(results))
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.merge is not None:
+        if args.live:
+            raise UsageError("--merge takes the cells as they ran; --live belongs to --cell")
+        return _merge(args)
     if args.jobs < 1:
         raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
     if args.examples < 1 or args.ingest_examples < 1:
         raise UsageError("--examples and --ingest-examples must be >= 1")
+    plan = _plan(args)
+    cell = _cell_arg(args.cell) if args.cell is not None else None
     sglang = _versions(args.sglang, "--sglang")
     shipped = args.shipped or sglang is None
     if sglang is None:
         sglang = [] if args.shipped else list(DEFAULT_SGLANG)
     dynamo = _versions(args.dynamo, "--dynamo")
     start = time.perf_counter()
+    err = console()
+    log = lambda m: print(f"  {m}", file=err, flush=True)  # noqa: E731
+    if cell is not None:  # only this cell's Dynamo release is read: the others' pins cannot change its row
+        if dynamo is not None and cell[0] not in dynamo:
+            raise UsageError(f"cell {args.cell} is not in this matrix: --dynamo {args.dynamo} has no {cell[0]}")
+        dynamo = [cell[0]]
     try:
         dynamo = dynamo or default_dynamo_versions()
     except MatrixError as exc:
         raise UsageError(str(exc)) from None
-    err = console()
-    log = lambda m: print(f"  {m}", file=err, flush=True)  # noqa: E731
     pairs, unknown = plan_pairs(dynamo, sglang, shipped=shipped, pinned=lambda d: shipped_sglang(d, log=log))
+    if args.list_cells:
+        cells = list_cells(pairs, unknown)
+        if args.json:
+            json.dump(cells, sys.stdout, ensure_ascii=False)
+            sys.stdout.write("\n")
+        else:
+            print("\n".join(c["cell"] for c in cells))
+        print(f"kvalign matrix: {len(cells)} cells", file=err, flush=True)
+        return 0
+    if cell is not None:
+        return _run_cell(args, cell, pairs, unknown, plan, start, log)
     extra = sum(p.shipped for p in pairs if p.sglang not in sglang)
     print(f"kvalign matrix: {len(dynamo)} Dynamo x {len(sglang)} SGLang releases"
           + (f" + {extra} shipped pairs" if extra else "") + f" = {len(pairs)} pairs, "
@@ -90,21 +172,37 @@ def run(args: argparse.Namespace) -> int:
             r.live = run_live(r.dynamo, r.sglang, log=log)
             print(f"  [live {i}/{len(results)}] dynamo {r.dynamo} x sglang {r.sglang}: {r.live['verdict']} "
                   f"in {r.live['seconds']:.0f}s — {r.live['detail']}", file=err, flush=True)
-    results += [PairResult(d, "unknown", "error", error=f"shipped SGLang unknown: {why}", shipped=True)
-                for d, why in unknown.items()]
+    results += [unknown_result(d, why) for d, why in unknown.items()]
     wall = time.perf_counter() - start
-    if args.json:
-        json.dump({"versions": installed_versions(), "rows": [r.as_json() for r in results]}, sys.stdout, ensure_ascii=False)
-        sys.stdout.write("\n")
-    else:
-        print(table(results))
-        for r in results:
-            if r.verdict == "error":
-                print(f"\n{r.dynamo} x {r.sglang}: error: {one_line(r.error or 'unknown error')}")
+    _print(results, installed_versions(), as_json=args.json)
     print(f"kvalign matrix: {len(results)} pairs in {wall:.0f}s wall "
           f"({sum(r.verdict == 'aligned' for r in results)} aligned, "
           f"{sum(r.verdict == 'misaligned' for r in results)} misaligned, "
           f"{sum(r.verdict == 'error' for r in results)} error)", file=err, flush=True)
-    if any(r.verdict == "error" or (r.live or {}).get("verdict") == "error" for r in results):
-        return 2
-    return 1 if any(r.verdict == "misaligned" or (r.live or {}).get("verdict") == "fail" for r in results) else 0
+    return exit_code(results)
+
+
+def _run_cell(args: argparse.Namespace, cell: tuple[str, str], pairs: list, unknown: dict[str, str],
+              plan: dict, start: float, log) -> int:
+    """One cell, exactly as the whole run checks that pair (same install, same check, same live step)."""
+    dynamo, sglang = cell
+    if sglang == UNKNOWN:
+        if dynamo not in unknown:
+            pin = next((p.sglang for p in pairs if p.shipped), None)
+            raise UsageError(f"cell {dynamo}:{UNKNOWN}: ai-dynamo {dynamo} pins sglang {pin} now; "
+                             f"list the cells again (cell {dynamo}:{pin})" if pin else
+                             f"cell {dynamo}:{UNKNOWN} is not in this matrix (run without --sglang, or with --shipped)")
+        results = [unknown_result(dynamo, unknown[dynamo])]
+    else:
+        pair = next((p for p in pairs if p.sglang == sglang), None)
+        if pair is None:
+            raise UsageError(f"cell {args.cell} is not in this matrix (--list-cells with the same options lists its cells)")
+        results = run_matrix([pair], examples=args.examples, ingest_examples=args.ingest_examples, jobs=1, log=log)
+        if args.live:
+            results[0].live = run_live(dynamo, sglang, log=log)
+    r = results[0]
+    versions = installed_versions()
+    _print(results, versions, as_json=args.json, doc=cell_document(r, versions, plan) if args.json else None)
+    print(f"kvalign matrix: cell {args.cell}: {r.verdict} in {time.perf_counter() - start:.0f}s"
+          + (f" — {one_line(r.error)}" if r.error else ""), file=console(), flush=True)
+    return exit_code(results)

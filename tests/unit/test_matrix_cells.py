@@ -1,0 +1,259 @@
+"""``kvalign matrix --list-cells`` / ``--cell`` / ``--merge`` and the nightly workflow that fans them out.
+
+The merge must give the table and JSON of one run over the same pairs: ``merge_cells`` orders the
+rows as one run does and the text and JSON come from the same functions (``render``,
+``report_json``) a run prints with. The in-process tests stub the per-pair check (``run_pair``) so
+that several pairs, a misaligned one, an error and an unknown shipped pin cost nothing; the ``slow``
+test runs the environment's own pair for real, once as a run and once as a cell, and merges it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvalign.commands.matrix as matrix_cmd
+import kvalign.matrix as matrix
+from kvalign.cli import main
+from kvalign.matrix import CELL_FORMAT, MatrixError, PairResult
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKFLOW = ROOT / ".github" / "workflows" / "kvalign-nightly.yml"
+
+# ---- stubbed pairs: several cells, no child process ------------------------------------------------
+
+PINS = {"1.6.1": "0.5.21", "1.0.2": "0.5.9"}
+FINDING = {"property": "ingest", "mode": "eagle", "variant": "lora", "cause": "LORA_NOT_IN_EVENTS", "detail": "d"}
+
+
+def _fake_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, log=None) -> PairResult:
+    if sglang == "0.5.19":
+        return PairResult(dynamo, sglang, "misaligned", [dict(FINDING)], seconds=1.0)
+    if dynamo == "1.0.2" and sglang == "0.5.9":
+        return PairResult(dynamo, sglang, "error", error="Traceback...\ncannot import SGLang's radix cache", seconds=1.0)
+    return PairResult(dynamo, sglang, "aligned", seconds=1.0)
+
+
+def _pin(dynamo: str, log=None) -> str | None:
+    if dynamo == "1.3.1":
+        raise MatrixError("cannot install ai-dynamo-runtime==1.3.1: no such version")
+    return PINS.get(dynamo)
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    monkeypatch.setattr(matrix, "run_pair", _fake_pair)
+    monkeypatch.setattr(matrix, "ensure_release", lambda kind, version, log=None: None)
+    monkeypatch.setattr(matrix_cmd, "shipped_sglang", _pin)
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["matrix", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --dynamo out of version order: a merge must keep one run's order, not sort it.
+OPTIONS = ["--dynamo", "1.6.1,1.3.1,1.0.2", "--sglang", "0.5.23,0.5.19", "--shipped", "--examples", "1",
+           "--ingest-examples", "1"]
+
+
+def _cells_one_by_one(capsys, tmp_path: Path, options: list[str]) -> list[str]:
+    code, out, _ = _run(capsys, *options, "--list-cells", "--json")
+    assert code == 0
+    cells = json.loads(out)
+    files = []
+    for i, c in enumerate(reversed(cells)):  # any order: the merge orders the rows
+        assert set(c) >= {"cell", "dynamo", "sglang", "shipped"} and c["cell"] == f"{c['dynamo']}:{c['sglang']}"
+        code, out, _ = _run(capsys, *options, "--cell", c["cell"], "--json")
+        doc = json.loads(out)
+        assert doc["format"] == CELL_FORMAT and len(doc["rows"]) == 1 and code == matrix.exit_code(
+            [matrix.result_from_row(doc["rows"][0])])
+        path = tmp_path / f"cell-{i}.json"
+        path.write_text(out)
+        files.append(str(path))
+    return files
+
+
+def test_list_cells_are_the_pairs_one_run_checks(stubbed, capsys):
+    code, out, _ = _run(capsys, *OPTIONS, "--list-cells", "--json")
+    assert code == 0
+    cells = json.loads(out)
+    assert [c["cell"] for c in cells] == ["1.6.1:0.5.19", "1.6.1:0.5.21", "1.6.1:0.5.23", "1.3.1:0.5.19",
+                                          "1.3.1:0.5.23", "1.0.2:0.5.9", "1.0.2:0.5.19", "1.0.2:0.5.23",
+                                          "1.3.1:unknown"]
+    assert [c["shipped"] for c in cells] == [False, True, False, False, False, True, False, False, True]
+    assert "1.3.1" in cells[-1]["error"]
+    code, out, _ = _run(capsys, *OPTIONS, "--list-cells")
+    assert out.split() == [c["cell"] for c in cells]
+
+
+def test_merged_cells_print_one_run_s_table_and_json(stubbed, capsys, tmp_path, monkeypatch):
+    code, table_one, _ = _run(capsys, *OPTIONS)
+    code_json, json_one, _ = _run(capsys, *OPTIONS, "--json")
+    assert code == code_json == 2  # an error row (1.0.2's shipped SGLang, 1.3.1's unknown pin)
+    files = _cells_one_by_one(capsys, tmp_path, OPTIONS)
+    before = {f: Path(f).read_bytes() for f in files}
+    merged_code, table_merged, err = _run(capsys, "--merge", *files)
+    assert (merged_code, table_merged) == (code, table_one)
+    assert "merged 9 cells" in err
+    merged_code, json_merged, _ = _run(capsys, "--merge", *files, "--json")
+    assert merged_code == code and json.loads(json_merged) == json.loads(json_one)
+    assert {f: Path(f).read_bytes() for f in files} == before  # the inputs are only read
+
+
+def test_merge_of_some_cells_is_one_run_over_those_pairs(stubbed, capsys, tmp_path):
+    options = ["--dynamo", "1.6.1", "--sglang", "0.5.23,0.5.19", "--examples", "1", "--ingest-examples", "1"]
+    files = _cells_one_by_one(capsys, tmp_path, options)
+    code, one, _ = _run(capsys, *options)
+    assert _run(capsys, "--merge", *files)[:2] == (code, one) and code == 1
+
+
+def test_a_cell_outside_the_matrix_is_refused(stubbed, capsys):
+    for cell in ("1.5.1:0.5.23", "1.6.1:0.5.17", "1.6.1:unknown", "1.6.1", "1.6.1:latest"):
+        code, out, err = _run(capsys, *OPTIONS, "--cell", cell, "--json")
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (cell, err)
+
+
+# ---- --merge refuses bad input: one line, exit 2, inputs untouched ---------------------------------
+
+def _cell_doc(dynamo="1.6.1", sglang="0.5.23", **over) -> dict:
+    row = {"dynamo": dynamo, "sglang": sglang, "shipped": False, "verdict": "aligned", "findings": []}
+    doc = {"versions": {"kvalign": "0.1.0", "ai-dynamo-runtime": "1.6.1", "sglang": "0.5.23", "torch": "2.13.0+cpu"},
+           "rows": [row], "format": CELL_FORMAT,
+           "cell": {"cell": f"{dynamo}:{sglang}", "plan": {"dynamo": None, "sglang": None, "shipped": False,
+                                                           "examples": 1, "ingest_examples": 1, "live": False}}}
+    for key, value in over.items():
+        target, _, name = key.rpartition("__")
+        holder = {"": doc, "row": row, "cell": doc["cell"], "plan": doc["cell"]["plan"]}[target]
+        holder[name] = value
+    return doc
+
+
+def _write(tmp: Path, name: str, doc) -> str:
+    path = tmp / name
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return str(path)
+
+
+BAD = [
+    ("not JSON", lambda t: [_write(t, "a.json", "{\"rows\": [")], r"a\.json: malformed cell: not JSON"),
+    ("empty file", lambda t: [_write(t, "a.json", "")], r"a\.json: malformed cell: not JSON"),
+    ("a whole run's report, not a cell",
+     lambda t: [_write(t, "a.json", {"versions": {}, "rows": []})], r"a\.json: not a kvalign matrix cell"),
+    ("a JSON list", lambda t: [_write(t, "a.json", [1, 2])], r"a\.json: not a kvalign matrix cell"),
+    ("two rows", lambda t: [_write(t, "a.json", {**_cell_doc(), "rows": _cell_doc()["rows"] * 2})],
+     r"a\.json: malformed cell: \"rows\" must hold exactly one row"),
+    ("no cell object", lambda t: [_write(t, "a.json", {**_cell_doc(), "cell": "1.6.1:0.5.23"})],
+     r"a\.json: malformed cell: no \"cell\" object"),
+    ("bad verdict", lambda t: [_write(t, "a.json", _cell_doc(row__verdict="fine"))],
+     r"a\.json: malformed cell: row verdict 'fine' is not one of"),
+    ("finding without a cause", lambda t: [_write(t, "a.json", _cell_doc(row__findings=[{"property": "hash"}]))],
+     r"a\.json: malformed cell: row 'findings' is not a list"),
+    ("error row without its error", lambda t: [_write(t, "a.json", _cell_doc(row__verdict="error"))],
+     r"a\.json: malformed cell: row has an 'error' string exactly when"),
+    ("cell id of another row", lambda t: [_write(t, "a.json", _cell_doc(cell__cell="1.5.1:0.5.23"))],
+     r"a\.json: malformed cell: cell '1\.5\.1:0\.5\.23' holds the row of '1\.6\.1:0\.5\.23'"),
+    ("duplicate cell", lambda t: [_write(t, "a.json", _cell_doc()), _write(t, "b.json", _cell_doc())],
+     r"b\.json: duplicate cell 1\.6\.1:0\.5\.23 \(also in .*a\.json\)"),
+    ("cells of another plan", lambda t: [_write(t, "a.json", _cell_doc()),
+                                         _write(t, "b.json", _cell_doc(sglang="0.5.19", plan__examples=100))],
+     r"b\.json: mismatched cell: its plan .* is not .*a\.json's"),
+    ("cells from another environment",
+     lambda t: [_write(t, "a.json", _cell_doc()),
+                _write(t, "b.json", _cell_doc(sglang="0.5.19", versions={"kvalign": "0.0.9"}))],
+     r"b\.json: mismatched cell: it ran with versions"),
+    ("missing file", lambda t: [_write(t, "a.json", _cell_doc()), str(t / "gone.json")],
+     r"cannot read cell file .*gone\.json"),
+]
+
+
+@pytest.mark.parametrize("name,files,message", BAD, ids=[b[0] for b in BAD])
+def test_merge_refuses_a_bad_cell_file_in_one_line(name, files, message, tmp_path, capsys):
+    import re
+
+    paths = files(tmp_path)
+    before = {p: Path(p).read_bytes() for p in paths if Path(p).exists()}
+    code, out, err = _run(capsys, "--merge", *paths)
+    assert code == 2 and out == "", (name, out, err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert re.search(message, err), (name, err)
+    assert {p: Path(p).read_bytes() for p in before} == before
+
+
+def test_a_json_row_reads_back_as_the_result_it_was_printed_from():
+    rows = [PairResult("1.6.1", "0.5.21", "misaligned", [dict(FINDING)], shipped=True,
+                       live={"verdict": "pass", "detail": "PASS", "seconds": 1.0}),
+            PairResult("1.3.1", "unknown", "error", error="shipped SGLang unknown: x", shipped=True)]
+    assert [matrix.result_from_row(r.as_json()).as_json() for r in rows] == [r.as_json() for r in rows]
+    assert matrix.render([matrix.result_from_row(r.as_json()) for r in rows]) == matrix.render(rows)
+
+
+# ---- the nightly workflow ---------------------------------------------------------------------------
+
+def _actionlint() -> str:
+    exe = Path(sys.executable).with_name("actionlint")
+    found = str(exe) if exe.exists() else shutil.which("actionlint")
+    assert found, "actionlint is not installed: scripts/setup.sh installs it with the test extras (.[test])"
+    return found
+
+
+def test_the_nightly_workflow_passes_actionlint(tmp_path):
+    res = subprocess.run([_actionlint(), "-no-color", str(WORKFLOW)], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    # the check bites: a job that needs a job the workflow does not have is an error
+    broken = tmp_path / ".github" / "workflows" / "broken.yml"
+    broken.parent.mkdir(parents=True)
+    broken.write_text(WORKFLOW.read_text().replace("needs: list-cells", "needs: list-cell"))
+    res = subprocess.run([_actionlint(), "-no-color", str(broken)], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert res.returncode == 1 and "list-cell" in res.stdout, res.stdout + res.stderr
+
+
+def test_the_workflow_fans_out_the_cells_and_merges_them():
+    text = WORKFLOW.read_text()
+    for piece in ("kvalign matrix $MATRIX_OPTIONS --list-cells --json", "fromJSON(needs.list-cells.outputs.cells)",
+                  '--cell "$CELL" --json > cell.json', "actions/upload-artifact", "actions/download-artifact",
+                  "kvalign matrix --merge cells/*/cell.json", "HYPOTHESIS_PROFILE: nightly",
+                  ".venv/bin/python -m pytest -m nightly"):
+        assert piece in text, piece
+    assert text.count("run: ./scripts/setup.sh") == 4  # every job sets up as a user does
+
+
+# ---- the real pair, run here: one run = the merge of its cells ------------------------------------
+
+def _kvalign(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "kvalign", "matrix", *argv], capture_output=True, text=True,
+                          env=env, timeout=900, cwd=cwd)
+
+
+@pytest.mark.slow
+def test_cells_of_the_installed_pair_merge_into_the_single_run_table(tmp_path):
+    from kvalign.versions import installed_versions
+
+    v = installed_versions()
+    options = ["--dynamo", v["ai-dynamo-runtime"], "--sglang", v["sglang"], "--examples", "1", "--ingest-examples", "1"]
+    single = _kvalign(*options, cwd=tmp_path)
+    assert single.returncode in (0, 1), single.stderr[-2000:]
+    listed = _kvalign(*options, "--list-cells", "--json", cwd=tmp_path)
+    cells = json.loads(listed.stdout)
+    assert [c["cell"] for c in cells] == [f"{v['ai-dynamo-runtime']}:{v['sglang']}"]
+    files = []
+    for c in cells:
+        res = _kvalign(*options, "--cell", c["cell"], "--json", cwd=tmp_path)
+        assert res.returncode == single.returncode, res.stderr[-2000:]
+        files.append(tmp_path / f"{c['cell'].replace(':', '_')}.json")
+        files[-1].write_text(res.stdout)
+    merged = _kvalign("--merge", *map(str, files), cwd=tmp_path)
+    assert (merged.returncode, merged.stdout) == (single.returncode, single.stdout)
+    merged_json = json.loads(_kvalign("--merge", *map(str, files), "--json", cwd=tmp_path).stdout)
+    assert merged_json["versions"] == installed_versions()
+    assert [matrix.result_from_row(r).as_json() for r in merged_json["rows"]] == merged_json["rows"]
