@@ -110,6 +110,7 @@ def generated(live: Live, seed: int = DEFAULT_SEED) -> dict[str, Any]:
                    seed=seed, shrink_seconds=60, script_path=live.run_dir / "fuzz-failure.json",
                    report=lambda m: print(m, file=live.log, flush=True))
     out = res.as_json()
+    (OUT_ROOT / f"{live.run_dir.name}.json").write_text(json.dumps(out, indent=1) + "\n")  # the run's figures, kept
     assert res.passed, f"{out['failure']} (progress: {live.run_dir / 'progress.log'})"
     return out
 

@@ -34,7 +34,7 @@ def test_instance_and_card_as_registered_by_dynamo(tmp_path, monkeypatch):
         serving = asyncio.ensure_future(ep.serve_endpoint(lambda req, ctx=None: iter(()), graceful_shutdown=False))
         await register_model(ModelInput.Tokens, ModelType.Chat, ep, str(model), "tiny", kv_cache_block_size=16,
                              runtime_config=rc, worker_type=WorkerType.Aggregated)
-        for _ in range(100):
+        for _ in range(600):  # 30 s at most: registration is one file write, but a loaded 2-core box is slow
             if discovery.instance_on_port(kv, rpc):
                 break
             await asyncio.sleep(0.05)
