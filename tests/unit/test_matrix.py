@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from kvalign.check import MODES, PROPERTIES
 from kvalign.cli import main
 from kvalign.matrix import (DEFAULT_SGLANG, MatrixError, Pair, PairResult, _version_key, cache_root,
                             default_dynamo_versions, pair_env, plan_pairs, requires_dist, sglang_roots, shipped_sglang,
@@ -48,7 +49,7 @@ def test_table_has_a_row_per_pair_and_a_cell_per_property_and_mode():
     lines = table(rows).splitlines()
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     assert head[:3] == ["dynamo", "sglang", "verdict"] and "ingest:eagle" in head and "card:plain" in head
-    assert len(head) == 3 + 5 * 2 and len(lines) == 2 + 3
+    assert len(head) == 3 + len(PROPERTIES) * len(MODES) and len(lines) == 2 + 3
     cells = {h: c.strip() for h, c in zip(head, lines[3].strip("|").split("|"))}
     assert cells["ingest:eagle"] == "EVENTS_DROPPED" and cells["hash:plain"] == "NAMESPACE_DROPPED"
     assert cells["card:plain"] == "ok" and cells["verdict"] == "misaligned"
