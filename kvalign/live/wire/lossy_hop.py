@@ -97,6 +97,7 @@ class LossyHop:
             self._taps[label] = tap
         self.taps = {label: f"tcp://{LOOPBACK}:{port}" for label, port in (taps or {}).items()}
         self.dropped: list[Dropped] = []
+        self.lost_downstream: dict[str, int] = {}  # per worker, batches the taps saw and the router side never will
         self.forwarded = 0
         self.strip_salt, self.stripped = strip_salt, 0
         self.hide_gaps = hide_gaps
@@ -143,6 +144,8 @@ class LossyHop:
             self._armed = None
             dropped = Dropped(label, batch.seq, blocks, time.monotonic(), armed[0], armed[2])
             self.dropped.append(dropped)
+            if not dropped.unpublished:
+                self.lost_downstream[label] = self.lost_downstream.get(label, 0) + 1
         return dropped
 
     def _without_salt(self, frames: list[bytes]) -> list[bytes]:
