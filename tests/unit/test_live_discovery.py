@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -11,20 +13,22 @@ from kvalign.live.engines.model_dir import write_model_dir
 from kvalign.live.cluster.ports import PortPool
 
 
-def test_instance_and_card_as_registered_by_dynamo(tmp_path, monkeypatch):
-    """One in-process runtime (a second one in the same process reuses the first's TCP server);
-    the registered-False reading is exercised by the e2e negative control."""
-    enable_eagle = True
-    pytest.importorskip("dynamo.llm", reason="ai-dynamo is not installed: run scripts/setup.sh")
+def _register_and_read(tmp: str) -> None:
+    """In a fresh process: the Dynamo runtime is one per process (a second ``DistributedRuntime``
+    reuses the first's TCP server and discovery store), and other tests (the check rows' ingest
+    path) start one in the test process first."""
+    import os
+    from pathlib import Path
+
     from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
     from dynamo.runtime import DistributedRuntime
 
-    kv = tmp_path / "kv"
+    enable_eagle = True
+    kv = Path(tmp) / "kv"
     rpc = PortPool().take("rpc")
-    for k, v in {"DYN_FILE_KV": str(kv), "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_TCP_RPC_PORT": str(rpc),
-                 "DYN_EVENT_PLANE_HOST": "127.0.0.1"}.items():
-        monkeypatch.setenv(k, v)
-    model = write_model_dir(tmp_path / "model")
+    os.environ.update({"DYN_FILE_KV": str(kv), "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_TCP_RPC_PORT": str(rpc),
+                       "DYN_EVENT_PLANE_HOST": "127.0.0.1"})
+    model = write_model_dir(Path(tmp) / "model")
 
     async def register() -> int:
         rt = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp", event_plane="zmq")
@@ -43,7 +47,7 @@ def test_instance_and_card_as_registered_by_dynamo(tmp_path, monkeypatch):
         card = discovery.card_for(kv, iid)
         serving.cancel()
         rt.shutdown()
-        assert inst is not None and inst.instance_id == iid and inst.address == f"127.0.0.1:{rpc}"
+        assert inst is not None and inst.instance_id == iid and inst.address == f"127.0.0.1:{rpc}", inst
         assert (inst.namespace, inst.component, inst.endpoint) == ("ns1", "backend", "generate")
         assert card is not None and card.enable_eagle is enable_eagle and card.kv_cache_block_size == 16
         assert card.model_name == "tiny" and card.worker_type == "aggregated"
@@ -51,6 +55,13 @@ def test_instance_and_card_as_registered_by_dynamo(tmp_path, monkeypatch):
         return iid
 
     asyncio.run(register())
+
+
+def test_instance_and_card_as_registered_by_dynamo(tmp_path):
+    """The registered-False reading is exercised by the e2e negative control."""
+    pytest.importorskip("dynamo.llm", reason="ai-dynamo is not installed: run scripts/setup.sh")
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(_register_and_read, str(tmp_path)).result(timeout=120)
 
 
 def test_empty_or_partial_store_reads_as_nothing(tmp_path):
