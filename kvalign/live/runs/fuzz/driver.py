@@ -410,8 +410,7 @@ class FuzzDriver:
             spec = self.metrics.spec(decode[d], d)
         obs = self._observation(tokens, c, label, marks, concurrent=False, engine_tokens=engine_tokens,
                                 surface=surface, best=best, salt=salt, spec=spec)
-        obs.stored_pages = 0 if label is None else self._held(self.engine_views, label, tokens,
-                                                              self.engine_views.mark(label), salt=salt)[0]
+        obs.stored_pages = 0 if label is None else self._held_now(label, tokens, salt)
         self._record(obs)
         tpv = "" if spec is None else f", tokens/verify {spec.tokens_per_verify}"
         self.progress(f"request {obs.request}: {len(tokens)} tokens -> {obs.label}, kv_hit_rate {c.kv_hit_rate} "
@@ -464,8 +463,9 @@ class FuzzDriver:
                 return False  # the burst evicted a page the request could have been credited with
         return True
 
-    def _held_now(self, label: str, tokens: list[int]) -> int:
-        return self._held(self.engine_views, label, tokens, self.engine_views.mark(label))[0]
+    def _held_now(self, label: str, tokens: list[int], salt: str | None = None) -> int:
+        """The engine view's leading pages of ``tokens`` on ``label`` now."""
+        return self._held(self.engine_views, label, tokens, self.engine_views.mark(label), salt=salt)[0]
 
     def _fill(self, seed: int) -> None:
         """Long fresh prompts on one worker until its pool has had to evict, then the first of them
