@@ -46,6 +46,7 @@ from kvalign.live.wire.lossy_hop import LossyHop
 
 ENGINES = ("sglang-cpu", "fake-cpu", "sglang-gpu")
 TOPOLOGIES = ("agg", "disagg")
+FLUSH_SEEDS = 2**40  # the flush rule's prompts: clear of every other rule's seeds, so no worker shares their pages
 DECODE_POOL_TOKENS = 4096  # the decode worker's pool in disaggregation (see SglangCpuWorkerKind)
 COUNTS = ("evictions", "flushes", "dropped_batches", "restarts", "concurrent_requests", "evicted_requeried",
           "flushed_requeried", "lost_requeried", "lost_batches_diagnosed")
@@ -490,15 +491,12 @@ class FuzzDriver:
                           f"of the prompt's {obs.stored_pages} pages were dropped")
 
     def _flush(self, label: str, seed: int) -> None:
-        """Send ``label``'s latest prompt again, unpinned (the router must choose a worker that holds
-        it best), flush ``label``, then re-query the prompt on it (one is sent first if it held none)."""
-        mine = [i for i, served in enumerate(self.served) if served == label]
-        if mine:
-            tokens = list(self.history[mine[-1]].tokens)
-            self._request(tokens, 1)
-        else:
-            tokens = new_tokens(seed, 3 * self.opts.page_size + 1)
-            self._request(tokens, 1, pin=label)
+        """Store a fresh prompt on ``label`` (pinned), send it again unpinned — ``label`` alone holds
+        it, so the router must choose it (a ``best_worker_chosen`` check every flush gives, whatever
+        the live tie-breaks did before) — then flush ``label`` and re-query the prompt on it."""
+        tokens = new_tokens(FLUSH_SEEDS + seed, 3 * self.opts.page_size + 1)
+        self._request(tokens, 1, pin=label)
+        self._request(tokens, 1)
         held = self._held_now(label, tokens)
         self.progress(f"flush {label} (it held {held} pages of the prompt re-queried next)")
         self._clear([label])
