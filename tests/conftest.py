@@ -39,6 +39,10 @@ def pytest_configure(config: pytest.Config) -> None:
     """
     if not os.environ.get("HYPOTHESIS_PROFILE") and "not slow" in (config.option.markexpr or ""):
         settings.load_profile("fast")
+    global _DURATIONS_ON
+    _DURATIONS_ON = bool(config.getoption("durations_json"))
+    if config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(XdistTotals(), "kvalign-xdist-totals")
 
 
 class CaseCounter:
@@ -61,11 +65,13 @@ def count_case() -> CaseCounter:
 
 
 _DURATIONS: dict[str, dict] = {}
+_STARTED: dict[str, tuple[int, float]] = {}  # nodeid -> (cases, CPU seconds) when its set-up began
+_IGNORED_MARKS = ("parametrize", "timeout", "usefixtures", "skipif", "xfail", "filterwarnings", "xdist_group")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    _record_start(item)
+    _STARTED[item.nodeid] = (_COUNTER.n, _cpu_seconds())
     from gpu_skip import gpus_needed, skip_reason
 
     needed = gpus_needed(item)
@@ -73,23 +79,49 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.skip(why)
 
 
-def _record_start(item: pytest.Item) -> None:
-    if item.config.getoption("durations_json"):
-        _DURATIONS.setdefault(item.nodeid, {"markers": sorted({m.name for m in item.iter_markers()
-                                                              if m.name not in ("parametrize", "timeout", "usefixtures",
-                                                                                "skipif", "xfail", "filterwarnings")}),
-                                                 "_cases_before": _COUNTER.n, "_cpu_before": _cpu_seconds()})
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    """Cases, CPU and markers ride on the teardown report's ``user_properties``: measured in the
+    process that ran the test (an xdist worker too), read wherever the report is logged."""
+    report = yield
+    if report.when == "teardown" and item.nodeid in _STARTED:
+        cases, cpu = _STARTED.pop(item.nodeid)
+        marks = sorted({m.name for m in item.iter_markers() if m.name not in _IGNORED_MARKS})
+        report.user_properties.append(("kvalign", {"cases": _COUNTER.n - cases, "markers": marks,
+                                                   "cpu": round(_cpu_seconds() - cpu, 3)}))
+    return report
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.nodeid in _DURATIONS:
-        row = _DURATIONS[report.nodeid]
-        row[report.when] = round(report.duration, 4)
-        if report.when == "call" or report.outcome != "passed":
-            row["outcome"] = "skipped" if report.skipped else report.outcome
-        if report.when == "teardown" and "_cases_before" in row:
-            row["cases"] = _COUNTER.n - row.pop("_cases_before")
-            row["cpu"] = round(_cpu_seconds() - row.pop("_cpu_before"), 3)
+    if not _DURATIONS_ON:
+        return
+    row = _DURATIONS.setdefault(report.nodeid, {})
+    row[report.when] = round(report.duration, 4)
+    if report.when == "call" or report.outcome != "passed":
+        row["outcome"] = "skipped" if report.skipped else report.outcome
+    row.update(next((v for k, v in report.user_properties if k == "kvalign"), {}))
+
+
+_DURATIONS_ON = False
+_WORKER_CASES: list[int] = []  # generated cases each finished xdist worker reported
+
+
+class XdistTotals:
+    """Under pytest-xdist each worker counts its own cases; the controller adds them up."""
+
+    @pytest.hookimpl
+    def pytest_testnodedown(self, node: object, error: object) -> None:
+        _WORKER_CASES.append(getattr(node, "workeroutput", {}).get("kvalign_cases", 0))
+
+
+def _cases() -> int:
+    return _COUNTER.n + sum(_WORKER_CASES)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    worker_output = getattr(session.config, "workeroutput", None)
+    if worker_output is not None:
+        worker_output["kvalign_cases"] = _COUNTER.n
 
 
 def _cpu_seconds() -> float:
@@ -103,7 +135,6 @@ def _cpu_seconds() -> float:
 
 def _write_durations(config: pytest.Config) -> None:
     import json
-    import time
 
     path = config.getoption("durations_json")
     if not path:
@@ -111,18 +142,29 @@ def _write_durations(config: pytest.Config) -> None:
     start = getattr(config, "_kvalign_session_start", None)
     doc = {"markexpr": config.option.markexpr or "", "args": list(config.invocation_params.args),
            "session_s": round(time.monotonic() - start, 2) if start else None,
-           "generated_cases": _COUNTER.n, "tests": _DURATIONS}
+           "generated_cases": _cases(), "tests": _DURATIONS}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, sort_keys=True)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    import time
-
     session.config._kvalign_session_start = time.monotonic()  # noqa: SLF001 - for --durations-json
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``--dist loadgroup``) a test file runs on one worker, so its module
+    fixtures are set up once; every live test shares one worker, so two live clusters never run
+    at once on the two cores."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        group = "live" if item.get_closest_marker("e2e") else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if hasattr(terminalreporter.config, "workerinput"):
+        return
     _write_durations(terminalreporter.config)
     profile = settings._current_profile  # noqa: SLF001 - only for the summary line
-    terminalreporter.write_line(f"hypothesis profile {profile}: {_COUNTER.n} generated property cases executed")
+    terminalreporter.write_line(f"hypothesis profile {profile}: {_cases()} generated property cases executed")
