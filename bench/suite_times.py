@@ -6,6 +6,12 @@ as ``--durations=0`` reports them), written to JSON by the ``--durations-json PA
 
     .venv/bin/python bench/suite_times.py out/durations.json
     .venv/bin/python bench/suite_times.py --run -- -m "not slow and not e2e"
+    .venv/bin/python bench/suite_times.py out/durations.json --split-durations tests/durations.json
+
+``--split-durations`` writes the same figures as ``pytest-split`` reads them (test id -> seconds),
+so the nightly's job matrix (``.github/workflows/kvalign-nightly.yml``) splits the suite into
+groups of equal recorded time; tests without a figure (skipped, new) are left out, and
+pytest-split gives them the average.
 
 A test's time is its set-up + call + teardown (and ``cpu`` the CPU seconds of the pytest process
 and its reaped children over the same span: on a shared machine, where wall time follows the load,
@@ -93,12 +99,19 @@ def render(doc: dict, top: int = 30) -> str:
     return "\n".join(lines)
 
 
+def split_durations(doc: dict) -> dict[str, float]:
+    """pytest-split's ``--durations-path`` map: each test that ran, its set-up + call + teardown."""
+    return {test: round(total(row), 3) for test, row in sorted(doc["tests"].items())
+            if row.get("outcome") in ("passed", "failed")}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("json", nargs="?", help="a file written by pytest --durations-json")
     ap.add_argument("--run", action="store_true", help="run pytest (arguments after --) and map that run")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--keep", metavar="PATH", help="with --run: keep the JSON at PATH")
+    ap.add_argument("--split-durations", metavar="OUT", help="also write pytest-split's durations file to OUT")
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)
     args, pytest_args = ap.parse_args(argv[:cut]), argv[cut + 1:]
@@ -118,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"suite_times: {exc}", file=sys.stderr)
         return 2
     print(render(doc, args.top))
+    if args.split_durations:
+        Path(args.split_durations).write_text(json.dumps(split_durations(doc), indent=1) + "\n")
     return 0
 
 

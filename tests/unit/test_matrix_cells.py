@@ -222,9 +222,26 @@ def test_the_workflow_fans_out_the_cells_and_merges_them():
     for piece in ("kvalign matrix $MATRIX_OPTIONS --list-cells --json", "fromJSON(needs.list-cells.outputs.cells)",
                   '--cell "$CELL" --json > cell.json', "actions/upload-artifact", "actions/download-artifact",
                   "kvalign matrix --merge cells/*/cell.json", "HYPOTHESIS_PROFILE: nightly",
-                  ".venv/bin/python -m pytest -m nightly"):
+                  ".venv/bin/python -m pytest -p pytest_split.plugin --splits 4 --group \"$GROUP\"",
+                  "--durations-path tests/durations.json"):
         assert piece in text, piece
     assert text.count("run: ./scripts/setup.sh") == 4  # every job sets up as a user does
+
+
+@pytest.mark.slow
+def test_the_nightly_groups_partition_the_suite():
+    """The four pytest-split groups of the nightly, on the recorded durations, hold every collected
+    test exactly once (a test in no group would never run at night)."""
+    def collect(*args: str) -> list[str]:
+        res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", *args],
+                             capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        return [line for line in res.stdout.splitlines() if "::" in line]
+
+    whole = collect()
+    groups = [collect("-p", "pytest_split.plugin", "--splits", "4", "--group", str(g),
+                      "--durations-path", "tests/durations.json") for g in (1, 2, 3, 4)]
+    assert all(groups) and sorted(sum(groups, [])) == sorted(whole)
 
 
 # ---- the real pair, run here: one run = the merge of its cells ------------------------------------

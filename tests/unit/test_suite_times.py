@@ -40,3 +40,12 @@ def test_a_file_that_is_not_a_durations_file_is_exit_2(tmp_path, capsys):
     path.write_text("[]")
     assert suite_times.main([str(path)]) == 2
     assert "not a --durations-json file" in capsys.readouterr().err
+
+
+def test_split_durations_are_what_pytest_split_reads(tmp_path):
+    """pytest-split's file maps test ids to seconds; a skipped test's near-zero figure would make
+    its group look lighter than it is on a machine where it runs, so it is left out."""
+    path, out = tmp_path / "d.json", tmp_path / "split.json"
+    path.write_text(json.dumps(DOC))
+    assert suite_times.main([str(path), "--split-durations", str(out)]) == 0
+    assert json.loads(out.read_text()) == {"tests/unit/a.py::fixture_heavy": 5.6, "tests/unit/a.py::long_call": 3.0}
