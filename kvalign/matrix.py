@@ -35,6 +35,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from kvalign import local_build
 from kvalign.check import MODES, PROPERTIES
 
 DYNAMO_PACKAGES = ("ai-dynamo-runtime", "ai-dynamo")
@@ -251,7 +252,8 @@ def ensure_release(kind: str, version: str, *, log: Callable[[str], None] = lamb
     reusable; a lock makes concurrent runs safe); a cold cache downloads each wheel once.
     """
     dist = "ai-dynamo-runtime" if kind == "dynamo" else "sglang"
-    if installed(dist) == version and (kind == "sglang" or installed("ai-dynamo") == version):
+    build = local_build.find(kind, version)  # a pull request's own build, labelled like a release
+    if build is None and installed(dist) == version and (kind == "sglang" or installed("ai-dynamo") == version):
         return None
     target = cache_root() / f"{'ai-dynamo' if kind == 'dynamo' else 'sglang'}-{version}"
     done = target / ".complete"
@@ -264,10 +266,11 @@ def ensure_release(kind: str, version: str, *, log: Callable[[str], None] = lamb
         start = time.perf_counter()
         if kind == "dynamo":
             if _metadata_file(target, "ai-dynamo") is None:
-                _pip_target(target, [f"{d}=={version}" for d in DYNAMO_PACKAGES])
+                _pip_target(target, local_build.requirements(build) if build else
+                            [f"{d}=={version}" for d in DYNAMO_PACKAGES])
         else:
             if _metadata_file(target, "sglang") is None:
-                _pip_target(target, [f"sglang=={version}"])
+                _pip_target(target, local_build.requirements(build) if build else [f"sglang=={version}"])
             _complete_dependencies(target, log)
         done.write_text(f"scheme {INSTALL_SCHEME}\n{time.perf_counter() - start:.1f}s\n")
     return target

@@ -19,6 +19,7 @@ import json
 import sys
 import time
 
+from kvalign import local_build
 from kvalign.errors import UsageError
 from kvalign.matrix import (DEFAULT_SGLANG, LIVE_COLUMN, UNKNOWN, CellFileError, MatrixError, PairResult, cache_root,
                             cell_document, default_dynamo_versions, exit_code, list_cells, merge_cells, one_line,
@@ -26,27 +27,35 @@ from kvalign.matrix import (DEFAULT_SGLANG, LIVE_COLUMN, UNKNOWN, CellFileError,
 from kvalign.runtime_log import console
 from kvalign.versions import installed_versions
 
-VERSION = r"^\d+(\.\d+)*(\.post\d+)?$"
+VERSION = rf"^\d+(\.\d+)*(\.post\d+)?({local_build.LABEL})?$"
 
 
 def _versions(text: str | None, flag: str) -> list[str] | None:
+    """Release versions; an item that names a wheel file or a source checkout stands for that
+    build, as its label (``1.6.1+local.3f9c0a1b``)."""
     if text is None:
         return None
     import re
 
-    versions = [v.strip() for v in text.split(",") if v.strip()]
+    items = [v.strip() for v in text.split(",") if v.strip()]
+    kind = flag.lstrip("-")
+    versions = [local_build.resolve(kind, v, cache_root() / "local-builds").label if local_build.looks_local(v) else v
+                for v in items]
     bad = [v for v in versions if not re.match(VERSION, v)]
     if not versions or bad:
-        raise UsageError(f"{flag} takes comma-separated release versions, got {text!r}")
+        raise UsageError(f"{flag} takes comma-separated release versions, wheel files or source checkouts, got {text!r}")
     return list(dict.fromkeys(versions))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("matrix", help="run check for every Dynamo x SGLang release pair (wheels cached per version)")
     p.add_argument("--dynamo", metavar="V1,V2,...", default=None,
-                   help="ai-dynamo releases (default: every ai-dynamo-runtime release 1.0.0 .. 1.6.1 on the index)")
+                   help="ai-dynamo releases (default: every ai-dynamo-runtime release 1.0.0 .. 1.6.1 on the index); "
+                        "an item may be a local wheel (ai-dynamo or ai-dynamo-runtime) or a source checkout: a pull "
+                        "request's own build")
     p.add_argument("--sglang", metavar="S1,S2,...", default=None,
-                   help=f"sglang releases (default: {','.join(DEFAULT_SGLANG)} plus each Dynamo release's shipped one)")
+                   help=f"sglang releases (default: {','.join(DEFAULT_SGLANG)} plus each Dynamo release's shipped one); "
+                        "an item may be a local sglang wheel or a source checkout")
     p.add_argument("--shipped", action="store_true",
                    help="add each Dynamo release's own SGLang (the ai-dynamo[sglang] pin in its wheel metadata); "
                         "alone, check only those pairs")
