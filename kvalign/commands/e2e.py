@@ -77,6 +77,9 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sglang", metavar="VERSION", default=None,
                    help="with --engine sglang-cpu: the SGLang release the workers run, from kvalign matrix's wheel "
                         "cache (installed on first use; default: the environment's)")
+    p.add_argument("--dynamo", metavar="VERSION", default=None,
+                   help="with --engine fake-cpu: the Dynamo release every process runs (frontend, router, the "
+                        "workers' runtime bindings), from kvalign matrix's wheel cache (default: the environment's)")
     p.add_argument("--control-plane", choices=CONTROL_PLANES, default="file",
                    help="file: file discovery + zmq events, no service (default); etcd-nats: start etcd + "
                         "nats-server on loopback, etcd discovery + NATS events")
@@ -104,16 +107,16 @@ def _options(args: argparse.Namespace, eagle: bool, engine: str) -> E2eOptions:
         requests=args.requests, max_tokens=args.max_tokens, bind_host=args.bind_host,
         mem_fraction_static=args.mem_fraction_static, context_length=args.context_length or None,
         cuda_graph=args.cuda_graph, startup_timeout_s=args.startup_timeout, control_plane=args.control_plane,
-        sglang=release_version(args.sglang),
+        sglang=release_version(args.sglang), dynamo=release_version(args.dynamo, "--dynamo"),
     )
 
 
-def release_version(text: str | None) -> str | None:
-    """``--sglang``: one release version, or None."""
+def release_version(text: str | None, flag: str = "--sglang") -> str | None:
+    """``--sglang`` / ``--dynamo``: one release version, or None."""
     from kvalign.commands.matrix import VERSION
 
     if text is not None and not re.match(VERSION, text):
-        raise UsageError(f"--sglang takes one release version, got {text!r}")
+        raise UsageError(f"{flag} takes one release version, got {text!r}")
     return text
 
 

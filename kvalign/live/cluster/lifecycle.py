@@ -38,10 +38,13 @@ from kvalign.live.cluster.topology import ClusterPlan, ControlPlane, Topology, W
 def make_plan(
     topology: Topology, run_dir: str | Path, model_path: str | Path | None = None, *,
     model_name: str | None = None, namespace: str | None = None, control_plane: ControlPlane = "file",
+    dynamo_dir: Path | None = None, dynamo_version: str | None = None,
 ) -> ClusterPlan:
     """Allocate ports and names for ``topology``; builds the tiny model dir if no model is given.
 
     ``control_plane``: ``"file"`` (no service) or ``"etcd-nats"`` (etcd + nats-server processes).
+    ``dynamo_dir``: another Dynamo release's directory (``kvalign matrix``'s wheel cache) that every
+    process runs, ``dynamo_version`` its version.
     """
     run = Path(run_dir).resolve()
     run.mkdir(parents=True, exist_ok=True)
@@ -56,7 +59,8 @@ def make_plan(
     plan = ClusterPlan(
         topology=topology, namespace=namespace or f"kvalign-{uuid.uuid4().hex[:10]}",
         model_path=str(model_path), model_name=model_name or Path(model_path).name, run_dir=run,
-        http_port=pool.take("frontend.http"), control_plane=control_plane, **control,
+        http_port=pool.take("frontend.http"), control_plane=control_plane, dynamo_dir=dynamo_dir,
+        dynamo_version=dynamo_version, **control,
     )
     for w in topology.workers:
         plan.worker_ports[w.name] = WorkerPorts.allocate(pool, w.name)

@@ -28,6 +28,7 @@ plane registers only a subject, ``ns_component.generate-<id>``, nothing that nam
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -118,6 +119,15 @@ class WorkerPorts:
         return cls(*(pool.take(f"{name}.{what}") for what in ("rpc", "kv_events", "system", "bootstrap")))
 
 
+def response_stream_host(dynamo_version: str | None) -> str:
+    """``DYN_TCP_RESPONSE_STREAM_HOST`` for loopback: before Dynamo 1.6 it names an *interface*
+    ("Interface not found: 127.0.0.1" otherwise), so older releases get ``lo``."""
+    if dynamo_version is None:
+        return LOOPBACK
+    release = tuple(int(x) for x in dynamo_version.split("+")[0].split(".")[:2] if x.isdigit())
+    return LOOPBACK if release >= (1, 6) else "lo"
+
+
 @dataclass(frozen=True)
 class ClusterPlan:
     """Everything fixed before launch: shared by ``kvalign live up``, pytest and ``e2e plan``."""
@@ -136,6 +146,8 @@ class ClusterPlan:
     etcd_client: int | None = None  # etcd-nats control plane
     etcd_peer: int | None = None
     nats_port: int | None = None
+    dynamo_dir: Path | None = None  # another Dynamo release (kvalign matrix's wheel cache), first on PYTHONPATH
+    dynamo_version: str | None = None
 
     def __post_init__(self) -> None:
         need = {"file": ("broker_xsub", "broker_xpub"), "etcd-nats": ("etcd_client", "etcd_peer", "nats_port")}
@@ -189,14 +201,23 @@ class ClusterPlan:
             **control,
             "DYN_NAMESPACE": self.namespace,
             "DYN_TCP_RPC_HOST": LOOPBACK,
-            "DYN_TCP_RESPONSE_STREAM_HOST": LOOPBACK,
+            "DYN_TCP_RESPONSE_STREAM_HOST": response_stream_host(self.dynamo_version),
             "DYN_EVENT_PLANE_HOST": LOOPBACK,
             "DYN_SYSTEM_HOST": LOOPBACK,
             "SGLANG_HOST_IP": LOOPBACK,
             "HOST_IP": LOOPBACK,
             "PYTHONHASHSEED": "0",
             "PYTHONUNBUFFERED": "1",
+            **self.release_path(),
         }
+
+    def release_path(self) -> dict[str, str]:
+        """Every process of a cluster on another Dynamo release runs that release: its wheel-cache
+        directory first on ``PYTHONPATH`` (frontend, runtime bindings, relay), then this kvalign."""
+        if self.dynamo_dir is None:
+            return {}
+        parts = [str(self.dynamo_dir), str(Path(__file__).resolve().parents[3]), os.environ.get("PYTHONPATH", "")]
+        return {"PYTHONPATH": os.pathsep.join(p for p in parts if p)}
 
     def worker_env(self, worker: WorkerSpec) -> dict[str, str]:
         """Plane env plus this worker's own request-plane and system ports.

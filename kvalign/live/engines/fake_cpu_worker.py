@@ -89,11 +89,18 @@ def eagle_enabled_for(speculative_algorithm: str | None) -> bool:
     """``enable_eagle`` exactly as ``dynamo.sglang`` registers it: its own function, imported.
 
     ``dynamo.sglang.register._eagle_enabled_for`` calls SGLang's ``is_eagle()``, the predicate
-    the radix cache uses to bigram-key pages (Dynamo #10982 replaced a hand-kept name set).
+    the radix cache uses to bigram-key pages (Dynamo #10982 replaced a hand-kept name set). On
+    another Dynamo release (``e2e run --dynamo``) that release's ``dynamo.sglang`` imports only
+    beside its own SGLang, so the workers register what the fixed function computes: SGLang's
+    ``is_eagle()`` itself. What such a run tests is that release's frontend and router.
     """
     _sglang_shim()
-    from dynamo.sglang.register import _eagle_enabled_for
+    try:
+        from dynamo.sglang.register import _eagle_enabled_for
+    except ImportError:
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
+        return SpeculativeAlgorithm.from_string(speculative_algorithm).is_eagle()
     return _eagle_enabled_for(speculative_algorithm)
 
 
@@ -201,7 +208,8 @@ async def _register(args: argparse.Namespace, endpoint: Any, engine: Engine) -> 
 
     rc = ModelRuntimeConfig()
     rc.enable_local_indexer = args.disaggregation_mode != "decode"
-    rc.kv_event_publishing_enabled = bool(args.kv_events_config)
+    if hasattr(rc, "kv_event_publishing_enabled"):  # not in the bindings of older releases (1.3.1)
+        rc.kv_event_publishing_enabled = bool(args.kv_events_config)
     rc.data_parallel_start_rank, rc.data_parallel_size = 0, 1
     register_eagle = {"auto": engine.cache_eagle, "on": True, "off": False}[args.register_eagle]
     if register_eagle:

@@ -67,6 +67,17 @@ class EngineKind(Protocol):
         ...
 
 
+def _environment_dynamo_only(name: str, opts: E2eOptions) -> None:
+    """Another Dynamo release runs only under kvalign's fake workers: a real engine's worker is that
+    release's ``dynamo.sglang``, which imports only beside its own SGLang (1.3.1 pins 0.5.14, 1.0.x
+    0.5.9), and the CPU engine stand-in covers SGLang 0.5.19, 0.5.21 and 0.5.23 only."""
+    from kvalign.matrix import installed
+
+    if opts.dynamo is not None and opts.dynamo != installed("ai-dynamo-runtime"):
+        raise ValueError(f"--dynamo {opts.dynamo} runs kvalign's fake CPU workers (--engine fake-cpu): {name}'s workers "
+                         f"would be dynamo.sglang {opts.dynamo}, which imports only beside its own SGLang release")
+
+
 def _only_cpu_engine_options(name: str, opts: E2eOptions) -> None:
     if opts.sglang is not None:
         raise ValueError(f"--sglang picks the real CPU engine's SGLang release: it needs --engine sglang-cpu, not {name}")
@@ -97,13 +108,18 @@ class FakeCpuEngine:
         return _cpu_topology(opts)
 
     def describe(self, opts: E2eOptions) -> str:
-        return f"{opts.prefill} prefill + {opts.decode} decode CPU workers (SGLang radix cache, no model)"
+        on = "" if opts.dynamo is None else f", every process on Dynamo {opts.dynamo}"
+        return f"{opts.prefill} prefill + {opts.decode} decode CPU workers (SGLang radix cache, no model){on}"
 
     def model_lines(self, opts: E2eOptions, plan: ClusterPlan) -> list[str]:
         return []
 
     def plan(self, topology: Topology, run_dir: str | Path, opts: E2eOptions) -> tuple[ClusterPlan, WorkerKind]:
-        return make_plan(topology, run_dir, control_plane=opts.control_plane), CpuWorkerKind()
+        from kvalign.matrix import ensure_release
+
+        dynamo_dir = None if opts.dynamo is None else ensure_release("dynamo", opts.dynamo)
+        return make_plan(topology, run_dir, control_plane=opts.control_plane, dynamo_dir=dynamo_dir,
+                         dynamo_version=opts.dynamo if dynamo_dir else None), CpuWorkerKind()
 
     def prerequisites(self, opts: E2eOptions, *, import_check: bool = True) -> Prereqs | None:
         return None
@@ -118,7 +134,9 @@ class SglangCpuEngine:
     live_startup_timeout_s = 400.0
 
     def validate(self, opts: E2eOptions) -> None:
-        """Every option applies (the release is checked against the stand-in when planning)."""
+        """Every option but another Dynamo release applies (the SGLang release is checked against the
+        stand-in when planning)."""
+        _environment_dynamo_only(self.name, opts)
 
     def gpus_needed(self, opts: E2eOptions) -> int:
         return 0
@@ -153,6 +171,7 @@ class SglangGpuEngine:
 
     def validate(self, opts: E2eOptions) -> None:
         _only_cpu_engine_options(self.name, opts)
+        _environment_dynamo_only(self.name, opts)
 
     def gpus_needed(self, opts: E2eOptions) -> int:
         return 1 if opts.single_gpu else 2

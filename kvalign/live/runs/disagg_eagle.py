@@ -78,6 +78,7 @@ class E2eOptions:
     startup_timeout_s: float = 900.0
     control_plane: ControlPlane = "file"
     sglang: str | None = None  # sglang-cpu: the SGLang release the workers run (None: the environment's)
+    dynamo: str | None = None  # fake-cpu: the Dynamo release every process runs (None: the environment's)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

@@ -214,14 +214,16 @@ class LiveDiagnosis:
     worker: str
     report: Any  # kvalign.diagnose.Diagnosis
     cli_args: list[str]
+    live_cause: Any = None  # a Cause the live router's own credit shows where the registered settings show none
+    live_note: str = ""
 
     @property
     def cause(self) -> Any:
-        return self.report.cause
+        return self.live_cause or self.report.cause
 
     def line(self) -> str:
         r, e = self.report.router, self.report.engine
-        head = (f"cause: {self.cause.name} - {self.cause.value}" if self.cause
+        head = (f"cause: {self.cause.name} - {self.cause.value}{self.live_note}" if self.cause
                 else f"cause: none - {self.report.detail}")
         return (f"{head}; {self.worker}: router eagle {'on' if r['eagle'] else 'off'} overlap {r['overlap']}/{r['blocks']}, "
                 f"engine eagle {'on' if e['eagle'] else 'off'} overlap {e['overlap']}/{e['blocks']}")
@@ -240,7 +242,33 @@ def _diagnose_on(cluster: Any, record: RequestRecord, label: str) -> LiveDiagnos
     prompt = Path(path).with_name(f"request{record.index + 1}.prompt.json")
     prompt.write_text(json.dumps(record.tokens))
     args = ["diagnose", "--capture", path, "--prompt", str(prompt), "--block-size", str(b), "--router-eagle", eagle]
-    return LiveDiagnosis(label, report, args)
+    return _live_router_differs(LiveDiagnosis(label, report, args), record, path, b)
+
+
+def _live_router_differs(found: LiveDiagnosis, record: RequestRecord, capture: str, block_size: int) -> LiveDiagnosis:
+    """Where the registered card and the engine agree but the live router credited something else,
+    ask which eagle setting the live router's credit matches: a router that hashes plain blocks
+    although every worker registered ``enable_eagle`` is ROUTER_EAGLE_OFF even with a right card
+    (Dynamo #11764: the prefill router built its KV chooser with eagle off, whatever the card said)."""
+    from kvalign.causes import Cause
+    from kvalign.diagnose import RouterSettings
+    from kvalign.diagnose import diagnose as run_diagnose
+
+    if found.report.cause is not None or record.observed is None:
+        return found
+    credited = round(record.observed * record.isl_blocks)
+    registered = found.report.router
+    if credited == registered["overlap"]:
+        return found
+    flipped = run_diagnose(capture, record.tokens,
+                           RouterSettings(block_size=block_size, eagle="off" if registered["eagle"] else "on"))
+    if flipped.router["overlap"] != credited:
+        return found
+    cause = Cause.ROUTER_EAGLE_OFF if registered["eagle"] else Cause.ROUTER_EAGLE_ON
+    note = (f" (the card registered enable_eagle={registered['eagle']}, but the live router credited {credited} "
+            f"blocks, what a router with eagle {'off' if registered['eagle'] else 'on'} credits: it does not hash as "
+            "the card says)")
+    return LiveDiagnosis(found.worker, found.report, found.cli_args, cause, note)
 
 
 def diagnose(cluster: Any, record: RequestRecord, worker: int | None = None) -> LiveDiagnosis:
