@@ -62,7 +62,7 @@ def dumps(doc: dict[str, Any]) -> str:
 
 
 #: Kinds whose recordings are gzipped (``zcat`` shows them, one case per line): the stand-in kernels'
-#: inputs and outputs are about 1.5 MB of JSON per release, and compress twentyfold.
+#: inputs and outputs are 1-2 MB of JSON per release, and compress about fifteenfold.
 COMPRESSED = frozenset({"kernels"})
 
 

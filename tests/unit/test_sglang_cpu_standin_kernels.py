@@ -26,7 +26,8 @@ Negative controls: each kernel has an off-by-one (or write-before-read) mutant o
 and the same comparison must catch it.
 
 Recorded references (``tests/unit/recorded.py``): CI draws the same inputs every run, and
-interpreting the Triton kernels on them cost about five minutes for the releases. So
+interpreting the Triton kernels on them cost over two minutes per release on the shared 2-core
+machine. So
 ``scripts/record_references.py`` records, per release, SGLang's Triton outputs on
 :data:`RECORDED_EXAMPLES` derandomized inputs per call site, keyed by (release, Triton version,
 SHA-256 of the kernel and call-site sources, SHA-256 of the strategies below). While the key
@@ -64,7 +65,8 @@ from hypothesis import strategies as st
 from kvalign.sglang_cpu_standin import SUPPORTED
 from kvalign.sglang_cpu_standin import kernels as standin
 
-#: The stand-in kernel comparison interprets SGLang's Triton kernels: minutes, so not in the fast tier.
+#: One reference child per release, each importing that release's kernel modules and their SGLang
+#: import chain (30-55 s here), and the interpreted kernels on a stale key: not in the fast tier.
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -520,7 +522,10 @@ def record(release: str, release_dir: Path | None, out: Path, stderr_path: Path)
                 cases.append({"call": call, "args": inputs, "triton": recorded.encode(outputs)})
 
             draw()
-        doc = {"key": ref.key(), "examples": RECORDED_EXAMPLES, "cases": cases}
+        key = ref.key()
+        doc = {"key": key, "examples": RECORDED_EXAMPLES, "cases": cases,
+               "recorded_from": f"sglang {release}'s Triton kernels (triton {key['triton']}, TRITON_INTERPRET=1) "
+                                f"through its own call sites, by scripts/record_references.py"}
         recorded.write(out, doc)
         return doc
     finally:
