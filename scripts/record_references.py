@@ -6,12 +6,20 @@ derandomized inputs of ``tests/unit/test_sglang_cpu_standin_releases.py`` and wr
 the kernels' outputs and the key (release, Triton version, kernel-source hash) to
 ``tests/unit/references/allocator-<release>.json``.
 
+For each supported SGLang release (the environment's included), run the stand-in kernels' call
+sites down their Triton branch (interpreted) on derandomized inputs drawn from
+``tests/unit/test_sglang_cpu_standin_kernels.py``'s strategies, and write inputs, outputs and key
+(release, Triton version, kernel-source hash, strategies hash) to
+``tests/unit/references/kernels-<release>.json.gz``.
+
 And the card table of the installed Dynamo x SGLang pair (algorithm -> the ``enable_eagle`` that
 ``dynamo.sglang``'s real registration code puts on the card, and whether SGLang keys by bigrams),
 keyed by (Dynamo, SGLang, Triton, registration-source hash), to
 ``tests/unit/references/card-<dynamo>-<sglang>.json``.
 
-    PYTHONPATH=. .venv/bin/python scripts/record_references.py [card] [RELEASE ...]   (default: all)
+    PYTHONPATH=. .venv/bin/python scripts/record_references.py [card] [allocator] [kernels] [RELEASE ...]
+
+Kinds default to all three, releases to every release a kind covers.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +52,20 @@ def record_allocator(release: str, out: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def record_kernels(release: str, out: Path) -> dict:
+    """Record the stand-in kernels' Triton references of ``release`` to ``out``; returns the recording."""
+    from kvalign.matrix import ensure_release
+
+    import test_sglang_cpu_standin_kernels as kernels
+
+    where = ensure_release("sglang", release)
+    with tempfile.TemporaryDirectory() as tmp:
+        return kernels.record(release, where, out, Path(tmp) / "stderr.log")
+
+
+KINDS = ("card", "allocator", "kernels")
+
+
 def main(argv: list[str]) -> int:
     from kvalign import sglang_cpu_standin as standin
 
@@ -53,7 +76,10 @@ def main(argv: list[str]) -> int:
 
     from kvalign.oracles.registration import load_registration
 
-    if not argv or "card" in argv:
+    kinds = [a for a in argv if a in KINDS] or list(KINDS)
+    chosen = [a for a in argv if a not in KINDS]
+
+    if "card" in kinds:
         key = card_key()
         out = path_for("card", f"{key['dynamo']}-{key['sglang']}")
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -61,13 +87,20 @@ def main(argv: list[str]) -> int:
         out.write_text(json.dumps({"key": key, "table": table}, indent=1, sort_keys=True) + "\n")
         print(f"{out.relative_to(ROOT)}: {len(table)} algorithms, key {key}")
 
-    releases = [a for a in argv if a != "card"] if argv else [v for v in standin.SUPPORTED if v != standin.SGLANG_VERSION]
-    for release in releases:
-        out = path_for("allocator", release)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        verdict = record_allocator(release, out)
-        doc = json.loads(out.read_text())
-        print(f"{out.relative_to(ROOT)}: {len(doc['cases'])} cases, key {doc['key']}, stand-in {verdict['stand_in']}")
+    if "allocator" in kinds:
+        for release in [v for v in chosen or standin.SUPPORTED if v != standin.SGLANG_VERSION]:
+            out = path_for("allocator", release)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            verdict = record_allocator(release, out)
+            doc = json.loads(out.read_text())
+            print(f"{out.relative_to(ROOT)}: {len(doc['cases'])} cases, key {doc['key']}, stand-in {verdict['stand_in']}")
+
+    if "kernels" in kinds:
+        for release in chosen or list(standin.SUPPORTED):
+            out = path_for("kernels", release)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            doc = record_kernels(release, out)
+            print(f"{out.relative_to(ROOT)}: {len(doc['cases'])} cases, {out.stat().st_size} bytes, key {doc['key']}")
     return 0
 
 

@@ -8,7 +8,7 @@ only as CUDA builds. Each function here has the argument order and in-place/out-
 the CPU branch of the SGLang ``*_func`` that calls it, and the behaviour of the Triton kernel that
 the same ``*_func`` launches on GPU: that kernel is the specification, and
 ``tests/unit/test_sglang_cpu_standin_kernels.py`` runs it under ``TRITON_INTERPRET=1`` against
-these functions.
+these functions (in the nightly; CI holds them to its outputs recorded on the derandomized inputs).
 
 Triton addresses tensors through raw base pointers (``ptr + row * stride + col``), so every
 function works on a flat view of the memory from each tensor's first element (``_flat``) and

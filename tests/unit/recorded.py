@@ -8,14 +8,21 @@ tier holds kvalign's stand-ins to the recorded outputs while the key still match
 installed; when it does not, it says which part changed and runs the real reference instead. The
 slow tier records afresh from the real packages and requires the committed recording to match.
 
+The stand-in kernels' recordings are the exception to "the slow tier re-records": CI runs the whole
+suite, slow tier included, and interpreting SGLang's Triton kernels there cost minutes for inputs CI
+draws identically every time. So their real comparison runs in the nightly (``is_nightly``) and
+whenever the key is stale; the rest of the time the stand-ins are held to the recording.
+
 Recordings are written only by ``scripts/record_references.py``; nothing here is hand-written.
 """
 
 from __future__ import annotations
 
 import ast
+import gzip
 import hashlib
 import json
+import os
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
@@ -54,13 +61,27 @@ def dumps(doc: dict[str, Any]) -> str:
     return json.dumps(head, sort_keys=True)[:-1] + ', "cases": [\n' + lines + "\n]}\n"
 
 
+#: Kinds whose recordings are gzipped (``zcat`` shows them, one case per line): the stand-in kernels'
+#: inputs and outputs are 1-2 MB of JSON per release, and compress about fifteenfold.
+COMPRESSED = frozenset({"kernels"})
+
+
 def path_for(kind: str, release: str) -> Path:
-    return DIR / f"{kind}-{release}.json"
+    return DIR / f"{kind}-{release}.json{'.gz' if kind in COMPRESSED else ''}"
 
 
 def load(kind: str, release: str) -> dict[str, Any] | None:
     path = path_for(kind, release)
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    return json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_text())
+
+
+def write(path: Path, doc: dict[str, Any]) -> None:
+    """Write a recording as :func:`dumps` does; gzipped with no timestamp when ``path`` ends in .gz,
+    so that recording the same outputs again gives the same bytes."""
+    text = dumps(doc).encode()
+    path.write_bytes(gzip.compress(text, 9, mtime=0) if path.suffix == ".gz" else text)
 
 
 def stale_reason(recorded: dict[str, Any] | None, current: dict[str, str], where: str = "") -> str | None:
@@ -71,6 +92,49 @@ def stale_reason(recorded: dict[str, Any] | None, current: dict[str, str], where
     if changed:
         return f"recording{where} is stale ({'; '.join(changed)}): run scripts/record_references.py"
     return None
+
+
+def is_nightly(markexpr: str = "") -> bool:
+    """The nightly tier, as the repository spells it: ``KVALIGN_NIGHTLY=1``, the ``nightly``
+    Hypothesis profile, or ``-m nightly`` (``markexpr``, pytest's ``-m`` expression)."""
+    return bool(os.environ.get("KVALIGN_NIGHTLY")) or os.environ.get("HYPOTHESIS_PROFILE") == "nightly" \
+        or "nightly" in markexpr
+
+
+def kernels_key(release: str, root: Path, files: list[str], strategies_sha256: str) -> dict[str, str]:
+    """(release, Triton version, kernel-source hash) of the stand-in kernel references of ``root``'s
+    SGLang, and the hash of the test's input strategies.
+
+    ``files`` are the call sites' modules and the files of the Triton kernels (and the jit helpers
+    they call) as the reference process found them. The strategies' hash is part of the key because
+    the recording holds the inputs: a changed strategy is drawn only once the recording is redone.
+    """
+    return {"release": release, "triton": metadata.version("triton"),
+            "kernel_source_sha256": source_hash(root, tuple(files)), "strategies_sha256": strategies_sha256}
+
+
+def encode(value: Any) -> Any:
+    """Tensors (nested in lists and tuples) as JSON: dtype, shape and the values, exactly (every
+    dtype the kernels take, bfloat16 and float16 included, is exact as a JSON number)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape),
+                "values": value.flatten().tolist()}
+    if isinstance(value, (list, tuple)):
+        return [encode(v) for v in value]
+    return value
+
+
+def decode(value: Any) -> Any:
+    """:func:`encode`'s inverse (tuples come back as lists; tensors contiguous)."""
+    import torch
+
+    if isinstance(value, dict):
+        return torch.tensor(value["values"], dtype=getattr(torch, value["dtype"])).reshape(value["shape"])
+    if isinstance(value, list):
+        return [decode(v) for v in value]
+    return value
 
 
 def load_function(path: Path, name: str, namespace: dict[str, Any]) -> Callable[..., Any]:

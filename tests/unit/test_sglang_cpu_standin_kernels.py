@@ -24,11 +24,25 @@ SGLang's modules take their GPU imports and never need ``sgl_kernel``).
 
 Negative controls: each kernel has an off-by-one (or write-before-read) mutant of the stand-in,
 and the same comparison must catch it.
+
+Recorded references (``tests/unit/recorded.py``): CI draws the same inputs every run, and
+interpreting the Triton kernels on them cost over two minutes per release on the shared 2-core
+machine. So
+``scripts/record_references.py`` records, per release, SGLang's Triton outputs on
+:data:`RECORDED_EXAMPLES` derandomized inputs per call site, keyed by (release, Triton version,
+SHA-256 of the kernel and call-site sources, SHA-256 of the strategies below). While the key
+matches, the stand-ins and every mutant go through the same CPU call sites in the same child and
+are held to the recorded outputs; no Triton kernel runs. A stale or missing key is warned
+(``StaleReference``) and the interpreted comparison runs instead. The nightly (``KVALIGN_NIGHTLY=1``,
+the ``nightly`` profile or ``-m nightly``) runs the interpreted comparison on freshly drawn inputs
+and checks that the kernels still give the recorded outputs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import inspect
 import os
 import pickle
 import select
@@ -36,25 +50,32 @@ import struct
 import subprocess
 import sys
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+import recorded
 import torch
-from hypothesis import Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from kvalign.sglang_cpu_standin import SUPPORTED
 from kvalign.sglang_cpu_standin import kernels as standin
 
-#: The stand-in kernel comparison interprets SGLang's Triton kernels: minutes, so not in the fast tier.
+#: One reference child per release, each importing that release's kernel modules and their SGLang
+#: import chain (30-55 s here), and the interpreted kernels on a stale key: not in the fast tier.
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-VOCAB = 512  # the tiny test models' vocabulary
 REQUEST_TIMEOUT_S = 120.0
+#: The child's start-up: a release from the wheel cache is compiled from source on every import (the
+#: cache holds no bytecode), which took over 120 s for 0.5.19 on the shared 2-core machine.
+START_TIMEOUT_S = 300.0
+#: Derandomized cases recorded per call site: the ``ci`` profile's ``max_examples``.
+RECORDED_EXAMPLES = 100
 
 # --------------------------------------------------------------------------------------------
 # Mutants: the negative controls. Each wraps the stand-in with one classic off-by-one.
@@ -285,6 +306,23 @@ def _recv(stream) -> Any:
     return pickle.loads(_read_exact(stream, n))
 
 
+def _kernel_sources(root: Path, kernels: list[Any]) -> list[str]:
+    """The files the references run, relative to SGLang's root (the recording's key hashes them):
+    the call sites' modules, and each Triton kernel's file and those of the jit helpers it calls."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    files = {Path(module.__file__).resolve() for module in _M.values()}
+    todo, seen = list(kernels), set()
+    while todo:
+        fn = getattr(todo.pop(), "fn", None)  # the Python function an InterpretedFunction wraps
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        files.add(Path(inspect.getsourcefile(fn)).resolve())
+        todo += [g for name in fn.__code__.co_names if isinstance(g := fn.__globals__.get(name), InterpretedFunction)]
+    return sorted(str(f.relative_to(root)) for f in files)
+
+
 def _serve() -> None:
     """Child main: import SGLang's kernel modules interpreted, then answer requests on stdin."""
     protocol_out = os.fdopen(os.dup(1), "wb")
@@ -299,8 +337,11 @@ def _serve() -> None:
     _M.update({key: importlib.import_module(path)
                for key, path in {**_SGLANG_MODULES, **_RELEASE_MODULES.get(release, {})}.items()})
     kernels_of = lambda m: _M.get(f"{m}_kernels", _M[m])  # noqa: E731
+    root = Path(importlib.import_module("sglang").__file__).resolve().parents[1]
     _send(protocol_out, {
         "release": release,
+        "sglang_root": str(root),
+        "sources": _kernel_sources(root, [getattr(kernels_of(m), k) for m, k in _REFERENCE_KERNELS]),
         "sgl_kernel_imported": "sgl_kernel" in sys.modules,
         "not_interpreted": [f"{m}.{k}" for m, k in _REFERENCE_KERNELS
                             if not isinstance(getattr(kernels_of(m), k), InterpretedFunction)],
@@ -340,22 +381,29 @@ class ReferenceProcess:
         self._stderr = stderr_path.open("wb")
         self.proc = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._stderr, env=env)
-        self.hello = self._reply()
+        self.hello = self._reply(START_TIMEOUT_S)
+        self.triton_runs = 0  # Triton kernels launched (interpreted) so far: none while replaying a recording
 
-    def _reply(self) -> Any:
-        ready, _, _ = select.select([self.proc.stdout], [], [], REQUEST_TIMEOUT_S)
+    def _reply(self, timeout_s: float = REQUEST_TIMEOUT_S) -> Any:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
         if not ready:
-            raise RuntimeError(f"reference process silent for {REQUEST_TIMEOUT_S:.0f} s{self._tail()}")
+            raise RuntimeError(f"reference process silent for {timeout_s:.0f} s{self._tail()}")
         try:
             return _recv(self.proc.stdout)
         except EOFError:
             raise RuntimeError(f"reference process exited (rc {self.proc.wait()}){self._tail()}") from None
+
+    def key(self) -> dict[str, str]:
+        """The recording key of this release: what the child runs, and this file's strategies."""
+        return recorded.kernels_key(self.hello["release"], Path(self.hello["sglang_root"]), self.hello["sources"],
+                                    strategies_sha256())
 
     def _tail(self) -> str:
         self._stderr.flush()
         return "; its stderr ends:\n" + self.stderr_path.read_text(errors="replace")[-3000:]
 
     def run(self, call: str, impl: str, args: tuple) -> Any:
+        self.triton_runs += impl == "triton"
         _send(self.proc.stdin, (call, impl, args))
         status, value = self._reply()
         if status != "ok":
@@ -390,6 +438,13 @@ def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     ref.close()
 
 
+@pytest.fixture(scope="module")
+def recording(reference: ReferenceProcess) -> dict[str, Any] | None:
+    """The release's recorded Triton outputs while their key matches what the child runs; None
+    (warned) when it does not."""
+    return usable_recording(reference, recorded.load("kernels", reference.hello["release"]))
+
+
 def _needs(reference: ReferenceProcess, call: str) -> None:
     if call not in reference.hello["calls"]:
         pytest.skip(f"sglang {reference.hello['release']} has no {call} call site")
@@ -403,19 +458,84 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def _compare(call: str, got: str, expected: list[torch.Tensor], actual: list[torch.Tensor],
+             want: str = "SGLang's Triton kernel") -> None:
+    """Every output equal, dtype and shape included (KernelMismatch naming the first that is not)."""
+    assert len(expected) == len(actual) > 0
+    for i, (w, g) in enumerate(zip(expected, actual, strict=True)):
+        if w.dtype != g.dtype or w.shape != g.shape or not torch.equal(w, g):
+            raise KernelMismatch(f"{call} output {i}: {got} gave {g.dtype} {g.tolist()}, {want} {w.dtype} {w.tolist()}")
+
+
 def check(reference: ReferenceProcess, call: str, args: tuple, impl: str = "standin") -> None:
     """Run ``call`` down its Triton branch and with ``impl`` on copies of ``args``; all equal."""
     expected = _tensors(reference.run(call, "triton", args))
-    actual = _tensors(reference.run(call, impl, args))
-    assert len(expected) == len(actual) > 0
-    for i, (want, got) in enumerate(zip(expected, actual, strict=True)):
-        if want.dtype != got.dtype or want.shape != got.shape or not torch.equal(want, got):
-            raise KernelMismatch(f"{call} output {i}: {CALLS[call][0]} ({impl}) gave {got.dtype} {got.tolist()}, "
-                                 f"SGLang's Triton kernel {want.dtype} {want.tolist()}")
+    _compare(call, f"{CALLS[call][0]} ({impl})", expected, _tensors(reference.run(call, impl, args)))
+
+
+def check_recorded(reference: ReferenceProcess, call: str, case: dict[str, Any], impl: str = "standin") -> None:
+    """Run ``impl`` through ``call``'s CPU call site on a recorded case's inputs; equal to the Triton
+    outputs recorded on them (no Triton kernel runs)."""
+    actual = _tensors(reference.run(call, impl, tuple(recorded.decode(case["args"]))))
+    _compare(call, f"{CALLS[call][0]} ({impl})", recorded.decode(case["triton"]), actual,
+             "SGLang's Triton kernel (recorded)")
+
+
+#: The lines that open and close this file's strategies section.
+_STRATEGIES_HEADING, _TESTS_HEADING = "\n# Strategies: inputs as SGLang builds them.", "\n# Tests.\n"
+
+
+def strategies_sha256() -> str:
+    """SHA-256 of this file's strategies section: the recorded inputs were drawn from it."""
+    text = Path(__file__).read_text()
+    return hashlib.sha256(text[text.index(_STRATEGIES_HEADING):text.index(_TESTS_HEADING)].encode()).hexdigest()
+
+
+def usable_recording(reference: ReferenceProcess, doc: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``doc`` if its key is the one of what ``reference`` runs; else None, with a StaleReference
+    warning that names what changed and the script that records afresh."""
+    release = reference.hello["release"]
+    why = recorded.stale_reason(doc, reference.key(), f" for sglang {release}'s stand-in kernels")
+    if why:
+        warnings.warn(recorded.StaleReference(why + "; running the interpreted Triton kernels instead"), stacklevel=2)
+        return None
+    return doc
+
+
+def record(release: str, release_dir: Path | None, out: Path, stderr_path: Path) -> dict[str, Any]:
+    """Draw :data:`RECORDED_EXAMPLES` derandomized inputs per call site of ``release``, run SGLang's
+    Triton branch (interpreted) on each and write inputs, outputs and key to ``out`` (called by
+    ``scripts/record_references.py``); returns the recording."""
+    ref = ReferenceProcess(stderr_path, release_dir)
+    try:
+        hello = ref.hello
+        assert hello["release"] == release, hello["release"]
+        assert not hello["not_interpreted"] and not hello["is_cpu"] and not hello["sgl_kernel_imported"], hello
+        cases: list[dict[str, Any]] = []
+        for call in hello["calls"]:
+            @settings(max_examples=RECORDED_EXAMPLES, derandomize=True, database=None, deadline=None,
+                      phases=(Phase.generate,), suppress_health_check=list(HealthCheck))
+            @given(args=STRATEGIES[call])
+            def draw(args: tuple) -> None:
+                inputs = recorded.encode(args)  # the outputs are recorded for the inputs as the replay decodes them
+                outputs = _tensors(ref.run(call, "triton", tuple(recorded.decode(inputs))))
+                cases.append({"call": call, "args": inputs, "triton": recorded.encode(outputs)})
+
+            draw()
+        key = ref.key()
+        doc = {"key": key, "examples": RECORDED_EXAMPLES, "cases": cases,
+               "recorded_from": f"sglang {release}'s Triton kernels (triton {key['triton']}, TRITON_INTERPRET=1) "
+                                f"through its own call sites, by scripts/record_references.py"}
+        recorded.write(out, doc)
+        return doc
+    finally:
+        ref.close()
 
 
 # --------------------------------------------------------------------------------------------
-# Strategies: inputs as SGLang builds them.
+# Strategies: inputs as SGLang builds them. (This section's text is hashed into the recording's key.)
+
+VOCAB = 512  # the tiny test models' vocabulary
 
 
 def _ints(shape: tuple[int, ...], lo: int, hi: int, dtype: torch.dtype) -> st.SearchStrategy[torch.Tensor]:
@@ -631,10 +751,11 @@ def test_reference_is_sglangs_triton_kernels_interpreted_without_sgl_kernel(refe
     assert hello["sgl_kernel_imported"] is False
 
 
-@pytest.mark.parametrize("call", CALLS)
-def test_stand_in_equals_sglang_triton_kernel(reference, count_case, call):
-    _needs(reference, call)
+def _interpreted_property(reference: ReferenceProcess, call: str, count_case: Callable[[], None],
+                          max_examples: int | None = None) -> None:
+    """The stand-in against the interpreted Triton kernel on inputs Hypothesis draws now (the profile's count)."""
 
+    @settings(settings.default, max_examples=max_examples or settings.default.max_examples)
     @given(args=STRATEGIES[call])
     def prop(args):
         count_case()
@@ -643,9 +764,8 @@ def test_stand_in_equals_sglang_triton_kernel(reference, count_case, call):
     prop()
 
 
-@pytest.mark.parametrize("call", CALLS)
-def test_negative_control_off_by_one_stand_in_is_caught(reference, call):
-    _needs(reference, call)
+def _interpreted_control(reference: ReferenceProcess, call: str) -> None:
+    """The mutant against the interpreted Triton kernel: Hypothesis must find a mismatch."""
 
     @settings(settings.default, max_examples=50, derandomize=True, database=None, report_multiple_bugs=False,
               phases=(Phase.generate,))  # detection is the point here: skip shrinking
@@ -655,6 +775,104 @@ def test_negative_control_off_by_one_stand_in_is_caught(reference, call):
 
     with pytest.raises(KernelMismatch):
         prop()
+
+
+def _recorded_cases(recording: dict[str, Any], call: str) -> list[dict[str, Any]]:
+    cases = [case for case in recording["cases"] if case["call"] == call]
+    assert len(cases) == recording["examples"], f"the recording holds {len(cases)} cases of {call}"
+    return cases
+
+
+def _nightly_only(request: pytest.FixtureRequest) -> None:
+    if not recorded.is_nightly(request.config.getoption("markexpr") or ""):
+        pytest.skip("interpreted Triton kernels on fresh inputs: nightly only (KVALIGN_NIGHTLY=1, "
+                    "HYPOTHESIS_PROFILE=nightly or -m nightly); CI holds the stand-ins to the recorded outputs")
+
+
+def _stand_in_against(reference: ReferenceProcess, recording: dict[str, Any] | None, call: str,
+                      count_case: Callable[[], None], max_examples: int | None = None) -> None:
+    """Every recorded case of ``call``, or (``recording`` None: stale) the interpreted comparison."""
+    if recording is None:
+        _interpreted_property(reference, call, count_case, max_examples)
+        return
+    for case in _recorded_cases(recording, call):
+        count_case()
+        check_recorded(reference, call, case)
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_stand_in_equals_recorded_triton_outputs(reference, recording, count_case, call):
+    """Every recorded case: the stand-in through SGLang's CPU call site gives the Triton kernel's
+    recorded outputs. With a stale recording, the interpreted comparison runs instead."""
+    _needs(reference, call)
+    _stand_in_against(reference, recording, call, count_case)
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_negative_control_off_by_one_stand_in_is_caught_by_the_recording(reference, recording, call):
+    """The mutant through the same call site must differ from the recorded outputs on some case.
+    With a stale recording, the interpreted control runs instead."""
+    _needs(reference, call)
+    if recording is None:
+        _interpreted_control(reference, call)
+        return
+    with pytest.raises(KernelMismatch):
+        for case in _recorded_cases(recording, call):
+            check_recorded(reference, call, case, impl="mutant")
+
+
+def test_a_stale_recording_is_said_and_the_interpreted_kernels_run(reference, count_case):
+    """A recording whose key is not the installed one never stands in for the kernels: it is
+    warned, naming what changed and the script, and the comparison interprets the Triton kernels.
+    And the committed recording must be current (as the allocator's): else this fails, naming the
+    script, while the comparisons above fall back to the interpreted kernels."""
+    release, key = reference.hello["release"], reference.key()
+    doc = recorded.load("kernels", release)
+    why = recorded.stale_reason(doc, key, f" for sglang {release}'s stand-in kernels")
+    assert why is None, why
+    assert usable_recording(reference, doc) is doc
+    for part, value in (("triton", "0.0"), ("kernel_source_sha256", "0" * 64), ("strategies_sha256", "0" * 64)):
+        with pytest.warns(recorded.StaleReference, match=rf"stale \({part} '{value}' -> '[^']*'\): run "
+                                                         r"scripts/record_references.py; running the interpreted"):
+            assert usable_recording(reference, {**doc, "key": {**key, part: value}}) is None
+    with pytest.warns(recorded.StaleReference, match=r"^no recording for sglang .*: run scripts/record_references.py"):
+        assert usable_recording(reference, None) is None
+    call, before = "fill_bonus_tokens_func", reference.triton_runs
+    _stand_in_against(reference, doc, call, count_case)
+    assert reference.triton_runs == before, "replaying the recording launched a Triton kernel"
+    _stand_in_against(reference, None, call, count_case, max_examples=5)
+    assert reference.triton_runs > before, "a stale recording did not run the interpreted Triton kernels"
+
+
+@pytest.mark.nightly
+@pytest.mark.parametrize("call", CALLS)
+def test_stand_in_equals_sglang_triton_kernel(request, reference, count_case, call):
+    _nightly_only(request)
+    _needs(reference, call)
+    _interpreted_property(reference, call, count_case)
+
+
+@pytest.mark.nightly
+@pytest.mark.parametrize("call", CALLS)
+def test_negative_control_off_by_one_stand_in_is_caught(request, reference, call):
+    _nightly_only(request)
+    _needs(reference, call)
+    _interpreted_control(reference, call)
+
+
+@pytest.mark.nightly
+def test_recorded_outputs_are_the_interpreted_kernels_outputs(request, reference):
+    """The recording is still the real thing: its key is the installed one and the interpreted
+    Triton kernels give the recorded outputs on every recorded input."""
+    _nightly_only(request)
+    release = reference.hello["release"]
+    doc = recorded.load("kernels", release)
+    assert doc is not None, f"no recording for sglang {release}: run scripts/record_references.py"
+    assert doc["key"] == reference.key(), "the key changed: run scripts/record_references.py"
+    assert {case["call"] for case in doc["cases"]} == set(reference.hello["calls"])
+    for case in doc["cases"]:
+        got = _tensors(reference.run(case["call"], "triton", tuple(recorded.decode(case["args"]))))
+        _compare(case["call"], "SGLang's Triton kernel now", recorded.decode(case["triton"]), got, "the recording")
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:
