@@ -2,7 +2,8 @@
 real radix cache (``kvalign.live.engines.fake_cpu_worker``), real processes and sockets on 127.0.0.1.
 
 Thin per-topology tests over the shared scenario and checks in :mod:`kvalign.live.runs.scenario`;
-the GPU nightly runs the same scenario with ``dynamo.sglang`` workers.
+the GPU nightly runs the same scenario with ``dynamo.sglang`` workers. Each configuration's
+cluster is started once per session and flushed between tests (``shared_cluster``).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def _assert_aligned(cluster, records) -> None:
 
 
 @pytest.mark.parametrize("eagle", [True, False], ids=["eagle", "plain"])
-def test_prefix_requests_stick_to_one_worker_with_predicted_hit_rate(live_cluster, eagle):
-    cluster = live_cluster(Topology.aggregated(2, eagle=eagle))
+def test_prefix_requests_stick_to_one_worker_with_predicted_hit_rate(shared_cluster, eagle):
+    cluster = shared_cluster(Topology.aggregated(2, eagle=eagle))
     assert all(h.enable_eagle is eagle for h in cluster.workers.values()), "registered enable_eagle != engine mode"
     pids = cluster.group.pids()
     listening = _listening_ports(pids)
@@ -55,8 +56,8 @@ def test_prefix_requests_stick_to_one_worker_with_predicted_hit_rate(live_cluste
     assert d.cause is None and d.report.router["overlap"] == d.report.engine["overlap"] == d.report.router["blocks"] > 0, d.line()
 
 
-def test_negative_control_bigram_cache_registered_without_eagle_is_cache_blind(live_cluster):
-    cluster = live_cluster(Topology.aggregated(2, eagle=True, register_eagle=False))
+def test_negative_control_bigram_cache_registered_without_eagle_is_cache_blind(shared_cluster):
+    cluster = shared_cluster(Topology.aggregated(2, eagle=True, register_eagle=False))
     assert not any(h.enable_eagle for h in cluster.workers.values())
 
     records = scenario.run_prefix_extension(cluster, 4)
@@ -81,8 +82,8 @@ def test_negative_control_bigram_cache_registered_without_eagle_is_cache_blind(l
 
 
 @pytest.mark.parametrize("bootstrap_endpoint", [True, False], ids=["bootstrap-endpoint", "prefill-returns-params"])
-def test_disaggregated_prefill_routing(live_cluster, bootstrap_endpoint):
-    cluster = live_cluster(Topology.disaggregated(2, 1, eagle=True), CpuWorkerKind(bootstrap_endpoint=bootstrap_endpoint))
+def test_disaggregated_prefill_routing(shared_cluster, bootstrap_endpoint):
+    cluster = shared_cluster(Topology.disaggregated(2, 1, eagle=True), CpuWorkerKind(bootstrap_endpoint=bootstrap_endpoint))
     records = scenario.run_prefix_extension(cluster, 4)
     print(scenario.table(records))
     _assert_aligned(cluster, records)
@@ -93,6 +94,7 @@ def test_disaggregated_prefill_routing(live_cluster, bootstrap_endpoint):
 
 
 def test_teardown_leaves_no_process_behind(live_cluster):
+    """Cold: it closes its cluster, so it starts one of its own (``live_cluster``), never a shared one."""
     cluster = live_cluster(Topology.aggregated(1, eagle=True))
     pids = cluster.group.pids()
     marked = pids_with_env(RUN_MARKER_ENV, str(cluster.plan.run_dir))
