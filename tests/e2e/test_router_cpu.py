@@ -8,15 +8,23 @@ cluster is started once per session and flushed between tests (``shared_cluster`
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 
 from kvalign.causes import Cause
+from kvalign.events import AllBlocksCleared
 from kvalign.live.runs import scenario
 from kvalign.live.cluster.processes import group_alive, pids_with_env
+from kvalign.live.cluster.shared import ClusterKey, SharedClusters
 from kvalign.live.cluster.topology import RUN_MARKER_ENV, CpuWorkerKind, Topology
+from kvalign.live.wire.client import stream_chat
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -104,3 +112,33 @@ def test_teardown_leaves_no_process_behind(live_cluster):
     assert not pids_with_env(RUN_MARKER_ENV, str(cluster.plan.run_dir)), "a process of the run survived"
     assert cluster.group.killed == [], f"needed SIGKILL (no graceful exit on SIGTERM): {cluster.group.killed}"
     cluster.close()  # idempotent
+
+
+@pytest.mark.timeout(360)
+def test_a_shared_cluster_is_flushed_for_each_user_and_replaced_after_a_crash(cpu_live_stack, live_run_dir):
+    """Cold: a pool of its own, so the crash it causes and the restart it checks touch no other test's
+    cluster (its 1-worker configuration is started twice on purpose)."""
+    pool = SharedClusters(lambda key: Path(tempfile.mkdtemp(prefix=f"{key.slug}-", dir=live_run_dir)))
+    topology, kind = Topology.aggregated(1, eagle=True), CpuWorkerKind()
+    key = ClusterKey.of(topology, kind)
+    content = scenario.prefix_prompts(3)[2]
+    try:
+        cluster = pool.get(topology, kind, live_run_dir / "user1")
+        stream_chat(cluster.frontend_url, cluster.model, content)
+        cluster.capture.wait_for(lambda snap: len(snap) >= 2, 5.0)  # the flush's AllBlocksCleared, then the store
+        time.sleep(1.0)  # the router indexes the same events (the scenario's pause)
+        assert (stream_chat(cluster.frontend_url, cluster.model, content).kv_hit_rate or 0) > 0
+
+        assert pool.get(topology, kind, live_run_dir / "user2") is cluster and pool.starts == {key: 1}
+        first = cluster.capture.snapshot()[0].batch.events[0]
+        assert isinstance(first, AllBlocksCleared), "the next user's capture does not start at the flush"
+        assert stream_chat(cluster.frontend_url, cluster.model, content).kv_hit_rate == 0.0, "the router kept a flushed prefix"
+
+        worker = next(p for p in cluster.group.procs if p.spec.name == "worker0")
+        os.killpg(worker.pid, signal.SIGKILL)
+        fresh = pool.get(topology, kind, live_run_dir / "user3")
+        assert fresh is not cluster and pool.starts == {key: 2} and cluster.plan.run_dir in pool.kept
+        assert stream_chat(fresh.frontend_url, fresh.model, content).kv_hit_rate == 0.0
+    finally:
+        leftovers = pool.close()
+    assert leftovers == {}, f"processes outlived their shared cluster: {leftovers}"
