@@ -180,7 +180,7 @@ def shared_clusters(request: pytest.FixtureRequest) -> Iterator[SharedClusters]:
     yield pool
     leftovers = pool.close()
     for key, starts in pool.starts.items():
-        say(f"{key.slug}: started {starts}x, reused {pool.reuses.get(key, 0)}x")
+        say(f"{key.describe()}: started {starts}x, reused {pool.reuses.get(key, 0)}x")
     for run_dir in pool.run_dirs:
         if run_dir in pool.kept:
             say(f"logs kept under {run_dir}/logs")

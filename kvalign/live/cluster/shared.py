@@ -89,6 +89,10 @@ class ClusterKey:
         register = "" if w.register_eagle is None else f"-register_{'on' if w.register_eagle else 'off'}"
         return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{self.engine}-{roles}-{mode}{register}-{self.control_plane}")
 
+    def describe(self) -> str:
+        """The slug with the release and every other knob: two configurations never read alike."""
+        return f"{self.slug} (sglang {self.release}; {', '.join(f'{k}={v}' for k, v in self.knobs)})"
+
 
 def _installed(dist: str) -> str | None:
     try:
@@ -201,7 +205,7 @@ class SharedClusters:
                 self.reuses[key] = self.reuses.get(key, 0) + 1
                 return cluster
             except ClusterUnhealthy as exc:
-                self.log(f"replacing the shared {key.slug} cluster ({cluster.plan.run_dir}): {exc}")
+                self.log(f"replacing the shared {key.describe()} cluster ({cluster.plan.run_dir}): {exc}")
                 self.discard(cluster)
         run_dir = self.run_dir_for(key).resolve()
         self.run_dirs.append(run_dir)
