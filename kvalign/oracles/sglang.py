@@ -215,6 +215,11 @@ class SglangRadixCache:
         res = self._cache.evict(self._m.bpc.EvictParams(num_tokens=num_tokens))
         return int(getattr(res, "num_tokens_evicted", 0) or 0)
 
+    def reset(self) -> None:
+        """Drop the whole cache with SGLang's own ``reset``, as the scheduler's ``flush_cache``
+        does; SGLang queues one ``AllBlocksCleared`` for it (drain it with :meth:`take_raw_events`)."""
+        self._cache.reset()
+
     def take_events(self) -> list[KVEvent]:
         """Drain the cache's pending KV events, converted to kvalign's event model."""
         take = getattr(self._cache, "take_events", None) or self._cache.kv_events.take

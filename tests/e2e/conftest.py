@@ -1,10 +1,19 @@
-"""Fixtures for live e2e tests: a cluster launcher with per-test logs and guaranteed teardown.
+"""Fixtures for live e2e tests: shared and cold clusters, per-test logs, guaranteed teardown.
 
-``live_cluster(topology, kind)`` starts a :class:`kvalign.live.cluster.lifecycle.Cluster` and returns it
-ready; every cluster a test started is torn down after the test whatever happened (pass, fail,
-timeout, Ctrl-C). Each test's run directory — process logs, discovery store, KV-event
-captures — lives under ``$KVALIGN_E2E_OUT`` (default ``out/e2e``) / ``<test name>-<random>``; it is deleted
-when the test passes and kept (its path printed in the report) when it fails.
+``shared_cluster(topology, kind)`` hands out the session's one cluster of that configuration
+(:class:`kvalign.live.cluster.shared.SharedClusters`: keyed by engine, SGLang release, topology,
+registration, control plane and the other knobs), health-checked and flushed — confirmed on the
+engine's and the router's side — with a fresh KV-event capture in the test's run directory. A
+test that needs a cold cluster (one it may close, or one whose start-up it asserts on) says so by
+using ``live_cluster(topology, kind)``, which starts a cluster of its own and tears it down after
+the test whatever happened (pass, fail, timeout, Ctrl-C). Shared clusters are stopped at the end
+of the session, which then fails if any of their processes outlived them.
+
+Each test's run directory — KV-event captures, and for a cold cluster its process logs and
+discovery store — lives under ``$KVALIGN_E2E_OUT`` (default ``out/e2e``) / ``<test name>-<random>``;
+it is deleted when the test passes and kept (its path printed in the report) when it fails, with
+a copy of the shared cluster's process logs. A shared cluster's own directory
+(``shared-<configuration>-<random>``) is kept when a test that used it failed or it was replaced.
 """
 
 from __future__ import annotations
@@ -21,9 +30,14 @@ from pathlib import Path
 import pytest
 
 from kvalign.live.cluster.lifecycle import Cluster, make_plan
+from kvalign.live.cluster.shared import ClusterKey, SharedClusters
 from kvalign.live.cluster.topology import CpuWorkerKind, Topology, WorkerKind
 
 OUT_ROOT = Path(os.environ.get("KVALIGN_E2E_OUT", Path(__file__).resolve().parents[2] / "out" / "e2e"))
+
+#: What the shared clusters did this session (starts, reuses, replacements, kept logs), printed in
+#: the terminal summary: fixture teardown output is captured, the summary is not.
+SHARED_LOG = pytest.StashKey[list[str]]()
 
 
 def cpu_stack_missing() -> str | None:
@@ -82,6 +96,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytes
     return report
 
 
+def _test_failed(node: pytest.Item) -> bool:
+    """Whether ``node``'s set-up or call failed (read in a fixture's teardown)."""
+    return any(getattr(getattr(node, f"kvalign_report_{w}", None), "failed", False) for w in ("setup", "call"))
+
+
 @pytest.fixture
 def live_run_dir(request: pytest.FixtureRequest) -> Iterator[Path]:
     """This test's run directory; removed after a pass, kept (and reported) after a failure."""
@@ -90,8 +109,7 @@ def live_run_dir(request: pytest.FixtureRequest) -> Iterator[Path]:
     # Unique per run: two pytest sessions in one checkout must never share (or delete) a run dir.
     path = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=OUT_ROOT))
     yield path
-    failed = any(getattr(getattr(request.node, f"kvalign_report_{w}", None), "failed", False) for w in ("setup", "call"))
-    if failed:
+    if _test_failed(request.node):
         request.node.add_report_section("teardown", "kvalign live logs", f"kept process logs under {path}/logs")
     else:
         shutil.rmtree(path, ignore_errors=True)
@@ -147,9 +165,63 @@ def cpu_live_stack() -> None:
         pytest.skip(reason)
 
 
+@pytest.fixture(scope="session")
+def shared_clusters(request: pytest.FixtureRequest) -> Iterator[SharedClusters]:
+    """The session's shared clusters; at the end every one is stopped, and a process of any of
+    them that outlived it fails the session's last test (at teardown)."""
+    lines = request.config.stash.setdefault(SHARED_LOG, [])
+    say = lines.append
+
+    def run_dir_for(key: ClusterKey) -> Path:
+        OUT_ROOT.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f"shared-{key.slug}-", dir=OUT_ROOT))
+
+    pool = SharedClusters(run_dir_for, log=say)
+    yield pool
+    leftovers = pool.close()
+    for key, starts in pool.starts.items():
+        say(f"{key.describe()}: started {starts}x, reused {pool.reuses.get(key, 0)}x")
+    for run_dir in pool.run_dirs:
+        if run_dir in pool.kept:
+            say(f"logs kept under {run_dir}/logs")
+        elif run_dir not in leftovers:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    assert not leftovers, f"processes outlived their shared cluster: {leftovers}"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for line in terminalreporter.config.stash.get(SHARED_LOG, []):
+        terminalreporter.write_line(f"kvalign shared clusters: {line}")
+
+
+@pytest.fixture
+def shared_cluster(cpu_live_stack: None, shared_clusters: SharedClusters, live_run_dir: Path,
+                   request: pytest.FixtureRequest) -> Iterator[Callable[..., Cluster]]:
+    """Factory: ``shared_cluster(topology, kind=CpuWorkerKind(), **plan_kw)`` -> the session's
+    cluster of that configuration, healthy and flushed, its capture fresh under this test's run
+    directory. After a failed test the cluster's logs are copied into the run directory and the
+    cluster is retired (the next user gets a fresh one: a failure never leaks into another test)."""
+    used: list[Cluster] = []
+
+    def get(topology: Topology, kind: WorkerKind | None = None, **plan_kw: object) -> Cluster:
+        capture_dir = live_run_dir / f"cluster{len(used)}" / "captures"
+        cluster = shared_clusters.get(topology, kind or CpuWorkerKind(), capture_dir, **plan_kw)
+        used.append(cluster)
+        return cluster
+
+    yield get
+    if _test_failed(request.node):
+        for cluster in used:
+            shutil.copytree(cluster.plan.run_dir / "logs", live_run_dir / "logs" / cluster.plan.run_dir.name,
+                            dirs_exist_ok=True)
+            shared_clusters.discard(cluster)
+
+
 @pytest.fixture
 def live_cluster(cpu_live_stack: None, live_run_dir: Path) -> Iterator[Callable[..., Cluster]]:
-    """Factory: ``live_cluster(topology, kind=CpuWorkerKind(), **plan_kw)`` -> a ready cluster."""
+    """Factory for a cold cluster of the test's own: ``live_cluster(topology, kind=CpuWorkerKind(),
+    **plan_kw)`` -> a ready cluster, stopped after the test. For tests that close the cluster or
+    assert on its start-up; every other test takes ``shared_cluster``."""
     started: list[Cluster] = []
 
     def start(topology: Topology, kind: WorkerKind | None = None, *, startup_timeout_s: float = 90.0, **plan_kw: object) -> Cluster:

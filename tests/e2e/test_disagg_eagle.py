@@ -13,7 +13,9 @@
   real KV transfer (NIXL/Mooncake RDMA; CPU prefill/decode uses SGLang's ``fake`` backend, so no
   KV bytes move), multi-step / tree EAGLE (CPU runs num-steps 1, topk 1, 2 draft tokens), CUDA
   graphs and the production attention kernels.
-* ``fake-cpu`` (CI): kvalign's fake workers (SGLang's real radix cache, no model, no speculation).
+* ``fake-cpu`` (CI): kvalign's fake workers (SGLang's real radix cache, no model, no speculation),
+  on the session's shared cluster of each configuration (the aligned one is also
+  ``test_router_cpu``'s bootstrap-endpoint prefill/decode cluster).
 """
 
 from __future__ import annotations
@@ -155,9 +157,9 @@ def test_real_engine_negative_control_disagreeing_draft_fails_assertion_4_only(s
 # ---- fake-cpu: kvalign's fake workers (CI) ------------------------------------------------------
 
 @pytest.mark.timeout(150)
-def test_same_scenario_through_cpu_workers_passes(live_cluster):
+def test_same_scenario_through_cpu_workers_passes(shared_cluster):
     opts = E2eOptions(engine="fake-cpu")
-    cluster = live_cluster(opts.topology(), CpuWorkerKind())
+    cluster = shared_cluster(opts.topology(), CpuWorkerKind())
     result = disagg_eagle.run(cluster, opts, print)
     print(result.report())
     assert result.passed, result.report()
@@ -168,9 +170,9 @@ def test_same_scenario_through_cpu_workers_passes(live_cluster):
 
 
 @pytest.mark.timeout(150)
-def test_negative_control_fails_assertion_2_naming_the_cause(live_cluster):
+def test_negative_control_fails_assertion_2_naming_the_cause(shared_cluster):
     opts = E2eOptions(engine="fake-cpu", router_eagle=False)
-    cluster = live_cluster(opts.topology(), CpuWorkerKind())
+    cluster = shared_cluster(opts.topology(), CpuWorkerKind())
     assert not any(h.enable_eagle for h in cluster.workers.values())
     result = disagg_eagle.run(cluster, opts, print)
     print(result.report())

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvalign.events import BlockStored
+from kvalign.events import AllBlocksCleared, BlockStored
 from kvalign.live.engines import fake_cpu_worker as cpu_worker
 
 
@@ -69,3 +69,28 @@ def test_cache_and_publish_drains_the_cache_events_it_publishes():
     (ev,) = eng.cache.take_events()
     assert isinstance(ev, BlockStored) and ev.block_size == 4 and len(ev.block_hashes) == 2
     assert ev.token_ids[0] == (200, 201)  # SGLang's EAGLE bigram keys
+
+
+def test_clear_kv_blocks_flushes_with_sglang_s_all_blocks_cleared_and_refuses_while_a_request_runs():
+    eng = _engine(True)
+    h = cpu_worker.Handler(eng, "null", 0)
+    prompt = list(range(10, 19))
+    asyncio.run(_collect(h, {"token_ids": prompt, "stop_conditions": {"max_tokens": 4}}))
+    assert eng.cache.match(prompt) > 0
+    published: list = []
+    eng._publish_pending = lambda: published.extend(eng.cache.take_events())  # what the publisher would send
+
+    async def clear_while_streaming() -> tuple[list[dict], list[dict]]:
+        stream = h.generate({"token_ids": prompt, "stop_conditions": {"max_tokens": 3}})
+        await stream.__anext__()  # one request in flight
+        refused = [c async for c in h.clear_kv_blocks({})]
+        async for _ in stream:
+            pass
+        return refused, [c async for c in h.clear_kv_blocks({})]
+
+    refused, cleared = asyncio.run(clear_while_streaming())
+    assert refused == [{"status": "error", "message": "Cannot clear KV cache while requests are active"}]
+    assert cleared == [{"status": "success", "message": "KV cache cleared"}]
+    assert eng.cache.match(prompt) == 0
+    assert [type(e) for e in published][-1] is AllBlocksCleared  # the flush's own event, published last
+    eng.shutdown()

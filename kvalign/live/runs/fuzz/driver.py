@@ -102,7 +102,7 @@ def engine_problem(opts: FuzzOptions) -> str | None:
         return ("the fuzz on --engine sglang-gpu needs the GPU worker kind with a lossy hop, which the gpu_2 "
                 "nightly does not provide yet; run --engine sglang-cpu")
     if opts.engine == "fake-cpu":
-        return ("--engine fake-cpu has no engine reuse report (cached_tokens), no clear_kv_blocks endpoint and no "
+        return ("--engine fake-cpu has no engine reuse report (cached_tokens) and no "
                 "speculative decoder; the fuzz needs the real engine: run --engine sglang-cpu")
     from kvalign.live.engines.sglang_cpu import engine_problem as cpu_problem
 
