@@ -121,10 +121,8 @@ def test_servable_finds_host_credit_below_sglangs_load_back_threshold(tier_paths
     """Page 2: a host-only stretch of 1-4 pages is 2-8 tokens, under SGLang's threshold; the router credits it."""
     calls, failures, found = _search(tier_paths(), eagle=False, servable=True, examples=15, page_sizes=(2,))
     assert found is not None and found.cause.name == "HOST_CREDIT_NOT_SERVABLE", found and found.detail
-    from kvalign.causes import FINDINGS
-
-    assert found.cause in FINDINGS
     assert "load_back_threshold (10)" in found.detail and found.example["page_size"] == 2
+    assert found.condition.startswith("only with HiCache on and page sizes below SGLang's load_back_threshold (10 tokens)")
 
 
 def test_servable_holds_at_a_page_of_the_threshold_or_more(tier_paths):
@@ -134,8 +132,9 @@ def test_servable_holds_at_a_page_of_the_threshold_or_more(tier_paths):
 
 
 def test_relay_medium_map_is_the_one_kvalign_names_causes_with(tier_paths):
-    """RELAY_TIERS (used only to name MEDIUM_NOT_INDEXED) against the real relay, plus an unmapped string."""
-    from kvalign.tier import RELAY_TIERS
+    """RELAY_TIERS (what names MEDIUM_NOT_INDEXED and what ``watch`` counts blocks per tier with) against
+    the real relay, plus an unmapped string."""
+    from kvalign.relay import RELAY_TIERS
 
     tp = tier_paths()
     worker, tap = tp.worker(4, False)
