@@ -357,7 +357,7 @@ class TierMachine(RuleBasedStateMachine):
         self.steps.append(("admit", tokens, tenant))
         if self.servable and credited and loaded < host:
             p, threshold = self.engine.page_size, self.engine.load_back_threshold
-            best = self.path.path.call(self.worker.router.best_worker, query, **_tenant_kw(tenant))
+            best = self.path.path.call(self.worker.router.best_worker, query, **tenant_kwargs(tenant))
             raise Mismatch("servable", (
                 f"page size {p}: the prompt's host-only stretch is {host} {'bigram' if self.eagle else 'token'}s, below "
                 f"SGLang's load_back_threshold ({threshold}), so SGLang loaded {loaded} back and re-prefills it; the "
@@ -417,7 +417,8 @@ def servable_condition(threshold: int) -> str:
             f"--page-size {threshold} or more does not show it")
 
 
-def _tenant_kw(tenant: tuple[str | None, str | None]) -> dict[str, str]:
+def tenant_kwargs(tenant: tuple[str | None, str | None]) -> dict[str, str]:
+    """The router's keyword arguments for a tenant (an older binding lacks them, so absent ones are left out)."""
     kw = {}
     if tenant[0]:
         kw["lora_name"] = tenant[0]
