@@ -477,6 +477,16 @@ SERVABLE_VARIANTS = ("base",)
 SERVABLE_FACTOR = 3
 
 
+def hicache_events(version: str) -> str:
+    """Whether this SGLang publishes host-tier events at all, for a skipped row's reason: a pair
+    without them has nothing to check; one with them is a gap in kvalign's coverage."""
+    try:
+        from sglang.srt.disaggregation.kv_events import StorageMedium
+    except ImportError:
+        return f"SGLang {version} publishes no HiCache events: its kv_events has no StorageMedium"
+    return f"SGLang {version} does publish HiCache events (medium {StorageMedium.CPU.value!r})"
+
+
 def run_tier_rows(systems: Any, prop: str, modes: tuple[str, ...], variants: tuple[str, ...], examples: int,
                   seed: int | None = None, page_size: int | None = None) -> list[Any]:
     """``check``'s rows for ``tier`` (every mode x variant) or ``servable`` (every mode, base variant),
@@ -490,6 +500,7 @@ def run_tier_rows(systems: Any, prop: str, modes: tuple[str, ...], variants: tup
     rows: list[Any] = []
     skipped = version_problem(sglang_version())
     if skipped:
+        skipped = f"{skipped} ({hicache_events(sglang_version())})"
         return [RowResult(prop, mode, variant, skipped=skipped) for mode in modes for variant in variants]
     try:
         path = TierPath(systems.router_path())
