@@ -244,3 +244,38 @@ def test_standin_runs_sglangs_own_hicache_set_up_and_events(sglang_available, co
     assert e.admit(prompt) == (8, 0)  # 8 tokens < 10: SGLang declines the load-back
     e.evict_host(8)
     assert events() == [("BlockRemoved", "CPU_PINNED", 2)]
+
+
+@pytest.mark.slow  # two `kvalign check` processes through the real router path: 40-90 s
+@pytest.mark.timeout(600)
+def test_check_page_size_decides_the_servable_verdict(sglang_available, tmp_path):
+    """As a user runs it: ``--page-size 4`` fails the servable row naming HOST_CREDIT_NOT_SERVABLE, the
+    configurations it holds in and a shrunk case (exit 1); ``--page-size 16`` is aligned (exit 0)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvalign.hicache_standin import version_problem
+
+    if version_problem(sglang_available):
+        pytest.skip(version_problem(sglang_available))
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+               KVALIGN_LOG_DIR=str(tmp_path))
+
+    def check(page: int) -> tuple[int, dict]:
+        res = subprocess.run([sys.executable, "-m", "kvalign", "check", "--property", "servable", "--mode", "plain",
+                              "--tier-examples", "5", "--page-size", str(page), "--json"],
+                             capture_output=True, text=True, env=env, timeout=300, cwd=root)
+        return res.returncode, json.loads(res.stdout)
+
+    rc, small = check(4)
+    (row,) = small["rows"]
+    assert rc == 1 and small["aligned"] is False and small["page_size"] == 4
+    assert row["cause_name"] == "HOST_CREDIT_NOT_SERVABLE" and row["mismatches"] > 0
+    assert row["condition"].startswith("only with HiCache on and page sizes below SGLang's load_back_threshold (10")
+    assert row["counterexample"]["page_size"] == 4 and row["counterexample"]["steps"][-1][0] == "admit"
+    rc, large = check(16)
+    assert rc == 0 and large["aligned"] is True and large["rows"][0]["mismatches"] == 0
