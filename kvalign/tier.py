@@ -500,7 +500,7 @@ def run_tier_rows(systems: Any, prop: str, modes: tuple[str, ...], variants: tup
     rows: list[Any] = []
     skipped = version_problem(sglang_version())
     if skipped:
-        skipped = f"{skipped} ({hicache_events(sglang_version())})"
+        skipped = f"{skipped}; {hicache_events(sglang_version())}"
         return [RowResult(prop, mode, variant, skipped=skipped) for mode in modes for variant in variants]
     try:
         path = TierPath(systems.router_path())
