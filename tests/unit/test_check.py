@@ -51,7 +51,9 @@ def test_check_real_pair_is_aligned_but_for_small_hicache_pages_and_quiet(router
     assert [ln.split()[0] for ln in out.splitlines() if "  MISALIGNED: " in ln] == ["servable", "servable"]
     assert [ln.split()[0] for ln in out.splitlines() if ln.endswith(" ok")].count("ingest") == 8
     # quiet: stderr holds kvalign's progress lines only; the runtimes' own lines are in the kept log
-    lines = res.stderr.splitlines()
+    # (and, as on any failing run, one line naming the log the runtimes wrote to)
+    *lines, log_line = res.stderr.splitlines()
+    assert log_line.startswith("kvalign: Dynamo and SGLang runtime logs: "), res.stderr
     assert len(lines) == 44 and all(PROGRESS.match(ln) for ln in lines), res.stderr
     assert all(log.name.startswith("check-") and log.stat().st_size for log in tmp_path.iterdir())
 
