@@ -47,12 +47,6 @@ class Cause(str, Enum):
     UNKNOWN = "unclassified hash difference"
 
 
-#: Causes that ``check`` reports as findings without failing alignment: the router and the engine
-#: agree on every key and on where each page lives, and the router's *cost estimate* is still off.
-#: Why HOST_CREDIT_NOT_SERVABLE is one: docs/check.md#servable.
-FINDINGS = frozenset({Cause.HOST_CREDIT_NOT_SERVABLE})
-
-
 def _window_b_eagle_count(tokens: Sequence[int], b: int, **kw: Any) -> list[int]:
     """What a router that kept the eagle block count but hashed B-token windows would give."""
     n = max(len(tokens) - 1, 0) // b

@@ -46,8 +46,8 @@ class RowResult:
     cause_name: str | None = None
     detail: str | None = None
     counterexample: Any = None
-    #: failing cases whose cause is a finding (:data:`kvalign.causes.FINDINGS`): reported, the row stays ok
-    findings: int = 0
+    #: the configurations the row's mismatch is confined to (e.g. HiCache on, page sizes below 10), or None
+    condition: str | None = None
     #: why the row did not run at all (kvalign's own stand-in does not cover this release); the row stays ok
     skipped: str | None = None
 
@@ -141,13 +141,19 @@ def property_body(prop: str, hasher: RouterHasher, make_cache: Callable[[int, bo
     raise ValueError(f"unknown property {prop!r}")
 
 
-def strategy_for(prop: str, mode: str, variant: str) -> st.SearchStrategy[Any]:
+def strategy_for(prop: str, mode: str, variant: str, page_size: int | None = None) -> st.SearchStrategy[Any]:
+    """The generated inputs of one row; ``page_size`` pins the page / block size (``check --page-size``),
+    None draws every size the property's strategy draws."""
     lora, namespace = VARIANTS[variant]
     eagle = mode == "eagle"
     if prop == "ingest":
+        if page_size:
+            return ingest_scenarios(eagle=eagle, lora=lora, namespace=namespace, page_sizes=(page_size,))
         return ingest_scenarios(eagle=eagle, lora=lora, namespace=namespace)
     if prop == "hash":
-        return hash_cases(eagle=eagle, lora=lora, namespace=namespace, mm=variant == "base")
+        return hash_cases(eagle=eagle, lora=lora, namespace=namespace, mm=variant == "base", block_size=page_size)
+    if page_size:
+        return scenarios(eagle=eagle, lora=lora, namespace=namespace, page_sizes=(page_size,))
     return scenarios(eagle=eagle, lora=lora, namespace=namespace)
 
 
@@ -200,8 +206,9 @@ def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make
               examples: int, props: tuple[str, ...] = PROPERTIES, modes: tuple[str, ...] = MODES,
               variants: tuple[str, ...] = tuple(VARIANTS), seed: int | None = None,
               progress: Callable[[RowResult], None] | None = None, systems: Systems | None = None,
-              ingest_examples: int = 25, tier_examples: int | None = None) -> list[RowResult]:
-    """Run every requested property x mode x variant and return one row each."""
+              ingest_examples: int = 25, tier_examples: int | None = None, page_size: int | None = None) -> list[RowResult]:
+    """Run every requested property x mode x variant and return one row each; ``page_size`` pins the
+    page size of every generated case (None: every size the strategies draw)."""
     systems = systems or Systems(hasher, make_cache, make_index)
     rows: list[RowResult] = []
 
@@ -220,7 +227,8 @@ def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make
             if prop in ("tier", "servable"):
                 from kvalign.tier import TIER_EXAMPLES, run_tier_rows
 
-                for row in run_tier_rows(systems, prop, modes, variants, min(examples, tier_examples or TIER_EXAMPLES), seed):
+                for row in run_tier_rows(systems, prop, modes, variants, min(examples, tier_examples or TIER_EXAMPLES), seed,
+                                         page_size=page_size):
                     emit(row)
                 continue
             try:
@@ -235,7 +243,7 @@ def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make
             for mode in modes:
                 for variant in variants:
                     start = time.perf_counter()
-                    calls, failures, found = run_search(body, strategy_for(prop, mode, variant), n, seed=seed)
+                    calls, failures, found = run_search(body, strategy_for(prop, mode, variant, page_size), n, seed=seed)
                     row = RowResult(prop, mode, variant, calls, failures, time.perf_counter() - start)
                     if found is not None:
                         row.cause, row.cause_name, row.detail = found.cause.value, found.cause.name, found.detail

@@ -30,12 +30,17 @@ from kvalign.capture import Batch, Cleared, Removed, capture_block_size, u64_lis
 from kvalign.causes import Cause
 from kvalign.hashing import as_u32_tokens, block_hashes, salt_seed
 from kvalign.index import router_kv_hit_rate
+from kvalign.relay import RELAY_TIERS
 from kvalign.replay import WorkerReplay, replay_capture, resolve_block_size
 from kvalign.replay_index import ReplayIndex, StoredPages, chain_nodes
 from kvalign.sglang_keys import engine_block_hashes
 
 WORKER = 1
 _xxh3 = xxhash.xxh3_64_intdigest
+#: SGLang 0.5.23's ``UnifiedRadixCache.init_hicache`` (mem_cache/unified_radix_cache.py:576): a host-only
+#: stretch shorter than this many KV slots is not loaded back but re-prefilled (tests/unit/test_diagnose.py
+#: reads it from the installed SGLang's source).
+LOAD_BACK_THRESHOLD = 10
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,9 @@ class Diagnosis:
     confidence: str | None = None  # SEQUENCE_GAP: confirmed | likely | possible
     notes: list[str] = field(default_factory=list)
     capture_stats: dict[str, Any] = field(default_factory=dict)
+    #: named problems beside the first divergence (``HOST_CREDIT_NOT_SERVABLE``: the router's keys agree,
+    #: its host credit is for pages SGLang will re-prefill)
+    findings: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,8 @@ class _PromptPages:
         self.seq: int | None = None
         self.orphans: list[Orphan] = []  # stores under a parent the stream never delivered (capped)
         self.orphan_events = 0
+        #: engine hash of a page in the prompt -> the router tiers its stores and removals leave it in
+        self.tiers: dict[int, set[str]] = {}
 
     def _lookup(self, lora: str | None, ns: str | None, bigram: bool) -> dict[int, list[int]]:
         key = (lora, ns, bigram)
@@ -155,6 +165,9 @@ class _PromptPages:
             offsets = look.get(h)
             if offsets is None:
                 continue
+            tier = RELAY_TIERS.get(sp.event.m)
+            if tier is not None:
+                self.tiers.setdefault(sp.ext[i], set()).add(tier)
             self.pages[sp.ext[i]] = PageSeen(
                 ext=sp.ext[i], parent_ext=sp.ext[i - 1] if i else parent,
                 node=nodes[i] if nodes else None, depth=d0 + 1 + i if nodes else None, offsets=offsets,
@@ -169,13 +182,16 @@ class _PromptPages:
             return
         for ev in batch.ev:
             if type(ev) is Removed:
+                tier = RELAY_TIERS.get(ev.m)
                 for h in u64_list(ev.h):
                     page = self.pages.get(h)
                     if page is not None:
                         page.removed_seq = batch.seq
+                    self.tiers.get(h, set()).discard(tier)
             elif type(ev) is Cleared:
                 for page in self.pages.values():
                     page.cleared_seq = batch.seq
+                self.tiers.clear()
 
 
 def _window(tokens: list[int], index: int, block_size: int, eagle: bool) -> tuple[int, int, list[int | None]]:
@@ -229,6 +245,8 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings) -> Diagnos
         first_divergent=None, router_block=None, engine_block=None, cause=None, detail="",
         notes=_capture_notes(rep), capture_stats=_capture_stats(rep),
     )
+
+    d.findings += _host_credit_not_servable(seen, [by_node.get(n) for n in path_e[:ever]], engine_b, engine_eagle)
 
     def router_view(i: int) -> BlockView:
         s, e, toks = _window(tokens, i, router_b, router_eagle)
@@ -324,6 +342,26 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings) -> Diagnos
                      f"; but the stream lost batches ({gap}) and nothing later shows what they held, so a lost "
                      f"store of block {i} cannot be ruled out")
     return d
+
+
+def _host_credit_not_servable(seen: _PromptPages, chain: list[PageSeen | None], b: int, eagle: bool) -> list[str]:
+    """HOST_CREDIT_NOT_SERVABLE for this prompt, when it applies: past the pages the engine holds on
+    device, a stretch it holds on host only, too short for SGLang to load back. Dynamo's router credits
+    each of those blocks (host weight 0.75 by default); SGLang re-prefills them."""
+    tiers = [seen.tiers.get(p.ext, set()) if p else set() for p in chain]
+    device = next((i for i, t in enumerate(tiers) if "device" not in t), len(tiers))
+    end = device
+    while end < len(tiers) and "host_pinned" in tiers[end]:
+        end += 1
+    slots = (end - device) * b
+    if end == device or slots >= LOAD_BACK_THRESHOLD:
+        return []
+    blocks = f"block {device}" if end - device == 1 else f"blocks {device}..{end - 1}"
+    return [f"{Cause.HOST_CREDIT_NOT_SERVABLE.name}: the engine holds {blocks} of this prompt on host only (medium "
+            f"CPU_PINNED), past {device} device block(s); the router credits them as host hits, but that stretch is "
+            f"{slots} {'bigram' if eagle else 'token'}s, below SGLang's load_back_threshold ({LOAD_BACK_THRESHOLD}), "
+            "so SGLang re-prefills it instead of loading it back (SGLang 0.5.23; it holds only with HiCache on and "
+            f"page sizes below {LOAD_BACK_THRESHOLD})"]
 
 
 def _signed(h: int | None) -> int | None:

@@ -43,9 +43,11 @@ IndexFactory = Callable[[], RouterIndex]
 class Mismatch(AssertionError):
     """A property found the router and the engine (or the reference) disagreeing."""
 
-    def __init__(self, prop: str, detail: str, cause: Cause, example: Any):
+    def __init__(self, prop: str, detail: str, cause: Cause, example: Any, condition: str | None = None):
         super().__init__(f"[{prop}] {detail} — cause: {cause.value}")
         self.prop, self.detail, self.cause, self.example = prop, detail, cause, example
+        #: the configurations the mismatch is confined to (e.g. HiCache on, small pages), for the row and verdict
+        self.condition = condition
 
 
 def _call(hasher: RouterHasher, tokens: list[int], b: int, eagle: bool, lora: str | None, ns: str | None) -> list[int]:

@@ -25,6 +25,14 @@ from kvalign.hashing import U64_MASK, compute_block_hash_for_seq
 from kvalign.sglang_keys import is_bigram_payload, raw_window
 
 
+#: Dynamo 1.6.1's relay: SGLang ``medium`` string -> the router's storage tier (tests/unit/test_check_tier.py
+#: checks it against the real relay). Any other string is indexed in no tier, with no error.
+#: (The tier names are the router's ``dump_events`` ``storage_tier``; ``get_overlap_scores`` credits
+#: ``external`` blocks in ``disk_extension_blocks``.)
+RELAY_TIERS: dict[str | None, str] = {None: "device", "GPU": "device", "CPU_PINNED": "host_pinned", "CPU": "host_pinned",
+                                      "DISK": "disk", "EXTERNAL": "external"}
+
+
 @dataclass(frozen=True)
 class RouterStored:
     """Blocks as the router indexes them: (engine hash as u64, router local hash)."""

@@ -64,6 +64,25 @@ ANCHORS: dict[Cause, tuple[Anchor, ...]] = {
                "KvEventPublisher.publish_stored take lora_name; the relay itself is compiled Rust in dynamo._core); "
                "an event without a name is hashed as a base-model block", dist="ai-dynamo-runtime"),
     ),
+    Cause.HOST_CREDIT_NOT_SERVABLE: (
+        Anchor("sglang", "srt/mem_cache/unified_radix_cache.py", "self.load_back_threshold = 10",
+               "SGLang's init_hicache sets the load-back threshold to 10 KV slots (tokens, or bigrams under EAGLE)"),
+        Anchor("sglang", "srt/mem_cache/unified_radix_cache.py", "if (kv_tokens < max(1, self.load_back_threshold)",
+               "_load_back_transfers declines a host-only stretch shorter than the threshold; the request re-prefills "
+               "those tokens instead of loading them back"),
+        Anchor("sglang", "srt/managers/schedule_policy.py", "loaded = self.tree_cache.init_load_back(",
+               "the scheduler calls init_load_back with no mem_quota, so the threshold is the only decline here (the "
+               "memory budget defers the request with NO_TOKEN instead)"),
+        Anchor("sglang", "srt/disaggregation/kv_events.py", 'CPU = "CPU_PINNED"',
+               "every host copy is published as its own BlockStored with medium CPU_PINNED: the router learns that a "
+               "page is on host, never whether SGLang would load it back"),
+        Anchor("dynamo", "_core.pyi", "host_cache_hit_weight: float = 0.75,",
+               "KvRouterConfig credits every host-pinned block past the device prefix at 0.75 of a device block "
+               "(best_worker's overlap), whatever the stretch's length", dist="ai-dynamo-runtime"),
+        Anchor("dynamo", "common/configuration/groups/kv_router_args.py", 'flag_name="--router-host-cache-hit-weight",',
+               "the frontend's flag for that weight (default 0.75); it scales all host credit and cannot express "
+               "\"no credit below SGLang's threshold\""),
+    ),
 }
 
 
@@ -245,11 +264,131 @@ def replay_ingest(isc: Any, hasher: Any) -> dict[str, Any]:
         path.close()
 
 
+#: Causes only the HiCache state machine finds (kvalign.tier): searched there, replayed step by step.
+TIER_CAUSES = frozenset({Cause.HOST_CREDIT_NOT_SERVABLE})
+#: Page sizes the report's servable search draws: below SGLang's load_back_threshold, where the finding holds.
+SERVABLE_REPORT_PAGE_SIZES = (2, 4)
+
+
+def search_servable(modes: Sequence[str], examples: int) -> tuple[Any, str, str, str]:
+    """The shrunk ``servable`` counterexample: (mismatch, prop, mode, variant)."""
+    from kvalign.oracles.router_path import RouterPath
+    from kvalign.tier import TierPath, run_tier_search
+
+    path = TierPath(RouterPath())
+    try:
+        for mode in modes:
+            _calls, _failures, found = run_tier_search(path, eagle=mode == "eagle", lora=False, namespace=False,
+                                                       servable=True, examples=examples,
+                                                       page_sizes=SERVABLE_REPORT_PAGE_SIZES)
+            if found is not None and found.cause is Cause.HOST_CREDIT_NOT_SERVABLE:
+                return found, "servable", mode, "base"
+    finally:
+        path.close()
+        path.path.close()
+    raise LookupError(f"no counterexample for HOST_CREDIT_NOT_SERVABLE in {examples} state-machine runs per mode")
+
+
+def _engine_for(example: dict[str, Any]) -> Any:
+    """A fresh HiCache engine with the example's page size, write policy, host size and tree core
+    (the example names the core by its class; the engine is built by kind)."""
+    from kvalign.oracles.hicache import HiCacheEngine, available_cores
+
+    host = 1 << 20 if example["host_tokens"] == "unbounded" else int(example["host_tokens"])
+    for kind in available_cores():
+        engine = HiCacheEngine(example["page_size"], eagle=example["eagle"], core=kind, policy=example["policy"],
+                               host_tokens=host)
+        if engine.core == example["core"]:
+            return engine
+    raise RuntimeError(f"this SGLang has no tree core {example['core']!r}")
+
+
+def replay_servable(example: dict[str, Any]) -> dict[str, Any]:
+    """Run the shrunk state-machine steps once more through the real path, recording the wire and, after
+    every step, SGLang's residency of the admitted prompt against the router's per-tier answer."""
+    import msgpack
+
+    from kvalign.oracles.router_path import RouterPath
+    from kvalign.tier import TierPath, tenant_kwargs
+
+    frames: list[list[bytes]] = []
+
+    def record(parts: list[bytes]) -> list[bytes]:
+        frames.append(list(parts))
+        return parts
+
+    tp = TierPath(RouterPath(transform=record))
+    try:
+        worker, tap = tp.worker(example["page_size"], example["eagle"])
+        base = worker.token_space()
+        shift = lambda tokens: [base + t for t in tokens]  # noqa: E731
+        engine = _engine_for(example)
+        engine.take_raw_events()
+        steps = [tuple(s) for s in example["steps"]]
+        prompt, tenant = shift(list(steps[-1][1])), tuple(steps[-1][2])
+        start, table, outcome = len(frames), [], None
+        for i, step in enumerate(steps):
+            kind = step[0]
+            if kind == "cache":
+                engine.insert(shift(list(step[1])), *step[2])
+                if "+transfers_done" in step:
+                    engine.transfers_done()
+            elif kind == "transfers_done":
+                engine.transfers_done()
+            elif kind == "evict_device":
+                engine.evict(step[1] * engine.page_size)
+            elif kind == "evict_host":
+                engine.evict_host(step[1] * engine.page_size)
+            elif kind == "flush":
+                engine.reset()
+            elif kind == "admit":
+                query = shift(list(step[1]))
+                tiers = tp.path.query_tiers(worker.router, query, *step[2])
+                best = tp.path.call(worker.router.best_worker, query, **tenant_kwargs(tuple(step[2])))
+                host, loaded = engine.admit(query, *step[2])
+                if i == len(steps) - 1:
+                    outcome = {"host_only_units": host, "loaded_back": loaded, "router_tiers": tiers,
+                               "best_worker_overlap": best[2], "load_back_threshold": engine.load_back_threshold}
+                    break
+                engine.insert(query, *step[2])
+            events = engine.take_raw_events()
+            if events:
+                worker.publisher.publish(events)
+            if tp.settle(worker, tap) is not None:
+                raise RuntimeError(f"the router did not settle after step {i + 1} {step!r}")
+            held = engine.residency(prompt, *tenant)
+            tiers = tp.path.query_tiers(worker.router, prompt, *tenant)
+            table.append({"step": list(step), "events": [f"{type(e).__name__}[{getattr(e.medium, 'value', e.medium)}, "
+                                                         f"{len(e.block_hashes)} page(s)]" if hasattr(e, "block_hashes")
+                                                         else type(e).__name__ for e in events],
+                          "engine_device": held.device, "engine_host": held.host,
+                          "router_device": tiers["device_blocks"], "router_host": tiers["host_pinned_extension_blocks"]})
+        wire = []
+        for parts in frames[start:]:
+            payload = msgpack.unpackb(parts[-1], raw=False, strict_map_key=False)
+            if _is_sentinel(payload):
+                continue
+            wire.append({"frames_hex": [f.hex() for f in parts], "topic": parts[0].decode("utf-8", "replace"),
+                         "seq": int.from_bytes(parts[1], "big") if len(parts) > 2 else None,
+                         "decoded": _hexable(payload)})
+        if outcome is None:
+            raise RuntimeError("the example does not end in an admitted request")
+        return {"token_offset": base, "prompt": prompt, "steps": table, "wire": wire, "outcome": outcome,
+                "engine": {"page_size": engine.page_size, "core": engine.core, "policy": engine.policy}}
+    finally:
+        tp.close()
+        tp.path.close()
+
+
 def collect(cause: Cause, modes: Sequence[str], examples: int) -> dict[str, Any]:
     """Everything the report says, from the releases importable here (run inside the pair's environment)."""
     from kvalign.check import _plain
 
-    found, prop, mode, variant, hasher = search(cause, modes, examples)
+    if cause in TIER_CAUSES:
+        found, prop, mode, variant = search_servable(modes, examples)
+        hasher = None
+    else:
+        found, prop, mode, variant, hasher = search(cause, modes, examples)
     out: dict[str, Any] = {
         "cause": cause.name, "cause_text": cause.value, "property": prop, "mode": mode, "variant": variant,
         "detail": found.detail, "counterexample": _plain(found.example),
@@ -258,6 +397,9 @@ def collect(cause: Cause, modes: Sequence[str], examples: int) -> dict[str, Any]
     }
     if prop == "ingest":
         out["replay"] = replay_ingest(found.example, hasher)
+    if prop == "servable":
+        out["condition"] = found.condition
+        out["tier_replay"] = replay_servable(found.example)
     return out
 
 
@@ -312,6 +454,9 @@ def render(data: dict[str, Any], command: str) -> str:
         for q in replay["queries"]:
             out.append(f"| ({q['lora_name']!r}, {q['cache_salt']!r}) | {q['engine_pages']} | {q['router_blocks']} |")
         out.append("")
+    tier = data.get("tier_replay")
+    if tier:
+        out += _render_tier_replay(tier, data.get("condition"))
     anchors = data.get("anchors") or []
     out += ["## Source lines responsible", ""]
     if not anchors:
@@ -325,6 +470,39 @@ def render(data: dict[str, Any], command: str) -> str:
                        f"{a['why']}.")
     out += ["", "---", "Generated by `kvalign report` from real runs of the wheels named above."]
     return "\n".join(out) + "\n"
+
+
+def _render_tier_replay(tier: dict[str, Any], condition: str | None) -> list[str]:
+    """The HiCache replay's sections: the steps with both sides' answer after each, the admitted
+    request's outcome, and the wire."""
+    e, o = tier["engine"], tier["outcome"]
+    out = ["The replay below runs these steps once more through the real path: SGLang's `UnifiedRadixCache` with "
+           f"HiCache on ({e['core']}, write policy `{e['policy']}`, page size {e['page_size']}; SGLang's own "
+           "`init_hicache`, with only the device↔host transfer path stood in: kvalign/hicache_standin.py) → SGLang's "
+           "`ZmqEventPublisher` → a 127.0.0.1 hop (recorded here) → Dynamo's `KvEventPublisher` relay → `KvRouter`. "
+           f"Token ids are offset by {tier['token_offset']}.", "",
+           "## Each step: where SGLang holds the prompt, what the router credits", "",
+           f"Prompt of the admitted request: {tier['prompt']}.", "",
+           "| # | step | SGLang's events | SGLang device pages | SGLang host-only pages | router device blocks | "
+           "router host blocks |", "|---|---|---|---|---|---|---|"]
+    for i, row in enumerate(tier["steps"], 1):
+        out.append(f"| {i} | `{json.dumps(row['step'])}` | {', '.join(row['events']) or '-'} | {row['engine_device']} | "
+                   f"{row['engine_host']} | {row['router_device']} | {row['router_host']} |")
+    t = o["router_tiers"]
+    out += ["", "## The admitted request", "",
+            f"- The router credits {t['device_blocks']} device + {t['host_pinned_extension_blocks']} host block(s) "
+            f"(`get_overlap_scores`); `best_worker` answers overlap {o['best_worker_overlap']}.",
+            f"- SGLang matches {o['host_only_units']} host-only slot(s) past the device prefix, below its "
+            f"`load_back_threshold` ({o['load_back_threshold']}), and loads back {o['loaded_back']}: the request "
+            "re-prefills them.", ""]
+    if condition:
+        out += [f"This holds {condition}.", ""]
+    out += ["## Event bytes on the wire, as decoded", ""]
+    for i, w in enumerate(tier["wire"], 1):
+        out += [f"Message {i} (topic {w['topic']!r}, seq {w['seq']}): frames (hex)", "",
+                _fence("\n".join(w["frames_hex"])), "", "decoded (msgpack):", "",
+                _fence(json.dumps(w["decoded"], ensure_ascii=False), "json"), ""]
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

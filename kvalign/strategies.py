@@ -51,9 +51,11 @@ class HashCase:
 
 
 @st.composite
-def hash_cases(draw: st.DrawFn, *, eagle: bool | None = None, lora: bool = True, namespace: bool = True, mm: bool = True) -> HashCase:
-    """Router-hasher inputs, with block-count edge lengths N in {0, B-1, B, B+1, 2B, 2B+1} favoured."""
-    b = draw(st.one_of(st.sampled_from(PAGE_SIZES), st.integers(1, 128)))
+def hash_cases(draw: st.DrawFn, *, eagle: bool | None = None, lora: bool = True, namespace: bool = True, mm: bool = True,
+               block_size: int | None = None) -> HashCase:
+    """Router-hasher inputs, with block-count edge lengths N in {0, B-1, B, B+1, 2B, 2B+1} favoured.
+    ``block_size`` pins B (``check --page-size``); by default B ranges over 1..128."""
+    b = block_size or draw(st.one_of(st.sampled_from(PAGE_SIZES), st.integers(1, 128)))
     edge = st.sampled_from(sorted({max(0, n) for n in (0, b - 1, b, b + 1, 2 * b, 2 * b + 1)}))
     n = draw(st.one_of(edge, st.integers(0, 4 * b + 2)))
     small = draw(st.booleans())
@@ -129,8 +131,9 @@ class IngestScenario:
 
 
 @st.composite
-def ingest_scenarios(draw: st.DrawFn, *, eagle: bool, lora: bool = False, namespace: bool = False) -> IngestScenario:
-    sc = draw(scenarios(eagle=eagle, lora=lora, namespace=namespace, page_sizes=INGEST_PAGE_SIZES))
+def ingest_scenarios(draw: st.DrawFn, *, eagle: bool, lora: bool = False, namespace: bool = False,
+                     page_sizes: tuple[int, ...] = INGEST_PAGE_SIZES) -> IngestScenario:
+    sc = draw(scenarios(eagle=eagle, lora=lora, namespace=namespace, page_sizes=page_sizes))
     evict = draw(st.one_of(st.just(0), st.integers(1, 8 * sc.page_size)))
     clear_after = draw(st.one_of(st.none(), st.integers(0, len(sc.inserts) - 1)))
     return IngestScenario(sc, evict, draw(st.booleans()), clear_after)

@@ -18,7 +18,8 @@ tenant seen:
 ``servable`` adds, on every admitted request: where the router credits host blocks, SGLang loads
 them back. When SGLang declines (a host-only stretch shorter than its ``load_back_threshold``, read
 from the cache that SGLang's own ``init_hicache`` configured), the finding is
-``HOST_CREDIT_NOT_SERVABLE``: reported, not a misalignment (docs/check.md#servable says why).
+``HOST_CREDIT_NOT_SERVABLE``, a mismatch confined to HiCache and page sizes below that threshold (the
+row and ``check``'s verdict line say so; docs/check.md#servable).
 
 The verdict compares only the two real systems' answers. kvalign's bookkeeping of which tier each
 engine block should be in (from SGLang's own event objects) and a tap on the relay's ZMQ input are
@@ -43,6 +44,7 @@ from kvalign.causes import Cause
 from kvalign.hashing import U64_MASK
 from kvalign.oracles.base import OracleUnavailable
 from kvalign.properties import Mismatch
+from kvalign.relay import RELAY_TIERS
 from kvalign.strategies import tenants
 
 #: Page sizes the tier machine draws: two below SGLang 0.5.23's load_back_threshold (10 tokens) and
@@ -52,12 +54,6 @@ TIER_PAGE_SIZES = (2, 4, 16)
 EVICT_ALL_PAGES = 64
 #: Steps per example (each one publishes, waits for the router, and checks every prompt).
 STEPS = 8
-#: Dynamo 1.6.1's relay: SGLang ``medium`` string -> the router's storage tier (tests/unit/test_check_tier.py
-#: checks it against the real relay). Any other string is indexed in no tier, with no error.
-#: (The tier names are the router's ``dump_events`` ``storage_tier``; ``get_overlap_scores`` credits
-#: ``external`` blocks in ``disk_extension_blocks``.)
-RELAY_TIERS: dict[str | None, str] = {None: "device", "GPU": "device", "CPU_PINNED": "host_pinned", "CPU": "host_pinned",
-                                      "DISK": "disk", "EXTERNAL": "external"}
 #: How long to wait for one published step to be indexed.
 SETTLE_TIMEOUT_S = 4.0
 #: How long the host sentinel may trail the device one of the same batch.
@@ -361,12 +357,12 @@ class TierMachine(RuleBasedStateMachine):
         self.steps.append(("admit", tokens, tenant))
         if self.servable and credited and loaded < host:
             p, threshold = self.engine.page_size, self.engine.load_back_threshold
-            best = self.path.path.call(self.worker.router.best_worker, query, **_tenant_kw(tenant))
+            best = self.path.path.call(self.worker.router.best_worker, query, **tenant_kwargs(tenant))
             raise Mismatch("servable", (
                 f"page size {p}: the prompt's host-only stretch is {host} {'bigram' if self.eagle else 'token'}s, below "
                 f"SGLang's load_back_threshold ({threshold}), so SGLang loaded {loaded} back and re-prefills it; the "
                 f"router credits {credited} host block(s) for it (best_worker overlap {best[2]}, with host weight "
-                f"0.75)"), Cause.HOST_CREDIT_NOT_SERVABLE, self._example())
+                f"0.75)"), Cause.HOST_CREDIT_NOT_SERVABLE, self._example(), condition=servable_condition(threshold))
         self.engine.insert(query, *tenant)  # the request finishes and is cached
         self._after(None)
 
@@ -414,7 +410,15 @@ class TierMachine(RuleBasedStateMachine):
         raise Mismatch("tier", f"{detail}; {why}", cause, self._example())
 
 
-def _tenant_kw(tenant: tuple[str | None, str | None]) -> dict[str, str]:
+def servable_condition(threshold: int) -> str:
+    """Where HOST_CREDIT_NOT_SERVABLE can hold: a host-only stretch is at least one page, so from a page
+    of ``threshold`` tokens up SGLang loads every one back."""
+    return (f"only with HiCache on and page sizes below SGLang's load_back_threshold ({threshold} tokens); "
+            f"--page-size {threshold} or more does not show it")
+
+
+def tenant_kwargs(tenant: tuple[str | None, str | None]) -> dict[str, str]:
+    """The router's keyword arguments for a tenant (an older binding lacks them, so absent ones are left out)."""
     kw = {}
     if tenant[0]:
         kw["lora_name"] = tenant[0]
@@ -473,10 +477,20 @@ SERVABLE_VARIANTS = ("base",)
 SERVABLE_FACTOR = 3
 
 
+def hicache_events(version: str) -> str:
+    """Whether this SGLang publishes host-tier events at all, for a skipped row's reason: a pair
+    without them has nothing to check; one with them is a gap in kvalign's coverage."""
+    try:
+        from sglang.srt.disaggregation.kv_events import StorageMedium
+    except ImportError:
+        return f"SGLang {version} publishes no HiCache events: its kv_events has no StorageMedium"
+    return f"SGLang {version} does publish HiCache events (medium {StorageMedium.CPU.value!r})"
+
+
 def run_tier_rows(systems: Any, prop: str, modes: tuple[str, ...], variants: tuple[str, ...], examples: int,
-                  seed: int | None = None) -> list[Any]:
-    """``check``'s rows for ``tier`` (every mode x variant) or ``servable`` (every mode, base variant)."""
-    from kvalign.causes import FINDINGS
+                  seed: int | None = None, page_size: int | None = None) -> list[Any]:
+    """``check``'s rows for ``tier`` (every mode x variant) or ``servable`` (every mode, base variant),
+    at ``page_size`` or, by default, every size in :data:`TIER_PAGE_SIZES`."""
     from kvalign.check import VARIANTS, RowResult
     from kvalign.hicache_standin import version_problem
     from kvalign.oracles.sglang import sglang_version
@@ -486,6 +500,7 @@ def run_tier_rows(systems: Any, prop: str, modes: tuple[str, ...], variants: tup
     rows: list[Any] = []
     skipped = version_problem(sglang_version())
     if skipped:
+        skipped = f"{skipped}; {hicache_events(sglang_version())}"
         return [RowResult(prop, mode, variant, skipped=skipped) for mode in modes for variant in variants]
     try:
         path = TierPath(systems.router_path())
@@ -504,13 +519,12 @@ def run_tier_rows(systems: Any, prop: str, modes: tuple[str, ...], variants: tup
                 start = time.perf_counter()
                 n = examples * SERVABLE_FACTOR if prop == "servable" else examples
                 calls, failures, found = run_tier_search(path, eagle=mode == "eagle", lora=lora, namespace=namespace,
-                                                         servable=prop == "servable", examples=n, seed=seed)
+                                                         servable=prop == "servable", examples=n, seed=seed,
+                                                         page_sizes=(page_size,) if page_size else TIER_PAGE_SIZES)
                 row = RowResult(prop, mode, variant, calls, failures, time.perf_counter() - start)
                 if found is not None:
                     row.cause, row.cause_name, row.detail = found.cause.value, found.cause.name, found.detail
-                    row.counterexample = found.example
-                    if found.cause in FINDINGS and prop == "servable":  # reported, not a misalignment
-                        row.findings, row.mismatches = failures, 0
+                    row.counterexample, row.condition = found.example, found.condition
                 rows.append(row)
     finally:
         path.close()

@@ -13,6 +13,13 @@ size other than the router's (the relay drops them), LoRA blocks whose event car
 ``lora_id`` (SGLang 0.5.19: the router keys them as base-model pages), and salted blocks when the
 router hashes queries without ``cache_salt`` (``--router-salt off``: Dynamo before 1.5). The same
 counts back ``kvalign watch --metrics-port`` (:mod:`kvalign.watch_metrics`).
+
+With SGLang's host tier (HiCache) on, the same page is stored once per medium (``GPU``, then
+``CPU_PINNED`` when it is backed up) and removed per medium, and Dynamo's relay files each in its own
+tier. The watcher keeps the engine hashes per tier as the relay maps the medium
+(:data:`kvalign.relay.RELAY_TIERS`), so an operator sees how much of the router's credit is host
+credit, and counts the blocks stored with a medium the relay maps to no tier: Dynamo 1.6.1 indexes
+those nowhere and logs nothing (``MEDIUM_NOT_INDEXED``).
 """
 
 from __future__ import annotations
@@ -21,9 +28,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvalign.capture import Cleared, Removed, Stored, compact_event, n_blocks
+from kvalign.capture import Cleared, CompactEvent, Removed, Stored, compact_event, n_blocks, u64_list
 from kvalign.causes import Cause
 from kvalign.events import EventBatch, EventDecodeError, decode_frames
+from kvalign.relay import RELAY_TIERS
 from kvalign.replay_index import BatchRejected, ReplayIndex
 from kvalign.sequence import SequenceTracker
 
@@ -47,6 +55,8 @@ class WatchTotals:
     #: router-blind stored blocks per reason (keys of :data:`BLIND_REASONS`)
     blind: Counter[str] = field(default_factory=Counter)
     malformed: Counter[str] = field(default_factory=Counter)
+    #: stored blocks per ``medium`` string the relay maps to no tier (indexed nowhere)
+    unmapped_media: Counter[str] = field(default_factory=Counter)
     seq: SequenceTracker = field(default_factory=SequenceTracker)
     #: the last cause seen, with the sequence number of the batch that showed it
     last_cause: tuple[Cause, int | None] | None = None
@@ -62,6 +72,8 @@ class Watcher:
         self.router_salt = router_salt
         self.index: ReplayIndex | None = ReplayIndex(block_size) if block_size else None
         self.totals = WatchTotals()
+        #: router tier -> engine block hashes (u64) the relay holds in it for this worker
+        self.tiers: dict[str, set[int]] = {tier: set() for tier in dict.fromkeys(RELAY_TIERS.values())}
 
     def on_frames(self, frames: list[bytes]) -> list[str]:
         """Lines to show for one received ZMQ message."""
@@ -117,6 +129,9 @@ class Watcher:
         t.stored += stored
         t.removed += removed
         cleared = any(type(e) is Cleared for e in events)
+        unmapped = self._file_by_tier(events)
+        if unmapped:
+            self.totals.last_cause = (Cause.MEDIUM_NOT_INDEXED, batch.seq)
         parts.append(f"+{stored} stored -{removed} removed" + (" (all cleared)" if cleared else ""))
         if bigram:
             parts.append("bigram pages" if all(bigram) else "plain pages" if not any(bigram) else "mixed pages")
@@ -134,6 +149,8 @@ class Watcher:
         if salted:
             self._blind("salt_stripped", salted, batch.seq)
             parts.append(f"[router without cache_salt: {salted} salted blocks can never match]")
+        for medium, n in unmapped.items():
+            parts.append(f"[{n} blocks with medium {medium!r}: the relay maps it to no tier, indexed nowhere]")
         if self.index is not None:
             parts.append(f"| router index: {self.index.blocks(WORKER)} blocks held")
             after = self.index.stats(WORKER)
@@ -145,6 +162,33 @@ class Watcher:
                 t.last_cause = (Cause.SEQUENCE_GAP, batch.seq)
                 parts.append(f"({after.dropped_orphans - orphans} orphan stores dropped: parent never indexed)")
         return " ".join(parts)
+
+    def _file_by_tier(self, events: list[CompactEvent]) -> Counter[str]:
+        """Apply ``events`` to the per-tier view as the relay files them; returns this batch's stored
+        blocks per unmapped medium. A store of another block size is left out (the relay drops it)."""
+        unmapped: Counter[str] = Counter()
+        for e in events:
+            if type(e) is Cleared:  # AllBlocksCleared empties every tier
+                for held in self.tiers.values():
+                    held.clear()
+                continue
+            if type(e) is Stored and self.block_size is not None and e.bs != self.block_size:
+                continue
+            tier = RELAY_TIERS.get(e.m)
+            if tier is None:
+                if type(e) is Stored:
+                    unmapped[str(e.m)] += n_blocks(e)
+                continue
+            if type(e) is Stored:
+                self.tiers[tier].update(u64_list(e.h))
+            else:
+                self.tiers[tier].difference_update(u64_list(e.h))
+        self.totals.unmapped_media.update(unmapped)
+        return unmapped
+
+    def blocks_held_per_tier(self) -> dict[str, int]:
+        """Engine blocks the router holds per tier (``device``, ``host_pinned``, ``disk``, ``external``)."""
+        return {tier: len(held) for tier, held in self.tiers.items()}
 
     def _blind(self, reason: str, blocks: int, seq: int | None) -> None:
         self.totals.blind[reason] += blocks
@@ -171,4 +215,9 @@ class Watcher:
         others = {r: n for r, n in t.blind.items() if n and r != "eagle_mismatch"}
         if others:
             line += "; router-blind blocks: " + ", ".join(f"{n} {r.replace('_', ' ')}" for r, n in others.items())
+        tiers = self.blocks_held_per_tier()
+        if any(n for tier, n in tiers.items() if tier != "device"):
+            line += "; per tier: " + ", ".join(f"{n} {tier}" for tier, n in tiers.items())
+        if t.unmapped_media:
+            line += "; indexed nowhere (unmapped medium): " + ", ".join(f"{n} {m!r}" for m, n in t.unmapped_media.items())
         return line

@@ -57,6 +57,17 @@ class WatchCollector(Collector):
             for reason in BLIND_REASONS:
                 blind.add_metric([worker, reason], w.totals.blind[reason])
         yield blind
+        unmapped = CounterMetricFamily(PREFIX + "unmapped_medium_blocks", "blocks stored with a medium the router's "
+                                       "relay maps to no tier (indexed nowhere, silently), by medium",
+                                       labels=["worker", "medium"])
+        tiers = GaugeMetricFamily(PREFIX + "blocks_held", "engine blocks the router's relay holds for the worker, per "
+                                  "tier (device, host_pinned, disk, external)", labels=["worker", "tier"])
+        for worker, w in self.watchers.items():
+            for medium, n in w.totals.unmapped_media.items():
+                unmapped.add_metric([worker, medium], n)
+            for tier, n in w.blocks_held_per_tier().items():
+                tiers.add_metric([worker, tier], n)
+        yield from (unmapped, tiers)
         held = GaugeMetricFamily(PREFIX + "router_blocks_held", "blocks the router's index holds for the worker",
                                  labels=["worker"])
         last = GaugeMetricFamily(PREFIX + "last_batch_timestamp_seconds", "Unix time the last batch was received",

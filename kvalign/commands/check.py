@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict
 
 from kvalign.check import MODES, PROPERTIES, VARIANTS, RowResult, run_check
+from kvalign.commands.options import positive_int
 from kvalign.errors import UsageError
 from kvalign.runtime_log import console
 from kvalign.versions import installed_versions
@@ -35,6 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cap on generated cases per ingest row (each runs the real relay and router; default 25)")
     p.add_argument("--tier-examples", type=int, default=None,
                    help="cap on generated state-machine runs per tier / servable row (default 12)")
+    p.add_argument("--page-size", type=positive_int, default=None, metavar="N",
+                   help="run every property at this page (block) size only, e.g. your deployment's; "
+                        "default: every size the strategies draw")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: derandomized, reproducible)")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     p.set_defaults(run=run)
@@ -44,8 +48,15 @@ def _result(r: RowResult) -> str:
     if r.skipped:
         return f"skipped: {r.skipped}"
     if not r.ok:
-        return f"MISALIGNED: {r.cause}"
-    return f"ok, finding {r.cause_name}" if r.findings else "ok"
+        return f"MISALIGNED: {r.cause}" + (f" ({r.condition})" if r.condition else "")
+    return "ok"
+
+
+def _confined(rows: list[RowResult]) -> str:
+    """The verdict line's note on causes that hold only in some configurations: a reader deciding
+    whether *their* deployment is affected needs that before the per-row details."""
+    conditions = dict.fromkeys((r.cause_name, r.condition) for r in rows if not r.ok and r.condition)
+    return "".join(f"; {name} holds {condition}" for name, condition in conditions)
 
 
 def _table(rows: list[RowResult]) -> str:
@@ -72,32 +83,33 @@ def run(args: argparse.Namespace) -> int:
     make_cache = lambda p, eagle: SglangRadixCache(p, eagle=eagle, kind=args.cache)  # noqa: E731
     label = args.router_hash or "dynamo._core.compute_block_hash_for_seq"
     if not args.json:
+        pages = f"page size {args.page_size}" if args.page_size else "every page size"
         print(f"kvalign check: router hasher {label}; SGLang {versions['sglang']} ({args.cache} cache); "
-              f"Dynamo RadixTree {versions['ai-dynamo-runtime']}; {args.examples} examples per row", flush=True)
+              f"Dynamo RadixTree {versions['ai-dynamo-runtime']}; {args.examples} examples per row; {pages}", flush=True)
     start = time.perf_counter()
     progress = None if args.json else lambda r: print(f"  {r.prop}/{r.mode}/{r.variant}: "
-                                                      f"{_result(r) if r.ok else r.cause} ({r.cases} cases, {r.seconds:.1f}s)",
+                                                      f"{_result(r)} ({r.cases} cases, {r.seconds:.1f}s)",
                                                       file=console(), flush=True)
     rows = run_check(hasher, make_cache, DynamoRadixTree, examples=args.examples,
                      props=tuple(args.props or PROPERTIES), modes=tuple(args.modes or MODES),
                      variants=tuple(VARIANTS), seed=args.seed, progress=progress,
-                     ingest_examples=args.ingest_examples, tier_examples=args.tier_examples)
+                     ingest_examples=args.ingest_examples, tier_examples=args.tier_examples, page_size=args.page_size)
     aligned = all(r.ok for r in rows)
     if args.json:
-        json.dump({"aligned": aligned, "router_hasher": label, "cache": args.cache, "versions": versions,
+        json.dump({"aligned": aligned, "router_hasher": label, "cache": args.cache, "page_size": args.page_size,
+                   "versions": versions,
                    "seconds": round(time.perf_counter() - start, 2), "rows": [asdict(r) for r in rows]},
                   sys.stdout, default=str, ensure_ascii=False)
         sys.stdout.write("\n")
     else:
         print(_table(rows))
         for r in rows:
-            if not r.ok or r.findings:
-                kind = "finding (does not fail alignment)" if r.ok else "cause"
-                print(f"\n{r.prop} / {r.mode} / {r.variant}: {r.detail}\n  {kind}: {r.cause}\n  shrunk counterexample: {r.counterexample}")
+            if not r.ok:
+                where = f"\n  holds {r.condition}" if r.condition else ""
+                print(f"\n{r.prop} / {r.mode} / {r.variant}: {r.detail}\n  cause: {r.cause}{where}\n"
+                      f"  shrunk counterexample: {r.counterexample}")
         total = sum(r.cases for r in rows)
         verdict = "ALIGNED" if aligned else "MISALIGNED"
-        found = sorted({r.cause_name for r in rows if r.findings and r.cause_name})
-        note = f"; findings: {', '.join(found)}" if found else ""
         print(f"\n{verdict}: {total} cases in {time.perf_counter() - start:.1f}s, "
-              f"{sum(not r.ok for r in rows)} of {len(rows)} rows mismatched{note}")
+              f"{sum(not r.ok for r in rows)} of {len(rows)} rows mismatched{_confined(rows)}")
     return 0 if aligned else 1

@@ -4,7 +4,8 @@ One ``--capture``: the single-worker report (first divergent block and its cause
 (or ``--router-worker`` / ``--router-kv-hit-rate``): the routing report, one row per worker.
 
 Exit 0 when router and engine agree (the prompt may simply not be cached), 1 when a divergence is
-found and named (or the router's reported kv_hit_rate is not reproduced), 2 on bad input.
+found and named, or a finding such as HOST_CREDIT_NOT_SERVABLE applies (or the router's reported
+kv_hit_rate is not reproduced), 2 on bad input.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def render(d: Diagnosis) -> str:
         qualifier += f" ({d.confidence})" if d.confidence else ""
         lines.append(f"cause: {d.cause.value if d.cause else 'unknown'}{qualifier}")
         lines.append(f"  {d.detail}")
+    lines += [f"finding: {f}" for f in d.findings]
     lines += [f"note: {n}" for n in d.notes]
     return "\n".join(lines)
 
@@ -168,4 +170,4 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print(render(d))
-    return 1 if d.cause is not None else 0
+    return 1 if d.cause is not None or d.findings else 0

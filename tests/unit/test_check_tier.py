@@ -121,10 +121,8 @@ def test_servable_finds_host_credit_below_sglangs_load_back_threshold(tier_paths
     """Page 2: a host-only stretch of 1-4 pages is 2-8 tokens, under SGLang's threshold; the router credits it."""
     calls, failures, found = _search(tier_paths(), eagle=False, servable=True, examples=15, page_sizes=(2,))
     assert found is not None and found.cause.name == "HOST_CREDIT_NOT_SERVABLE", found and found.detail
-    from kvalign.causes import FINDINGS
-
-    assert found.cause in FINDINGS
     assert "load_back_threshold (10)" in found.detail and found.example["page_size"] == 2
+    assert found.condition.startswith("only with HiCache on and page sizes below SGLang's load_back_threshold (10 tokens)")
 
 
 def test_servable_holds_at_a_page_of_the_threshold_or_more(tier_paths):
@@ -134,8 +132,9 @@ def test_servable_holds_at_a_page_of_the_threshold_or_more(tier_paths):
 
 
 def test_relay_medium_map_is_the_one_kvalign_names_causes_with(tier_paths):
-    """RELAY_TIERS (used only to name MEDIUM_NOT_INDEXED) against the real relay, plus an unmapped string."""
-    from kvalign.tier import RELAY_TIERS
+    """RELAY_TIERS (what names MEDIUM_NOT_INDEXED and what ``watch`` counts blocks per tier with) against
+    the real relay, plus an unmapped string."""
+    from kvalign.relay import RELAY_TIERS
 
     tp = tier_paths()
     worker, tap = tp.worker(4, False)
@@ -245,3 +244,38 @@ def test_standin_runs_sglangs_own_hicache_set_up_and_events(sglang_available, co
     assert e.admit(prompt) == (8, 0)  # 8 tokens < 10: SGLang declines the load-back
     e.evict_host(8)
     assert events() == [("BlockRemoved", "CPU_PINNED", 2)]
+
+
+@pytest.mark.slow  # two `kvalign check` processes through the real router path: 40-90 s
+@pytest.mark.timeout(600)
+def test_check_page_size_decides_the_servable_verdict(sglang_available, tmp_path):
+    """As a user runs it: ``--page-size 4`` fails the servable row naming HOST_CREDIT_NOT_SERVABLE, the
+    configurations it holds in and a shrunk case (exit 1); ``--page-size 16`` is aligned (exit 0)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvalign.hicache_standin import version_problem
+
+    if version_problem(sglang_available):
+        pytest.skip(version_problem(sglang_available))
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+               KVALIGN_LOG_DIR=str(tmp_path))
+
+    def check(page: int) -> tuple[int, dict]:
+        res = subprocess.run([sys.executable, "-m", "kvalign", "check", "--property", "servable", "--mode", "plain",
+                              "--tier-examples", "5", "--page-size", str(page), "--json"],
+                             capture_output=True, text=True, env=env, timeout=300, cwd=root)
+        return res.returncode, json.loads(res.stdout)
+
+    rc, small = check(4)
+    (row,) = small["rows"]
+    assert rc == 1 and small["aligned"] is False and small["page_size"] == 4
+    assert row["cause_name"] == "HOST_CREDIT_NOT_SERVABLE" and row["mismatches"] > 0
+    assert row["condition"].startswith("only with HiCache on and page sizes below SGLang's load_back_threshold (10")
+    assert row["counterexample"]["page_size"] == 4 and row["counterexample"]["steps"][-1][0] == "admit"
+    rc, large = check(16)
+    assert rc == 0 and large["aligned"] is True and large["rows"][0]["mismatches"] == 0

@@ -272,3 +272,60 @@ def test_every_cause_scenario_through_the_cli(tmp_path, sglang_publisher, capsys
         assert out["shift"] == {"prompt-shift": -1, "prompt-extra-token": 1}[scenario.name]
     if scenario.cause == "SEQUENCE_GAP":
         assert out["confidence"] == "confirmed"
+
+
+def _hicache_capture(tmp_path, publisher, prompt: list[int], name: str) -> str:
+    """SGLang's real HiCache tier (write-through; stand-in transfers): ``prompt`` cached, backed up to
+    host, then every device page evicted. Its host copies stay."""
+    from kvalign.hicache_standin import version_problem
+    from kvalign.oracles.hicache import HiCacheEngine
+    from kvalign.oracles.sglang import sglang_version
+
+    if version_problem(sglang_version()):
+        pytest.skip(version_problem(sglang_version()))
+    engine = HiCacheEngine(B, eagle=False, core="unified", policy="write_through", host_tokens=1 << 20)
+    engine.take_raw_events()
+    with captured(tmp_path, publisher, name=name) as stream:
+        engine.insert(prompt)
+        engine.transfers_done()
+        stream.publish(engine.take_raw_events())
+        engine.evict(len(prompt))
+        stream.publish(engine.take_raw_events())
+    assert engine.residency(prompt).device == 0 and engine.residency(prompt).host == len(prompt) // B
+    return stream.path
+
+
+def test_host_credit_below_sglangs_load_back_threshold_is_named(tmp_path, sglang_publisher, capsys):
+    """Two host-only pages of 4 = 8 tokens < 10: SGLang declines the load-back; diagnose names the finding
+    and exits 1. Three pages = 12 tokens: SGLang loads them back, no finding (the control)."""
+    short = _hicache_capture(tmp_path, sglang_publisher, PROMPT[:8], "short.jsonl")
+    d = diagnose(short, PROMPT[:8], RouterSettings())
+    assert len(d.findings) == 1 and d.findings[0].startswith("HOST_CREDIT_NOT_SERVABLE: the engine holds blocks 0..1")
+    assert "8 tokens, below SGLang's load_back_threshold (10)" in d.findings[0]
+    assert main(["diagnose", "--capture", short, "--prompt", _prompt_file(tmp_path, PROMPT[:8])]) == 1
+    assert "finding: HOST_CREDIT_NOT_SERVABLE: " in capsys.readouterr().out
+    long = _hicache_capture(tmp_path, sglang_publisher, PROMPT[:12], "long.jsonl")
+    assert diagnose(long, PROMPT[:12], RouterSettings()).findings == []
+
+
+def _prompt_file(tmp_path, tokens: list[int]) -> str:
+    path = tmp_path / "prompt.json"
+    path.write_text(json.dumps(tokens))
+    return str(path)
+
+
+def test_load_back_threshold_is_sglangs_own():
+    """The threshold diagnose names is the constant the installed SGLang's init_hicache assigns."""
+    import ast
+    import inspect
+
+    from kvalign.diagnose import LOAD_BACK_THRESHOLD
+
+    try:
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    except ImportError as exc:
+        pytest.skip(f"SGLang's unified cache unavailable: {exc}")
+    tree = ast.parse(inspect.getsource(UnifiedRadixCache.init_hicache).lstrip().replace("\n    ", "\n"))
+    assigned = [n.value.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+                and any(isinstance(t, ast.Attribute) and t.attr == "load_back_threshold" for t in n.targets)]
+    assert assigned == [LOAD_BACK_THRESHOLD]

@@ -23,7 +23,7 @@ from kvalign.check import MODES, PROPERTIES
 from kvalign.cli import main
 from kvalign.matrix import (DEFAULT_SGLANG, MatrixError, Pair, PairResult, _version_key, cache_root,
                             default_dynamo_versions, pair_env, plan_pairs, requires_dist, sglang_roots, shipped_sglang,
-                            shipped_sglang_from_metadata, table, unsatisfied)
+                            render, shipped_sglang_from_metadata, table, unsatisfied)
 from kvalign.versions import installed_versions
 
 OLD_DYNAMO = "1.0.2"
@@ -54,6 +54,27 @@ def test_table_has_a_row_per_pair_and_a_cell_per_property_and_mode():
     assert cells["ingest:eagle"] == "EVENTS_DROPPED" and cells["hash:plain"] == "NAMESPACE_DROPPED"
     assert cells["card:plain"] == "ok" and cells["verdict"] == "misaligned"
     assert set(c.strip() for c in lines[4].strip("|").split("|")[3:]) == {"error"}
+
+
+def test_rows_a_pair_cannot_run_are_n_a_with_the_reason_never_ok():
+    """A pair whose tier rows were skipped (no per-tier router answer, or no HiCache stand-in for its
+    SGLang) shows ``n/a`` in those cells and says why under the table; a skipped cell is never ``ok``."""
+    why = "Dynamo 1.0.2's KvRouter has no get_overlap_scores, so its answer per tier cannot be read"
+    skipped = [{"property": p, "mode": m, "variant": "base", "reason": why} for p in ("tier", "servable")
+               for m in MODES]
+    rows = [PairResult("1.0.2", "0.5.23", "aligned", not_applicable=skipped), PairResult("1.6.1", "0.5.23", "aligned")]
+    lines = table(rows).splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    old, new = ({h: c.strip() for h, c in zip(head, line.strip("|").split("|"))} for line in lines[2:4])
+    assert {old[f"{p}:{m}"] for p in ("tier", "servable") for m in MODES} == {"n/a"}
+    assert old["ingest:plain"] == "ok" and {new[f"{p}:{m}"] for p in ("tier", "servable") for m in MODES} == {"ok"}
+    text = render(rows)
+    assert f"1.0.2 x 0.5.23: tier, servable n/a: {why}" in text and "1.6.1 x 0.5.23: tier" not in text
+    # a finding in a cell outranks n/a
+    mixed = PairResult("1.6.1", "0.5.19", "misaligned", [{"property": "tier", "mode": "plain", "variant": "lora",
+                                                          "cause": "EVENTS_DROPPED", "detail": "x"}],
+                       not_applicable=[{"property": "tier", "mode": "plain", "variant": "base", "reason": why}])
+    assert "EVENTS_DROPPED" in table([mixed])
 
 
 def _dist(target: Path, name: str, version: str, *requires: str) -> None:
@@ -187,7 +208,10 @@ def test_older_dynamo_release_against_the_installed_sglang(sglang_available):
     if row["verdict"] == "error" and "cannot install" in res.stderr:
         pytest.skip(f"ai-dynamo {OLD_DYNAMO} cannot be installed here: {res.stderr.strip().splitlines()[-1]}")
     assert res.returncode == 1, res.stderr
-    assert set(row) == {"dynamo", "sglang", "shipped", "verdict", "findings"} and row["verdict"] == "misaligned"
+    assert set(row) <= {"dynamo", "sglang", "shipped", "verdict", "findings", "not_applicable"}
+    assert row["verdict"] == "misaligned"
+    # the tier rows: run where the release's router answers per tier, else n/a with the reason
+    assert all(n["property"] in ("tier", "servable") and n["reason"] for n in row.get("not_applicable", []))
     assert all(set(f) == {"property", "mode", "variant", "cause", "detail"} for f in row["findings"])
     found = {(f["property"], f["mode"], f["cause"]) for f in row["findings"]}
     # the 1.0.x binding has no is_eagle / cache_namespace (adapter -> named causes, not a crash)

@@ -190,7 +190,9 @@ def test_merge_refuses_a_bad_cell_file_in_one_line(name, files, message, tmp_pat
 def test_a_json_row_reads_back_as_the_result_it_was_printed_from():
     rows = [PairResult("1.6.1", "0.5.21", "misaligned", [dict(FINDING)], shipped=True,
                        live={"verdict": "pass", "detail": "PASS", "seconds": 1.0}),
-            PairResult("1.3.1", "unknown", "error", error="shipped SGLang unknown: x", shipped=True)]
+            PairResult("1.3.1", "unknown", "error", error="shipped SGLang unknown: x", shipped=True),
+            PairResult("1.6.1", "0.5.19", "aligned", not_applicable=[
+                {"property": "tier", "mode": "plain", "variant": "base", "reason": "stand-in pinned to 0.5.23"}])]
     assert [matrix.result_from_row(r.as_json()).as_json() for r in rows] == [r.as_json() for r in rows]
     assert matrix.render([matrix.result_from_row(r.as_json()) for r in rows]) == matrix.render(rows)
 

@@ -1,7 +1,7 @@
 """Quiet by default: the runtimes' log lines go to a file, kvalign's own lines reach the terminal.
 
 `check` as a user runs it (a subprocess, real runtimes) is held to this in
-``test_check.py::test_check_real_pair_is_aligned_and_quiet``.
+``test_check.py::test_check_real_pair_is_aligned_but_for_small_hicache_pages_and_quiet``.
 """
 
 from __future__ import annotations

@@ -67,3 +67,48 @@ def test_lora_report_on_the_shipped_pair_1_6_1_x_0_5_21(tmp_path):
     assert "schedule_batch.py`:" in text and "in `Req.__init__`" in text
     assert "events.py`:" in text and "KVCacheEventRecorder.record_store" in text
     assert "kvalign report LORA_NOT_IN_EVENTS --dynamo 1.6.1 --sglang 0.5.21" in text
+
+
+def test_host_credit_anchors_are_found_in_the_installed_pair(sglang_available):
+    """Every source line the HOST_CREDIT_NOT_SERVABLE report quotes exists in the installed 1.6.1 x 0.5.23
+    wheels (the threshold, its check, the scheduler's call, the host medium, the router's host weight)."""
+    from kvalign.hicache_standin import version_problem
+
+    if version_problem(sglang_available):
+        pytest.skip(version_problem(sglang_available))
+    found = [locate(a) for a in ANCHORS[Cause.HOST_CREDIT_NOT_SERVABLE]]
+    assert all(f["line"] and f["text"] in f["source"] for f in found), [f for f in found if not f["line"]]
+    where = {(f["path"], f["function"]) for f in found}
+    assert ("srt/mem_cache/unified_radix_cache.py", "UnifiedRadixCache.init_hicache") in where
+    assert ("srt/mem_cache/unified_radix_cache.py", "UnifiedRadixCache._load_back_transfers") in where
+    assert ("_core.pyi", "KvRouterConfig.__init__") in where
+
+
+@pytest.mark.slow  # a search of the HiCache state machine and a replay through the real router: 60-90 s
+@pytest.mark.timeout(900)
+def test_host_credit_report_on_the_installed_pair_installs_nothing(tmp_path, sglang_available):
+    """1.6.1 x 0.5.23 is the environment's own pair: the report runs on it with an empty wheel cache and
+    installs no release into it."""
+    from kvalign.hicache_standin import version_problem
+
+    if version_problem(sglang_available):
+        pytest.skip(version_problem(sglang_available))
+    out, cache = tmp_path / "report.md", tmp_path / "wheels"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               KVALIGN_WHEEL_CACHE=str(cache))
+    res = subprocess.run([sys.executable, "-m", "kvalign", "report", "HOST_CREDIT_NOT_SERVABLE", "--dynamo", "1.6.1",
+                          "--sglang", "0.5.23", "--mode", "plain", "--examples", "15", "--out", str(out)],
+                         capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    # no release directory (pair_env only points SGLang's JIT build at cache/torch-extensions)
+    assert not [p.name for p in cache.glob("*") if p.name.startswith(("ai-dynamo-", "sglang-"))]
+    assert "installing" not in res.stderr
+    text = out.read_text()
+    assert "× sglang 0.5.23" in text and "`servable` property" in text
+    steps = text.split("## Each step")[1].split("## The admitted request")[0]
+    assert "BlockStored[CPU_PINNED" in steps and "BlockRemoved[GPU" in steps
+    admitted = text.split("## The admitted request")[1].split("##")[0]
+    assert "load_back_threshold` (10)" in admitted and "loads back 0" in admitted
+    assert '"medium": "CPU_PINNED"' in text.split("## Event bytes on the wire")[1]
+    assert "unified_radix_cache.py`:576 in `UnifiedRadixCache.init_hicache`" in text
+    assert "kvalign report HOST_CREDIT_NOT_SERVABLE --dynamo 1.6.1 --sglang 0.5.23" in text

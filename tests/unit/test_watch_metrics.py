@@ -18,7 +18,7 @@ import msgspec
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
-from sglang_publisher import LossyForwarder, RealPublisher
+from sglang_publisher import LossyForwarder, RealPublisher, sglang_events_module
 from test_watch import LineReader
 
 from kvalign.oracles.sglang import SglangRadixCache
@@ -40,6 +40,12 @@ def value(samples: dict, name: str, **labels: str) -> float:
 
 def blocks(events: list) -> int:
     return sum(len(e.block_hashes) for e in events if type(e).__name__ == "BlockStored")
+
+
+def _medium(ev) -> str | None:
+    """An SGLang event's ``medium`` as the wire string (SGLang's StorageMedium enum or a plain str)."""
+    m = getattr(ev, "medium", None)
+    return getattr(m, "value", m)
 
 
 @pytest.mark.timeout(120)
@@ -122,3 +128,58 @@ def test_metrics_count_what_the_router_cannot_see(sglang_available):
     assert value(got, "kvalign_watch_last_batch_timestamp_seconds") > time.time() - 60
     (cause,) = [dict(labels) for name, labels in got if name == "kvalign_watch_last_cause_info"]
     assert cause == {"worker": WORKER, "cause": "BLOCK_SIZE", "description": "block size mismatch", "seq": str(seqs[-1])}
+
+
+def test_blocks_held_per_tier_and_unmapped_media_from_real_hicache_events(sglang_available):
+    """SGLang's real HiCache tier (stand-in transfers) backs pages up to host and evicts them from device;
+    the same events with the host medium renamed (what a renamed ``StorageMedium`` would send) are the
+    negative control: no host blocks, all of them counted as indexed nowhere."""
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from kvalign.hicache_standin import version_problem
+    from kvalign.oracles.hicache import HiCacheEngine
+    from kvalign.watch import Watcher
+    from kvalign.watch_metrics import WatchCollector
+
+    if version_problem(sglang_available):
+        pytest.skip(version_problem(sglang_available))
+    kv = sglang_events_module()
+    engine = HiCacheEngine(B, eagle=False, core="unified", policy="write_through", host_tokens=1 << 20)
+    engine.take_raw_events()
+    engine.insert(list(range(1, 13)))  # 3 pages on device
+    engine.transfers_done()  # backed up: the same 3 pages on host
+    engine.insert(list(range(50, 58)))  # 2 more pages, device only (not polled)
+    stored = engine.take_raw_events()
+    engine.evict(3 * B)  # the least recent 3 device pages go; their host copies stay
+    evicted = engine.take_raw_events()
+    assert {_medium(e) for e in stored} == {"GPU", "CPU_PINNED"}
+
+    def scrape_after(batches: list[list]) -> dict:
+        watcher = Watcher(block_size=B)
+        for seq, events in enumerate(batches):
+            payload = msgspec.msgpack.encode(kv.KVEventBatch(ts=time.time(), events=list(events)))
+            watcher.on_frames([b"", seq.to_bytes(8, "big"), payload])
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(WatchCollector({WORKER: watcher}))
+        text = generate_latest(registry).decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    got = scrape_after([stored, evicted])
+    host = blocks([e for e in stored if _medium(e) == "CPU_PINNED"])
+    device = blocks([e for e in stored if _medium(e) == "GPU"]) - sum(
+        len(e.block_hashes) for e in evicted if type(e).__name__ == "BlockRemoved")
+    assert (host, device) == (3, 2)
+    assert {t: value(got, "kvalign_watch_blocks_held", tier=t) for t in ("device", "host_pinned", "disk", "external")} == {
+        "device": device, "host_pinned": host, "disk": 0, "external": 0}
+    assert not [k for k in got if k[0] == "kvalign_watch_unmapped_medium_blocks_total"]
+
+    renamed = [[msgspec.structs.replace(e, medium="HOST_PINNED") if _medium(e) == "CPU_PINNED" else e for e in batch]
+               for batch in (stored, evicted)]
+    bad = scrape_after(renamed)
+    assert value(bad, "kvalign_watch_blocks_held", tier="host_pinned") == 0
+    assert value(bad, "kvalign_watch_blocks_held", tier="device") == device
+    assert value(bad, "kvalign_watch_unmapped_medium_blocks_total", medium="HOST_PINNED") == host
+    (cause,) = [dict(labels) for name, labels in bad if name == "kvalign_watch_last_cause_info"]
+    assert cause["cause"] == "MEDIUM_NOT_INDEXED"
