@@ -104,6 +104,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 _DURATIONS_ON = False
 _WORKER_CASES: list[int] = []  # generated cases each finished xdist worker reported
+_WORKER_SUMMARY: list[str] = []  # summary lines a worker's conftest left (tests/e2e: the shared clusters)
 
 
 class XdistTotals:
@@ -111,7 +112,9 @@ class XdistTotals:
 
     @pytest.hookimpl
     def pytest_testnodedown(self, node: object, error: object) -> None:
-        _WORKER_CASES.append(getattr(node, "workeroutput", {}).get("kvalign_cases", 0))
+        output = getattr(node, "workeroutput", {})
+        _WORKER_CASES.append(output.get("kvalign_cases", 0))
+        _WORKER_SUMMARY.extend(output.get("kvalign_summary", []))
 
 
 def _cases() -> int:
@@ -165,6 +168,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if hasattr(terminalreporter.config, "workerinput"):
         return
+    for line in _WORKER_SUMMARY:
+        terminalreporter.write_line(line)
     _write_durations(terminalreporter.config)
     profile = settings._current_profile  # noqa: SLF001 - only for the summary line
     terminalreporter.write_line(f"hypothesis profile {profile}: {_cases()} generated property cases executed")

@@ -189,9 +189,20 @@ def shared_clusters(request: pytest.FixtureRequest) -> Iterator[SharedClusters]:
     assert not leftovers, f"processes outlived their shared cluster: {leftovers}"
 
 
+def _summary(config: pytest.Config) -> list[str]:
+    return [f"kvalign shared clusters: {line}" for line in config.stash.get(SHARED_LOG, [])]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """An xdist worker hands its lines to the controller, which prints them (tests/conftest.py)."""
+    worker_output = getattr(session.config, "workeroutput", None)
+    if worker_output is not None:
+        worker_output["kvalign_summary"] = _summary(session.config)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    for line in terminalreporter.config.stash.get(SHARED_LOG, []):
-        terminalreporter.write_line(f"kvalign shared clusters: {line}")
+    for line in _summary(terminalreporter.config):
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture
