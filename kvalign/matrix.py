@@ -436,19 +436,31 @@ def run_matrix(pairs: Sequence[Pair], *, examples: int, ingest_examples: int, jo
 def live_problem(dynamo: str, sglang: str) -> str | None:
     """Why the live scenario cannot run for this pair here (None when it can).
 
-    The live layer runs the environment's Dynamo (its frontend, relay and ``dynamo.sglang``
-    processes) with any SGLang release the CPU stand-in supports, from the wheel cache."""
+    On the environment's Dynamo the live layer runs the real SGLang engine (``dynamo.sglang``
+    workers) on any SGLang release the CPU stand-in supports, from the wheel cache. Another Dynamo
+    release runs every process from its own wheel-cache directory with kvalign's fake workers
+    (``e2e run --engine fake-cpu --dynamo``), whose pages are keyed by the environment's SGLang
+    radix cache: so only beside that SGLang."""
     from kvalign.sglang_cpu_standin import version_problem
 
-    env_dynamo = installed("ai-dynamo")
-    if dynamo != env_dynamo:
-        return (f"the live layer runs the environment's Dynamo ({env_dynamo}); other Dynamo releases' "
-                "frontend/worker processes are not wired up")
-    return version_problem(sglang)
+    if dynamo == installed("ai-dynamo"):
+        return version_problem(sglang)
+    env_sglang = installed("sglang")
+    if sglang != env_sglang:
+        return (f"Dynamo {dynamo} runs live with kvalign's fake workers, which key pages with the environment's "
+                f"SGLang ({env_sglang}); its own dynamo.sglang imports only beside its own SGLang release")
+    return None
+
+
+def live_command(dynamo: str, sglang: str) -> list[str]:
+    """The ``kvalign e2e run`` that checks one pair live (see :func:`live_problem`)."""
+    if dynamo == installed("ai-dynamo"):
+        return ["e2e", "run", "--engine", "sglang-cpu", "--sglang", sglang]
+    return ["e2e", "run", "--engine", "fake-cpu", "--dynamo", dynamo, "--bind-host", "127.0.0.1"]
 
 
 def run_live(dynamo: str, sglang: str, *, log: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
-    """The seed scenario (``kvalign e2e run --engine sglang-cpu --sglang S``) for one pair, in a subprocess:
+    """The seed scenario (:func:`live_command`) for one pair, in a subprocess:
     ``{"verdict": "pass"|"fail"|"skipped"|"error", "detail": one line, "seconds": wall}``."""
     problem = live_problem(dynamo, sglang)
     if problem:
@@ -456,7 +468,7 @@ def run_live(dynamo: str, sglang: str, *, log: Callable[[str], None] = lambda _m
     start = time.perf_counter()
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
-    cmd = [sys.executable, "-m", "kvalign", "e2e", "run", "--engine", "sglang-cpu", "--sglang", sglang]
+    cmd = [sys.executable, "-m", "kvalign", *live_command(dynamo, sglang)]
     log(f"live: dynamo {dynamo} x sglang {sglang}: {' '.join(cmd[1:])}")
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=LIVE_TIMEOUT_S, cwd=root)

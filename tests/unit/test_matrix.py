@@ -261,9 +261,12 @@ def test_live_column_and_json_when_asked_for():
 
 
 def test_live_rows_say_why_a_pair_cannot_run_live():
-    from kvalign.matrix import installed, live_problem, run_live
+    from kvalign.matrix import installed, live_command, live_problem, run_live
 
-    other = run_live("0.0.1", "0.5.23")
-    assert other["verdict"] == "skipped" and "the live layer runs the environment's Dynamo" in other["detail"]
+    other = run_live("1.5.1", "0.5.18")  # another Dynamo runs fake workers, keyed by the environment's SGLang
+    assert other["verdict"] == "skipped" and "key pages with the environment's SGLang" in other["detail"], other
+    assert live_command("1.5.1", installed("sglang") or "") == ["e2e", "run", "--engine", "fake-cpu", "--dynamo", "1.5.1",
+                                                               "--bind-host", "127.0.0.1"]
+    assert live_problem("1.5.1", installed("sglang") or "") is None
     unsupported = live_problem(installed("ai-dynamo") or "", "0.5.17")
     assert unsupported is not None and "supports sglang" in unsupported
