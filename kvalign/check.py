@@ -21,6 +21,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from hypothesis.errors import FlakyFailure
 
 from kvalign.causes import Cause
 from kvalign.oracles.base import OracleUnavailable, RouterHasher
@@ -85,6 +86,15 @@ def run_search(body: Callable[[Any], None], strategy: st.SearchStrategy[Any], ex
         search()
     except Mismatch as found:
         return calls, failures, found
+    except FlakyFailure as flaky:
+        # A mismatch that did not recur when Hypothesis replayed its example (1.3.1's in-process relay
+        # drops some batches and not others) is still a mismatch the real path produced: report it as
+        # found, saying it is intermittent, instead of crashing the row. Anything else propagates.
+        first = next((e for e in flaky.exceptions if isinstance(e, Mismatch)), None)
+        if first is None:
+            raise
+        first.detail += " (intermittent: the same example passed when replayed)"
+        return calls, failures, first
     return calls, failures, None
 
 

@@ -292,10 +292,14 @@ class PairResult:
     seconds: float = 0.0
     shipped: bool = False  # sglang is the release ai-dynamo[sglang]==dynamo pins
     live: dict[str, Any] | None = None  # --live: the seed scenario on real CPU engines (see run_live)
+    #: rows the pair's check could not run (a property this release cannot support), each with why: ``n/a``
+    not_applicable: list[dict[str, str]] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         row: dict[str, Any] = {"dynamo": self.dynamo, "sglang": self.sglang, "shipped": self.shipped,
                                "verdict": self.verdict, "findings": self.findings}
+        if self.not_applicable:
+            row["not_applicable"] = self.not_applicable
         if self.verdict == "error":
             row["error"] = one_line(self.error or "unknown error")
         if self.live is not None:
@@ -356,8 +360,10 @@ def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int,
                           error=f"check exited {res.returncode} without a JSON report" + (f": {err[-1]}" if err else ""))
     findings = [{"property": r["prop"], "mode": r["mode"], "variant": r["variant"], "cause": r["cause_name"] or "UNKNOWN",
                  "detail": r["detail"] or ""} for r in report["rows"] if r["mismatches"]]
+    not_applicable = [{"property": r["prop"], "mode": r["mode"], "variant": r["variant"], "reason": r["skipped"]}
+                      for r in report["rows"] if r.get("skipped")]
     verdict = "aligned" if report["aligned"] else "misaligned"
-    return PairResult(dynamo, sglang, verdict, findings, seconds=seconds)
+    return PairResult(dynamo, sglang, verdict, findings, seconds=seconds, not_applicable=not_applicable)
 
 
 @dataclass(frozen=True)
@@ -463,8 +469,10 @@ def run_live(dynamo: str, sglang: str, *, log: Callable[[str], None] = lambda _m
     return {"verdict": "error", "detail": one_line(res.stderr or f"exit {res.returncode}"), "seconds": seconds}
 
 
-def _cell(findings: Sequence[dict[str, str]]) -> str:
-    return "ok" if not findings else ", ".join(dict.fromkeys(f["cause"] for f in findings))
+def _cell(findings: Sequence[dict[str, str]], not_applicable: Sequence[dict[str, str]] = ()) -> str:
+    """``ok``, or the causes found, then ``n/a`` when a variant could not run (never a bare ``ok`` then)."""
+    parts = [*dict.fromkeys(f["cause"] for f in findings), *(["n/a"] if not_applicable else [])]
+    return ", ".join(parts) if parts else "ok"
 
 
 def table(results: Sequence[PairResult], props: Sequence[str] = PROPERTIES, modes: Sequence[str] = MODES) -> str:
@@ -479,7 +487,9 @@ def table(results: Sequence[PairResult], props: Sequence[str] = PROPERTIES, mode
         if r.verdict == "error":
             cells = ["error"] * (len(head) - 3 - live)
         else:
-            cells = [_cell([f for f in r.findings if f["property"] == p and f["mode"] == m]) for p in props for m in modes]
+            cells = [_cell([f for f in r.findings if f["property"] == p and f["mode"] == m],
+                           [n for n in r.not_applicable if n["property"] == p and n["mode"] == m])
+                     for p in props for m in modes]
         if live:
             cells.append((r.live or {}).get("verdict", "-"))
         body.append([r.dynamo, r.sglang + (" (shipped)" if r.shipped else ""), r.verdict, *cells])
@@ -496,6 +506,7 @@ CELL_FORMAT = "kvalign-matrix-cell/1"
 UNKNOWN = "unknown"
 VERDICTS = ("aligned", "misaligned", "error")
 FINDING_KEYS = ("property", "mode", "variant", "cause", "detail")
+NOT_APPLICABLE_KEYS = ("property", "mode", "variant", "reason")
 
 
 class CellFileError(ValueError):
@@ -531,6 +542,11 @@ def render(results: Sequence[PairResult]) -> str:
     out = [table(results)]
     out += [f"\n{r.dynamo} x {r.sglang}: error: {one_line(r.error or 'unknown error')}"
             for r in results if r.verdict == "error"]
+    for r in results:
+        reasons: dict[str, list[str]] = {}
+        for n in r.not_applicable:
+            reasons.setdefault(n["reason"], []).append(f"{n['property']}:{n['mode']}")
+        out += [f"\n{r.dynamo} x {r.sglang}: n/a {', '.join(dict.fromkeys(cells))}: {why}" for why, cells in reasons.items()]
     return "\n".join(out)
 
 
@@ -571,11 +587,18 @@ def result_from_row(row: Any) -> PairResult:
     live = row.get("live")
     if live is not None and not (isinstance(live, dict) and isinstance(live.get("verdict"), str)):
         raise ValueError("row 'live' is not an object with a 'verdict'")
-    extra = set(row) - {"dynamo", "sglang", "shipped", "verdict", "findings", "error", "live"}
+    not_applicable = row.get("not_applicable", [])
+    well_formed = isinstance(not_applicable, list) and all(
+        isinstance(n, dict) and set(n) == set(NOT_APPLICABLE_KEYS) and all(isinstance(v, str) for v in n.values())
+        for n in not_applicable)
+    if not well_formed or ("not_applicable" in row and not not_applicable):  # a run prints the key only when non-empty
+        raise ValueError(f"row 'not_applicable' is not a non-empty list of {{{', '.join(NOT_APPLICABLE_KEYS)}}} "
+                         "string objects")
+    extra = set(row) - {"dynamo", "sglang", "shipped", "verdict", "findings", "not_applicable", "error", "live"}
     if extra:
         raise ValueError(f"row has unknown keys {sorted(extra)}")
     return PairResult(row["dynamo"], row["sglang"], row["verdict"], list(findings), error=row.get("error"),
-                      shipped=row["shipped"], live=live)
+                      shipped=row["shipped"], live=live, not_applicable=list(not_applicable))
 
 
 def _plan_order(plan: dict[str, Any], r: PairResult) -> tuple[Any, ...]:
