@@ -70,6 +70,9 @@ def _seed_host_transfer_ops() -> None:
     """
 
     def op(name: str) -> Any:
+        if name.startswith("__"):  # module protocol (__file__, __spec__, ...): absent, as on any module
+            raise AttributeError(name)
+
         def unavailable(*_args: Any, **_kwargs: Any) -> Any:
             raise RuntimeError(f"sgl_kernel.kvcacheio.{name} is CUDA only; kvalign's radix-cache oracle never calls it")
         return unavailable
