@@ -278,6 +278,20 @@ def test_1_3_1_with_its_shipped_sglang_is_checked_on_radix_cache_and_names_10982
         assert rows["tier", mode, "base"]["skipped"] and rows["tier", mode, "base"]["cases"] == 0
 
 
+@pytest.mark.slow  # installs (or reuses) ai-dynamo 1.0.2 and sglang 0.5.9, then checks them in a subprocess
+@pytest.mark.timeout(1500)
+def test_1_0_2_with_its_shipped_sglang_is_checked_on_radix_cache():
+    """1.0.2 x 0.5.9: 0.5.9's radix_cache imports CUDA-only host-copy ops it never calls (the import
+    shim lets it load), and its RadixCache runs: plain pages aligned, the LoRA gap named."""
+    sglang, env = _shipped_pair_env("1.0.2")
+    assert sglang == "0.5.9"
+    report = _check_in(env, "--property", "pages", "--mode", "plain", "--examples", "15")
+    assert report["cache"] == "radix" and report["versions"]["sglang"] == "0.5.9"
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert rows["base"]["cases"] > 0 and rows["base"]["mismatches"] == 0
+    assert rows["lora"]["cause_name"] == "LORA_NOT_IN_EVENTS" and rows["namespace"]["cause_name"] == "NAMESPACE_DROPPED"
+
+
 @pytest.mark.slow  # installs (or reuses) ai-dynamo 1.4.2 and its shipped sglang: ~2 min
 @pytest.mark.timeout(1500)
 def test_1_4_2_with_its_shipped_sglang_registers_every_eagle_algorithm():
