@@ -136,8 +136,9 @@ def server_default_kind() -> str:
     ``UnifiedRadixCache`` became the default with the ``mem_cache.unified_cache`` package: 0.5.19
     and 0.5.21 deprecate the opt-in ``SGLANG_ENABLE_UNIFIED_RADIX_TREE`` ("the unified radix tree is
     the default tree cache now"), 0.5.23 drops it. Before it, 0.5.14's registry builds
-    ``UnifiedRadixCache`` only behind that opt-in (``EnvBool(False)``) and 0.5.9 has no unified cache:
-    both serve from ``RadixCache``, which is what a deployment of them runs.
+    ``UnifiedRadixCache`` only behind that opt-in (``EnvBool(False)``), as 0.5.16's does, and 0.5.9 has
+    no unified cache: they serve from ``RadixCache``, which is what a deployment of them runs. (Read
+    in 0.5.9, 0.5.14, 0.5.16, 0.5.19, 0.5.21 and 0.5.23; 0.5.17 and 0.5.18 were not read.)
     """
     return "radix" if _modules().UnifiedRadixCache is None else "unified"
 
