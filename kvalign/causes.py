@@ -38,6 +38,8 @@ class Cause(str, Enum):
     TENANTS_SHARE_KEYS = "router ingestion ignores cache_salt: tenants share keys"
     INGEST_STALE = "router index kept blocks the engine removed or cleared"
     LORA_NOT_IN_EVENTS = "SGLang's events carry no LoRA name: the router keys adapter pages as base-model pages"
+    SALT_NOT_IN_EVENTS = ("SGLang's events carry no cache_salt (it keys the tenant apart, then publishes its pages as "
+                          "unsalted ones): the router keys salted pages as unsalted pages")
     PATH_UNAVAILABLE = "the release's worker relay / router cannot run here"
     TIER_MISFILED = "router files a page under another tier than the one SGLang's event names (device vs host)"
     TIER_RESIDENCY = "router's device / host credit differs from SGLang's HiCache residency"

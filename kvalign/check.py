@@ -21,6 +21,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from hypothesis.errors import FlakyFailure
 
 from kvalign.causes import Cause
 from kvalign.oracles.base import OracleUnavailable, RouterHasher
@@ -85,6 +86,15 @@ def run_search(body: Callable[[Any], None], strategy: st.SearchStrategy[Any], ex
         search()
     except Mismatch as found:
         return calls, failures, found
+    except FlakyFailure as flaky:
+        # A mismatch that did not recur when Hypothesis replayed its example (1.3.1's in-process relay
+        # drops some batches and not others) is still a mismatch the real path produced: report it as
+        # found, saying it is intermittent, instead of crashing the row. Anything else propagates.
+        first = next((e for e in flaky.exceptions if isinstance(e, Mismatch)), None)
+        if first is None:
+            raise
+        first.detail += " (intermittent: the same example passed when replayed)"
+        return calls, failures, first
     return calls, failures, None
 
 
@@ -183,12 +193,15 @@ def run_card(systems: Systems, modes: tuple[str, ...]) -> list[RowResult]:
     for mode in modes:
         start = time.perf_counter()
         row = RowResult("card", mode, "base")
+        missed: list[str] = []
         for alg in (a for a in algorithms if sglang_keys_bigrams(a) == (mode == "eagle")):
             row.cases += 1
             try:
                 card_property(reg.derive, sglang_keys_bigrams, alg)
             except Mismatch as found:
                 row.mismatches += 1
+                if found.cause is Cause.CARD_EAGLE_OFF and alg is not None:
+                    missed.append(alg)
                 if row.cause is None:
                     row.cause, row.cause_name, row.detail, row.counterexample = (
                         found.cause.value, found.cause.name, f"{found.detail} [{reg.function}]", alg)
@@ -197,9 +210,23 @@ def run_card(systems: Systems, modes: tuple[str, ...]) -> list[RowResult]:
                 if row.cause is None:
                     row.cause, row.cause_name = Cause.CARD_UNAVAILABLE.value, Cause.CARD_UNAVAILABLE.name
                     row.detail, row.counterexample = f"{reg.function}({alg!r}) raised {type(exc).__name__}: {exc}", alg
+        if missed and row.cases > row.mismatches:  # some bigram algorithms registered, these not
+            row.detail = f"{row.detail}; {name_set_note(missed, row.cases - row.mismatches)}"
         row.seconds = time.perf_counter() - start
         rows.append(row)
     return rows
+
+
+def name_set_note(missed: list[str], registered: int) -> str:
+    """What an EAGLE card that is on for some bigram algorithms and off for others is: Dynamo #10982.
+
+    Only a card derived from algorithm *names* can split the bigram algorithms (``registered`` of
+    them get ``enable_eagle``, ``missed`` do not); a card without the field, or one stuck off, misses
+    them all and is not this regression. The consequence is the router's, so it is named too.
+    """
+    return (f"the card sets enable_eagle for {registered} bigram-keyed algorithm(s) and not for {', '.join(missed)}: "
+            "a hand-kept algorithm-name set, Dynamo #10982 (fixed in 1.4.0), so the router hashes their queries with "
+            f"eagle off ({Cause.ROUTER_EAGLE_OFF.name}: overlap 0 on every bigram page)")
 
 
 def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make_index: Callable[[], Any], *,

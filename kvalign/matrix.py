@@ -295,7 +295,7 @@ class PairResult:
     seconds: float = 0.0
     shipped: bool = False  # sglang is the release ai-dynamo[sglang]==dynamo pins
     live: dict[str, Any] | None = None  # --live: the seed scenario on real CPU engines (see run_live)
-    #: rows the pair's check could not run ({property, mode, variant, reason}): ``n/a`` cells, never ``ok``
+    #: rows the pair's check could not run (a property this release cannot support), each with why: ``n/a``
     not_applicable: list[dict[str, str]] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
@@ -363,10 +363,10 @@ def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int,
                           error=f"check exited {res.returncode} without a JSON report" + (f": {err[-1]}" if err else ""))
     findings = [{"property": r["prop"], "mode": r["mode"], "variant": r["variant"], "cause": r["cause_name"] or "UNKNOWN",
                  "detail": r["detail"] or ""} for r in report["rows"] if r["mismatches"]]
-    skipped = [{"property": r["prop"], "mode": r["mode"], "variant": r["variant"], "reason": r["skipped"]}
-               for r in report["rows"] if r.get("skipped")]
+    not_applicable = [{"property": r["prop"], "mode": r["mode"], "variant": r["variant"], "reason": r["skipped"]}
+                      for r in report["rows"] if r.get("skipped")]
     verdict = "aligned" if report["aligned"] else "misaligned"
-    return PairResult(dynamo, sglang, verdict, findings, seconds=seconds, not_applicable=skipped)
+    return PairResult(dynamo, sglang, verdict, findings, seconds=seconds, not_applicable=not_applicable)
 
 
 @dataclass(frozen=True)
@@ -485,11 +485,9 @@ def run_live(dynamo: str, sglang: str, *, log: Callable[[str], None] = lambda _m
 
 
 def _cell(findings: Sequence[dict[str, str]], not_applicable: Sequence[dict[str, str]] = ()) -> str:
-    """The causes found, else ``n/a`` when the pair could not run these rows (the reason is printed
-    under the table), else ``ok``."""
-    if findings:
-        return ", ".join(dict.fromkeys(f["cause"] for f in findings))
-    return "n/a" if not_applicable else "ok"
+    """``ok``, or the causes found, then ``n/a`` when a variant could not run (never a bare ``ok`` then)."""
+    parts = [*dict.fromkeys(f["cause"] for f in findings), *(["n/a"] if not_applicable else [])]
+    return ", ".join(parts) if parts else "ok"
 
 
 def table(results: Sequence[PairResult], props: Sequence[str] = PROPERTIES, modes: Sequence[str] = MODES) -> str:
@@ -562,9 +560,8 @@ def render(results: Sequence[PairResult]) -> str:
     for r in results:
         reasons: dict[str, list[str]] = {}
         for n in r.not_applicable:
-            reasons.setdefault(n["reason"], []).append(n["property"])
-        out += [f"\n{r.dynamo} x {r.sglang}: {', '.join(dict.fromkeys(props))} n/a: {reason}"
-                for reason, props in reasons.items()]
+            reasons.setdefault(n["reason"], []).append(f"{n['property']}:{n['mode']}")
+        out += [f"\n{r.dynamo} x {r.sglang}: n/a {', '.join(dict.fromkeys(cells))}: {why}" for why, cells in reasons.items()]
     return "\n".join(out)
 
 
@@ -605,16 +602,18 @@ def result_from_row(row: Any) -> PairResult:
     live = row.get("live")
     if live is not None and not (isinstance(live, dict) and isinstance(live.get("verdict"), str)):
         raise ValueError("row 'live' is not an object with a 'verdict'")
-    skipped = row.get("not_applicable", [])
-    if not isinstance(skipped, list) or not all(
-            isinstance(n, dict) and set(n) == set(NOT_APPLICABLE_KEYS) and all(isinstance(v, str) for v in n.values())
-            for n in skipped):
-        raise ValueError(f"row 'not_applicable' is not a list of {{{', '.join(NOT_APPLICABLE_KEYS)}}} string objects")
-    extra = set(row) - {"dynamo", "sglang", "shipped", "verdict", "findings", "error", "live", "not_applicable"}
+    not_applicable = row.get("not_applicable", [])
+    well_formed = isinstance(not_applicable, list) and all(
+        isinstance(n, dict) and set(n) == set(NOT_APPLICABLE_KEYS) and all(isinstance(v, str) for v in n.values())
+        for n in not_applicable)
+    if not well_formed or ("not_applicable" in row and not not_applicable):  # a run prints the key only when non-empty
+        raise ValueError(f"row 'not_applicable' is not a non-empty list of {{{', '.join(NOT_APPLICABLE_KEYS)}}} "
+                         "string objects")
+    extra = set(row) - {"dynamo", "sglang", "shipped", "verdict", "findings", "not_applicable", "error", "live"}
     if extra:
         raise ValueError(f"row has unknown keys {sorted(extra)}")
     return PairResult(row["dynamo"], row["sglang"], row["verdict"], list(findings), error=row.get("error"),
-                      shipped=row["shipped"], live=live, not_applicable=list(skipped))
+                      shipped=row["shipped"], live=live, not_applicable=list(not_applicable))
 
 
 def _plan_order(plan: dict[str, Any], r: PairResult) -> tuple[Any, ...]:

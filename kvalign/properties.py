@@ -81,10 +81,12 @@ def hash_property(hasher: RouterHasher, case: HashCase) -> None:
 
 
 def _expected_engine_hashes(tokens: list[int], p: int, eagle: bool, lora: str | None, ns: str | None,
-                            lora_named: bool = True) -> list[int]:
+                            lora_named: bool = True, salted: bool = True) -> list[int]:
+    """SGLang's event hashes for a request's pages; ``salted=False``: a release (0.5.9, 0.5.14) whose
+    event hashes chain the tokens alone, whatever the request's ``cache_salt``."""
     extra_key = lora_id_for(lora) if lora else None
     namespace = event_namespace(extra_key, ns, lora_registered=bool(lora) and lora_named, dynamo_format=False)
-    return engine_block_hashes(tokens, p, eagle=eagle, cache_salt=ns or None, namespace=namespace)
+    return engine_block_hashes(tokens, p, eagle=eagle, cache_salt=(ns or None) if salted else None, namespace=namespace)
 
 
 def pages_property(hasher: RouterHasher, make_cache: CacheFactory, sc: Scenario) -> None:
@@ -101,7 +103,8 @@ def pages_property(hasher: RouterHasher, make_cache: CacheFactory, sc: Scenario)
                            f"SGLang keeps as {len(windows)} pages", name_cause(hasher, tokens, p, eagle, lora, ns), sc)
         reference = block_hashes(tokens, p, eagle=eagle, lora_name=lora, cache_namespace=ns)
         lora_named = getattr(cache, "names_lora_in_events", True)
-        position = {h: k for k, h in enumerate(_expected_engine_hashes(tokens, p, eagle, lora, ns, lora_named))}
+        salted = getattr(cache, "salts_event_hashes", True)
+        position = {h: k for k, h in enumerate(_expected_engine_hashes(tokens, p, eagle, lora, ns, lora_named, salted))}
         for ev in cache.take_events():
             if not isinstance(ev, BlockStored):
                 continue
@@ -119,6 +122,10 @@ def pages_property(hasher: RouterHasher, make_cache: CacheFactory, sc: Scenario)
                 if lora and not ev.lora_name and relayed != query_side[k]:
                     raise Mismatch("pages", f"page {k}: SGLang's event for a {lora!r} request carries no LoRA name, so "
                                    "the router's relay keys it as a base-model page", Cause.LORA_NOT_IN_EVENTS, sc)
+                if ns and not salted and relayed != query_side[k]:
+                    raise Mismatch("pages", f"page {k}: SGLang's event for a cache_salt {ns!r} request carries no salt "
+                                   "(its hash is the unsalted one), so the router's relay keys it as an unsalted page",
+                                   Cause.SALT_NOT_IN_EVENTS, sc)
                 if relayed != query_side[k] or relayed != reference[k]:
                     raise Mismatch("pages", f"page {k}: the router's worker relay hashes SGLang's page to "
                                    f"{'nothing (dropped)' if relayed is None else relayed}, its query side hashes the "
@@ -140,6 +147,7 @@ class AlignmentHarness:
         self._views = ((make_index(), Relay(page_size, hasher)), (PrefixIndex(), Relay(page_size)))
         self.requests: list[tuple[list[int], Tenant]] = []
         self.unnamed_lora_events = False  # a LoRA request's pages arrived without the LoRA name
+        self.unsalted_events = False  # a cache_salt request's pages arrived without the salt
 
     def _pump(self, lora: str | None = None) -> None:
         for ev in self.cache.take_events():
@@ -153,6 +161,7 @@ class AlignmentHarness:
     def insert(self, tokens: list[int], tenant: Tenant = (None, None)) -> None:
         self.cache.insert(tokens, lora_name=tenant[0], cache_salt=tenant[1])
         self.requests.append((list(tokens), tenant))
+        self.unsalted_events |= bool(tenant[1]) and not getattr(self.cache, "salts_event_hashes", True)
         self._pump(tenant[0])
 
     def evict(self, num_tokens: int) -> None:
@@ -168,7 +177,11 @@ class AlignmentHarness:
         answered = router.overlap(_call(self.hasher, query, p, eagle, lora, ns)).get(WORKER, 0)
         if engine == predicted == answered:
             return
-        cause = Cause.LORA_NOT_IN_EVENTS if lora and self.unnamed_lora_events else Cause.UNKNOWN
+        cause = Cause.UNKNOWN
+        if lora and self.unnamed_lora_events:
+            cause = Cause.LORA_NOT_IN_EVENTS
+        elif self.unsalted_events and engine != predicted:  # the tree keeps the tenants apart, the events do not
+            cause = Cause.SALT_NOT_IN_EVENTS
         if answered != predicted:  # the router side is off: name it from the query or a cached request
             for tokens, (t_lora, t_ns) in [(query, tenant), *self.requests]:
                 cause = name_cause(self.hasher, list(tokens), p, eagle, t_lora, t_ns)
@@ -351,6 +364,9 @@ def ingest_property(path: Any, hasher: RouterHasher, make_cache: CacheFactory, i
             if lora and unnamed_lora:
                 raise Mismatch("ingest", detail + "; SGLang's events for this LoRA carried no LoRA name",
                                Cause.LORA_NOT_IN_EVENTS, isc)
+            if any(t[1] for _, t in sc.inserts) and not getattr(cache, "salts_event_hashes", True):
+                raise Mismatch("ingest", detail + "; SGLang's events for the salted requests carried no cache_salt",
+                               Cause.SALT_NOT_IN_EVENTS, isc)
             raise Mismatch("ingest", detail + " (kvalign's page model disagrees with SGLang)", Cause.UNKNOWN, isc)
         # The index is right, so the router's query side is off: first what this release cannot express.
         missing = sorted(getattr(path, "missing", ()))

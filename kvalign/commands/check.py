@@ -18,6 +18,7 @@ from dataclasses import asdict
 from kvalign.check import MODES, PROPERTIES, VARIANTS, RowResult, run_check
 from kvalign.commands.options import positive_int
 from kvalign.errors import UsageError
+from kvalign.oracles.sglang import KINDS
 from kvalign.runtime_log import console
 from kvalign.versions import installed_versions
 
@@ -28,8 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--router-hash", metavar="MODULE:FUNC", default=None,
                    help="router hasher to test (signature of dynamo._core.compute_block_hash_for_seq); "
                         "default: the installed Dynamo router")
-    p.add_argument("--cache", choices=("unified", "unified-python", "radix"), default="unified",
-                   help="SGLang cache class: the server default UnifiedRadixCache (default), its Python core, or RadixCache")
+    p.add_argument("--cache", choices=KINDS, default="default",
+                   help="SGLang cache class: the one this release's server builds (default: UnifiedRadixCache from "
+                        "0.5.19 on, RadixCache before), UnifiedRadixCache, its Python core, or RadixCache")
     p.add_argument("--property", dest="props", action="append", choices=PROPERTIES, help="only these properties")
     p.add_argument("--mode", dest="modes", action="append", choices=MODES, help="only these modes")
     p.add_argument("--ingest-examples", type=int, default=25,
@@ -79,12 +81,13 @@ def run(args: argparse.Namespace) -> int:
 
     hasher = load_router_hasher(args.router_hash)
     versions = {**installed_versions(), "sglang": sglang_version(), "ai-dynamo-runtime": dynamo_version()}
-    SglangRadixCache(1, eagle=False, kind=args.cache)  # import and build once: fail fast with an install hint
-    make_cache = lambda p, eagle: SglangRadixCache(p, eagle=eagle, kind=args.cache)  # noqa: E731
+    # import and build once: fail fast with an install hint, and name the class "default" resolves to
+    kind = SglangRadixCache(1, eagle=False, kind=args.cache).kind
+    make_cache = lambda p, eagle: SglangRadixCache(p, eagle=eagle, kind=kind)  # noqa: E731
     label = args.router_hash or "dynamo._core.compute_block_hash_for_seq"
     if not args.json:
         pages = f"page size {args.page_size}" if args.page_size else "every page size"
-        print(f"kvalign check: router hasher {label}; SGLang {versions['sglang']} ({args.cache} cache); "
+        print(f"kvalign check: router hasher {label}; SGLang {versions['sglang']} ({kind} cache); "
               f"Dynamo RadixTree {versions['ai-dynamo-runtime']}; {args.examples} examples per row; {pages}", flush=True)
     start = time.perf_counter()
     progress = None if args.json else lambda r: print(f"  {r.prop}/{r.mode}/{r.variant}: "
@@ -96,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
                      ingest_examples=args.ingest_examples, tier_examples=args.tier_examples, page_size=args.page_size)
     aligned = all(r.ok for r in rows)
     if args.json:
-        json.dump({"aligned": aligned, "router_hasher": label, "cache": args.cache, "page_size": args.page_size,
+        json.dump({"aligned": aligned, "router_hasher": label, "cache": kind, "page_size": args.page_size,
                    "versions": versions,
                    "seconds": round(time.perf_counter() - start, 2), "rows": [asdict(r) for r in rows]},
                   sys.stdout, default=str, ensure_ascii=False)

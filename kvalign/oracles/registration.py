@@ -74,6 +74,32 @@ class Registration:
     derive: RegisterFn  # algorithm -> the card's enable_eagle (None: the card has no such field)
 
 
+def _dynamo_defaults(args_mod: Any) -> Any:
+    """The ``DynamoConfig`` a worker started with no Dynamo flags gets, or None.
+
+    As ``dynamo.sglang.args.parse_args`` builds it: the worker's own argument groups parsed from
+    nothing, then ``validate()``. Some defaults exist only there: 1.3.1's ``enable_local_indexer``
+    has no class default and is set by ``validate()``, so a bare ``from_cli_args`` leaves it unset
+    and the registration code rejects ``None``. Releases without those groups fall back to the class
+    defaults, then to none.
+    """
+    groups = [getattr(args_mod, g, None) for g in ("DynamoRuntimeArgGroup", "DynamoSGLangArgGroup")]
+    if all(groups):
+        try:
+            parser = argparse.ArgumentParser()
+            for group in groups:
+                group().add_arguments(parser)
+            config = args_mod.DynamoConfig.from_cli_args(parser.parse_known_args([])[0])
+            config.validate()
+            return config
+        except Exception:  # noqa: BLE001 - a release whose groups cannot run bare: the class defaults below
+            pass
+    try:
+        return args_mod.DynamoConfig.from_cli_args(argparse.Namespace())
+    except Exception:  # older config classes: attribute defaults only
+        return None
+
+
 def load_registration() -> Registration:
     """The installed ``dynamo.sglang.register`` card builder, or :class:`OracleUnavailable` saying why."""
     from kvalign.oracles.sglang import _modules
@@ -88,10 +114,7 @@ def load_registration() -> Registration:
     if name is None:
         raise OracleUnavailable(f"dynamo.sglang.register has none of {REGISTRATION_FUNCTIONS}")
     fn = getattr(register, name)
-    try:
-        dynamo_defaults = args_mod.DynamoConfig.from_cli_args(argparse.Namespace())
-    except Exception:  # older config classes: attribute defaults only
-        dynamo_defaults = None
+    dynamo_defaults = _dynamo_defaults(args_mod)
 
     def derive(algorithm: str | None) -> bool | None:
         server_args = _Args(None, speculative_algorithm=algorithm, disaggregation_mode="null", dp_size=1, tp_size=1,

@@ -20,6 +20,7 @@ accepts; a field a release lacks is reported through :attr:`RouterPath.missing`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib.metadata
 import inspect
 import itertools
@@ -268,6 +269,9 @@ class RouterPath:
         #: (block size, eagle) keys whose worker was already replaced once (never again: a relay that
         #: stops twice is a finding, and waiting on it for every example would only cost time)
         self.refreshed: set[tuple[int, bool]] = set()
+        #: why the in-process runtime is unusable (a registration that never returned: 1.3.1's KvRouter
+        #: can block its event loop), so later workers fail at once instead of each waiting CALL_TIMEOUT_S
+        self.wedged: str | None = None
         try:
             self.runtime = self.call(self._start)
         except BaseException:
@@ -331,6 +335,8 @@ class RouterPath:
             old.publisher.close()
             self._retired.append(old)
         if key not in self._workers:
+            if self.wedged:  # the runtime's loop never came back from a registration: every later one would wait too
+                raise OracleUnavailable(self.wedged)
             pub = SglangPublisher(self.transform)
             try:
                 relay, router = self.call(self._new_worker, block_size, eagle, pub.endpoint)
@@ -338,8 +344,13 @@ class RouterPath:
                 raise
             except BaseException as exc:  # pyo3 panics are BaseExceptions
                 pub.close()
-                raise OracleUnavailable(f"Dynamo {self.version} cannot start a worker relay + KvRouter for block size "
-                                        f"{block_size}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+                why = (f"Dynamo {self.version} cannot start a worker relay + KvRouter for block size {block_size}"
+                       f"{' (EAGLE)' if eagle else ''}: {type(exc).__name__}: "
+                       f"{str(exc).splitlines()[0] if str(exc) else ''}")
+                if isinstance(exc, concurrent.futures.TimeoutError):
+                    self.wedged = why + f" (its runtime's event loop did not return within {CALL_TIMEOUT_S:.0f} s)"
+                    raise OracleUnavailable(self.wedged) from None
+                raise OracleUnavailable(why) from None
             self._workers[key] = IngestWorker(self, block_size, eagle, pub, router, relay)
         return self._workers[key]
 
@@ -414,7 +425,8 @@ class RouterPath:
                 w.publisher.close()
             self._workers.clear()
             self._retired.clear()
-            self.call(lambda: self.runtime.shutdown())
+            if not self.wedged:  # a wedged loop would not run the shutdown either
+                self.call(lambda: self.runtime.shutdown())
         finally:
             self._stop_loop()
             self.broker.close()
@@ -422,7 +434,7 @@ class RouterPath:
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=CALL_TIMEOUT_S)
+        self._thread.join(timeout=1.0 if getattr(self, "wedged", None) else CALL_TIMEOUT_S)  # daemon thread: left behind
 
     def _restore(self) -> None:
         for k, v in self._saved_env.items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import importlib.metadata
+import inspect
 import os
 import sys
 import types
@@ -25,7 +26,8 @@ from typing import Any
 from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvalign.oracles.base import OracleUnavailable
 
-KINDS = ("unified", "unified-python", "radix")
+#: ``default`` is whichever of the others the release's server builds (:func:`server_default_kind`).
+KINDS = ("default", "unified", "unified-python", "radix")
 
 
 @cache
@@ -59,32 +61,86 @@ def shutdown_publisher(publisher: Any) -> None:
     atexit.unregister(publisher.shutdown)
 
 
+def _seed_host_transfer_ops() -> None:
+    """Let ``radix_cache`` import where ``sgl_kernel`` (CUDA only) is absent, as in SGLang 0.5.9.
+
+    0.5.9's ``radix_cache`` imports ``hicache_storage``, which imports ``memory_pool_host``, which
+    imports ``sgl_kernel.kvcacheio``'s host <-> device copy ops at module level. ``RadixCache``
+    never calls them; every name here raises if anything does, so no copy is faked.
+    """
+
+    def op(name: str) -> Any:
+        if name.startswith("__"):  # module protocol (__file__, __spec__, ...): absent, as on any module
+            raise AttributeError(name)
+
+        def unavailable(*_args: Any, **_kwargs: Any) -> Any:
+            raise RuntimeError(f"sgl_kernel.kvcacheio.{name} is CUDA only; kvalign's radix-cache oracle never calls it")
+        return unavailable
+
+    package = types.ModuleType("sgl_kernel")
+    package.__path__ = []
+    kvcacheio = types.ModuleType("sgl_kernel.kvcacheio")
+    kvcacheio.__getattr__ = op  # type: ignore[attr-defined]
+    package.kvcacheio = kvcacheio  # type: ignore[attr-defined]
+    sys.modules["sgl_kernel"], sys.modules["sgl_kernel.kvcacheio"] = package, kvcacheio
+
+
 def _modules() -> types.SimpleNamespace:
     """Import SGLang's cache classes once, behind the torchvision shim.
 
     PyPI torchvision is a CUDA build; its two op-registration modules fail beside torch+cpu
     ("operator torchvision::nms does not exist"). Pre-seeding them lets the rest import.
+
+    ``RadixCache`` is required; ``UnifiedRadixCache`` is not: releases before the
+    ``mem_cache.unified_cache`` package (Dynamo 1.3.1's 0.5.14, 1.0.x's 0.5.9) serve from
+    ``RadixCache`` and are checked on it, so its absence is recorded (``unified_missing``), not raised.
     """
     sglang_version()
     for name in ("torchvision._meta_registrations", "torchvision._autograd_registrations"):
         sys.modules.setdefault(name, types.ModuleType(name))
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", torch_extensions_dir())
+    for attempt in range(2):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                import torch
+                from sglang.srt.mem_cache import base_prefix_cache as bpc
+                from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+                from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+            break
+        except ModuleNotFoundError as exc:
+            if attempt or exc.name != "sgl_kernel" or "sgl_kernel" in sys.modules:
+                raise OracleUnavailable(f"cannot import SGLang's radix cache ({type(exc).__name__}: {exc})") from None
+            _seed_host_transfer_ops()
+        except Exception as exc:  # an import chain this long fails in many ways; report the root
+            raise OracleUnavailable(f"cannot import SGLang's radix cache ({type(exc).__name__}: {exc})") from None
+    component_type = unified = unified_missing = None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            import torch
-            from sglang.srt.mem_cache import base_prefix_cache as bpc
-            from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-            from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
-            from sglang.srt.mem_cache.unified_cache.components import ComponentType
-            from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-    except Exception as exc:  # an import chain this long fails in many ways; report the root
-        raise OracleUnavailable(f"cannot import SGLang's radix cache ({type(exc).__name__}: {exc})") from None
+            from sglang.srt.mem_cache.unified_cache.components import ComponentType as component_type
+            from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache as unified
+    except ImportError as exc:
+        unified_missing = f"{type(exc).__name__}: {exc}"
     fields = {f.name for f in dataclasses.fields(CacheInitParams)}
     return types.SimpleNamespace(
         torch=torch, bpc=bpc, CacheInitParams=CacheInitParams, RadixCache=RadixCache, RadixKey=RadixKey,
-        ComponentType=ComponentType, UnifiedRadixCache=UnifiedRadixCache, fields=fields,
+        ComponentType=component_type, UnifiedRadixCache=unified, unified_missing=unified_missing, fields=fields,
+        key_has_salt="cache_salt" in inspect.signature(RadixKey.__init__).parameters,
     )
+
+
+def server_default_kind() -> str:
+    """The cache class this SGLang's server builds by default: ``unified`` or ``radix``.
+
+    ``UnifiedRadixCache`` became the default with the ``mem_cache.unified_cache`` package: 0.5.19
+    and 0.5.21 deprecate the opt-in ``SGLANG_ENABLE_UNIFIED_RADIX_TREE`` ("the unified radix tree is
+    the default tree cache now"), 0.5.23 drops it. Before it, 0.5.14's registry builds
+    ``UnifiedRadixCache`` only behind that opt-in (``EnvBool(False)``), as 0.5.16's does, and 0.5.9 has
+    no unified cache: they serve from ``RadixCache``, which is what a deployment of them runs. (Read
+    in 0.5.9, 0.5.14, 0.5.16, 0.5.19, 0.5.21 and 0.5.23; 0.5.17 and 0.5.18 were not read.)
+    """
+    return "radix" if _modules().UnifiedRadixCache is None else "unified"
 
 
 class _CpuAllocator:
@@ -142,14 +198,20 @@ def to_kvalign_event(ev: Any) -> KVEvent:
 class SglangRadixCache:
     """One real SGLang prefix cache with KV events enabled.
 
-    ``kind``: ``"unified"`` (the server default, whatever core this version defaults to),
-    ``"unified-python"`` (force the Python core where selectable) or ``"radix"``.
+    ``kind``: ``"default"`` (the class this release's server builds: :func:`server_default_kind`),
+    ``"unified"`` (``UnifiedRadixCache``, whatever core this version defaults to), ``"unified-python"``
+    (force the Python core where selectable) or ``"radix"``. :attr:`kind` is the class actually built.
     """
 
-    def __init__(self, page_size: int, *, eagle: bool, kind: str = "unified", dynamo_format: bool = False):
+    def __init__(self, page_size: int, *, eagle: bool, kind: str = "default", dynamo_format: bool = False):
         if kind not in KINDS:
             raise ValueError(f"unknown SGLang cache kind {kind!r}; expected one of {KINDS}")
         m = _modules()
+        if kind == "default":
+            kind = server_default_kind()
+        elif kind != "radix" and m.UnifiedRadixCache is None:
+            raise OracleUnavailable(f"sglang {sglang_version()} has no unified radix cache ({m.unified_missing}); "
+                                    "its server builds RadixCache: use --cache radix or the default")
         self.page_size, self.eagle, self.kind = page_size, eagle, kind
         self._m = m
         kw: dict[str, Any] = dict(
@@ -185,18 +247,46 @@ class SglangRadixCache:
         core = getattr(self._cache, "tree_core", None)
         return type(core).__name__ if core is not None else type(self._cache).__name__
 
+    @property
+    def salts_event_hashes(self) -> bool:
+        """Whether a ``cache_salt`` reaches this SGLang's event hashes and events (0.5.19+: a salted
+        chain and the salt in the event's metadata). Before ``RadixKey`` had a ``cache_salt``
+        (0.5.9, 0.5.14), the OpenAI server folds the salt into ``extra_key``: the radix tree keeps
+        tenants apart, but their events are identical, with no salt and the same block hashes."""
+        return self._m.key_has_salt
+
     def _key(self, tokens: Sequence[int], lora_name: str | None, cache_salt: str | None) -> Any:
-        extra_key = None
+        """The ``RadixKey`` SGLang's server builds for a request of this tenant.
+
+        ``extra_key`` is what ``Req.__init__`` makes of the request's: the serving layer's
+        ``extra_key`` (the ``cache_salt`` itself where ``RadixKey`` has no salt of its own, as
+        ``_compute_extra_key`` does there), then the LoRA id appended.
+        """
+        salt = cache_salt or None
+        extra_key = None if self._m.key_has_salt else salt
         if lora_name:
             lora_id = lora_id_for(lora_name)
-            extra_key = lora_id
+            extra_key = (extra_key or "") + lora_id
             if self._lora_names is not None:
                 req = types.SimpleNamespace(lora_id=lora_id, extra_key=extra_key)
                 self._lora_names.register(req, lora_name)
-        return self._m.RadixKey(array("q", [int(t) for t in tokens]), extra_key, cache_salt=cache_salt or None)
+        tokens_array = array("q", [int(t) for t in tokens])
+        if self._m.key_has_salt:
+            return self._m.RadixKey(tokens_array, extra_key, cache_salt=salt)
+        return self._m.RadixKey(tokens_array, extra_key)
 
     def insert(self, tokens: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None) -> int:
-        """Cache a finished request's tokens; returns the prefix length that was already cached."""
+        """Cache a finished request's tokens; returns the prefix length that was already cached.
+
+        Only whole pages are inserted, as ``cache_finished_req`` does before it calls ``insert``:
+        0.5.9's ``RadixCache.insert`` itself keeps a trailing partial page (and publishes it), later
+        releases drop it inside ``insert``.
+        """
+        units = len(tokens) - 1 if self.eagle else len(tokens)
+        whole = max(units, 0) // self.page_size * self.page_size
+        if not whole:
+            return 0
+        tokens = list(tokens[: whole + 1 if self.eagle else whole])
         torch = self._m.torch
         value = torch.arange(self._next_slot, self._next_slot + len(tokens), dtype=torch.int64)
         self._next_slot += len(tokens)

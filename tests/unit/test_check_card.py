@@ -68,6 +68,18 @@ def test_hand_kept_name_set_is_caught_as_card_eagle_off(registration, monkeypatc
     assert not eagle.ok and eagle.mismatches == 2 and eagle.cause_name == "CARD_EAGLE_OFF"
     assert eagle.counterexample == "EAGLE3" and "--speculative-algorithm EAGLE3" in eagle.detail
     assert "enable_eagle=False" in eagle.detail and registration.function in eagle.detail
+    # a card on for EAGLE and off for EAGLE3 is named as the regression, with the router's consequence
+    assert "Dynamo #10982" in eagle.detail and "not for EAGLE3, FROZEN_KV_MTP" in eagle.detail
+    assert "ROUTER_EAGLE_OFF" in eagle.detail
+
+
+def test_a_card_off_for_every_bigram_algorithm_is_not_named_10982(registration, monkeypatch):
+    """The #10982 note needs a *split*: a card stuck off misses EAGLE too, which is another bug."""
+    import dynamo.sglang.register as register
+
+    monkeypatch.setattr(register, "_eagle_enabled_for", lambda alg: False)
+    _plain, eagle = run_card(_systems(registration), ("plain", "eagle"))
+    assert eagle.cause_name == "CARD_EAGLE_OFF" and eagle.mismatches == 3 and "#10982" not in eagle.detail
 
 
 def test_flag_stuck_on_is_caught_as_card_eagle_on(registration, monkeypatch):

@@ -22,8 +22,9 @@ from packaging.requirements import Requirement
 from kvalign.check import MODES, PROPERTIES
 from kvalign.cli import main
 from kvalign.matrix import (DEFAULT_SGLANG, MatrixError, Pair, PairResult, _version_key, cache_root,
-                            default_dynamo_versions, pair_env, plan_pairs, requires_dist, sglang_roots, shipped_sglang,
-                            render, shipped_sglang_from_metadata, table, unsatisfied)
+                            default_dynamo_versions, ensure_release, pair_env, plan_pairs, render, requires_dist,
+                            result_from_row, sglang_roots, shipped_sglang, shipped_sglang_from_metadata, table,
+                            unsatisfied)
 from kvalign.versions import installed_versions
 
 OLD_DYNAMO = "1.0.2"
@@ -54,27 +55,6 @@ def test_table_has_a_row_per_pair_and_a_cell_per_property_and_mode():
     assert cells["ingest:eagle"] == "EVENTS_DROPPED" and cells["hash:plain"] == "NAMESPACE_DROPPED"
     assert cells["card:plain"] == "ok" and cells["verdict"] == "misaligned"
     assert set(c.strip() for c in lines[4].strip("|").split("|")[3:]) == {"error"}
-
-
-def test_rows_a_pair_cannot_run_are_n_a_with_the_reason_never_ok():
-    """A pair whose tier rows were skipped (no per-tier router answer, or no HiCache stand-in for its
-    SGLang) shows ``n/a`` in those cells and says why under the table; a skipped cell is never ``ok``."""
-    why = "Dynamo 1.0.2's KvRouter has no get_overlap_scores, so its answer per tier cannot be read"
-    skipped = [{"property": p, "mode": m, "variant": "base", "reason": why} for p in ("tier", "servable")
-               for m in MODES]
-    rows = [PairResult("1.0.2", "0.5.23", "aligned", not_applicable=skipped), PairResult("1.6.1", "0.5.23", "aligned")]
-    lines = table(rows).splitlines()
-    head = [c.strip() for c in lines[0].strip("|").split("|")]
-    old, new = ({h: c.strip() for h, c in zip(head, line.strip("|").split("|"))} for line in lines[2:4])
-    assert {old[f"{p}:{m}"] for p in ("tier", "servable") for m in MODES} == {"n/a"}
-    assert old["ingest:plain"] == "ok" and {new[f"{p}:{m}"] for p in ("tier", "servable") for m in MODES} == {"ok"}
-    text = render(rows)
-    assert f"1.0.2 x 0.5.23: tier, servable n/a: {why}" in text and "1.6.1 x 0.5.23: tier" not in text
-    # a finding in a cell outranks n/a
-    mixed = PairResult("1.6.1", "0.5.19", "misaligned", [{"property": "tier", "mode": "plain", "variant": "lora",
-                                                          "cause": "EVENTS_DROPPED", "detail": "x"}],
-                       not_applicable=[{"property": "tier", "mode": "plain", "variant": "base", "reason": why}])
-    assert "EVENTS_DROPPED" in table([mixed])
 
 
 def _dist(target: Path, name: str, version: str, *requires: str) -> None:
@@ -237,14 +217,93 @@ def test_default_release_matrix(request):
     res = _kvalign("matrix", "--json", "--jobs", "2", timeout=7000)
     assert res.returncode in (0, 1), res.stderr[-2000:]
     rows = json.loads(res.stdout)["rows"]
-    # A shipped pair older than kvalign's oracles (1.3.1 ships sglang 0.5.14, which has no
-    # UnifiedRadixCache) is an error row that says so; every other pair must be checked.
-    older = [r for r in rows if r["verdict"] == "error" and r["shipped"]
-             and _version_key(r["sglang"]) < _version_key(DEFAULT_SGLANG[0])]
-    assert all("cannot import SGLang's radix cache" in r["error"] for r in older), older
-    assert len(rows) >= 4 * 13 and not [r for r in rows if r["verdict"] == "error" and r not in older]
+    # every pair is checked, the shipped ones older than the unified cache (1.3.1's 0.5.14, 1.0.x's
+    # 0.5.9) on the RadixCache their servers build; what a release cannot run is n/a with its reason
+    assert len(rows) >= 4 * 13 and not [r for r in rows if r["verdict"] == "error"]
+    assert all(n["reason"] for r in rows for n in r.get("not_applicable", []))
     pinned = next(r for r in rows if (r["dynamo"], r["sglang"]) == ("1.6.1", "0.5.23"))
     assert pinned["verdict"] == "aligned", pinned
+
+
+def test_a_row_a_release_cannot_run_is_n_a_with_its_reason_never_ok():
+    why = "kvalign's HiCache transfer stand-in is pinned to SGLang 0.5.23; SGLang 0.5.14's host-tier internals are unchecked"
+    na = [{"property": "tier", "mode": m, "variant": "base", "reason": why} for m in ("plain", "eagle")]
+    row = PairResult("1.3.1", "0.5.14", "misaligned", [
+        {"property": "tier", "mode": "plain", "variant": "lora", "cause": "EVENTS_DROPPED", "detail": "x"}],
+        shipped=True, not_applicable=na)
+    lines = table([row]).splitlines()
+    cells = dict(zip([c.strip() for c in lines[0].strip("|").split("|")], [c.strip() for c in lines[2].strip("|").split("|")]))
+    assert cells["tier:eagle"] == "n/a" and cells["tier:plain"] == "EVENTS_DROPPED, n/a" and cells["card:plain"] == "ok"
+    assert f"1.3.1 x 0.5.14: n/a tier:plain, tier:eagle: {why}" in render([row])
+    assert row.as_json()["not_applicable"] == na and result_from_row(row.as_json()).not_applicable == na
+    assert "not_applicable" not in PairResult("1.6.1", "0.5.23", "aligned").as_json()
+    for bad in ([], [{"property": "tier", "mode": "plain", "variant": "base"}]):  # empty, or without its reason
+        with pytest.raises(ValueError, match="not_applicable"):
+            result_from_row({**row.as_json(), "not_applicable": bad})
+
+
+def _shipped_pair_env(dynamo: str) -> tuple[str, dict[str, str]]:
+    """The shipped SGLang of ``dynamo`` and the environment ``matrix`` checks that pair in (installed into
+    the wheel cache as ``matrix`` installs it); skips where the package index cannot be reached."""
+    try:
+        sglang = shipped_sglang(dynamo)
+        assert sglang is not None
+        return sglang, pair_env(ensure_release("dynamo", dynamo), ensure_release("sglang", sglang), sglang)
+    except MatrixError as exc:
+        pytest.skip(f"ai-dynamo {dynamo} or its shipped SGLang cannot be installed here: {exc}")
+
+
+def _check_in(env: dict[str, str], *argv: str) -> dict:
+    res = subprocess.run([sys.executable, "-m", "kvalign", "check", "--json", *argv], capture_output=True, text=True,
+                         env=env, timeout=900, cwd=ROOT)
+    assert res.returncode in (0, 1), res.stderr[-2000:]
+    return json.loads(res.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow  # installs (or reuses) ai-dynamo 1.3.1 and sglang 0.5.14, then checks them in a subprocess: ~3 min
+@pytest.mark.timeout(1500)
+def test_1_3_1_with_its_shipped_sglang_is_checked_on_radix_cache_and_names_10982():
+    """1.3.1 x 0.5.14, the pair a 1.3.1 deployment runs: its server serves from RadixCache (no
+    unified_cache package), its dynamo.sglang imports there, and its card is #10982 itself."""
+    sglang, env = _shipped_pair_env("1.3.1")
+    assert sglang == "0.5.14"
+    report = _check_in(env, "--property", "card", "--property", "pages", "--property", "tier", "--examples", "15")
+    assert report["cache"] == "radix" and report["versions"]["sglang"] == "0.5.14"
+    rows = {(r["prop"], r["mode"], r["variant"]): r for r in report["rows"]}
+    card = rows["card", "eagle", "base"]
+    assert card["cause_name"] == "CARD_EAGLE_OFF" and card["counterexample"] == "EAGLE3"
+    assert "Dynamo #10982" in card["detail"] and "ROUTER_EAGLE_OFF" in card["detail"]
+    assert rows["card", "plain", "base"]["mismatches"] == 0
+    # SGLang's real RadixCache ran: plain traffic aligned, tenants named by what each side drops
+    for mode in ("plain", "eagle"):
+        assert rows["pages", mode, "base"]["cases"] > 0 and rows["pages", mode, "base"]["mismatches"] == 0
+        assert rows["pages", mode, "lora"]["cause_name"] == "LORA_NOT_IN_EVENTS"
+        assert rows["pages", mode, "namespace"]["cause_name"] == "NAMESPACE_DROPPED"  # 1.3.1's binding has no namespace
+        assert rows["tier", mode, "base"]["skipped"] and rows["tier", mode, "base"]["cases"] == 0
+
+
+@pytest.mark.slow  # installs (or reuses) ai-dynamo 1.0.2 and sglang 0.5.9, then checks them in a subprocess
+@pytest.mark.timeout(1500)
+def test_1_0_2_with_its_shipped_sglang_is_checked_on_radix_cache():
+    """1.0.2 x 0.5.9: 0.5.9's radix_cache imports CUDA-only host-copy ops it never calls (the import
+    shim lets it load), and its RadixCache runs: plain pages aligned, the LoRA gap named."""
+    sglang, env = _shipped_pair_env("1.0.2")
+    assert sglang == "0.5.9"
+    report = _check_in(env, "--property", "pages", "--mode", "plain", "--examples", "15")
+    assert report["cache"] == "radix" and report["versions"]["sglang"] == "0.5.9"
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert rows["base"]["cases"] > 0 and rows["base"]["mismatches"] == 0
+    assert rows["lora"]["cause_name"] == "LORA_NOT_IN_EVENTS" and rows["namespace"]["cause_name"] == "NAMESPACE_DROPPED"
+
+
+@pytest.mark.slow  # installs (or reuses) ai-dynamo 1.4.2 and its shipped sglang: ~2 min
+@pytest.mark.timeout(1500)
+def test_1_4_2_with_its_shipped_sglang_registers_every_eagle_algorithm():
+    """The negative twin: from 1.4.0 the card asks SGLang's own is_eagle(), so no #10982."""
+    _sglang, env = _shipped_pair_env("1.4.2")
+    report = _check_in(env, "--property", "card")
+    assert [(r["mode"], r["cases"] > 0, r["mismatches"]) for r in report["rows"]] == [("plain", True, 0), ("eagle", True, 0)]
+    assert not any("#10982" in (r["detail"] or "") for r in report["rows"])
 
 
 def test_live_column_and_json_when_asked_for():
