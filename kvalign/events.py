@@ -112,6 +112,8 @@ def _token_ids(value: Any) -> list[Any]:
                 raise EventDecodeError(f"token_ids element is not an int or an int pair: {_show(t)}")
         elif not isinstance(t, int) or isinstance(t, bool):
             raise EventDecodeError(f"token_ids element is not an int or an int pair: {_show(t)}")
+    if len({isinstance(t, list) for t in value}) > 1:  # SGLang sends all tokens or all bigrams, never both
+        raise EventDecodeError(f"token_ids mixes ints and int pairs: {_show(value)}")
     return value
 
 

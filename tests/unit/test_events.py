@@ -59,6 +59,7 @@ def test_positional_metadata_map_carries_cache_salt():
         (msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2, 3],
                                "block_size": 2, "lora_id": None, "medium": "GPU"}], 0]), "3 token units for 1 blocks of size 2"),
         (msgpack.packb([1.0, [["BlockStored", [1], None, [[1, 2, 3]], 1, None, "GPU"]], 0]), "not an int or an int pair"),
+        (msgpack.packb([1.0, [["BlockStored", [1], None, [[1, 2], 3], 2, None, "GPU"]], 0]), "mixes ints and int pairs"),
         (msgpack.packb([1.0, [["BlockStored", [1], None, [1], 0, None, "GPU"]], 0]), "block_size must be a positive integer"),
         (msgpack.packb([1.0, [["AllBlocksCleared"], {"type": "AllBlocksCleared"}], 0]), "mixes positional and map"),
         (msgpack.packb(["x", [], 0]), "timestamp is not a number"),
