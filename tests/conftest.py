@@ -8,6 +8,7 @@ set), ``dev`` (random, no deadline; the default otherwise), ``nightly`` (10x exa
 from __future__ import annotations
 
 import os
+import re
 import time
 
 # Dynamo's Rust core sets up logging when first imported; keep its INFO/WARN lines out of test
@@ -95,7 +96,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytes
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if not _DURATIONS_ON:
         return
-    row = _DURATIONS.setdefault(report.nodeid, {})
+    row = _DURATIONS.setdefault(_GROUP_SUFFIX.sub("", report.nodeid), {})
     row[report.when] = round(report.duration, 4)
     if report.when == "call" or report.outcome != "passed":
         row["outcome"] = "skipped" if report.skipped else report.outcome
@@ -103,6 +104,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 _DURATIONS_ON = False
+_GROUP_SUFFIX = re.compile(r"@(live|tests/[^@\[\]:]+\.py)$")  # the xdist group a node id carries
 _WORKER_CASES: list[int] = []  # generated cases each finished xdist worker reported
 _WORKER_SUMMARY: list[str] = []  # summary lines a worker's conftest left (tests/e2e: the shared clusters)
 
@@ -154,10 +156,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     session.config._kvalign_session_start = time.monotonic()  # noqa: SLF001 - for --durations-json
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``--dist loadgroup``) a test file runs on one worker, so its module
     fixtures are set up once; every live test shares one worker, so two live clusters never run
-    at once on the two cores."""
+    at once on the two cores. xdist appends ``@GROUP`` to each node id; the time map drops it."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
