@@ -8,7 +8,6 @@ set), ``dev`` (random, no deadline; the default otherwise), ``nightly`` (10x exa
 from __future__ import annotations
 
 import os
-import re
 import time
 
 # Dynamo's Rust core sets up logging when first imported; keep its INFO/WARN lines out of test
@@ -96,7 +95,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytes
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if not _DURATIONS_ON:
         return
-    row = _DURATIONS.setdefault(_GROUP_SUFFIX.sub("", report.nodeid), {})
+    row = _DURATIONS.setdefault(report.nodeid, {})
     row[report.when] = round(report.duration, 4)
     if report.when == "call" or report.outcome != "passed":
         row["outcome"] = "skipped" if report.skipped else report.outcome
@@ -104,13 +103,26 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 _DURATIONS_ON = False
-_GROUP_SUFFIX = re.compile(r"@(live|tests/[^@\[\]:]+\.py)$")  # the xdist group a node id carries
 _WORKER_CASES: list[int] = []  # generated cases each finished xdist worker reported
 _WORKER_SUMMARY: list[str] = []  # summary lines a worker's conftest left (tests/e2e: the shared clusters)
 
 
 class XdistTotals:
-    """Under pytest-xdist each worker counts its own cases; the controller adds them up."""
+    """Under pytest-xdist each worker counts its own cases; the controller adds them up. And it
+    schedules: a test file runs on one worker (its module fixtures are set up once), and every live
+    test (``tests/e2e/``) on one worker, in file order, so two live clusters never share the two
+    cores. (xdist's ``loadgroup`` would say this with markers, but it renames node ids through an
+    attribute pytest 9 no longer reads, so its groups are lost.)"""
+
+    @pytest.hookimpl
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log: object) -> object:
+        from xdist.scheduler import LoadScopeScheduling
+
+        class FilesAndLive(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return "live" if nodeid.startswith("tests/e2e/") else nodeid.split("::", 1)[0]
+
+        return FilesAndLive(config, log)
 
     @pytest.hookimpl
     def pytest_testnodedown(self, node: object, error: object) -> None:
@@ -156,18 +168,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     session.config._kvalign_session_start = time.monotonic()  # noqa: SLF001 - for --durations-json
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``--dist loadgroup``) a test file runs on one worker, so its module
-    fixtures are set up once; every live test shares one worker, so two live clusters never run
-    at once on the two cores. xdist appends ``@GROUP`` to each node id; the time map drops it."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        group = "live" if item.get_closest_marker("e2e") else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if hasattr(terminalreporter.config, "workerinput"):
         return
@@ -176,3 +176,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     _write_durations(terminalreporter.config)
     profile = settings._current_profile  # noqa: SLF001 - only for the summary line
     terminalreporter.write_line(f"hypothesis profile {profile}: {_cases()} generated property cases executed")
+
+
+def pytest_collection_finish(session):
+    pm=session.config.pluginmanager
+    w=[p for p in pm.get_plugins() if type(p).__name__=='WorkerInteractor']
+    names=[hc.name for hc in (pm.get_hookcallers(w[0]) or [])] if w else None
+    impls=[ (i.plugin_name, i.tryfirst, i.trylast) for i in session.config.hook.pytest_collection_modifyitems.get_hookimpls()]
+    open("/tmp/grpdbg.txt","a").write(f"{session.items[0].nodeid} {'pytest_collection_modifyitems' in (names or [])} {impls}\n")
