@@ -42,6 +42,9 @@ RUNTIME_ENV = {
 #: Seconds one router call may take before the oracle gives up (calls take well under 10 ms).
 CALL_TIMEOUT_S = 30.0
 
+#: Seconds a new router may take to see its endpoint's instance (milliseconds when idle).
+ROUTABLE_TIMEOUT_S = 20.0
+
 Pair = tuple[int, int]  # (block_hash = router sequence hash, tokens_hash = local hash)
 
 
@@ -156,7 +159,28 @@ class DynamoRouterOracle:
                                worker_type=c.WorkerType.Aggregated, kv_cache_block_size=block_size, runtime_config=card)
         await endpoint.register_endpoint_instance()
         # A long TTL so nothing the router stored expires while a test reads it back.
-        return c.KvRouter(endpoint, block_size, c.KvRouterConfig(use_kv_events=False, router_ttl_secs=3600.0))
+        router = c.KvRouter(endpoint, block_size, c.KvRouterConfig(use_kv_events=False, router_ttl_secs=3600.0))
+        await self._until_routable(router, block_size)
+        return router
+
+    @staticmethod
+    async def _until_routable(router: Any, block_size: int) -> None:
+        """Wait until the router's discovery watch has seen the endpoint's instance.
+
+        ``register_endpoint_instance`` returns before the router's watch delivers the instance; a
+        query in between fails with "no endpoints available to route work" (seen on a loaded CI
+        machine as a Hypothesis FlakyFailure). The probe does not update the indexer, so it leaves
+        nothing in the dump a test reads back.
+        """
+        deadline = asyncio.get_running_loop().time() + ROUTABLE_TIMEOUT_S
+        while True:
+            try:
+                await router.best_worker([0] * block_size, update_indexer=False)
+                return
+            except Exception as exc:
+                if "no endpoints" not in str(exc) or asyncio.get_running_loop().time() > deadline:
+                    raise
+            await asyncio.sleep(0.02)
 
     def router(self, block_size: int, eagle: bool) -> Any:
         key = (block_size, eagle)
