@@ -330,16 +330,16 @@ def pair_env(dynamo_dir: Path | None, sglang_dir: Path | None, sglang_version: s
     return env
 
 
-def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int,
+def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, props: Sequence[str] | None = None,
              log: Callable[[str], None] = lambda _m: None) -> PairResult:
-    """Install (if needed) and check one pair in a subprocess."""
+    """Install (if needed) and check one pair in a subprocess (only ``props`` when given)."""
     start = time.perf_counter()
     try:
         env = pair_env(ensure_release("dynamo", dynamo, log=log), ensure_release("sglang", sglang, log=log), sglang)
     except (MatrixError, subprocess.TimeoutExpired, OSError) as exc:
         return PairResult(dynamo, sglang, "error", error=str(exc), seconds=time.perf_counter() - start)
     cmd = [sys.executable, "-m", "kvalign", "check", "--json", "--examples", str(examples),
-           "--ingest-examples", str(ingest_examples)]
+           "--ingest-examples", str(ingest_examples), *(a for p in props or () for a in ("--property", p))]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=PAIR_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -410,7 +410,7 @@ def plan_pairs(dynamo: Sequence[str], sglang: Sequence[str], *, shipped: bool,
 
 
 def run_matrix(pairs: Sequence[Pair], *, examples: int, ingest_examples: int, jobs: int = 1,
-               progress: Callable[[PairResult, int, int], None] | None = None,
+               props: Sequence[str] | None = None, progress: Callable[[PairResult, int, int], None] | None = None,
                log: Callable[[str], None] = lambda _m: None) -> list[PairResult]:
     """Every pair, ``jobs`` at a time; results in the order given, progress as pairs finish."""
     # Install every release first, one at a time (pip and the disk are the bottleneck, not the CPU).
@@ -423,7 +423,7 @@ def run_matrix(pairs: Sequence[Pair], *, examples: int, ingest_examples: int, jo
     results: dict[Pair, PairResult] = {}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = {pool.submit(run_pair, p.dynamo, p.sglang, examples=examples, ingest_examples=ingest_examples,
-                               log=log): p for p in pairs}
+                               props=props, log=log): p for p in pairs}
         for fut in as_completed(futures):
             pair = futures[fut]
             results[pair] = fut.result()
@@ -547,14 +547,17 @@ def unknown_result(dynamo: str, why: str) -> PairResult:
     return PairResult(dynamo, UNKNOWN, "error", error=f"shipped SGLang unknown: {why}", shipped=True)
 
 
-def report_json(results: Sequence[PairResult], versions: dict[str, Any]) -> dict[str, Any]:
-    """``matrix --json``'s document."""
-    return {"versions": versions, "rows": [r.as_json() for r in results]}
+def report_json(results: Sequence[PairResult], versions: dict[str, Any],
+                props: Sequence[str] = PROPERTIES) -> dict[str, Any]:
+    """``matrix --json``'s document; ``properties`` says which were checked (a row's empty findings
+    mean aligned on those only)."""
+    return {"versions": versions, "properties": list(props), "rows": [r.as_json() for r in results]}
 
 
-def render(results: Sequence[PairResult]) -> str:
-    """``matrix``'s stdout without ``--json``: the table, then one line per error row."""
-    out = [table(results)]
+def render(results: Sequence[PairResult], props: Sequence[str] = PROPERTIES) -> str:
+    """``matrix``'s stdout without ``--json``: the table (a column per checked property x mode),
+    then one line per error row."""
+    out = [table(results, props)]
     out += [f"\n{r.dynamo} x {r.sglang}: error: {one_line(r.error or 'unknown error')}"
             for r in results if r.verdict == "error"]
     for r in results:
@@ -572,11 +575,12 @@ def exit_code(results: Sequence[PairResult]) -> int:
     return 1 if any(r.verdict == "misaligned" or (r.live or {}).get("verdict") == "fail" for r in results) else 0
 
 
-def cell_document(result: PairResult, versions: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+def cell_document(result: PairResult, versions: dict[str, Any], plan: dict[str, Any],
+                  props: Sequence[str] = PROPERTIES) -> dict[str, Any]:
     """``--cell --json``: the matrix's own document for that one row, plus what a merge needs
     (the cell, and the plan it belongs to: the ``--dynamo``/``--sglang``/``--shipped`` options and
     the example counts; cells of different plans do not merge)."""
-    return {**report_json([result], versions), "format": CELL_FORMAT,
+    return {**report_json([result], versions, props), "format": CELL_FORMAT,
             "cell": {"cell": cell_id(result.dynamo, result.sglang), "plan": plan}}
 
 

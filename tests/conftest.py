@@ -176,11 +176,3 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     _write_durations(terminalreporter.config)
     profile = settings._current_profile  # noqa: SLF001 - only for the summary line
     terminalreporter.write_line(f"hypothesis profile {profile}: {_cases()} generated property cases executed")
-
-
-def pytest_collection_finish(session):
-    pm=session.config.pluginmanager
-    w=[p for p in pm.get_plugins() if type(p).__name__=='WorkerInteractor']
-    names=[hc.name for hc in (pm.get_hookcallers(w[0]) or [])] if w else None
-    impls=[ (i.plugin_name, i.tryfirst, i.trylast) for i in session.config.hook.pytest_collection_modifyitems.get_hookimpls()]
-    open("/tmp/grpdbg.txt","a").write(f"{session.items[0].nodeid} {'pytest_collection_modifyitems' in (names or [])} {impls}\n")

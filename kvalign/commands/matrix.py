@@ -20,6 +20,7 @@ import sys
 import time
 
 from kvalign import local_build
+from kvalign.check import PROPERTIES
 from kvalign.errors import UsageError
 from kvalign.matrix import (DEFAULT_SGLANG, LIVE_COLUMN, UNKNOWN, CellFileError, MatrixError, PairResult, cache_root,
                             cell_document, default_dynamo_versions, exit_code, list_cells, merge_cells, one_line,
@@ -62,6 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=int, default=2, help="pairs checked at once (default 2)")
     p.add_argument("--examples", type=int, default=100, help="check --examples per pair (default 100)")
     p.add_argument("--ingest-examples", type=int, default=20, help="check --ingest-examples per pair (default 20)")
+    p.add_argument("--property", dest="props", action="append", choices=PROPERTIES,
+                   help="only these properties (check --property per pair; the table shows only their columns). "
+                        "E.g. --property card for a dynamo.sglang change: the card row alone decides it")
     p.add_argument("--live", action="store_true",
                    help="also run the seed scenario (kvalign e2e run --engine sglang-cpu) per pair, one at a time, "
                         f"as column {LIVE_COLUMN!r} (real CPU engines: ~3 min and ~6 GiB per pair)")
@@ -88,10 +92,19 @@ def _cell_arg(text: str) -> tuple[str, str]:
 
 
 def _plan(args: argparse.Namespace) -> dict[str, object]:
-    """The options that decide a run's rows; every cell of one run carries the same plan."""
-    return {"dynamo": _versions(args.dynamo, "--dynamo"), "sglang": _versions(args.sglang, "--sglang"),
+    """The options that decide a run's rows; every cell of one run carries the same plan
+    (``properties`` only when ``--property`` narrowed the run)."""
+    plan = {"dynamo": _versions(args.dynamo, "--dynamo"), "sglang": _versions(args.sglang, "--sglang"),
             "shipped": bool(args.shipped), "examples": args.examples, "ingest_examples": args.ingest_examples,
             "live": bool(args.live)}
+    if args.props:
+        plan["properties"] = _props(args)
+    return plan
+
+
+def _props(args: argparse.Namespace) -> list[str]:
+    """The properties a run checks, in the table's column order."""
+    return [p for p in PROPERTIES if not args.props or p in args.props]
 
 
 def _merge(args: argparse.Namespace) -> int:
@@ -110,19 +123,21 @@ def _merge(args: argparse.Namespace) -> int:
         versions, results = merge_cells(docs)
     except CellFileError as exc:
         raise UsageError(str(exc)) from None
-    _print(results, versions, as_json=args.json)
+    plan = docs[0][1]["cell"]["plan"]  # merge_cells checked that every cell has this one
+    _print(results, versions, as_json=args.json, props=plan.get("properties") or list(PROPERTIES))
     print(f"kvalign matrix: merged {len(results)} cells ({sum(r.verdict == 'aligned' for r in results)} aligned, "
           f"{sum(r.verdict == 'misaligned' for r in results)} misaligned, "
           f"{sum(r.verdict == 'error' for r in results)} error)", file=console(), flush=True)
     return exit_code(results)
 
 
-def _print(results: list[PairResult], versions: dict, *, as_json: bool, doc: dict | None = None) -> None:
+def _print(results: list[PairResult], versions: dict, *, as_json: bool, props: list[str],
+           doc: dict | None = None) -> None:
     if as_json:
-        json.dump(doc or report_json(results, versions), sys.stdout, ensure_ascii=False)
+        json.dump(doc or report_json(results, versions, props), sys.stdout, ensure_ascii=False)
         sys.stdout.write("\n")
     else:
-        print(render(results))
+        print(render(results, props))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -175,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
               + (f" — {one_line(r.error)}" if r.error else ""), file=err, flush=True)
 
     results = run_matrix(pairs, examples=args.examples, ingest_examples=args.ingest_examples, jobs=args.jobs,
-                         progress=progress, log=log)
+                         props=args.props, progress=progress, log=log)
     if args.live:  # one at a time: each starts three real engine processes
         for i, r in enumerate(results, 1):
             r.live = run_live(r.dynamo, r.sglang, log=log)
@@ -183,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
                   f"in {r.live['seconds']:.0f}s — {r.live['detail']}", file=err, flush=True)
     results += [unknown_result(d, why) for d, why in unknown.items()]
     wall = time.perf_counter() - start
-    _print(results, installed_versions(), as_json=args.json)
+    _print(results, installed_versions(), as_json=args.json, props=_props(args))
     print(f"kvalign matrix: {len(results)} pairs in {wall:.0f}s wall "
           f"({sum(r.verdict == 'aligned' for r in results)} aligned, "
           f"{sum(r.verdict == 'misaligned' for r in results)} misaligned, "
@@ -206,12 +221,14 @@ def _run_cell(args: argparse.Namespace, cell: tuple[str, str], pairs: list, unkn
         pair = next((p for p in pairs if p.sglang == sglang), None)
         if pair is None:
             raise UsageError(f"cell {args.cell} is not in this matrix (--list-cells with the same options lists its cells)")
-        results = run_matrix([pair], examples=args.examples, ingest_examples=args.ingest_examples, jobs=1, log=log)
+        results = run_matrix([pair], examples=args.examples, ingest_examples=args.ingest_examples, jobs=1,
+                             props=args.props, log=log)
         if args.live:
             results[0].live = run_live(dynamo, sglang, log=log)
     r = results[0]
     versions = installed_versions()
-    _print(results, versions, as_json=args.json, doc=cell_document(r, versions, plan) if args.json else None)
+    _print(results, versions, as_json=args.json, props=_props(args),
+           doc=cell_document(r, versions, plan, _props(args)) if args.json else None)
     print(f"kvalign matrix: cell {args.cell}: {r.verdict} in {time.perf_counter() - start:.0f}s"
           + (f" — {one_line(r.error)}" if r.error else ""), file=console(), flush=True)
     return exit_code(results)

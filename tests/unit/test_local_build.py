@@ -93,9 +93,17 @@ def _checkout(dest: Path, *, broken: bool) -> Path:
     return dest
 
 
+#: What an ai-dynamo build can change: ``dynamo.sglang``'s registration (the card) and what the router
+#: is told from it; the runtime (hashing, relay, router) comes from ai-dynamo-runtime, pinned by the
+#: build's METADATA, so ``hash`` is the same release's either way and shows the row is not card-only
+#: by accident. The other properties run the same runtime wheel and cost minutes (nightly matrix).
+PROPS = ("card", "hash")
+
+
 def _matrix_row(dynamo: str, tmp_path: Path) -> dict:
     res = subprocess.run([sys.executable, "-m", "kvalign", "matrix", "--dynamo", dynamo, "--sglang",
-                          md.version("sglang"), "--examples", "5", "--ingest-examples", "3", "--json"],
+                          md.version("sglang"), "--examples", "5", "--ingest-examples", "3", "--json",
+                          *(a for p in PROPS for a in ("--property", p))],
                          capture_output=True, text=True, timeout=1500, cwd=tmp_path,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert res.returncode in (0, 1), res.stderr[-3000:]

@@ -32,7 +32,9 @@ PINS = {"1.6.1": "0.5.21", "1.0.2": "0.5.9"}
 FINDING = {"property": "ingest", "mode": "eagle", "variant": "lora", "cause": "LORA_NOT_IN_EVENTS", "detail": "d"}
 
 
-def _fake_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, log=None) -> PairResult:
+def _fake_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, props=None, log=None) -> PairResult:
+    if props and "ingest" not in props:  # a run narrowed to other properties cannot see the ingest finding
+        return PairResult(dynamo, sglang, "aligned", seconds=1.0)
     if sglang == "0.5.19":
         return PairResult(dynamo, sglang, "misaligned", [dict(FINDING)], seconds=1.0)
     if dynamo == "1.0.2" and sglang == "0.5.9":
@@ -113,6 +115,24 @@ def test_merge_of_some_cells_is_one_run_over_those_pairs(stubbed, capsys, tmp_pa
     files = _cells_one_by_one(capsys, tmp_path, options)
     code, one, _ = _run(capsys, *options)
     assert _run(capsys, "--merge", *files)[:2] == (code, one) and code == 1
+
+
+def test_property_narrows_every_pair_its_columns_and_its_cells(stubbed, capsys, tmp_path, monkeypatch):
+    options = ["--dynamo", "1.6.1", "--sglang", "0.5.19,0.5.23", "--examples", "1", "--ingest-examples", "1"]
+    seen = []
+    monkeypatch.setattr(matrix, "run_pair", lambda *a, props=None, **kw: seen.append(props) or _fake_pair(*a, props=props, **kw))
+    code, out, _ = _run(capsys, *options, "--property", "card", "--property", "hash")
+    head = out.splitlines()[0]
+    assert code == 0 and seen == [["card", "hash"]] * 2 and "card:eagle" in head and "hash:plain" in head
+    assert "ingest" not in head and "tier" not in head  # no column claims a property that did not run
+    code, out, _ = _run(capsys, *options, "--property", "ingest", "--json")
+    assert code == 1 and json.loads(out)["properties"] == ["ingest"]  # the finding is back with its property
+    narrowed = _cells_one_by_one(capsys, tmp_path, [*options, "--property", "card"])
+    assert _run(capsys, "--merge", *narrowed)[:2] == _run(capsys, *options, "--property", "card")[:2]
+    (tmp_path / "whole").mkdir()
+    whole = _cells_one_by_one(capsys, tmp_path / "whole", options)
+    code, _, err = _run(capsys, "--merge", narrowed[0], whole[1])  # two different cells, two plans
+    assert code == 2 and "mismatched cell" in err  # a narrowed cell never merges into a whole run
 
 
 def test_a_cell_outside_the_matrix_is_refused(stubbed, capsys):
@@ -259,7 +279,9 @@ def test_cells_of_the_installed_pair_merge_into_the_single_run_table(tmp_path):
     from kvalign.versions import installed_versions
 
     v = installed_versions()
-    options = ["--dynamo", v["ai-dynamo-runtime"], "--sglang", v["sglang"], "--examples", "1", "--ingest-examples", "1"]
+    # card and hash: a child per run and per cell as in a full run, without minutes of state machines
+    options = ["--dynamo", v["ai-dynamo-runtime"], "--sglang", v["sglang"], "--examples", "1", "--ingest-examples", "1",
+               "--property", "card", "--property", "hash"]
     single = _kvalign(*options, cwd=tmp_path)
     assert single.returncode in (0, 1), single.stderr[-2000:]
     listed = _kvalign(*options, "--list-cells", "--json", cwd=tmp_path)
