@@ -64,7 +64,7 @@ def test_live_up_interrupted_tears_everything_down(live_run_dir, cpu_live_stack,
         started = pids_with_env(RUN_MARKER_ENV, str(run_dir))
         assert len(started) == 3, f"expected broker + worker + frontend, found pids {started}"
         proc.send_signal(sig)
-        proc.wait(timeout=30)
+        proc.wait(timeout=90)
         assert not pids_with_env(RUN_MARKER_ENV, str(run_dir)), "processes survived the interrupted CLI"
 
 

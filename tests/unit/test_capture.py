@@ -202,7 +202,7 @@ def test_ctrl_c_ends_a_capture_cleanly_with_a_summary(tmp_path, sglang_publisher
     try:
         _stream_until(proc, path, sglang_publisher, 5)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=10)
+        _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()

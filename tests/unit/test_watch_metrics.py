@@ -105,7 +105,7 @@ def test_metrics_count_what_the_router_cannot_see(sglang_available):
         got = scrape(url)
     finally:
         proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=15)
+        rc = proc.wait(timeout=60)
         hop.close()
         pub.close()
     assert rc == 0, proc.stderr.read()

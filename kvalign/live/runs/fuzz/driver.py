@@ -237,6 +237,28 @@ class FuzzDriver:
         self.unsettled += 1
         return False
 
+    def _await_stored(self, label: str, tokens: list[int], salt: str | None) -> None:
+        """Wait (bounded) until the engine's stream shows every full page of the prompt stored on the
+        worker that served it, then settle again.
+
+        Quiet alone was not enough: a prefill worker publishes its stores when the request is done
+        on *its* side, which on a loaded machine came more than ``quiet_s`` after the decode
+        worker's answer, so the next request found pages the engine held and neither view had yet
+        (the engine reused 288 tokens that kvalign's engine view said were not there). A prompt of
+        ``n`` tokens has ``n // B`` full pages, ``(n - 1) // B`` when pages hold bigrams (EAGLE);
+        the pool (``max_total_tokens``) holds the longest prompt the fuzz sends.
+        """
+        want = (len(tokens) - int(self.engine_eagle(label))) // self.opts.page_size
+        deadline = time.monotonic() + self.opts.settle_timeout_s
+        if self._held_now(label, tokens, salt) >= want:
+            return
+        while self._held_now(label, tokens, salt) < want:
+            if time.monotonic() > deadline:
+                self.unsettled += 1
+                return
+            time.sleep(0.05)
+        self._settle(after_request=True)
+
     def _label_of(self, instance_id: int | None) -> str | None:
         return next((n for n, h in self.cluster.workers.items() if h.instance_id == instance_id), None)
 
@@ -394,9 +416,12 @@ class FuzzDriver:
         best = self._best(tokens, marks[0], salt) if pin is None or judge_routing else None
         decode = self.metrics.decode(self.metrics.decode_urls) if max_tokens >= MIN_SPEC_TOKENS else None
         reused_before = self.metrics.prefill_reused() if self.disagg else 0.0
+        dropped_before = len(self.hop.dropped)
         c = self._send(tokens, max_tokens, None if pin is None else self.cluster.workers[pin].instance_id, salt)
         self._settle(after_request=True)
         label = self._label_of(c.prefill_worker_id)
+        if label is not None and not any(d.unpublished for d in self.hop.dropped[dropped_before:]):
+            self._await_stored(label, tokens, salt)
         if self.disagg:
             engine_tokens: int | None = round(self.metrics.prefill_reused() - reused_before)
             surface = "frontend router_kv_worker_reused_tokens_total{phase=prefill} delta"
