@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvalign.commands.fuzz import DEFAULT_SEED, DISAGG_SEED
+from kvalign.commands.fuzz import DEFAULT_SEED, DISAGG_SEED, DISAGG_SHORT
 from kvalign.live.runs.fuzz.driver import COUNTS, FuzzEnvironmentError, FuzzOptions
 from kvalign.live.runs.fuzz.invariants import InvariantFailed, Tally
 from kvalign.live.runs.fuzz.machine import replay, run_fuzz
@@ -139,10 +139,11 @@ def test_the_reported_failure_is_the_first_invariant_seen_not_the_shortest(tmp_p
     assert any(s["rule"] == "flush" for s in saved["steps"])
 
 
-def test_the_disaggregated_ci_seed_draws_every_rule_but_bursts_with_one_restart() -> None:
+@pytest.mark.parametrize("seed, examples, steps", [(DISAGG_SEED, 3, 10), DISAGG_SHORT], ids=["default", "short"])
+def test_the_disaggregated_ci_seed_draws_every_rule_but_bursts_with_one_restart(seed, examples, steps) -> None:
     d = RecordingDriver()
     d.disagg = True
-    run_fuzz(d, examples=3, steps=10, seed=DISAGG_SEED, shrink_seconds=5, script_path=Path("/nonexistent"),
+    run_fuzz(d, examples=examples, steps=steps, seed=seed, shrink_seconds=5, script_path=Path("/nonexistent"),
              report=lambda _m: None)
     drawn = Counter(s["rule"] for ex in d.all_steps for s in ex)
     assert set(drawn) == RULES - {"concurrent"} and drawn["restart"] == 1, drawn
