@@ -101,7 +101,11 @@ def test_watch_survives_a_publisher_restart_and_exits_0_on_ctrl_c():
         out.wait_for("+2 stored")
     finally:
         proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=60)
+        try:
+            rc = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:  # never leave a watch behind, whatever failed
+                proc.kill()
         for pub in (first, second):
             if pub is not None:
                 pub.close()

@@ -105,7 +105,11 @@ def test_metrics_count_what_the_router_cannot_see(sglang_available):
         got = scrape(url)
     finally:
         proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=60)
+        try:
+            rc = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:  # never leave a watch behind, whatever failed
+                proc.kill()
         hop.close()
         pub.close()
     assert rc == 0, proc.stderr.read()
