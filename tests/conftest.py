@@ -8,11 +8,19 @@ set), ``dev`` (random, no deadline; the default otherwise), ``nightly`` (10x exa
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 # Dynamo's Rust core sets up logging when first imported; keep its INFO/WARN lines out of test
 # output (skipped stores are expected under the misaligned negative controls).
 os.environ.setdefault("DYN_LOG", "error")
+
+# A shell without job control starts background commands with SIGINT ignored, and an ignored
+# signal stays ignored across exec: run that way (`.ci/run &`, a CI runner's detached step), every
+# CLI the tests start would ignore the ctrl-c the tests send it and time out. Python's own handler
+# is reset to the default at exec, so children get the ctrl-c a terminal would give them.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

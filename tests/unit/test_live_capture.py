@@ -4,6 +4,7 @@ checked against Dynamo's real hasher; and the loopback broker relaying real ZMQ 
 from __future__ import annotations
 
 import atexit
+import signal
 import subprocess
 import sys
 import time
@@ -75,7 +76,8 @@ def test_malformed_frames_are_recorded_not_fatal():
         pub.close()
 
 
-def test_broker_relays_publishers_to_subscribers_on_loopback():
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_broker_relays_publishers_to_subscribers_on_loopback(sig):
     pool = PortPool()
     xsub, xpub = (f"tcp://127.0.0.1:{pool.take(n)}" for n in ("xsub", "xpub"))
     broker = subprocess.Popen([sys.executable, "-m", "kvalign.live.cluster.broker", "--xsub", xsub, "--xpub", xpub])
@@ -95,8 +97,8 @@ def test_broker_relays_publishers_to_subscribers_on_loopback():
             except zmq.Again:
                 pass
         assert got == [b"t", b"hello"]
-        broker.terminate()
-        assert broker.wait(timeout=5) == 0
+        broker.send_signal(sig)
+        assert broker.wait(timeout=10) == 0  # milliseconds when idle; the proxy does not wait for traffic
     finally:
         if broker.poll() is None:
             broker.kill()

@@ -10,10 +10,11 @@ broker's, and those bind 127.0.0.1. The broker itself is the textbook XSUB/XPUB 
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 import zmq
+
+from kvalign.live.wire.proxy import proxy_until_signalled
 
 
 def broker_url(xsub: str, xpub: str) -> str:
@@ -32,11 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         sock.setsockopt(zmq.LINGER, 0)
     front.bind(args.xsub)
     back.bind(args.xpub)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        zmq.proxy(front, back)
-    except (KeyboardInterrupt, SystemExit, zmq.ContextTerminated):
-        pass
+        proxy_until_signalled(ctx, front, back)
     finally:
         front.close()
         back.close()

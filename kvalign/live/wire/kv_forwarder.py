@@ -11,12 +11,13 @@ unchanged; subscriptions travel upstream. Nothing binds a wildcard address.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from collections.abc import Sequence
 from urllib.parse import urlparse
 
 import zmq
+
+from kvalign.live.wire.proxy import proxy_until_signalled
 
 LOOPBACK = "127.0.0.1"
 
@@ -37,11 +38,8 @@ def forward(source: str, bind: str) -> None:
         s.setsockopt(zmq.LINGER, 0)
     xpub.bind(check_bind(bind))
     xsub.connect(source)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        zmq.proxy(xsub, xpub)
-    except (KeyboardInterrupt, SystemExit, zmq.ContextTerminated):
-        pass
+        proxy_until_signalled(ctx, xsub, xpub)
     finally:
         xsub.close(linger=0)
         xpub.close(linger=0)
