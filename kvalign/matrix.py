@@ -20,6 +20,7 @@ import importlib.metadata
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -36,6 +37,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from kvalign import local_build
+from kvalign.runtime_log import log_dir
 from kvalign.check import MODES, PROPERTIES
 
 DYNAMO_PACKAGES = ("ai-dynamo-runtime", "ai-dynamo")
@@ -51,8 +53,8 @@ INSTALL_SCHEME = 2
 MAX_DEPENDENCY_ROUNDS = 6
 DEFAULT_SGLANG = ("0.5.17", "0.5.19", "0.5.21", "0.5.23")
 DEFAULT_DYNAMO_RANGE = ((1, 0, 0), (1, 6, 1))
-#: Seconds one pair's check may take before it is reported as an error.
-PAIR_TIMEOUT_S = 900
+#: Seconds one pair's check may take before it is reported as an error (30-100 s when it works).
+PAIR_TIMEOUT_S = 600
 #: Seconds one pair's live scenario (start-up ~2 min on 2 cores, 4 requests) may take.
 LIVE_TIMEOUT_S = 900
 #: The live scenario's column.
@@ -330,6 +332,30 @@ def pair_env(dynamo_dir: Path | None, sglang_dir: Path | None, sglang_version: s
     return env
 
 
+def _run_check(cmd: Sequence[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run one pair's check; one that overruns ``PAIR_TIMEOUT_S`` is sent SIGABRT, then killed (MatrixError).
+
+    A check that hangs (once seen in CI: nothing in its log after 900 s) would otherwise leave only
+    "did not finish": with ``PYTHONFAULTHANDLER`` set, SIGABRT makes Python write every thread's
+    stack to fd 2, which is the check's runtime log, and the error names that file.
+    """
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**env, "PYTHONFAULTHANDLER": "1"}) as proc:
+        try:
+            out, err = proc.communicate(timeout=PAIR_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            try:
+                proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+            logs = sorted(log_dir().glob(f"check-*-{proc.pid}.log"))
+            where = f"; its threads' stacks when it was stopped: {logs[-1]}" if logs else ""
+            raise MatrixError(f"check did not finish within {PAIR_TIMEOUT_S}s{where}") from None
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, props: Sequence[str] | None = None,
              log: Callable[[str], None] = lambda _m: None) -> PairResult:
     """Install (if needed) and check one pair in a subprocess (only ``props`` when given)."""
@@ -341,10 +367,9 @@ def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, p
     cmd = [sys.executable, "-m", "kvalign", "check", "--json", "--examples", str(examples),
            "--ingest-examples", str(ingest_examples), *(a for p in props or () for a in ("--property", p))]
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=PAIR_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return PairResult(dynamo, sglang, "error", error=f"check did not finish within {PAIR_TIMEOUT_S}s",
-                          seconds=time.perf_counter() - start)
+        res = _run_check(cmd, env)
+    except MatrixError as exc:
+        return PairResult(dynamo, sglang, "error", error=str(exc), seconds=time.perf_counter() - start)
     seconds = time.perf_counter() - start
     if res.returncode not in (0, 1):
         err = [ln for ln in res.stderr.splitlines() if ln.strip()]

@@ -20,6 +20,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from kvalign.check import MODES, PROPERTIES
+from kvalign import matrix
 from kvalign.cli import main
 from kvalign.matrix import (DEFAULT_SGLANG, MatrixError, Pair, PairResult, _version_key, cache_root,
                             default_dynamo_versions, ensure_release, pair_env, plan_pairs, render, requires_dist,
@@ -159,6 +160,25 @@ def test_matrix_usage_errors_are_one_line_exit_2(capsys, argv, message):
     rc = main(argv)
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and err.count("\n") == 1 and message in err
+
+
+HANGING_CHECK = """
+import time
+from kvalign.runtime_log import RuntimeLog
+with RuntimeLog("check"):
+    time.sleep(120)
+"""
+
+
+def test_a_hung_pair_check_is_stopped_and_names_the_log_that_holds_its_stacks(tmp_path, monkeypatch):
+    monkeypatch.setattr(matrix, "PAIR_TIMEOUT_S", 3)
+    monkeypatch.setenv("KVALIGN_LOG_DIR", str(tmp_path))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    with pytest.raises(MatrixError, match="check did not finish within 3s; its threads' stacks") as info:
+        matrix._run_check([sys.executable, "-c", HANGING_CHECK], env)
+    log = Path(str(info.value).rsplit(": ", 1)[1])
+    text = log.read_text()
+    assert log.parent == tmp_path and "Fatal Python error: Aborted" in text and 'File "<string>", line 5' in text, text
 
 
 @pytest.mark.slow  # a pip run against the index
