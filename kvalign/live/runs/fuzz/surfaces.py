@@ -7,6 +7,12 @@
   prefill attempt, and the frontend adds ``reused_tokens`` to the counter
   ``..._router_kv_worker_reused_tokens_total{phase="prefill"}``. The delta of that counter across a
   request sent alone is that request's prefill reuse.
+* **What the router's index applied.** The frontend counts every KV event its router's index
+  applied, ``..._kv_cache_events_applied{dynamo_component, event_type, status}``: one per
+  ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` the relay received (measured on
+  1.6.1: equal to the router-side capture's events, request by request, stores and evictions).
+  Settling waits on it, because the router-side capture shows what reached Dynamo's relay, not
+  what the router's index has applied.
 * **Decode speculation.** ``dynamo.sglang`` leaves ``completion_tokens_details`` empty, so the
   decode worker's SGLang counters are read before and after a request sent alone
   (:func:`kvalign.live.wire.metrics.spec_window`).
@@ -19,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvalign.errors import UsageError
+from kvalign.live.cluster.shared import EVENTS_APPLIED
 from kvalign.live.wire.metrics import MetricsSnapshot, SpecDecodeWindow, scrape, spec_window
 
 #: The frontend's counter of what prefill workers reported reusing (Dynamo 1.6.1's
@@ -53,6 +60,14 @@ class MetricReader:
     def prefill_reused(self) -> float:
         """The frontend's prefill-reuse counter now (0 before any prefill worker reported)."""
         return prefill_reused_total(self._scrape(self.frontend_url)) or 0.0
+
+    def events_applied(self, components: Sequence[str]) -> float | None:
+        """KV events the frontend's router index applied for ``components``, every type and status
+        (None when the frontend exports no such counter)."""
+        found = [s.value for s in self._scrape(self.frontend_url).samples
+                 if s.name.removesuffix("_total").endswith(EVENTS_APPLIED)
+                 and dict(s.labels).get("dynamo_component") in components]
+        return float(sum(found)) if found else None
 
     def decode(self, labels: Sequence[str]) -> dict[str, MetricsSnapshot]:
         return {label: self._scrape(self.decode_urls[label]) for label in labels}

@@ -1,0 +1,75 @@
+"""The frontend counters the fuzz reads, parsed from Dynamo 1.6.1's exposition format (served on loopback)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from kvalign.live.runs.fuzz.surfaces import MetricReader, SurfaceMissing, prefill_reused_total
+from kvalign.live.wire.metrics import parse_metrics
+
+# The shape of Dynamo 1.6.1's frontend /metrics (names and labels as a live run printed them).
+FRONTEND = """# HELP dynamo_component_kv_cache_events_applied Total number of KV cache events applied to index
+# TYPE dynamo_component_kv_cache_events_applied counter
+dynamo_component_kv_cache_events_applied{dynamo_component="backend",event_type="stored",status="ok"} 12
+dynamo_component_kv_cache_events_applied{dynamo_component="backend",event_type="removed",status="ok"} 7
+dynamo_component_kv_cache_events_applied{dynamo_component="backend",event_type="removed",status="block_not_found"} 2
+dynamo_component_kv_cache_events_applied{dynamo_component="backend",event_type="cleared",status="ok"} 1
+dynamo_component_kv_cache_events_applied{dynamo_component="prefill",event_type="stored",status="ok"} 40
+# HELP dynamo_component_router_kv_worker_reused_tokens_total reused tokens
+# TYPE dynamo_component_router_kv_worker_reused_tokens_total counter
+dynamo_component_router_kv_worker_reused_tokens_total{phase="prefill"} 176
+dynamo_component_router_kv_worker_reused_tokens_total{phase="decode"} 9
+"""
+
+
+@pytest.fixture
+def frontend() -> Iterator[tuple[str, dict[str, str]]]:
+    served = {"text": FRONTEND}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            body = served["text"].encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", served
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_events_applied_sums_every_type_and_status_of_the_asked_components(frontend):
+    url, served = frontend
+    reader = MetricReader(url, {})
+    assert reader.events_applied(["backend"]) == 12 + 7 + 2 + 1
+    assert reader.events_applied(["prefill"]) == 40
+    assert reader.events_applied(["backend", "prefill"]) == 62
+    assert reader.events_applied(["decode"]) is None  # no such component: no counter, not 0
+    served["text"] = "# TYPE other counter\nother_total 3\n"
+    assert reader.events_applied(["backend"]) is None
+
+
+def test_prefill_reuse_is_the_prefill_phase_only(frontend):
+    url, _ = frontend
+    assert MetricReader(url, {}).prefill_reused() == 176
+    assert prefill_reused_total(parse_metrics("# TYPE x counter\nx_total 1\n")) is None
+
+
+def test_an_unreachable_frontend_is_a_missing_surface():
+    reader = MetricReader("http://127.0.0.1:9", {})
+    with pytest.raises(SurfaceMissing):
+        reader.events_applied(["backend"])
