@@ -57,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--sglang", metavar="VERSION", default=None,
                        help="with --engine sglang-cpu: the SGLang release the workers run, from kvalign matrix's "
                             "wheel cache (default: the environment's)")
+        q.add_argument("--dynamo", metavar="VERSION", default=None,
+                       help="with --engine fake-cpu: the Dynamo release every process runs (frontend, router, the "
+                            "workers' runtime bindings), from kvalign matrix's wheel cache (default: the environment's)")
         q.add_argument("--control-plane", choices=CONTROL_PLANES, default="file",
                        help="file: file discovery + zmq events, no service (default); etcd-nats: start etcd + "
                             "nats-server on loopback, etcd discovery + NATS events")
@@ -87,7 +90,7 @@ def _plan(args: argparse.Namespace) -> tuple[ClusterPlan, WorkerKind]:
     topology = _topology(args)
     try:
         opts = E2eOptions(engine=args.engine, draft=args.draft, control_plane=args.control_plane,
-                          sglang=release_version(args.sglang))
+                          sglang=release_version(args.sglang), dynamo=release_version(args.dynamo, "--dynamo"))
     except ValueError as exc:  # an option this engine does not take
         raise UsageError(str(exc)) from None
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvalign-live-"))

@@ -6,6 +6,10 @@ Every process of the cluster (frontend, router, the fake workers' runtime bindin
 1.3.1 from ``kvalign matrix``'s wheel cache (``kvalign e2e run --engine fake-cpu --dynamo 1.3.1``);
 the fake workers register ``enable_eagle`` from SGLang's ``is_eagle()``, what a correct card says.
 The same scenario on the environment's Dynamo (1.6.1) passes in ``tests/e2e/test_disagg_eagle.py``.
+
+And the in-process ingest cell of 1.3.1 x 0.5.23 (its relay stopping during a ``check`` run) out of
+process: with 1.3.1's relay in each worker's process and its router in the frontend's, aggregated
+EAGLE workers, the router credits exactly kvalign's prediction on every request of a long run.
 """
 
 from __future__ import annotations
@@ -50,3 +54,19 @@ def test_prefill_router_of_1_3_1_credits_nothing_on_eagle_prefill_workers(releas
     second = [f for f in result.failures if f.startswith("assertion 2 ")]
     assert len(second) == 1 and f"cause: {Cause.ROUTER_EAGLE_OFF.name}" in second[0], result.report()
     assert "the card registered enable_eagle=True" in second[0], result.report()
+
+
+def test_relay_and_router_of_1_3_1_in_their_own_processes_keep_indexing(release_1_3_1, live_run_dir):
+    from kvalign.live.cluster.lifecycle import Cluster, make_plan
+    from kvalign.live.cluster.topology import CpuWorkerKind, Topology
+    from kvalign.live.runs import scenario
+    from kvalign.matrix import ensure_release
+
+    plan = make_plan(Topology.aggregated(2, eagle=True), live_run_dir, dynamo_dir=ensure_release("dynamo", BROKEN),
+                     dynamo_version=BROKEN)
+    with Cluster(plan, CpuWorkerKind(), startup_timeout_s=300) as cluster:
+        records = scenario.run_prefix_extension(cluster, 12)
+    table = scenario.table(records)
+    print(table)
+    assert [r.observed for r in records] == [r.predicted for r in records], table  # exact, every request
+    assert all(r.observed > 0 for r in records[1:]), table  # the relay never stopped: later requests credited

@@ -126,6 +126,8 @@ def test_forwarder_binds_only_loopback():
     (["e2e", "run", "--engine", "fake-cpu", "--sglang", "0.5.21"], "--sglang picks the real CPU engine's SGLang"),
     (["e2e", "plan", "--engine", "sglang-cpu", "--sglang", "0.5.17"], "supports sglang 0.5.19, 0.5.21, 0.5.23"),
     (["live", "plan", "--engine", "fake-cpu", "--sglang", "0.5.21"], "--sglang picks the real CPU engine's SGLang"),
+    (["live", "plan", "--engine", "sglang-cpu", "--dynamo", "1.3.1"], "runs kvalign's fake CPU workers"),
+    (["live", "plan", "--dynamo", "1.3;x"], "--dynamo takes one release version"),
 ])
 def test_sglang_release_flag_bad_input_is_one_line_exit_2(capsys, argv, message):
     from kvalign.cli import main
