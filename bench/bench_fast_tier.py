@@ -5,10 +5,11 @@ rather than computing: Dynamo runtimes starting, ZMQ subscriptions joining, chil
 starting and stopping, timeouts that a negative control must sit out. On two cores, more workers
 than cores overlap those waits. Each round runs the tier once with ``-n 2`` (A) and once with
 ``-n N`` (B), alternating the order (A B, then B A), and the report is the median of the per-round
-ratios B / A with their spread, plus each side's median wall seconds (the 60 s budget is a wall
-figure). Every run must pass: a failing run stops the benchmark.
+ratios B / A with their spread (``bench/paired.py``'s :class:`Paired`; its ``paired()`` batches
+short calls, which a minute-long run is not), plus each side's median wall seconds (the 60 s budget
+is a wall figure). Every run must pass: a failing run stops the benchmark.
 
-Usage: .venv/bin/python bench/bench_fast_tier.py [--rounds 3] [--workers 4]
+Usage: .venv/bin/python bench/bench_fast_tier.py [--rounds 4] [--workers 4]
 The last line is ``-n N / -n 2 wall ratio: X``.
 """
 
@@ -23,7 +24,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["-m", "not slow and not e2e", "-q", "-p", "no:randomly"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paired import Paired  # noqa: E402
+
+FAST = ["-m", "not slow and not e2e", "-q"]
 
 
 def run(workers: int) -> float:
@@ -39,9 +43,13 @@ def run(workers: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4, help="paired rounds, at least 2 (default 4)")
     ap.add_argument("--workers", type=int, default=4, help="B's worker count (A is 2)")
     args = ap.parse_args()
+    if args.rounds < 2:
+        ap.error("--rounds must be at least 2 (a spread needs two ratios)")
+    if args.workers in (0, 2):
+        ap.error("--workers must differ from A's 2 and be at least 1")
     ratios, a_walls, b_walls = [], [], []
     for r in range(args.rounds):
         load = os.getloadavg()[0]
@@ -52,10 +60,10 @@ def main() -> int:
         ratios.append(walls[args.workers] / walls[2])
         print(f"round {r + 1} (load {load:.2f}, order {order[0]} then {order[1]}): -n 2 {walls[2]:.1f}s, "
               f"-n {args.workers} {walls[args.workers]:.1f}s, ratio {ratios[-1]:.2f}", flush=True)
-    print(f"median wall: -n 2 {statistics.median(a_walls):.1f}s, -n {args.workers} {statistics.median(b_walls):.1f}s")
-    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
-    print(f"spread: IQR {q[0]:.2f}-{q[2]:.2f}, min..max {min(ratios):.2f}..{max(ratios):.2f}")
-    print(f"-n {args.workers} / -n 2 wall ratio: {statistics.median(ratios):.2f}")
+    p = Paired(ratios, statistics.median(a_walls), statistics.median(b_walls))
+    print(f"median wall: -n 2 {p.a_seconds:.1f}s, -n {args.workers} {p.b_seconds:.1f}s")
+    print(f"spread: {p.spread()}")
+    print(f"-n {args.workers} / -n 2 wall ratio: {p.median:.2f}")
     return 0
 
 

@@ -37,8 +37,8 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from kvalign import local_build
-from kvalign.runtime_log import log_dir
 from kvalign.check import MODES, PROPERTIES
+from kvalign.runtime_log import log_dir
 
 DYNAMO_PACKAGES = ("ai-dynamo-runtime", "ai-dynamo")
 #: Packages SGLang pins exactly that must match its version (transformers registers model configs

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,50 +31,47 @@ def _relayed(pub: zmq.Socket, sub: zmq.Socket, frames: list[bytes], timeout_s: f
     return None
 
 
-def _stops(proc: subprocess.Popen, sig: int, pub: zmq.Socket, frames: list[bytes]) -> None:
-    pub.send_multipart(frames)  # traffic in flight does not hold the stop up
-    started = time.monotonic()
-    proc.send_signal(sig)
-    assert proc.wait(timeout=10) == 0  # milliseconds when idle
-    assert time.monotonic() - started < 10
+def _relays_then_stops(argv: list[str], wire: Callable[[zmq.Socket, zmq.Socket], None], topic: bytes, sig: int) -> None:
+    """Start the proxy process, wire a PUB and a SUB to it (``wire``), see one message through, then
+    signal it with traffic in flight: it must exit 0 within 10 s (milliseconds when idle)."""
+    proc = subprocess.Popen([sys.executable, "-m", *argv])
+    ctx = zmq.Context()
+    pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
+    try:
+        wire(pub, sub)
+        sub.setsockopt(zmq.SUBSCRIBE, topic)
+        assert _relayed(pub, sub, [topic, b"hello"]) == [topic, b"hello"]
+        pub.send_multipart([topic, b"more"])  # traffic in flight does not hold the stop up
+        started = time.monotonic()
+        proc.send_signal(sig)
+        assert proc.wait(timeout=10) == 0
+        assert time.monotonic() - started < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for s in (pub, sub):
+            s.close(linger=0)
+        ctx.term()
 
 
 @SIGNALS
 def test_broker_relays_publishers_to_subscribers_on_loopback_and_stops_on_a_signal(sig):
     pool = PortPool()
     xsub, xpub = (f"tcp://127.0.0.1:{pool.take(n)}" for n in ("xsub", "xpub"))
-    broker = subprocess.Popen([sys.executable, "-m", "kvalign.live.cluster.broker", "--xsub", xsub, "--xpub", xpub])
-    ctx = zmq.Context()
-    pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
-    try:
+
+    def wire(pub: zmq.Socket, sub: zmq.Socket) -> None:  # both connect: only the broker listens
         pub.connect(xsub)
         sub.connect(xpub)
-        sub.setsockopt(zmq.SUBSCRIBE, b"t")
-        assert _relayed(pub, sub, [b"t", b"hello"]) == [b"t", b"hello"]
-        _stops(broker, sig, pub, [b"t", b"more"])
-    finally:
-        if broker.poll() is None:
-            broker.kill()
-        for s in (pub, sub):
-            s.close(linger=0)
-        ctx.term()
+
+    _relays_then_stops(["kvalign.live.cluster.broker", "--xsub", xsub, "--xpub", xpub], wire, b"t", sig)
 
 
 @SIGNALS
 def test_forwarder_relays_an_ipc_publisher_to_loopback_and_stops_on_a_signal(tmp_path: Path, sig):
     source, bind = f"ipc://{tmp_path}/pub", f"tcp://127.0.0.1:{PortPool().take('fwd')}"
-    ctx = zmq.Context()
-    pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
-    pub.bind(source)
-    fwd = subprocess.Popen([sys.executable, "-m", "kvalign.live.wire.kv_forwarder", source, bind])
-    try:
+
+    def wire(pub: zmq.Socket, sub: zmq.Socket) -> None:  # SGLang's publisher binds; the relay connects
+        pub.bind(source)
         sub.connect(bind)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        assert _relayed(pub, sub, [b"", b"batch"]) == [b"", b"batch"]
-        _stops(fwd, sig, pub, [b"", b"more"])
-    finally:
-        if fwd.poll() is None:
-            fwd.kill()
-        for s in (pub, sub):
-            s.close(linger=0)
-        ctx.term()
+
+    _relays_then_stops(["kvalign.live.wire.kv_forwarder", source, bind], wire, b"", sig)

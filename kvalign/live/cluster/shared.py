@@ -44,7 +44,7 @@ from kvalign.live.cluster.lifecycle import Cluster, make_plan
 from kvalign.live.cluster.processes import ProcessExited, pids_with_env
 from kvalign.live.cluster.topology import RUN_MARKER_ENV, ControlPlane, Topology, WorkerKind
 from kvalign.live.wire.capture import Captured, EventCapture
-from kvalign.live.wire.metrics import scrape
+from kvalign.live.wire.metrics import MetricsSnapshot, scrape
 
 #: The frontend's counter of KV events its router's index applied (Dynamo 1.6.1, prefixed
 #: ``dynamo_component_``), labelled by ``event_type`` and ``status``.
@@ -107,9 +107,16 @@ def cleared_applied(frontend_url: str) -> float:
         snap = scrape(f"{frontend_url}/metrics")
     except UsageError as exc:
         raise ClusterUnhealthy(f"the frontend's metrics are unreadable: {exc}") from None
+    return events_applied(snap, event_type="cleared", status="ok") or 0.0
+
+
+def events_applied(snap: MetricsSnapshot, **labels: str) -> float | None:
+    """Sum of the frontend's ``kv_cache_events_applied`` samples whose labels have these values
+    (None when there is no such sample: the frontend exports none yet, or another name)."""
     # prometheus_client names a counter's samples ``..._total`` even where Dynamo exports no suffix
-    return float(sum(s.value for s in snap.samples if s.name.removesuffix("_total").endswith(EVENTS_APPLIED)
-                     and dict(s.labels).get("event_type") == "cleared" and dict(s.labels).get("status") == "ok"))
+    found = [s.value for s in snap.samples if s.name.removesuffix("_total").endswith(EVENTS_APPLIED)
+             and all(dict(s.labels).get(k) == v for k, v in labels.items())]
+    return float(sum(found)) if found else None
 
 
 def check_health(cluster: Cluster) -> None:

@@ -263,8 +263,9 @@ class FuzzDriver:
                 return True
             time.sleep(0.02)
         self.unsettled += 1
-        if self._applied_behind() > 0:
-            self.notes.append(f"the router's index had applied {self._applied_behind():g} fewer KV events than its "
+        behind = self._applied_behind()
+        if behind > 0:
+            self.notes.append(f"the router's index had applied {behind:g} fewer KV events than its "
                               f"relay received after {self.opts.settle_timeout_s:g}s; counted from there")
             self._rebase_applied()
         return False

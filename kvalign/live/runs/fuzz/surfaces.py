@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvalign.errors import UsageError
-from kvalign.live.cluster.shared import EVENTS_APPLIED
+from kvalign.live.cluster.shared import events_applied
 from kvalign.live.wire.metrics import MetricsSnapshot, SpecDecodeWindow, scrape, spec_window
 
 #: The frontend's counter of what prefill workers reported reusing (Dynamo 1.6.1's
@@ -64,9 +64,8 @@ class MetricReader:
     def events_applied(self, components: Sequence[str]) -> float | None:
         """KV events the frontend's router index applied for ``components``, every type and status
         (None when the frontend exports no such counter)."""
-        found = [s.value for s in self._scrape(self.frontend_url).samples
-                 if s.name.removesuffix("_total").endswith(EVENTS_APPLIED)
-                 and dict(s.labels).get("dynamo_component") in components]
+        snap = self._scrape(self.frontend_url)
+        found = [n for c in components if (n := events_applied(snap, dynamo_component=c)) is not None]
         return float(sum(found)) if found else None
 
     def decode(self, labels: Sequence[str]) -> dict[str, MetricsSnapshot]:
