@@ -210,8 +210,9 @@ def run_card(systems: Systems, modes: tuple[str, ...]) -> list[RowResult]:
                 if row.cause is None:
                     row.cause, row.cause_name = Cause.CARD_UNAVAILABLE.value, Cause.CARD_UNAVAILABLE.name
                     row.detail, row.counterexample = f"{reg.function}({alg!r}) raised {type(exc).__name__}: {exc}", alg
-        if missed and row.cases > row.mismatches:  # some bigram algorithms registered, these not
-            row.detail = f"{row.detail}; {name_set_note(missed, row.cases - row.mismatches)}"
+        if missed and row.cases > row.mismatches:  # some bigram algorithms registered, these not: #10982
+            row.cause, row.cause_name = Cause.ROUTER_EAGLE_OFF.value, Cause.ROUTER_EAGLE_OFF.name
+            row.detail = f"{name_set_note(missed, row.cases - row.mismatches)}; {row.detail}"
         row.seconds = time.perf_counter() - start
         rows.append(row)
     return rows
@@ -222,11 +223,13 @@ def name_set_note(missed: list[str], registered: int) -> str:
 
     Only a card derived from algorithm *names* can split the bigram algorithms (``registered`` of
     them get ``enable_eagle``, ``missed`` do not); a card without the field, or one stuck off, misses
-    them all and is not this regression. The consequence is the router's, so it is named too.
+    them all and is not this regression (the row stays CARD_EAGLE_OFF). For the split the row's cause
+    is what a deployment sees, the router hashing those workers' queries with eagle off — the name
+    ``diagnose`` and the live layer give the same bug — and the card's part is said in the detail.
     """
-    return (f"the card sets enable_eagle for {registered} bigram-keyed algorithm(s) and not for {', '.join(missed)}: "
-            "a hand-kept algorithm-name set, Dynamo #10982 (fixed in 1.4.0), so the router hashes their queries with "
-            f"eagle off ({Cause.ROUTER_EAGLE_OFF.name}: overlap 0 on every bigram page)")
+    return (f"Dynamo #10982 (fixed in 1.4.0): the card sets enable_eagle for {registered} bigram-keyed algorithm(s) "
+            f"and not for {', '.join(missed)} (a hand-kept algorithm-name set, {Cause.CARD_EAGLE_OFF.name}), so the "
+            "router hashes their workers' queries with eagle off: overlap 0 on every bigram page")
 
 
 def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make_index: Callable[[], Any], *,

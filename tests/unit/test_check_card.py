@@ -58,19 +58,20 @@ def test_card_table_equals_the_recorded_one_while_its_key_holds(registration):
     assert all(row["enable_eagle"] == row["sglang_keys_bigrams"] for row in table.values())
 
 
-def test_hand_kept_name_set_is_caught_as_card_eagle_off(registration, monkeypatch):
-    """Dynamo #10982: enable_eagle from ("EAGLE", "NEXTN") misses EAGLE3 and FROZEN_KV_MTP."""
+def test_hand_kept_name_set_is_caught_as_the_router_hashing_eagle_off(registration, monkeypatch):
+    """Dynamo #10982: enable_eagle from ("EAGLE", "NEXTN") misses EAGLE3 and FROZEN_KV_MTP, so the
+    router hashes those workers' queries with eagle off: the row names that, and the card in its detail."""
     import dynamo.sglang.register as register
 
     monkeypatch.setattr(register, "_eagle_enabled_for", lambda alg: alg in ("EAGLE", "NEXTN"))
     plain, eagle = run_card(_systems(registration), ("plain", "eagle"))
     assert plain.ok
-    assert not eagle.ok and eagle.mismatches == 2 and eagle.cause_name == "CARD_EAGLE_OFF"
+    assert not eagle.ok and eagle.mismatches == 2 and eagle.cause_name == "ROUTER_EAGLE_OFF"
     assert eagle.counterexample == "EAGLE3" and "--speculative-algorithm EAGLE3" in eagle.detail
     assert "enable_eagle=False" in eagle.detail and registration.function in eagle.detail
-    # a card on for EAGLE and off for EAGLE3 is named as the regression, with the router's consequence
+    # a card on for EAGLE and off for EAGLE3 is named as the regression, the card's part in the detail
     assert "Dynamo #10982" in eagle.detail and "not for EAGLE3, FROZEN_KV_MTP" in eagle.detail
-    assert "ROUTER_EAGLE_OFF" in eagle.detail
+    assert "CARD_EAGLE_OFF" in eagle.detail
 
 
 def test_a_card_off_for_every_bigram_algorithm_is_not_named_10982(registration, monkeypatch):

@@ -3,7 +3,7 @@
 The differential test builds a source checkout from the installed ai-dynamo 1.6.1 (its own files,
 nothing changed) and expects the release's row; a copy whose ``dynamo.sglang`` derives
 ``enable_eagle`` from the hand-kept name set of Dynamo #10982 must give a misaligned row naming
-``CARD_EAGLE_OFF`` (the card says enable_eagle=False where SGLang keys bigrams).
+``ROUTER_EAGLE_OFF`` and #10982 (the card says enable_eagle=False for EAGLE3, where SGLang keys bigrams).
 """
 
 from __future__ import annotations
@@ -121,4 +121,5 @@ def test_a_pull_requests_build_gets_the_release_row_and_a_broken_one_does_not(tm
     assert same["verdict"] == release["verdict"] and keys[0] == keys[1], (same, release)
     broken = _matrix_row(str(_checkout(tmp_path / "broken", broken=True)), tmp_path)
     assert broken["verdict"] == "misaligned", broken
-    assert any(f["cause"] == "CARD_EAGLE_OFF" and f["property"] == "card" for f in broken["findings"]), broken
+    assert any(f["cause"] == "ROUTER_EAGLE_OFF" and f["property"] == "card" and "#10982" in f["detail"]
+               for f in broken["findings"]), broken
