@@ -1,8 +1,9 @@
 """``kvalign matrix``'s engine: run ``kvalign check`` for every Dynamo x SGLang release pair.
 
 Someone upgrading either side needs to know whether *that pair* is aligned. Each pair runs in its
-own subprocess with the two releases put first on ``PYTHONPATH``: the releases' wheels are installed
-once, ``--no-deps``, into a per-version directory of a cache outside the repository (a release's
+own subprocess, in a virtual environment of its own that lists the two releases before everything
+else (:mod:`kvalign.release_env`): the releases' wheels are installed once, ``--no-deps`` (with uv,
+pip as the fallback), into a per-version directory of a cache outside the repository (a release's
 ``dynamo._core`` imports without its dependencies). SGLang's directory also gets whatever of its
 pinned dependency set the running environment does not satisfy — its exact pins (transformers,
 openai, …) and, transitively, what those need (transformers 5.12.1 wants tokenizers <= 0.23.0) — so a
@@ -15,7 +16,6 @@ pins; :func:`shipped_sglang` reads that pin from the release's own wheel metadat
 
 from __future__ import annotations
 
-import fcntl
 import importlib.metadata
 import json
 import os
@@ -24,12 +24,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from packaging.markers import default_environment
 from packaging.requirements import InvalidRequirement, Requirement
@@ -37,6 +36,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from kvalign import local_build
+from kvalign.release_env import ReleaseEnvError, cache_root, child_env, install, locked, python_for
 from kvalign.check import MODES, PROPERTIES
 from kvalign.runtime_log import log_dir
 
@@ -65,14 +65,6 @@ class MatrixError(RuntimeError):
     """The matrix cannot run (a release cannot be installed, the index cannot be read)."""
 
 
-def cache_root() -> Path:
-    """``$KVALIGN_WHEEL_CACHE``, else ``$XDG_CACHE_HOME/kvalign/wheels`` (default ``~/.cache``)."""
-    env = os.environ.get("KVALIGN_WHEEL_CACHE")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvalign" / "wheels"
-
-
 def _version_key(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", v))
 
@@ -98,24 +90,11 @@ def default_dynamo_versions(run: Callable[..., subprocess.CompletedProcess[str]]
     return sorted((v for v in versions if lo <= _version_key(v)[:3] <= hi), key=_version_key)
 
 
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(path) + ".lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _pip_target(target: Path, requirements: Sequence[str]) -> None:
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-           "--no-compile", "--upgrade", "--target", str(target), *requirements]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    if res.returncode != 0:
-        lines = [ln for ln in (res.stderr or res.stdout).splitlines() if "is ignored" not in ln and ln.strip()]
-        raise MatrixError(f"cannot install {' '.join(requirements)}: {lines[-1] if lines else 'pip failed'}")
+def _install(target: Path, requirements: Sequence[str]) -> None:
+    try:
+        install(target, requirements)
+    except ReleaseEnvError as exc:
+        raise MatrixError(str(exc)) from None
 
 
 def _dist_name(meta: Path) -> str:
@@ -240,7 +219,7 @@ def _complete_dependencies(target: Path, log: Callable[[str], None]) -> None:
         if not missing:
             return
         log(f"  {target.name}: installing {', '.join(str(r.name) + str(r.specifier) for r in missing)}")
-        _pip_target(target, [f"{r.name}{r.specifier}" for r in missing])
+        _install(target, [f"{r.name}{r.specifier}" for r in missing])
     missing = unsatisfied(target, roots)
     if missing:
         raise MatrixError(f"{target.name}: dependencies still unsatisfied after {MAX_DEPENDENCY_ROUNDS} rounds: "
@@ -261,18 +240,18 @@ def ensure_release(kind: str, version: str, *, log: Callable[[str], None] = lamb
     done = target / ".complete"
     if _complete(done):
         return target
-    with _locked(target):
+    with locked(target):
         if _complete(done):
             return target
         log(f"installing {dist} {version} into {target}")
         start = time.perf_counter()
         if kind == "dynamo":
             if _metadata_file(target, "ai-dynamo") is None:
-                _pip_target(target, local_build.requirements(build) if build else
+                _install(target, local_build.requirements(build) if build else
                             [f"{d}=={version}" for d in DYNAMO_PACKAGES])
         else:
             if _metadata_file(target, "sglang") is None:
-                _pip_target(target, local_build.requirements(build) if build else [f"sglang=={version}"])
+                _install(target, local_build.requirements(build) if build else [f"sglang=={version}"])
             _complete_dependencies(target, log)
         done.write_text(f"scheme {INSTALL_SCHEME}\n{time.perf_counter() - start:.1f}s\n")
     return target
@@ -318,18 +297,23 @@ def one_line(text: str) -> str:
     return lines[-1] if lines else text.strip()
 
 
-def pair_env(dynamo_dir: Path | None, sglang_dir: Path | None, sglang_version: str) -> dict[str, str]:
-    """The subprocess environment for one pair: its releases first on the path, then this kvalign."""
-    root = str(Path(__file__).resolve().parents[1])
-    parts = [str(p) for p in (dynamo_dir, sglang_dir) if p is not None] + [root]
-    env = dict(os.environ)
-    if env.get("PYTHONPATH"):
-        parts.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(parts)
+class PairEnv(NamedTuple):
+    """Where one pair runs: the interpreter of its environment and the environment variables."""
+
+    python: str
+    env: dict[str, str]
+
+
+def pair_env(dynamo_dir: Path | None, sglang_dir: Path | None, sglang_version: str) -> PairEnv:
+    """The pair's own environment (:func:`kvalign.release_env.python_for`: its releases first, then
+    this kvalign, then the running environment); the running interpreter for the installed pair."""
+    dirs = [p for p in (dynamo_dir, sglang_dir) if p is not None]
+    python = python_for(dirs) if dirs else sys.executable
+    env = child_env() if dirs else dict(os.environ)
     # SGLang's event hash JIT-builds one C++ extension per version; keep it in the cache, not the venv.
     env["TORCH_EXTENSIONS_DIR"] = str(cache_root() / "torch-extensions" / f"sglang-{sglang_version}")
     env.setdefault("DYN_LOG", "error")
-    return env
+    return PairEnv(python, env)
 
 
 def _run_check(cmd: Sequence[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -361,10 +345,10 @@ def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, p
     """Install (if needed) and check one pair in a subprocess (only ``props`` when given)."""
     start = time.perf_counter()
     try:
-        env = pair_env(ensure_release("dynamo", dynamo, log=log), ensure_release("sglang", sglang, log=log), sglang)
-    except (MatrixError, subprocess.TimeoutExpired, OSError) as exc:
+        python, env = pair_env(ensure_release("dynamo", dynamo, log=log), ensure_release("sglang", sglang, log=log), sglang)
+    except (MatrixError, ReleaseEnvError, subprocess.TimeoutExpired, OSError) as exc:
         return PairResult(dynamo, sglang, "error", error=str(exc), seconds=time.perf_counter() - start)
-    cmd = [sys.executable, "-m", "kvalign", "check", "--json", "--examples", str(examples),
+    cmd = [python, "-m", "kvalign", "check", "--json", "--examples", str(examples),
            "--ingest-examples", str(ingest_examples), *(a for p in props or () for a in ("--property", p))]
     try:
         res = _run_check(cmd, env)

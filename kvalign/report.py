@@ -3,7 +3,7 @@
 A matrix cell says *that* a pair disagrees; an upstream maintainer needs the evidence: the shrunk
 counterexample, the bytes the engine put on the wire, what the router indexed from them, what the
 engine holds, and where in each release's source the behaviour comes from. :func:`collect` runs in
-the pair's own environment (the matrix's per-version cache first on ``PYTHONPATH``): it searches the
+the pair's own environment (:mod:`kvalign.release_env`, the matrix's per-version cache): it searches the
 properties for the finding with Hypothesis, then replays the shrunk example once more through the
 real SGLang cache, SGLang's real ZMQ publisher and Dynamo's real relay + ``KvRouter``, recording the
 wire frames at the loopback hop between them. :func:`render` turns that JSON into Markdown.

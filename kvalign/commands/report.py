@@ -2,8 +2,8 @@
 
 The pair defaults to the installed Dynamo release and the SGLang its ``ai-dynamo[sglang]`` extra
 pins (the pair a deployment runs). The releases come from ``kvalign matrix``'s per-version cache;
-the evidence is collected in a subprocess with that pair first on ``PYTHONPATH``
-(:mod:`kvalign.report`). Exit 0 report printed, 1 the finding does not reproduce on that pair
+the evidence is collected in a subprocess run by that pair's own environment
+(:mod:`kvalign.report`, :mod:`kvalign.release_env`). Exit 0 report printed, 1 the finding does not reproduce on that pair
 (no report), 2 usage or environment error.
 """
 
@@ -41,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvalign.commands.matrix import VERSION
     from kvalign.matrix import MatrixError, ensure_release, installed, one_line, pair_env, shipped_sglang
+    from kvalign.release_env import ReleaseEnvError
 
     if args.finding not in Cause.__members__:
         raise UsageError(f"unknown finding {args.finding!r}; expected a cause name such as LORA_NOT_IN_EVENTS "
@@ -57,13 +58,13 @@ def run(args: argparse.Namespace) -> int:
         sglang = args.sglang or shipped_sglang(dynamo, log=log)
         if sglang is None:
             raise UsageError(f"ai-dynamo {dynamo} pins no sglang release: pass --sglang VERSION")
-        env = pair_env(ensure_release("dynamo", dynamo, log=log), ensure_release("sglang", sglang, log=log), sglang)
-    except MatrixError as exc:
+        python, env = pair_env(ensure_release("dynamo", dynamo, log=log), ensure_release("sglang", sglang, log=log), sglang)
+    except (MatrixError, ReleaseEnvError) as exc:
         raise UsageError(one_line(str(exc))) from None
     print(f"kvalign report: {args.finding} on ai-dynamo {dynamo} x sglang {sglang} (searching, then replaying)",
           file=err, flush=True)
     modes = args.modes or ["plain", "eagle"]
-    cmd = [sys.executable, "-m", "kvalign.report", args.finding, "--examples", str(args.examples),
+    cmd = [python, "-m", "kvalign.report", args.finding, "--examples", str(args.examples),
            *[a for m in modes for a in ("--mode", m)]]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=COLLECT_TIMEOUT_S)

@@ -86,10 +86,12 @@ def test_id_zero_is_the_word_the_zero_head_generates(tmp_path):
     assert len(prompt_tokens(str(target), "the quick brown fox")) == 4 + 3
 
 
-def test_a_release_without_bind_gets_an_ipc_publisher_and_a_loopback_forwarder(tmp_path):
+def test_a_release_without_bind_gets_an_ipc_publisher_and_a_loopback_forwarder(tmp_path, monkeypatch):
     """0.5.21 from the wheel cache (a directory given, nothing installed here: only the commands)."""
     from kvalign.live.engines.sglang_cpu import SglangCpuWorkerKind
+    from kvalign.release_env import python_for
 
+    monkeypatch.setenv("KVALIGN_WHEEL_CACHE", str(tmp_path / "cache"))
     plan, _ = plan_cluster(Topology.disaggregated(2, 1, eagle=True), tmp_path)
     release = tmp_path / "sglang-0.5.21"
     kind = SglangCpuWorkerKind("draft", sglang_version="0.5.21", sglang_dir=release)
@@ -103,8 +105,9 @@ def test_a_release_without_bind_gets_an_ipc_publisher_and_a_loopback_forwarder(t
         config = json.loads(_flags(command.argv)["--kv-events-config"])
         assert "bind" not in config and config["endpoint"] == bind  # the relay's address, served by the forwarder
         assert command.env[sglang_cpu_standin.KV_EVENTS_IPC_ENV] == ipc and ipc.startswith("ipc://")
-        path = command.env["PYTHONPATH"].split(":")
-        assert path[:2] == [str(sglang_cpu_standin.SITE_DIR), str(release)]
+        # the release's own environment runs the worker; the stand-in alone on PYTHONPATH, before it
+        assert command.argv[0] == python_for([release]) != plan.python
+        assert command.env["PYTHONPATH"] == str(sglang_cpu_standin.SITE_DIR)
         assert command.env["TORCH_EXTENSIONS_DIR"].endswith("sglang-0.5.21")
     current = SglangCpuWorkerKind("draft")  # the environment's 0.5.23 binds its own PUB
     assert current.support_specs(plan) == [] and sglang_cpu_standin.KV_EVENTS_IPC_ENV not in current.command(

@@ -22,7 +22,7 @@ from packaging.requirements import Requirement
 from kvalign.check import MODES, PROPERTIES
 from kvalign import matrix
 from kvalign.cli import main
-from kvalign.matrix import (DEFAULT_SGLANG, MatrixError, Pair, PairResult, _version_key, cache_root,
+from kvalign.matrix import (MatrixError, Pair, PairEnv, PairResult, cache_root,
                             default_dynamo_versions, ensure_release, pair_env, plan_pairs, render, requires_dist,
                             result_from_row, sglang_roots, shipped_sglang, shipped_sglang_from_metadata, table,
                             unsatisfied)
@@ -136,13 +136,16 @@ def test_an_error_row_carries_its_reason_in_one_line():
     assert "error" not in PairResult("1.6.1", "0.5.23", "aligned").as_json()
 
 
-def test_pair_env_puts_the_releases_first(tmp_path, monkeypatch):
+def test_pair_env_runs_the_releases_in_an_environment_of_their_own(tmp_path, monkeypatch):
     monkeypatch.setenv("KVALIGN_WHEEL_CACHE", str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
-    env = pair_env(tmp_path / "ai-dynamo-1.0.2", None, "0.5.23")
-    parts = env["PYTHONPATH"].split(os.pathsep)
-    assert parts[0] == str(tmp_path / "ai-dynamo-1.0.2") and parts[1] == str(ROOT) and parts[-1] == "/elsewhere"
+    python, env = pair_env(tmp_path / "ai-dynamo-1.0.2", None, "0.5.23")
+    assert python != sys.executable and Path(python).is_relative_to(tmp_path / "envs")
+    assert "PYTHONPATH" not in env  # an inherited entry would precede the release
     assert env["TORCH_EXTENSIONS_DIR"].startswith(str(tmp_path)) and cache_root() == tmp_path
+    # the installed pair runs in the running interpreter, its environment as is
+    python, env = pair_env(None, None, "0.5.23")
+    assert python == sys.executable and env["PYTHONPATH"] == "/elsewhere"
 
 
 def test_default_dynamo_releases_are_read_from_the_index_and_filtered():
@@ -262,7 +265,7 @@ def test_a_row_a_release_cannot_run_is_n_a_with_its_reason_never_ok():
             result_from_row({**row.as_json(), "not_applicable": bad})
 
 
-def _shipped_pair_env(dynamo: str) -> tuple[str, dict[str, str]]:
+def _shipped_pair_env(dynamo: str) -> tuple[str, PairEnv]:
     """The shipped SGLang of ``dynamo`` and the environment ``matrix`` checks that pair in (installed into
     the wheel cache as ``matrix`` installs it); skips where the package index cannot be reached."""
     try:
@@ -273,9 +276,9 @@ def _shipped_pair_env(dynamo: str) -> tuple[str, dict[str, str]]:
         pytest.skip(f"ai-dynamo {dynamo} or its shipped SGLang cannot be installed here: {exc}")
 
 
-def _check_in(env: dict[str, str], *argv: str) -> dict:
-    res = subprocess.run([sys.executable, "-m", "kvalign", "check", "--json", *argv], capture_output=True, text=True,
-                         env=env, timeout=900, cwd=ROOT)
+def _check_in(pair: PairEnv, *argv: str) -> dict:
+    res = subprocess.run([pair.python, "-m", "kvalign", "check", "--json", *argv], capture_output=True, text=True,
+                         env=pair.env, timeout=900, cwd=ROOT)
     assert res.returncode in (0, 1), res.stderr[-2000:]
     return json.loads(res.stdout.splitlines()[-1])
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Mapping
@@ -28,6 +29,7 @@ from pathlib import Path
 from kvalign.live.cluster import discovery
 from kvalign.live.wire.capture import EventCapture
 from kvalign.live.wire.client import wait_ready
+from kvalign.release_env import python_for
 from kvalign.live.engines.model_dir import MODEL_NAME, write_model_dir
 from kvalign.live.cluster.discovery import EtcdStore
 from kvalign.live.cluster.ports import LOOPBACK, PortPool
@@ -44,7 +46,8 @@ def make_plan(
 
     ``control_plane``: ``"file"`` (no service) or ``"etcd-nats"`` (etcd + nats-server processes).
     ``dynamo_dir``: another Dynamo release's directory (``kvalign matrix``'s wheel cache) that every
-    process runs, ``dynamo_version`` its version.
+    process runs, ``dynamo_version`` its version: every process is started by the interpreter of that
+    release's own environment (:func:`kvalign.release_env.python_for`).
     """
     run = Path(run_dir).resolve()
     run.mkdir(parents=True, exist_ok=True)
@@ -60,7 +63,7 @@ def make_plan(
         topology=topology, namespace=namespace or f"kvalign-{uuid.uuid4().hex[:10]}",
         model_path=str(model_path), model_name=model_name or Path(model_path).name, run_dir=run,
         http_port=pool.take("frontend.http"), control_plane=control_plane, dynamo_dir=dynamo_dir,
-        dynamo_version=dynamo_version, **control,
+        dynamo_version=dynamo_version, python=python_for([dynamo_dir]) if dynamo_dir else sys.executable, **control,
     )
     for w in topology.workers:
         plan.worker_ports[w.name] = WorkerPorts.allocate(pool, w.name)

@@ -28,7 +28,6 @@ plane registers only a subject, ``ns_component.generate-<id>``, nothing that nam
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -146,7 +145,7 @@ class ClusterPlan:
     etcd_client: int | None = None  # etcd-nats control plane
     etcd_peer: int | None = None
     nats_port: int | None = None
-    dynamo_dir: Path | None = None  # another Dynamo release (kvalign matrix's wheel cache), first on PYTHONPATH
+    dynamo_dir: Path | None = None  # another Dynamo release (kvalign matrix's wheel cache), run by ``python``
     dynamo_version: str | None = None
 
     def __post_init__(self) -> None:
@@ -212,12 +211,10 @@ class ClusterPlan:
         }
 
     def release_path(self) -> dict[str, str]:
-        """Every process of a cluster on another Dynamo release runs that release: its wheel-cache
-        directory first on ``PYTHONPATH`` (frontend, runtime bindings, relay), then this kvalign."""
-        if self.dynamo_dir is None:
-            return {}
-        parts = [str(self.dynamo_dir), str(Path(__file__).resolve().parents[3]), os.environ.get("PYTHONPATH", "")]
-        return {"PYTHONPATH": os.pathsep.join(p for p in parts if p)}
+        """Every process of a cluster on another Dynamo release runs that release: ``python`` is the
+        interpreter of the release's own environment (frontend, runtime bindings, relay); an
+        inherited ``PYTHONPATH`` would come before its site-packages, so it is emptied."""
+        return {} if self.dynamo_dir is None else {"PYTHONPATH": ""}
 
     def worker_env(self, worker: WorkerSpec) -> dict[str, str]:
         """Plane env plus this worker's own request-plane and system ports.

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvalign.release_env import python_for
 from kvalign import sglang_cpu_standin
 from kvalign.live.cluster.lifecycle import make_plan
 from kvalign.live.engines.engine_model import TARGET_NAME, Draft, write_models
@@ -60,8 +61,9 @@ class CpuEagle:
 class SglangCpuWorkerKind:
     """Builds each worker's real ``dynamo.sglang`` command on CPU (a :class:`WorkerKind`).
 
-    ``sglang_dir``: a release from ``kvalign matrix``'s wheel cache, put first on the workers'
-    ``PYTHONPATH`` (after the stand-in) so they run that SGLang; None runs the environment's.
+    ``sglang_dir``: a release from ``kvalign matrix``'s wheel cache: the workers are started by the
+    interpreter of its own environment (:func:`kvalign.release_env.python_for`, with the plan's Dynamo
+    release when it has one), the stand-in alone on ``PYTHONPATH``; None runs the environment's.
     """
 
     name = "sglang-cpu"
@@ -87,6 +89,12 @@ class SglangCpuWorkerKind:
         path.parent.mkdir(parents=True, exist_ok=True)
         return f"ipc://{path}"
 
+    def _python(self, plan: ClusterPlan) -> str:
+        """The workers' interpreter: the release's environment when the workers run another SGLang."""
+        if self.sglang_dir is None:
+            return plan.python
+        return python_for([d for d in (plan.dynamo_dir, self.sglang_dir) if d is not None])
+
     def support_specs(self, plan: ClusterPlan) -> list[ProcessSpec]:
         """A loopback KV-event forwarder per publishing worker when the release cannot bind."""
         if self.release.kv_events_bind:
@@ -105,7 +113,7 @@ class SglangCpuWorkerKind:
         wrapped = forced_off or hop is not None
         entry = ["-m", "kvalign.live.engines.sglang_worker"] if wrapped else ["-m", "dynamo.sglang"]
         argv = [
-            plan.python, *entry, "--model-path", plan.model_path, "--served-model-name", plan.model_name,
+            self._python(plan), *entry, "--model-path", plan.model_path, "--served-model-name", plan.model_name,
             "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
             "--disable-overlap-schedule", "--page-size", str(plan.topology.page_size),
             "--max-total-tokens", str(self.decode_max_total_tokens if worker.role == "decode" and self.decode_max_total_tokens
@@ -122,10 +130,9 @@ class SglangCpuWorkerKind:
             argv += ["--decode-log-interval", "1"]
         if worker.eagle:
             argv += self.eagle.args(str(self.draft_model))
-        path = os.pathsep.join(p for p in (str(self.sglang_dir) if self.sglang_dir else "",
-                                           os.environ.get("PYTHONPATH", "")) if p)
         env = {
-            **plan.worker_env(worker), **sglang_cpu_standin.worker_env(path or None),
+            **plan.worker_env(worker),
+            **sglang_cpu_standin.worker_env(None if self.sglang_dir else os.environ.get("PYTHONPATH") or None),
             "OMP_NUM_THREADS": str(self.threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "TORCH_EXTENSIONS_DIR": torch_extensions_dir(self.sglang_version),
             **({ROUTER_EAGLE_ENV: "off"} if forced_off else {}), **({RELAY_SUBSCRIBE_ENV: hop} if hop else {}),
