@@ -70,8 +70,16 @@ class SglangCpuWorkerKind:
 
     def __init__(self, draft_model: str | None, *, eagle: CpuEagle = CpuEagle(), max_total_tokens: int = 4096,
                  threads: int = 2, sglang_version: str = sglang_cpu_standin.SGLANG_VERSION,
-                 sglang_dir: Path | None = None, relay_subscribe: Mapping[str, str] | None = None) -> None:
+                 sglang_dir: Path | None = None, relay_subscribe: Mapping[str, str] | None = None,
+                 sleep_on_idle: bool = True) -> None:
         self.draft_model, self.eagle = draft_model, eagle
+        #: SGLang's ``--sleep-on-idle`` (0.5.19, 0.5.21, 0.5.23): without it each scheduler spins a core
+        #: while it has nothing to do, so a 3-worker cluster on two cores starves the router, the
+        #: harness and everything else on the machine. A fully idle scheduler then blocks in
+        #: ``zmq.Poller.poll`` on its tokenizer and RPC sockets, waking on the next request; it
+        #: publishes its KV events before it sleeps and never sleeps with a transfer in flight.
+        #: ``bench/bench_live_idle.py`` measures the difference.
+        self.sleep_on_idle = sleep_on_idle
         self.max_total_tokens, self.threads = max_total_tokens, threads
         #: the decode workers' pool when it must differ (a small prefill pool that evicts): SGLang's
         #: decode pre-allocation reserves ``--num-reserved-decode-tokens`` (512) per request, so a
@@ -118,6 +126,7 @@ class SglangCpuWorkerKind:
             "--disable-overlap-schedule", "--page-size", str(plan.topology.page_size),
             "--max-total-tokens", str(self.decode_max_total_tokens if worker.role == "decode" and self.decode_max_total_tokens
                                      else self.max_total_tokens), "--host", "127.0.0.1", "--enable-metrics",
+            *(["--sleep-on-idle"] if self.sleep_on_idle else []),
         ]
         if worker.publishes_kv_events:
             argv += ["--kv-events-config", plan.kv_events_config(worker, bind=self.release.kv_events_bind)]
