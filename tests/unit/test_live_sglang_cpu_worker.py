@@ -53,6 +53,15 @@ def test_negative_control_worker_forces_the_card_off_and_plain_workers_have_no_d
     assert "--speculative-algorithm" not in argv and "--disaggregation-mode" not in argv
 
 
+def test_every_worker_sleeps_when_idle_unless_told_not_to(tmp_path):
+    """An idle scheduler without --sleep-on-idle spins a core (bench/bench_live_idle.py: 1.66 of 2
+    cores for an idle 2 prefill + 1 decode cluster); the benchmark's spinning side turns it off."""
+    plan, kind = plan_cluster(Topology.disaggregated(2, 1, eagle=True), tmp_path)
+    assert all("--sleep-on-idle" in kind.command(w, plan).argv for w in plan.topology.workers)
+    kind.sleep_on_idle = False
+    assert not any("--sleep-on-idle" in kind.command(w, plan).argv for w in plan.topology.workers)
+
+
 def test_only_the_eagle_settings_torch_native_can_run():
     with pytest.raises(ValueError, match="num-steps 1"):
         CpuEagle(num_steps=3)
