@@ -296,21 +296,29 @@ def engine_batches(make_cache: CacheFactory, isc: IngestScenario, shift: Callabl
 
 
 def ingest_property(path: Any, hasher: RouterHasher, make_cache: CacheFactory, isc: IngestScenario) -> None:
-    """SGLang's published events, ingested by the real relay into a real router, give SGLang's reuse."""
+    """SGLang's published events, ingested by the real relay into a real router, give SGLang's reuse.
+
+    A path that cannot answer at any step (a worker that cannot start, a runtime loop that stopped
+    returning) is PATH_UNAVAILABLE for the example, at once: an exception of another kind would be
+    shrunk by Hypothesis, every attempt waiting on the same dead path."""
+    try:
+        _ingest(path, hasher, make_cache, isc)
+    except OracleUnavailable as exc:
+        raise Mismatch("ingest", str(exc), Cause.PATH_UNAVAILABLE, isc) from None
+
+
+def _ingest(path: Any, hasher: RouterHasher, make_cache: CacheFactory, isc: IngestScenario) -> None:
     from kvalign.oracles.sglang import to_kvalign_event
 
     sc = isc.scenario
     p, eagle = sc.page_size, sc.eagle
-    try:
-        worker = path.worker(p, eagle)
+    worker = path.worker(p, eagle)
+    ready = worker.barrier()
+    if not ready and worker.indexed_once and (p, eagle) not in path.refreshed:
+        # A worker that went quiet between examples (an idle registration some releases expire in
+        # this in-process runtime) is replaced once; only a fresh relay that also stops is a finding.
+        worker = path.worker(p, eagle, fresh=True)
         ready = worker.barrier()
-        if not ready and worker.indexed_once and (p, eagle) not in path.refreshed:
-            # A worker that went quiet between examples (an idle registration some releases expire in
-            # this in-process runtime) is replaced once; only a fresh relay that also stops is a finding.
-            worker = path.worker(p, eagle, fresh=True)
-            ready = worker.barrier()
-    except OracleUnavailable as exc:
-        raise Mismatch("ingest", str(exc), Cause.PATH_UNAVAILABLE, isc) from None
     if not ready and worker.indexed_once:
         raise Mismatch("ingest", f"Dynamo {path.version}'s relay stopped indexing altogether after an earlier batch "
                        "(every later event is dropped)", Cause.EVENTS_DROPPED, isc)

@@ -269,8 +269,8 @@ class RouterPath:
         #: (block size, eagle) keys whose worker was already replaced once (never again: a relay that
         #: stops twice is a finding, and waiting on it for every example would only cost time)
         self.refreshed: set[tuple[int, bool]] = set()
-        #: why the in-process runtime is unusable (a registration that never returned: 1.3.1's KvRouter
-        #: can block its event loop), so later workers fail at once instead of each waiting CALL_TIMEOUT_S
+        #: why the in-process runtime is unusable (a call that never returned: 1.3.1's and 1.0.2's KvRouter
+        #: can block its event loop), so every later call fails at once instead of each waiting CALL_TIMEOUT_S
         self.wedged: str | None = None
         try:
             self.runtime = self.call(self._start)
@@ -287,13 +287,28 @@ class RouterPath:
             return self.core.DistributedRuntime(loop, "mem", "tcp", False)
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn`` on the runtime's loop (the binding's coroutines must be created there)."""
+        """Run ``fn`` on the runtime's loop (the binding's coroutines must be created there).
+
+        A call that does not return within ``CALL_TIMEOUT_S`` means the loop itself is stuck (seen:
+        1.0.2's ``KvRouter`` constructor blocking it while the binding's own threads wait to post to
+        it), so the path is *wedged*: this call and every later one raise :class:`OracleUnavailable`
+        at once. Waiting again per call is what once made a pair's check run past 600 s, Hypothesis
+        shrinking an example whose every query waited 30 s for a loop that would never answer.
+        """
+        if self.wedged:
+            raise OracleUnavailable(self.wedged)
 
         async def invoke() -> Any:
             result = fn(*args, **kwargs)
             return await result if inspect.isawaitable(result) else result
 
-        return asyncio.run_coroutine_threadsafe(invoke(), self._loop).result(timeout=CALL_TIMEOUT_S)
+        try:
+            return asyncio.run_coroutine_threadsafe(invoke(), self._loop).result(timeout=CALL_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+            self.wedged = (f"Dynamo {self.version}'s runtime event loop did not return from {name} within "
+                           f"{CALL_TIMEOUT_S:.0f} s (the in-process relay / router path is stuck)")
+            raise OracleUnavailable(self.wedged) from None
 
     def _set(self, obj: Any, name: str, value: Any) -> None:
         try:
@@ -344,13 +359,13 @@ class RouterPath:
                 raise
             except BaseException as exc:  # pyo3 panics are BaseExceptions
                 pub.close()
-                why = (f"Dynamo {self.version} cannot start a worker relay + KvRouter for block size {block_size}"
-                       f"{' (EAGLE)' if eagle else ''}: {type(exc).__name__}: "
-                       f"{str(exc).splitlines()[0] if str(exc) else ''}")
-                if isinstance(exc, concurrent.futures.TimeoutError):
-                    self.wedged = why + f" (its runtime's event loop did not return within {CALL_TIMEOUT_S:.0f} s)"
+                what = (f"Dynamo {self.version} cannot start a worker relay + KvRouter for block size {block_size}"
+                        f"{' (EAGLE)' if eagle else ''}")
+                if self.wedged:  # the registration is what got stuck: say which worker it was
+                    self.wedged = f"{what}: {self.wedged}"
                     raise OracleUnavailable(self.wedged) from None
-                raise OracleUnavailable(why) from None
+                raise OracleUnavailable(f"{what}: {type(exc).__name__}: "
+                                        f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
             self._workers[key] = IngestWorker(self, block_size, eagle, pub, router, relay)
         return self._workers[key]
 

@@ -29,6 +29,8 @@ from kvalign.matrix import (MatrixError, Pair, PairEnv, PairResult, cache_root,
 from kvalign.versions import installed_versions
 
 OLD_DYNAMO = "1.0.2"
+#: what an ingest row says when the in-process runtime's loop stopped answering (kvalign.oracles.router_path)
+STUCK_LOOP = "runtime event loop did not return from"
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -204,10 +206,15 @@ def test_uninstallable_release_is_an_error_row_exit_2(tmp_path):
 @pytest.mark.slow  # installs (or reuses) a real Dynamo release and runs check on it: about 1 minute
 @pytest.mark.timeout(900)
 def test_older_dynamo_release_against_the_installed_sglang(sglang_available):
-    res = _kvalign("matrix", "--dynamo", OLD_DYNAMO, "--sglang", sglang_available, "--json", "--examples", "40",
-                   "--ingest-examples", "12")
-    report = json.loads(res.stdout)
-    (row,) = report["rows"]
+    argv = ("matrix", "--dynamo", OLD_DYNAMO, "--sglang", sglang_available, "--json", "--examples", "40",
+            "--ingest-examples", "12")
+    res = _kvalign(*argv)
+    (row,) = json.loads(res.stdout)["rows"]
+    if any(STUCK_LOOP in f["detail"] for f in row["findings"]):
+        # 1.0.2's binding can deadlock its runtime's loop in KvRouter's constructor (seen 2 runs in ~6,
+        # stacks in the check's log); the row says so (PATH_UNAVAILABLE), and one more run checks the rest
+        res = _kvalign(*argv)
+        (row,) = json.loads(res.stdout)["rows"]
     if row["verdict"] == "error" and "cannot install" in res.stderr:
         pytest.skip(f"ai-dynamo {OLD_DYNAMO} cannot be installed here: {res.stderr.strip().splitlines()[-1]}")
     assert res.returncode == 1, res.stderr

@@ -114,3 +114,30 @@ def test_bigram_blind_relay_is_events_dropped_in_eagle_mode_only(paths, router_h
     assert _search(path, router_hasher, cache_factory, eagle=False)[2] is None
     found = _search(path, router_hasher, cache_factory, eagle=True)[2]
     assert found is not None and found.cause.name == "EVENTS_DROPPED" and "BlockStored[bigram" in found.detail
+
+
+def test_a_stuck_runtime_loop_is_path_unavailable_at_once_not_waited_on_per_call(sglang_available, router_hasher,
+                                                                                 cache_factory, monkeypatch):
+    """1.0.2's KvRouter once blocked the runtime's loop inside a pair's check: every later call then
+    waited CALL_TIMEOUT_S while Hypothesis shrank, past the matrix's 600 s. After one call times out
+    the path is wedged: the example is PATH_UNAVAILABLE and no later call is handed to the loop."""
+    import asyncio
+    import time
+
+    from kvalign.oracles import router_path
+
+    path = _open(None)
+    try:
+        assert _search(path, router_hasher, cache_factory, eagle=False)[2] is None  # a working path first
+        handed: list[object] = []
+        real = asyncio.run_coroutine_threadsafe
+        monkeypatch.setattr(router_path.asyncio, "run_coroutine_threadsafe",
+                            lambda coro, loop: handed.append(coro) or real(coro, loop))
+        monkeypatch.setattr(router_path, "CALL_TIMEOUT_S", 0.3)
+        path._loop.call_soon_threadsafe(time.sleep, 3.0)  # the loop stops answering, as it did
+        calls, failures, found = _search(path, router_hasher, cache_factory, eagle=False)
+        assert found is not None and found.cause.name == "PATH_UNAVAILABLE", found
+        assert "did not return from" in found.detail and path.wedged
+        assert len(handed) == 1 and calls >= 1  # the call that timed out; every later one failed at once
+    finally:
+        path.close()
