@@ -15,7 +15,6 @@ The last line is ``-n N / -n 2 wall ratio: X``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
@@ -25,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paired import Paired  # noqa: E402
+from paired import Paired, parse_rounds, rounds_parser  # noqa: E402
 
 FAST = ["-m", "not slow and not e2e", "-q"]
 
@@ -42,12 +41,9 @@ def run(workers: int) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=4, help="paired rounds, at least 2 (default 4)")
+    ap = rounds_parser(__doc__, 4)
     ap.add_argument("--workers", type=int, default=4, help="B's worker count (A is 2)")
-    args = ap.parse_args()
-    if args.rounds < 2:
-        ap.error("--rounds must be at least 2 (a spread needs two ratios)")
+    args = parse_rounds(ap)
     if args.workers in (0, 2):
         ap.error("--workers must differ from A's 2 and be at least 1")
     ratios, a_walls, b_walls = [], [], []

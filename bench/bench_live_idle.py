@@ -21,7 +21,6 @@ The last lines are ``idle CPU B / A``, ``neighbour B / A`` and ``scenario B / A`
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paired import Paired  # noqa: E402
+from paired import Paired, parse_rounds, rounds_parser  # noqa: E402
 
 from kvalign.live.cluster.lifecycle import Cluster  # noqa: E402
 from kvalign.live.cluster.processes import run_pids  # noqa: E402
@@ -82,12 +81,9 @@ def one(sleep_on_idle: bool, quiet: float, tmp: Path) -> tuple[float, float, flo
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3, help="paired rounds, at least 2 (default 3)")
+    ap = rounds_parser(__doc__, 3)
     ap.add_argument("--quiet", type=float, default=10.0, help="seconds of the idle window (default 10)")
-    args = ap.parse_args()
-    if args.rounds < 2:
-        ap.error("--rounds must be at least 2 (a spread needs two ratios)")
+    args = parse_rounds(ap)
     got: dict[bool, list[tuple[float, float, float]]] = {False: [], True: []}
     with tempfile.TemporaryDirectory(prefix="kvalign-bench-idle-") as tmp:
         for r in range(args.rounds):

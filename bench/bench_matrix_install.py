@@ -21,7 +21,6 @@ The last two lines are ``cold B / A ratio: X`` and ``warm B / A ratio: Y``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -34,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paired import Paired  # noqa: E402
+from paired import Paired, parse_rounds, rounds_parser  # noqa: E402
 
 
 def export(ref: str, where: Path) -> Path:
@@ -64,15 +63,12 @@ def run(tree: Path, cache: Path, argv: list[str]) -> tuple[float, dict[tuple[str
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3, help="paired rounds, at least 2 (default 3)")
+    ap = rounds_parser(__doc__, 3)
     ap.add_argument("--before", default="c372bbc", help="the commit A runs (pip --target + PYTHONPATH)")
     ap.add_argument("--dynamo", default="1.5.1")
     ap.add_argument("--sglang", default="0.5.19,0.5.21")
     ap.add_argument("--examples", default="10")
-    args = ap.parse_args()
-    if args.rounds < 2:
-        ap.error("--rounds must be at least 2 (a spread needs two ratios)")
+    args = parse_rounds(ap)
     argv = ["--dynamo", args.dynamo, "--sglang", args.sglang, "--examples", args.examples, "--ingest-examples", "3",
             "--property", "card", "--property", "hash", "--property", "pages"]
     with tempfile.TemporaryDirectory(prefix="kvalign-bench-matrix-") as tmp:

@@ -11,6 +11,7 @@ whole batches); the garbage collector is off while timing, as in :mod:`timeit`.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import time
@@ -78,3 +79,20 @@ def paired(a: Callable[[], object], b: Callable[[], object], *, rounds: int = 30
         ta_all.append(ta / calls)
         tb_all.append(tb / calls)
     return Paired(ratios, statistics.median(ta_all), statistics.median(tb_all))
+
+
+def rounds_parser(doc: str, default_rounds: int) -> argparse.ArgumentParser:
+    """The argument parser of a benchmark that runs whole rounds (a minute-long run, not a call):
+    its description from the script's docstring and ``--rounds``; parse with :func:`parse_rounds`."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=default_rounds,
+                    help=f"paired rounds, at least 2 (default {default_rounds})")
+    return ap
+
+
+def parse_rounds(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse, refusing fewer than two rounds: a spread needs two ratios."""
+    args = ap.parse_args()
+    if args.rounds < 2:
+        ap.error("--rounds must be at least 2 (a spread needs two ratios)")
+    return args
