@@ -36,6 +36,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from kvalign import local_build
+from kvalign.oracles.router_path import STUCK_EXIT_S, STUCK_MARK
 from kvalign.release_env import ReleaseEnvError, cache_root, child_env, install, locked, python_for
 from kvalign.check import MODES, PROPERTIES
 from kvalign.runtime_log import log_dir
@@ -337,7 +338,27 @@ def _run_check(cmd: Sequence[str], env: dict[str, str]) -> subprocess.CompletedP
             logs = sorted(log_dir().glob(f"check-*-{proc.pid}.log"))
             where = f"; its threads' stacks when it was stopped: {logs[-1]}" if logs else ""
             raise MatrixError(f"check did not finish within {PAIR_TIMEOUT_S}s{where}") from None
+        if not any(line.startswith("{") for line in out.splitlines()):  # no report: did it deadlock?
+            stuck = _stuck_log(proc.pid)
+            if stuck is not None:
+                raise RuntimeDeadlock(f"the check's in-process Dynamo runtime deadlocked (no call came back within "
+                                      f"{STUCK_EXIT_S:.0f}s); its threads' stacks: {stuck}")
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+class RuntimeDeadlock(MatrixError):
+    """A pair's check exited through the router path's deadlock watchdog (``STUCK_EXIT_S``)."""
+
+
+def _stuck_log(pid: int) -> Path | None:
+    """The check's runtime log when faulthandler's watchdog wrote it (the process deadlocked)."""
+    for log in sorted(log_dir().glob(f"check-*-{pid}.log")):
+        try:
+            if STUCK_MARK in log.read_text(errors="replace"):
+                return log
+        except OSError:
+            continue
+    return None
 
 
 def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, props: Sequence[str] | None = None,
@@ -351,7 +372,11 @@ def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, p
     cmd = [python, "-m", "kvalign", "check", "--json", "--examples", str(examples),
            "--ingest-examples", str(ingest_examples), *(a for p in props or () for a in ("--property", p))]
     try:
-        res = _run_check(cmd, env)
+        try:
+            res = _run_check(cmd, env)
+        except RuntimeDeadlock as exc:  # intermittent (1.0.2's KvRouter constructor): the pair gets one more run
+            log(f"  {dynamo} x {sglang}: {exc}; running its check once more")
+            res = _run_check(cmd, env)
     except MatrixError as exc:
         return PairResult(dynamo, sglang, "error", error=str(exc), seconds=time.perf_counter() - start)
     seconds = time.perf_counter() - start

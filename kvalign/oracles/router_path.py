@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import faulthandler
 import importlib.metadata
 import inspect
 import itertools
@@ -39,6 +40,13 @@ from kvalign.oracles.base import OracleUnavailable
 LOOPBACK = "127.0.0.1"
 #: Seconds one binding call may take (they take milliseconds).
 CALL_TIMEOUT_S = 30.0
+#: Seconds after which a call that has not come back means the *process* is deadlocked, not just the
+#: loop: 1.0.2's ``KvRouter`` constructor can block the loop thread while holding the GIL, waiting on
+#: the binding's own threads, which wait for the GIL; then not even the caller's timeout can run.
+#: faulthandler's watchdog (a C thread, no GIL) then writes every thread's stack to stderr and exits
+#: the process with status 1, instead of leaving it hung; :data:`STUCK_MARK` starts what it writes.
+STUCK_EXIT_S = 90.0
+STUCK_MARK = "Timeout ("
 #: How long to wait for a published batch to show up in the router's index.
 INGEST_TIMEOUT_S = 4.0
 #: Width of one example's token range (kvalign's strategies draw ingest tokens from a vocabulary of 4).
@@ -302,6 +310,7 @@ class RouterPath:
             result = fn(*args, **kwargs)
             return await result if inspect.isawaitable(result) else result
 
+        faulthandler.dump_traceback_later(STUCK_EXIT_S, exit=True)
         try:
             return asyncio.run_coroutine_threadsafe(invoke(), self._loop).result(timeout=CALL_TIMEOUT_S)
         except concurrent.futures.TimeoutError:
@@ -309,6 +318,8 @@ class RouterPath:
             self.wedged = (f"Dynamo {self.version}'s runtime event loop did not return from {name} within "
                            f"{CALL_TIMEOUT_S:.0f} s (the in-process relay / router path is stuck)")
             raise OracleUnavailable(self.wedged) from None
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
     def _set(self, obj: Any, name: str, value: Any) -> None:
         try:
@@ -334,6 +345,10 @@ class RouterPath:
         # As dynamo.sglang builds it: kv_block_size = page size, topic "", local indexer on (its default).
         relay = c.KvEventPublisher(endpoint, kv_block_size=block_size, zmq_endpoint=zmq_endpoint, zmq_topic="",
                                    enable_local_indexer=True)
+        # Let the binding's threads finish handing results back to this loop (call_soon_threadsafe needs
+        # the GIL) before a constructor that can block this thread while holding it: the deadlock in
+        # both stuck 1.0.2 checks had two of them inside call_soon_threadsafe (see STUCK_EXIT_S).
+        await asyncio.sleep(0.1)
         router = c.KvRouter(endpoint, block_size, c.KvRouterConfig(use_kv_events=True))
         return relay, router
 
