@@ -69,4 +69,7 @@ def test_relay_and_router_of_1_3_1_in_their_own_processes_keep_indexing(release_
     table = scenario.table(records)
     print(table)
     assert [r.observed for r in records] == [r.predicted for r in records], table  # exact, every request
-    assert all(r.observed > 0 for r in records[1:]), table  # the relay never stopped: later requests credited
+    # the relay never stopped: every request sent to a worker that served an earlier (prefix) request
+    # is credited; the router may send one to the other worker (load), which holds nothing yet: 0 there
+    warm = [r for i, r in enumerate(records) if r.worker in {p.worker for p in records[:i]}]
+    assert len(warm) >= len(records) // 2 and all(r.observed > 0 for r in warm), table
