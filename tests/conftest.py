@@ -124,22 +124,16 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return FAST_TIER_WORKERS if "not slow" in expr and "not e2e" in expr else SUITE_WORKERS
 
 
-#: live test files that start only small fake-CPU clusters of their own (see XdistTotals)
-SMALL_LIVE_FILES = frozenset({"tests/e2e/test_dynamo_releases.py", "tests/e2e/test_control_plane.py"})
 _WORKER_CASES: list[int] = []  # generated cases each finished xdist worker reported
 _WORKER_SUMMARY: list[str] = []  # summary lines a worker's conftest left (tests/e2e: the shared clusters)
 
 
 class XdistTotals:
     """Under pytest-xdist each worker counts its own cases; the controller adds them up. And it
-    schedules: a test file runs on one worker (its module fixtures are set up once), and the live
-    tests (``tests/e2e/``) on one worker, in file order, so the shared clusters start once and two
-    real-engine clusters never share the two cores. The files in :data:`SMALL_LIVE_FILES` are the
-    exception: each starts one small fake-CPU cluster of its own (no shared configuration, no real
-    engine), which costs the other worker no more than a unit file's ``check`` run, so they run as
-    ordinary files there and take ~55 s off the live worker, the suite's critical path. (xdist's
-    ``loadgroup`` would say this with markers, but it renames node ids through an attribute pytest 9
-    no longer reads, so its groups are lost.)"""
+    schedules: a test file runs on one worker (its module fixtures are set up once), and every live
+    test (``tests/e2e/``) on one worker, in file order, so two live clusters never share the two
+    cores. (xdist's ``loadgroup`` would say this with markers, but it renames node ids through an
+    attribute pytest 9 no longer reads, so its groups are lost.)"""
 
     @pytest.hookimpl
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log: object) -> object:
@@ -147,8 +141,7 @@ class XdistTotals:
 
         class FilesAndLive(LoadScopeScheduling):
             def _split_scope(self, nodeid: str) -> str:
-                path = nodeid.split("::", 1)[0]
-                return "live" if path.startswith("tests/e2e/") and path not in SMALL_LIVE_FILES else path
+                return "live" if nodeid.startswith("tests/e2e/") else nodeid.split("::", 1)[0]
 
         return FilesAndLive(config, log)
 
