@@ -116,6 +116,7 @@ def test_bigram_blind_relay_is_events_dropped_in_eagle_mode_only(paths, router_h
     assert found is not None and found.cause.name == "EVENTS_DROPPED" and "BlockStored[bigram" in found.detail
 
 
+@pytest.mark.slow  # a RouterPath of its own (a runtime start and a search), then a stuck loop
 def test_a_stuck_runtime_loop_is_path_unavailable_at_once_not_waited_on_per_call(sglang_available, router_hasher,
                                                                                  cache_factory, monkeypatch):
     """1.0.2's KvRouter once blocked the runtime's loop inside a pair's check: every later call then
