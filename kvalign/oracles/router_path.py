@@ -345,10 +345,12 @@ class RouterPath:
         # As dynamo.sglang builds it: kv_block_size = page size, topic "", local indexer on (its default).
         relay = c.KvEventPublisher(endpoint, kv_block_size=block_size, zmq_endpoint=zmq_endpoint, zmq_topic="",
                                    enable_local_indexer=True)
-        # Let the binding's threads finish handing results back to this loop (call_soon_threadsafe needs
-        # the GIL) before a constructor that can block this thread while holding it: the deadlock in
-        # both stuck 1.0.2 checks had two of them inside call_soon_threadsafe (see STUCK_EXIT_S).
-        await asyncio.sleep(0.1)
+        if _version_tuple(self.version) < (1, 1):
+            # Let the binding's threads finish handing results back to this loop (call_soon_threadsafe
+            # needs the GIL) before a constructor that can block this thread while holding it: the
+            # deadlock of both stuck 1.0.2 checks had two of them inside call_soon_threadsafe
+            # (STUCK_EXIT_S). Seen only on 1.0.x, so only 1.0.x pays the pause.
+            await asyncio.sleep(0.1)
         router = c.KvRouter(endpoint, block_size, c.KvRouterConfig(use_kv_events=True))
         return relay, router
 
