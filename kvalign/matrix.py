@@ -335,7 +335,7 @@ def _run_check(cmd: Sequence[str], env: dict[str, str]) -> subprocess.CompletedP
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.communicate()
-            logs = sorted(log_dir().glob(f"check-*-{proc.pid}.log"))
+            logs = _check_logs(proc.pid)
             where = f"; its threads' stacks when it was stopped: {logs[-1]}" if logs else ""
             raise MatrixError(f"check did not finish within {PAIR_TIMEOUT_S}s{where}") from None
         if not any(line.startswith("{") for line in out.splitlines()):  # no report: did it deadlock?
@@ -350,9 +350,14 @@ class RuntimeDeadlock(MatrixError):
     """A pair's check exited through the router path's deadlock watchdog (``STUCK_EXIT_S``)."""
 
 
+def _check_logs(pid: int) -> list[Path]:
+    """The runtime logs of the check process ``pid`` (:mod:`kvalign.runtime_log` names them by pid)."""
+    return sorted(log_dir().glob(f"check-*-{pid}.log"))
+
+
 def _stuck_log(pid: int) -> Path | None:
     """The check's runtime log when faulthandler's watchdog wrote it (the process deadlocked)."""
-    for log in sorted(log_dir().glob(f"check-*-{pid}.log")):
+    for log in _check_logs(pid):
         try:
             if STUCK_MARK in log.read_text(errors="replace"):
                 return log

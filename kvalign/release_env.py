@@ -80,14 +80,14 @@ def installer() -> str:
     return chosen or ("uv" if uv_binary() else "pip")
 
 
-def install_command(target: Path, requirements: Sequence[str], tool: str | None = None) -> list[str]:
+def install_command(target: Path, requirements: Sequence[str]) -> list[str]:
     """The command that installs ``requirements`` (no dependencies) into the directory ``target``.
 
     The installer resolves for *this* interpreter (uv's ``--python``), so a wheel's tags and a
     requirement's markers are judged as the running environment would judge them."""
-    tool = tool or installer()
-    if tool == "uv":
-        return [uv_binary() or "uv", "pip", "install", "--quiet", "--no-deps", "--python", sys.executable,
+    uv = uv_binary() if installer() == "uv" else None
+    if uv:
+        return [uv, "pip", "install", "--quiet", "--no-deps", "--python", sys.executable,
                 "--target", str(target), *requirements]
     return [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
             "--no-compile", "--upgrade", "--target", str(target), *requirements]
