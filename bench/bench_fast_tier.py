@@ -1,16 +1,25 @@
-"""Benchmark: the fast tier's wall time with N xdist workers against 2, paired.
+"""Benchmark: the fast tier's wall time, paired: this tree against another worker count or commit.
 
-The fast tier (``pytest -m "not slow and not e2e"``) spends a large part of its wall time waiting
-rather than computing: Dynamo runtimes starting, ZMQ subscriptions joining, child processes
-starting and stopping, timeouts that a negative control must sit out. On two cores, more workers
-than cores overlap those waits. Each round runs the tier once with ``-n 2`` (A) and once with
-``-n N`` (B), alternating the order (A B, then B A), and the report is the median of the per-round
-ratios B / A with their spread (``bench/paired.py``'s :class:`Paired`; its ``paired()`` batches
-short calls, which a minute-long run is not), plus each side's median wall seconds (the 60 s budget
-is a wall figure). Every run must pass: a failing run stops the benchmark.
+Two questions, one method:
 
-Usage: .venv/bin/python bench/bench_fast_tier.py [--rounds 4] [--workers 4]
-The last line is ``-n N / -n 2 wall ratio: X``.
+* ``--workers N``: this tree with ``-n N`` (B) against ``-n 2`` (A). The fast tier
+  (``pytest -m "not slow and not e2e"``) spends a large part of its wall time waiting rather than
+  computing: Dynamo runtimes starting, ZMQ subscriptions joining, child processes starting and
+  stopping, timeouts that a negative control must sit out. On two cores, more workers than cores
+  overlap those waits.
+* ``--against REF``: this tree (B) against the commit REF (A), both with the tier's own ``-n auto``.
+  REF is exported with ``git archive`` into a temporary directory and run from there with that
+  directory first on ``PYTHONPATH``, so its tests import its own ``kvalign``; the installed
+  packages are shared. This is how a change to the suite's cost is shown, rather than with one
+  before and one after run an evening's load apart.
+
+Each round runs A and B once, alternating the order (A B, then B A), and the report is the median
+of the per-round ratios B / A with their spread (``bench/paired.py``'s :class:`Paired`; its
+``paired()`` batches short calls, which a minute-long run is not), plus each side's median wall
+seconds (the 60 s budget is a wall figure). Every run must pass: a failing run stops the benchmark.
+
+Usage: .venv/bin/python bench/bench_fast_tier.py [--rounds 4] (--workers 4 | --against REF)
+The last line is ``B / A wall ratio: X``.
 """
 
 from __future__ import annotations
@@ -19,7 +28,9 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,37 +40,71 @@ from paired import Paired, parse_rounds, rounds_parser  # noqa: E402
 FAST = ["-m", "not slow and not e2e", "-q"]
 
 
-def run(workers: int) -> float:
-    """Wall seconds of one fast-tier run with ``workers`` xdist workers (it must pass)."""
-    start = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "pytest", *FAST, "-n", str(workers)], cwd=ROOT,
-                         capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    took = time.perf_counter() - start
-    if res.returncode != 0:
-        sys.exit(f"the fast tier failed with -n {workers}:\n{res.stdout[-3000:]}")
-    return took
+@dataclass(frozen=True)
+class Side:
+    """One way of running the fast tier: from which tree, with which extra pytest arguments."""
+
+    label: str
+    tree: Path
+    args: list[str] = field(default_factory=list)
+
+    def run(self) -> float:
+        """Wall seconds of one fast-tier run (it must pass)."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.tree != ROOT:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.tree), env.get("PYTHONPATH")]))
+        start = time.perf_counter()
+        res = subprocess.run([sys.executable, "-m", "pytest", *FAST, *self.args], cwd=self.tree,
+                             capture_output=True, text=True, env=env)
+        took = time.perf_counter() - start
+        if res.returncode != 0:
+            sys.exit(f"the fast tier failed ({self.label}):\n{res.stdout[-3000:]}")
+        return took
+
+
+def export(ref: str, into: Path) -> Path:
+    """REF's tracked files in ``into`` (``git archive``), or exit with git's one-line reason."""
+    archive = subprocess.run(["git", "archive", "--format=tar", ref], cwd=ROOT, capture_output=True)
+    if archive.returncode != 0:
+        sys.exit(f"git archive {ref}: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
+
+
+def measure(a: Side, b: Side, rounds: int) -> Paired:
+    ratios, a_walls, b_walls = [], [], []
+    for r in range(rounds):
+        load = os.getloadavg()[0]
+        order = (a, b) if r % 2 == 0 else (b, a)
+        walls = {side.label: side.run() for side in order}
+        a_walls.append(walls[a.label])
+        b_walls.append(walls[b.label])
+        ratios.append(walls[b.label] / walls[a.label])
+        print(f"round {r + 1} (load {load:.2f}, {order[0].label} first): A {walls[a.label]:.1f}s, "
+              f"B {walls[b.label]:.1f}s, ratio {ratios[-1]:.2f}", flush=True)
+    return Paired(ratios, statistics.median(a_walls), statistics.median(b_walls))
 
 
 def main() -> int:
     ap = rounds_parser(__doc__, 4)
-    ap.add_argument("--workers", type=int, default=4, help="B's worker count (A is 2)")
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--workers", type=int, help="B runs with -n WORKERS, A with -n 2 (same tree)")
+    which.add_argument("--against", metavar="REF", help="A is the commit REF, B this tree (both -n auto)")
     args = parse_rounds(ap)
-    if args.workers in (0, 2):
-        ap.error("--workers must differ from A's 2 and be at least 1")
-    ratios, a_walls, b_walls = [], [], []
-    for r in range(args.rounds):
-        load = os.getloadavg()[0]
-        order = (2, args.workers) if r % 2 == 0 else (args.workers, 2)
-        walls = {n: run(n) for n in order}
-        a_walls.append(walls[2])
-        b_walls.append(walls[args.workers])
-        ratios.append(walls[args.workers] / walls[2])
-        print(f"round {r + 1} (load {load:.2f}, order {order[0]} then {order[1]}): -n 2 {walls[2]:.1f}s, "
-              f"-n {args.workers} {walls[args.workers]:.1f}s, ratio {ratios[-1]:.2f}", flush=True)
-    p = Paired(ratios, statistics.median(a_walls), statistics.median(b_walls))
-    print(f"median wall: -n 2 {p.a_seconds:.1f}s, -n {args.workers} {p.b_seconds:.1f}s")
+    with tempfile.TemporaryDirectory(prefix="bench-fast-tier-") as tmp:
+        if args.against:
+            a = Side(f"A = {args.against}", export(args.against, Path(tmp)))
+            b = Side("B = this tree", ROOT)
+        else:
+            if args.workers in (0, 2) or args.workers < 0:
+                ap.error("--workers must differ from A's 2 and be at least 1")
+            a = Side("A = -n 2", ROOT, ["-n", "2"])
+            b = Side(f"B = -n {args.workers}", ROOT, ["-n", str(args.workers)])
+        print(f"{a.label}; {b.label}", flush=True)
+        p = measure(a, b, args.rounds)
+    print(f"median wall: A {p.a_seconds:.1f}s, B {p.b_seconds:.1f}s")
     print(f"spread: {p.spread()}")
-    print(f"-n {args.workers} / -n 2 wall ratio: {p.median:.2f}")
+    print(f"B / A wall ratio: {p.median:.2f}")
     return 0
 
 

@@ -96,7 +96,26 @@ def render(doc: dict, top: int = 30) -> str:
     for name, times in sorted(per_file.items(), key=lambda kv: -sum(kv[1]))[:15]:
         cpu_col = f"{file_cpu[name]:7.1f} s" if has_cpu else f"{'-':>7}  "
         lines.append(f"{sum(times):8.1f} s {cpu_col}  {len(times):5d} tests  {file_cases[name]:6d} cases  {name}")
+    lines.extend(_per_worker(doc))
     return "\n".join(lines)
+
+
+def _per_worker(doc: dict) -> list[str]:
+    """Each xdist worker's busy time and how long before the session's end it ran out of work: the
+    worker that finishes last is the critical path, and the others' idle tails are what a better
+    split could win."""
+    tests = [row for row in doc["tests"].values() if "worker" in row and "ended" in row]
+    if not tests or doc.get("ended") is None:
+        return []
+    rows: dict[str, list[dict]] = defaultdict(list)
+    for row in tests:
+        rows[row["worker"]].append(row)
+    lines = ["", "per worker: busy (sum of test times), idle at the end (its last test to the session's end)"]
+    for worker, own in sorted(rows.items()):
+        last = max(float(row["ended"]) for row in own)
+        lines.append(f"{sum(map(total, own)):8.1f} s busy {doc['ended'] - last:7.1f} s idle at the end "
+                     f"{len(own):5d} tests  {worker}")
+    return lines
 
 
 def split_durations(doc: dict) -> dict[str, float]:

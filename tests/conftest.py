@@ -7,8 +7,10 @@ set), ``dev`` (random, no deadline; the default otherwise), ``nightly`` (10x exa
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
+import sys
 import time
 
 # Dynamo's Rust core sets up logging when first imported; keep its INFO/WARN lines out of test
@@ -51,6 +53,22 @@ def pytest_configure(config: pytest.Config) -> None:
     _DURATIONS_ON = bool(config.getoption("durations_json"))
     if config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput"):
         config.pluginmanager.register(XdistTotals(), "kvalign-xdist-totals")
+    if hasattr(config, "workerinput"):
+        atexit.register(_skip_finalization)
+
+
+def _skip_finalization() -> None:
+    """End an xdist worker without tearing its interpreter down.
+
+    Registered before the test modules import torch, SGLang and Dynamo, so their own exit handlers
+    (publisher shutdowns, the runtime's bridge tasks) still run first; what is skipped is the module
+    teardown after them: about 1.7 s of CPU per worker that imported SGLang, and all the workers of a
+    run tear down at once, when the last one finishes. Every result has reached the controller by
+    then. ``bench/bench_fast_tier.py --against REF`` measures it.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class CaseCounter:
@@ -96,7 +114,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytes
         cases, cpu = _STARTED.pop(item.nodeid)
         marks = sorted({m.name for m in item.iter_markers() if m.name not in _IGNORED_MARKS})
         report.user_properties.append(("kvalign", {"cases": _COUNTER.n - cases, "markers": marks,
-                                                   "cpu": round(_cpu_seconds() - cpu, 3)}))
+                                                   "cpu": round(_cpu_seconds() - cpu, 3),
+                                                   "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                                                   "ended": round(time.time(), 2)}))
     return report
 
 
@@ -180,7 +200,7 @@ def _write_durations(config: pytest.Config) -> None:
     start = getattr(config, "_kvalign_session_start", None)
     doc = {"markexpr": config.option.markexpr or "", "args": list(config.invocation_params.args),
            "session_s": round(time.monotonic() - start, 2) if start else None,
-           "generated_cases": _cases(), "tests": _DURATIONS}
+           "generated_cases": _cases(), "ended": round(time.time(), 2), "tests": _DURATIONS}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, sort_keys=True)
 

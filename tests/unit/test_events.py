@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_frames, decode_payload
 from kvalign.live.cluster.ports import PortPool
+from kvalign.oracles.sglang import shutdown_publisher
 from kvalign.strategies import PAGE_SIZES, token_ids
 
 # Recorded from sglang 0.5.19 (positional) and 0.5.23 (map): P=4, insert 1..10, evict(4).
@@ -98,7 +99,7 @@ def sglang_publisher(sglang_available):
     time.sleep(0.3)  # ZMQ slow joiner: let the subscription reach the publisher
     yield publisher, sub
     sub.close(linger=0)
-    publisher.shutdown()
+    shutdown_publisher(publisher)
 
 
 @settings(max_examples=max(20, settings.default.max_examples // 2))

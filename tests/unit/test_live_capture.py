@@ -3,7 +3,6 @@ checked against Dynamo's real hasher (the broker's relay: test_live_wire_proxy.p
 
 from __future__ import annotations
 
-import atexit
 import time
 
 import pytest
@@ -13,6 +12,7 @@ from kvalign.hashing import block_hashes
 from kvalign.live.wire.capture import EventCapture
 from kvalign.live.cluster.ports import PortPool
 from kvalign.index import router_kv_hit_rate
+from kvalign.oracles.sglang import shutdown_publisher
 
 
 @pytest.fixture
@@ -26,8 +26,7 @@ def sglang_publisher():
     endpoint = f"tcp://127.0.0.1:{port}"
     pub = EventPublisherFactory.create(f'{{"publisher":"zmq","endpoint":"{endpoint}","bind":true}}', 0)
     yield endpoint, pub, KVEventBatch
-    pub.shutdown()
-    atexit.unregister(pub.shutdown)  # SGLang registers it too; a second call would wait on a dead thread
+    shutdown_publisher(pub)
 
 
 @pytest.mark.parametrize("eagle", [True, False], ids=["eagle", "plain"])

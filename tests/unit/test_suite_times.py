@@ -49,3 +49,19 @@ def test_split_durations_are_what_pytest_split_reads(tmp_path):
     path.write_text(json.dumps(DOC))
     assert suite_times.main([str(path), "--split-durations", str(out)]) == 0
     assert json.loads(out.read_text()) == {"tests/unit/a.py::fixture_heavy": 5.6, "tests/unit/a.py::long_call": 3.0}
+
+
+def test_per_worker_shows_busy_time_and_the_idle_tail(tmp_path, capsys):
+    """The worker that ends last is the critical path; another worker's idle tail is what a better
+    split could win."""
+    doc = json.loads(json.dumps(DOC))
+    doc["ended"] = 1000.0
+    doc["tests"]["tests/unit/a.py::fixture_heavy"].update(worker="gw0", ended=990.0)
+    doc["tests"]["tests/unit/a.py::long_call"].update(worker="gw0", ended=999.0)
+    doc["tests"]["tests/unit/b.py::quick"].update(worker="gw1", ended=950.0)
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(doc))
+    assert suite_times.main([str(path)]) == 0
+    per_worker = capsys.readouterr().out.split("per worker")[1]
+    assert "     8.6 s busy     1.0 s idle at the end     2 tests  gw0" in per_worker
+    assert "     0.2 s busy    50.0 s idle at the end     1 tests  gw1" in per_worker
