@@ -86,6 +86,13 @@ class Stored(msgspec.Struct, tag_field="k", tag="stored", kw_only=True, omit_def
     lora: str | None = None
     sid: str | None = None
 
+    def __post_init__(self) -> None:
+        """A parent is stored as ``h & U64_MASK``: one outside u64 is a line no writer produced,
+        rejected as malformed when read rather than overflowing an index later. (msgspec's own
+        bounds stop at int64, so the check is here.)"""
+        if self.p is not None and not 0 <= self.p <= U64_MASK:
+            raise ValueError(f"parent hash {self.p} is outside u64")
+
 
 class Removed(msgspec.Struct, tag_field="k", tag="removed", kw_only=True, omit_defaults=True, gc=False):
     h: bytes  # engine hashes, u64 LE
