@@ -134,8 +134,8 @@ _DURATIONS_ON = False
 #: xdist workers for ``-n auto`` (pyproject's default). The fast tier waits more than it computes
 #: (runtimes starting, subscriptions joining, children stopping, timeouts a negative control sits
 #: out), so four workers overlap the waits on two cores: ``bench/bench_fast_tier.py`` measured -n 4
-#: at 0.91x the wall time of -n 2 (median of 4 paired rounds). A run with live tests keeps two: they
-#: all run on one worker, and more workers beside a live cluster only slow it.
+#: at 0.91x the wall time of -n 2 (median of 4 paired rounds). A run with live tests keeps two: the
+#: real-engine cluster takes a core or more, and more workers beside it only slow it.
 FAST_TIER_WORKERS, SUITE_WORKERS = 4, 2
 
 
@@ -150,18 +150,27 @@ _WORKER_SUMMARY: list[str] = []  # summary lines a worker's conftest left (tests
 
 class XdistTotals:
     """Under pytest-xdist each worker counts its own cases; the controller adds them up. And it
-    schedules: a test file runs on one worker (its module fixtures are set up once), and every live
-    test (``tests/e2e/``) on one worker, in file order, so two live clusters never share the two
-    cores. (xdist's ``loadgroup`` would say this with markers, but it renames node ids through an
-    attribute pytest 9 no longer reads, so its groups are lost.)"""
+    schedules by :func:`xdist_scopes.scope`: a test file runs on one worker (its module fixtures
+    are set up once), the real-engine live tests on one worker, the fake-worker live tests on one
+    worker. The live scopes go out first, longest first: the real engine's is the longest unit by
+    far, and xdist's own order (most tests first) could hand it out after a minute of unit files,
+    which the whole run would then wait for. (xdist's ``loadgroup`` would say this with markers, but
+    it renames node ids through an attribute pytest 9 no longer reads, so its groups are lost.)"""
 
     @pytest.hookimpl
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log: object) -> object:
+        import xdist_scopes
         from xdist.scheduler import LoadScopeScheduling
 
         class FilesAndLive(LoadScopeScheduling):
             def _split_scope(self, nodeid: str) -> str:
-                return "live" if nodeid.startswith("tests/e2e/") else nodeid.split("::", 1)[0]
+                return xdist_scopes.scope(nodeid)
+
+            def _assign_work_unit(self, node: object) -> None:
+                for live in reversed(xdist_scopes.LIVE_SCOPES):
+                    if live in self.workqueue:
+                        self.workqueue.move_to_end(live, last=False)
+                super()._assign_work_unit(node)
 
         return FilesAndLive(config, log)
 

@@ -89,6 +89,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that starts the real engine must be scheduled with the others that do
+    (``tests/xdist_scopes.py``): beside them on the other worker, two real-engine clusters would
+    share the two cores."""
+    import xdist_scopes
+
+    for item in items:
+        wants = xdist_scopes.REAL_ENGINE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        if wants and xdist_scopes.scope(item.nodeid) != xdist_scopes.REAL_ENGINE:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses {', '.join(sorted(wants))} (the real SGLang engine) but is not scheduled "
+                f"with the real-engine tests: name it test_real_engine_* or list its file in "
+                f"tests/xdist_scopes.py's REAL_ENGINE_FILES")
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
     report = yield
