@@ -34,6 +34,7 @@ def test_disaggregated_commands(tmp_path):
     for name, spec in specs.items():
         f = _flags(spec.argv)
         assert spec.argv[1:3] == ["-m", "dynamo.sglang"]
+        assert f["--nccl-port"] == str(plan.worker_ports[name].nccl)  # never SGLang's own ephemeral pick
         assert f["--device"] == "cpu" and f["--attention-backend"] == "torch_native" and f["--host"] == "127.0.0.1"
         assert f["--disaggregation-transfer-backend"] == "fake" and f["--speculative-algorithm"] == "EAGLE3"
         assert (f["--speculative-num-steps"], f["--speculative-eagle-topk"], f["--speculative-num-draft-tokens"]) == ("1", "1", "2")

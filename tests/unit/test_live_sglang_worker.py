@@ -129,6 +129,7 @@ def test_commands_parse_with_the_real_dynamo_sglang_parsers(tmp_path, parse_like
         assert sg.speculative_num_steps == 3 and sg.speculative_eagle_topk == 1
         assert sg.host == "0.0.0.0"
         assert sg.disaggregation_bootstrap_port == plan.worker_ports[name].bootstrap
+        assert sg.nccl_port == plan.worker_ports[name].nccl
         assert sg.disaggregation_mode == ("decode" if name.startswith("decode") else "prefill")
         assert json.loads(sg.kv_events_config)["publisher"] == "zmq"
         if name.startswith("decode"):

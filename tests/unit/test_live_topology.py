@@ -29,8 +29,8 @@ def test_plan_ports_are_distinct_and_env_is_loopback_only(disagg_plan):
     plan = disagg_plan
     ports = [plan.http_port, plan.broker_xsub, plan.broker_xpub]
     for wp in plan.worker_ports.values():
-        ports += [wp.rpc, wp.kv_events, wp.system, wp.bootstrap]
-    assert len(set(ports)) == len(ports) == 3 + 4 * 3
+        ports += wp.all()
+    assert len(set(ports)) == len(ports) == 3 + 5 * 3
     env = plan.plane_env()
     for key in ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_EVENT_PLANE_HOST", "DYN_SYSTEM_HOST",
                 "SGLANG_HOST_IP", "HOST_IP"):
@@ -95,8 +95,8 @@ def test_etcd_nats_plan_starts_both_services_on_loopback_first(tmp_path):
     plan = make_plan(Topology.disaggregated(2, 1, eagle=True), tmp_path, control_plane="etcd-nats")
     assert plan.broker_xsub is None and plan.broker_xpub is None
     ports = [plan.http_port, plan.etcd_client, plan.etcd_peer, plan.nats_port]
-    ports += [p for wp in plan.worker_ports.values() for p in (wp.rpc, wp.kv_events, wp.system, wp.bootstrap)]
-    assert len(set(ports)) == len(ports) == 4 + 4 * 3
+    ports += [p for wp in plan.worker_ports.values() for p in wp.all()]
+    assert len(set(ports)) == len(ports) == 4 + 5 * 3
     env = plan.plane_env()
     assert (env["DYN_DISCOVERY_BACKEND"], env["DYN_REQUEST_PLANE"], env["DYN_EVENT_PLANE"]) == ("etcd", "tcp", "nats")
     assert env["ETCD_ENDPOINTS"] == f"http://127.0.0.1:{plan.etcd_client}"

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field, fields
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -106,16 +106,27 @@ class Topology:
 
 @dataclass(frozen=True)
 class WorkerPorts:
-    """Loopback ports one worker binds: request plane, SGLang KV-event PUB, system, bootstrap."""
+    """Loopback ports one worker binds: request plane, SGLang KV-event PUB, system, bootstrap, and
+    the TCP store of SGLang's ``torch.distributed`` group (``--nccl-port``).
+
+    ``nccl`` is ours because SGLang before 0.5.23 picks it itself with a bind to port 0, i.e. from
+    the ephemeral range, and binds it only seconds later when the scheduler starts: an outgoing
+    connection of any process can take it in between (EADDRINUSE, seen in a CI-style run on 0.5.21).
+    """
 
     rpc: int
     kv_events: int
     system: int
     bootstrap: int
+    nccl: int
 
     @classmethod
     def allocate(cls, pool: PortPool, name: str) -> "WorkerPorts":
-        return cls(*(pool.take(f"{name}.{what}") for what in ("rpc", "kv_events", "system", "bootstrap")))
+        return cls(*(pool.take(f"{name}.{f.name}") for f in fields(cls)))
+
+    def all(self) -> tuple[int, ...]:
+        """Every port of the worker, for callers that must keep clear of them."""
+        return astuple(self)
 
 
 def response_stream_host(dynamo_version: str | None) -> str:

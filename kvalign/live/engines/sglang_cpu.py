@@ -18,7 +18,10 @@ Settings and why (sglang-cpu-engine.md):
   ``--disaggregation-decode-retraction-backup cpu_tensor`` (the default host pool calls
   ``torch.cuda.cudart()``);
 * ``--host 127.0.0.1`` and the KV-event PUB bound on loopback; ``--enable-metrics
-  --decode-log-interval 1`` so the spec gauges refresh every verify step.
+  --decode-log-interval 1`` so the spec gauges refresh every verify step;
+* ``--nccl-port`` from the cluster's port pool: SGLang before 0.5.23 takes an ephemeral port for
+  its ``torch.distributed`` store and binds it seconds later, long enough for another process's
+  outgoing connection to take it (:class:`~kvalign.live.cluster.topology.WorkerPorts`).
 """
 
 from __future__ import annotations
@@ -126,6 +129,7 @@ class SglangCpuWorkerKind:
             "--disable-overlap-schedule", "--page-size", str(plan.topology.page_size),
             "--max-total-tokens", str(self.decode_max_total_tokens if worker.role == "decode" and self.decode_max_total_tokens
                                      else self.max_total_tokens), "--host", "127.0.0.1", "--enable-metrics",
+            "--nccl-port", str(ports.nccl),
             *(["--sleep-on-idle"] if self.sleep_on_idle else []),
         ]
         if worker.publishes_kv_events:

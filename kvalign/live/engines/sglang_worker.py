@@ -8,6 +8,9 @@ Every default here is the fix for a failure seen upstream (live-e2e.md §1.5, §
   ``SGLANG_HOST_IP=127.0.0.1`` so the *advertised* address is loopback;
 * a distinct ``--disaggregation-bootstrap-port``, ``--kv-events-config`` port and
   ``DYN_SYSTEM_PORT`` per worker: two prefill workers on one host collide on SGLang's 8998;
+* ``--nccl-port`` from the same pool: SGLang before 0.5.23 picks an ephemeral port for its
+  ``torch.distributed`` store and binds it only once the scheduler starts (EADDRINUSE if another
+  process's connection took it meanwhile);
 * ``--enable-metrics --decode-log-interval 1`` on decode: the spec gauges refresh only every
   ``decode_log_interval`` forwards (default 40), more than 4 short requests make;
 * ``--page-size 16`` = the router's ``--kv-cache-block-size``; ``PYTHONHASHSEED=0``,
@@ -129,7 +132,7 @@ class SglangWorkerKind:
             "--mem-fraction-static", f"{self.mem_fraction(worker, plan):g}",
             "--host", self.bind_host,
             "--disaggregation-mode", worker.role, "--disaggregation-transfer-backend", self.transfer_backend,
-            "--disaggregation-bootstrap-port", str(ports.bootstrap),
+            "--disaggregation-bootstrap-port", str(ports.bootstrap), "--nccl-port", str(ports.nccl),
             "--kv-events-config", self.kv_events_config(worker, plan),
         ]
         if self.context_length:

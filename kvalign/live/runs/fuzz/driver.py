@@ -120,7 +120,7 @@ def _hop_ports(plan: Any, labels: list[str], *, taken: list[int] = (), what: str
     """A loopback port per worker for one of the hop's PUBs, distinct from every plan port."""
     pool = PortPool()
     taken = [*taken, plan.http_port, plan.broker_xsub, plan.broker_xpub, plan.etcd_client, plan.etcd_peer,
-             plan.nats_port, *(p for wp in plan.worker_ports.values() for p in (wp.rpc, wp.kv_events, wp.system, wp.bootstrap))]
+             plan.nats_port, *(p for wp in plan.worker_ports.values() for p in wp.all())]
     pool.assigned.update({f"plan.{i}": p for i, p in enumerate(taken) if p is not None})
     return {label: pool.take(f"{label}.{what}") for label in labels}
 
