@@ -1,4 +1,4 @@
-"""Throughput of kvalign.hashing.block_hashes vs the Rust router binding, measured in pairs.
+"""Throughput of kvalign.model.hashing.block_hashes vs the Rust router binding, measured in pairs.
 
 Both get the input a router gets: a Python list of token ids. For each case (prompt length x
 block size x mode) the two calls alternate round by round (see ``bench/paired.py``); the ratio is
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dynamo._core import compute_block_hash_for_seq  # noqa: E402
 from paired import paired  # noqa: E402
 
-from kvalign.hashing import block_hashes  # noqa: E402
+from kvalign.model.hashing import block_hashes  # noqa: E402
 
 SIZES = {f"{k}k": k * 1024 for k in (1, 2, 4, 8, 16, 32, 64, 128)}
 

@@ -2,7 +2,7 @@
 
 Before (A) is a commit whose matrix installs releases with ``pip --target`` and runs each pair
 under a ``PYTHONPATH`` overlay (default ``c372bbc``, exported with ``git archive``); after (B) is
-this checkout (uv installs, each pair in an environment of its own, :mod:`kvalign.release_env`).
+this checkout (uv installs, each pair in an environment of its own, :mod:`kvalign.releases.release_env`).
 Each round runs both sides, alternating the order (A B, then B A), and each side runs twice:
 
 - **cold**: an empty wheel cache *and* an empty installer cache (``PIP_CACHE_DIR`` /

@@ -36,10 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from paired import paired  # noqa: E402
 
-from kvalign.capture import Batch, CaptureWriter  # noqa: E402
-from kvalign.events import decode_frames  # noqa: E402
+from kvalign.streams.capture import Batch, CaptureWriter  # noqa: E402
+from kvalign.model.events import decode_frames  # noqa: E402
 from kvalign.oracles.sglang import SglangRadixCache, _modules  # noqa: E402
-from kvalign.replay import replay_captures  # noqa: E402
+from kvalign.streams.replay import replay_captures  # noqa: E402
 
 PAGE = 16
 PREFIXES = 64

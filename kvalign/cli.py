@@ -12,10 +12,10 @@ import sys
 from collections.abc import Sequence
 
 from kvalign.errors import UsageError
-from kvalign.events import EventDecodeError
+from kvalign.model.events import EventDecodeError
 from kvalign.oracles.base import OracleUnavailable
 from kvalign.runtime_log import RuntimeLog, console
-from kvalign.versions import version_lines
+from kvalign.releases.versions import version_lines
 
 # Each module exposes register(subparsers) -> None and sets a `run(args) -> int` default.
 COMMAND_MODULES = [

@@ -37,8 +37,8 @@ TESTS = ROOT / "tests" / "unit"
 
 def record_allocator(release: str, out: Path) -> dict:
     """Run the interpreted kernels for ``release`` and write the recording to ``out``; returns the child's verdict."""
-    from kvalign import sglang_cpu_standin as standin
-    from kvalign.matrix import ensure_release
+    from kvalign.standins import sglang_cpu as standin
+    from kvalign.verify.matrix import ensure_release
 
     where = ensure_release("sglang", release)
     if where is None:
@@ -54,7 +54,7 @@ def record_allocator(release: str, out: Path) -> dict:
 
 def record_kernels(release: str, out: Path) -> dict:
     """Record the stand-in kernels' Triton references of ``release`` to ``out``; returns the recording."""
-    from kvalign.matrix import ensure_release
+    from kvalign.verify.matrix import ensure_release
 
     import test_sglang_cpu_standin_kernels as kernels
 
@@ -67,7 +67,7 @@ KINDS = ("card", "allocator", "kernels")
 
 
 def main(argv: list[str]) -> int:
-    from kvalign import sglang_cpu_standin as standin
+    from kvalign.standins import sglang_cpu as standin
 
     sys.path.insert(0, str(TESTS))
     from recorded import path_for

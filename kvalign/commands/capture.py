@@ -7,10 +7,10 @@ import signal
 import threading
 import time
 
-from kvalign.capture import CaptureError, CaptureWriter
+from kvalign.streams.capture import CaptureError, CaptureWriter
 from kvalign.commands.options import positive_float, positive_int
 from kvalign.runtime_log import console
-from kvalign.subscribe import Subscription
+from kvalign.streams.subscribe import Subscription
 
 
 def register(sub: argparse._SubParsersAction) -> None:

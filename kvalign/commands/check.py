@@ -15,12 +15,13 @@ import sys
 import time
 from dataclasses import asdict
 
-from kvalign.check import MODES, PROPERTIES, VARIANTS, RowResult, run_check
+from kvalign.verify.check import run_check
+from kvalign.verify.rows import MODES, PROPERTIES, VARIANTS, RowResult
 from kvalign.commands.options import positive_int
 from kvalign.errors import UsageError
 from kvalign.oracles.sglang import KINDS
 from kvalign.runtime_log import console
-from kvalign.versions import installed_versions
+from kvalign.releases.versions import installed_versions
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -16,9 +16,9 @@ import json
 import sys
 
 from kvalign.commands.options import positive_int
-from kvalign.diagnose import BlockView, Diagnosis, RouterSettings, diagnose
-from kvalign.diagnose_workers import RoutingDiagnosis, check_worker_names, diagnose_workers
-from kvalign.prompt import load_prompt
+from kvalign.streams.diagnose import BlockView, Diagnosis, RouterSettings, diagnose
+from kvalign.streams.diagnose_workers import RoutingDiagnosis, check_worker_names, diagnose_workers
+from kvalign.streams.prompt import load_prompt
 
 
 def register(sub: argparse._SubParsersAction) -> None:

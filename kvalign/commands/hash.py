@@ -7,7 +7,7 @@ import json
 import sys
 
 from kvalign.errors import UsageError
-from kvalign.hashing import block_hashes, sequence_hashes
+from kvalign.model.hashing import block_hashes, sequence_hashes
 
 
 def register(sub: argparse._SubParsersAction) -> None:

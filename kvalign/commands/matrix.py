@@ -19,14 +19,14 @@ import json
 import sys
 import time
 
-from kvalign import local_build
-from kvalign.check import PROPERTIES
+from kvalign.releases import local_build
+from kvalign.verify.rows import PROPERTIES
 from kvalign.errors import UsageError
-from kvalign.matrix import (DEFAULT_SGLANG, LIVE_COLUMN, UNKNOWN, CellFileError, MatrixError, PairResult, cache_root,
+from kvalign.verify.matrix import (DEFAULT_SGLANG, LIVE_COLUMN, UNKNOWN, CellFileError, MatrixError, PairResult, cache_root,
                             cell_document, default_dynamo_versions, exit_code, list_cells, merge_cells, one_line,
                             plan_pairs, render, report_json, run_live, run_matrix, shipped_sglang, unknown_result)
 from kvalign.runtime_log import console
-from kvalign.versions import installed_versions
+from kvalign.releases.versions import installed_versions
 
 VERSION = rf"^\d+(\.\d+)*(\.post\d+)?({local_build.LABEL})?$"
 

@@ -9,7 +9,7 @@ import time
 from dataclasses import asdict
 
 from kvalign.commands.options import positive_int
-from kvalign.replay import WorkerReplay, replay_captures
+from kvalign.streams.replay import WorkerReplay, replay_captures
 from kvalign.runtime_log import console
 
 

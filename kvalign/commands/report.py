@@ -3,7 +3,7 @@
 The pair defaults to the installed Dynamo release and the SGLang its ``ai-dynamo[sglang]`` extra
 pins (the pair a deployment runs). The releases come from ``kvalign matrix``'s per-version cache;
 the evidence is collected in a subprocess run by that pair's own environment
-(:mod:`kvalign.report`, :mod:`kvalign.release_env`). Exit 0 report printed, 1 the finding does not reproduce on that pair
+(:mod:`kvalign.verify.report`, :mod:`kvalign.releases.release_env`). Exit 0 report printed, 1 the finding does not reproduce on that pair
 (no report), 2 usage or environment error.
 """
 
@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvalign.causes import Cause
+from kvalign.model.causes import Cause
 from kvalign.commands.options import positive_int
 from kvalign.errors import UsageError
 
@@ -40,8 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvalign.commands.matrix import VERSION
-    from kvalign.matrix import MatrixError, ensure_release, installed, one_line, pair_env, shipped_sglang
-    from kvalign.release_env import ReleaseEnvError
+    from kvalign.verify.matrix import MatrixError, ensure_release, installed, one_line, pair_env, shipped_sglang
+    from kvalign.releases.release_env import ReleaseEnvError
 
     if args.finding not in Cause.__members__:
         raise UsageError(f"unknown finding {args.finding!r}; expected a cause name such as LORA_NOT_IN_EVENTS "
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvalign report: {args.finding} on ai-dynamo {dynamo} x sglang {sglang} (searching, then replaying)",
           file=err, flush=True)
     modes = args.modes or ["plain", "eagle"]
-    cmd = [python, "-m", "kvalign.report", args.finding, "--examples", str(args.examples),
+    cmd = [python, "-m", "kvalign.verify.report", args.finding, "--examples", str(args.examples),
            *[a for m in modes for a in ("--mode", m)]]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=COLLECT_TIMEOUT_S)
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if res.returncode != 0:
         raise UsageError(f"collecting {args.finding} on ai-dynamo {dynamo} x sglang {sglang} failed: "
                          f"{one_line(res.stderr or f'exit {res.returncode}')}")
-    from kvalign.report import render
+    from kvalign.verify.report import render
 
     data = json.loads(res.stdout.strip().splitlines()[-1])
     mode_flag = f" --mode {data['mode']}"

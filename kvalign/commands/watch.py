@@ -12,11 +12,11 @@ import threading
 import time
 from typing import Any
 
-from kvalign.capture import CaptureError
+from kvalign.streams.capture import CaptureError
 from kvalign.errors import UsageError
 from kvalign.commands.options import positive_float, positive_int
-from kvalign.subscribe import Subscription
-from kvalign.watch import Watcher
+from kvalign.streams.subscribe import Subscription
+from kvalign.streams.watch import Watcher
 
 NO_PUBLISHER_NOTICE_S = 5.0
 
@@ -48,7 +48,7 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 def _serve_metrics(args: argparse.Namespace, watcher: Watcher) -> Any:
-    from kvalign.watch_metrics import serve
+    from kvalign.streams.watch_metrics import serve
 
     try:
         server = serve({args.worker or args.endpoint: watcher}, args.metrics_host, args.metrics_port)

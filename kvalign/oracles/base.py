@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvalign.events import KVEvent
+from kvalign.errors import OracleUnavailable
+from kvalign.model.events import KVEvent
 
 if TYPE_CHECKING:
-    from kvalign.relay import RouterEvent
+    from kvalign.model.relay import RouterEvent
 
 
-class OracleUnavailable(RuntimeError):
-    """A real system cannot be loaded here; the message says what to install."""
+__all__ = ["EngineCache", "OracleUnavailable", "RouterHasher", "RouterIndex"]
 
 
 class RouterHasher(Protocol):

@@ -17,7 +17,7 @@ from itertools import count
 from typing import Any
 
 from kvalign.oracles.base import OracleUnavailable, RouterHasher
-from kvalign.relay import RouterCleared, RouterEvent, RouterRemoved, RouterStored
+from kvalign.model.relay import RouterCleared, RouterEvent, RouterRemoved, RouterStored
 
 
 def dynamo_version() -> str:

@@ -1,7 +1,7 @@
 """SGLang's real ``UnifiedRadixCache`` with its host tier (HiCache) on, as the ``tier`` property drives it.
 
 The cache, its tree core and every tiering decision are SGLang's; only the device<->host transfer
-path is stood in (:mod:`kvalign.hicache_standin`, pinned to the SGLang release it was written for).
+path is stood in (:mod:`kvalign.standins.hicache`, pinned to the SGLang release it was written for).
 The operations are the scheduler's entry points for one worker: cache a finished request
 (``insert``), poll transfer completions (``writing_check`` / ``loading_check``), device eviction,
 host eviction, admit a request (``match_prefix``, then ``init_load_back`` when part of its prefix is
@@ -44,7 +44,7 @@ class HiCacheEngine:
     _rids = itertools.count()
 
     def __init__(self, page_size: int, *, eagle: bool, core: str, policy: str, host_tokens: int) -> None:
-        from kvalign.hicache_standin import attach_host_tier
+        from kvalign.standins.hicache import attach_host_tier
 
         if core not in CORES:
             raise ValueError(f"the host tier needs the unified cache; got {core!r}")

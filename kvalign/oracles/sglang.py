@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
-from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvalign.model.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvalign.oracles.base import OracleUnavailable
 
 #: ``default`` is whichever of the others the release's server builds (:func:`server_default_kind`).

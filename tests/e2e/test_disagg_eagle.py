@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from kvalign.causes import Cause
+from kvalign.model.causes import Cause
 from kvalign.live.runs import disagg_eagle
 from kvalign.live.cluster.lifecycle import Cluster
 from kvalign.live.runs.disagg_eagle import E2eOptions, E2eResult

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kvalign.causes import Cause
-from kvalign.events import AllBlocksCleared
+from kvalign.model.causes import Cause
+from kvalign.model.events import AllBlocksCleared
 from kvalign.live.runs import scenario
 from kvalign.live.cluster.processes import group_alive, pids_with_env
 from kvalign.live.cluster.shared import ClusterKey, SharedClusters

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvalign.causes import Cause
+from kvalign.model.causes import Cause
 from kvalign.live.cluster.processes import group_alive, pids_with_env, run_pids
 from kvalign.live.cluster.topology import RUN_MARKER_ENV
 

@@ -25,11 +25,11 @@ from typing import Any
 import pytest
 import zmq
 
-from kvalign.capture import CaptureWriter
+from kvalign.streams.capture import CaptureWriter
 from kvalign.commands.capture import record
 from kvalign.oracles.base import OracleUnavailable
 from kvalign.oracles.sglang import shutdown_publisher
-from kvalign.subscribe import Subscription
+from kvalign.streams.subscribe import Subscription
 
 TOPIC = "kv-events"
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 
-from kvalign.causes import Cause
-from kvalign.check import run_search
-from kvalign.misaligned import drop_lora, drop_namespace, eagle_b_window, flip_eagle, ignore_eagle
+from kvalign.model.causes import Cause
+from kvalign.verify.check import run_search
+from kvalign.verify.misaligned import drop_lora, drop_namespace, eagle_b_window, flip_eagle, ignore_eagle
 from kvalign.oracles.sglang import KINDS
-from kvalign.properties import Mismatch, overlap_property, pages_property
-from kvalign.strategies import scenarios
+from kvalign.verify.properties import Mismatch, overlap_property, pages_property
+from kvalign.verify.strategies import scenarios
 
 MODES = {"plain": False, "eagle": True}
 TENANTS = {"none": (False, False), "lora+namespace": (True, True)}

@@ -16,10 +16,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from sglang_publisher import RECORDED, RealPublisher, captured, raw_capture, sglang_publisher  # noqa: F401
 
-from kvalign.capture import (
+from kvalign.streams.capture import (
     FORMAT_VERSION, Batch, CaptureError, CaptureReader, CaptureWriter, Stored, compact_event, expand_event, n_blocks,
 )
-from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_payload
+from kvalign.model.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_payload
 from kvalign.oracles.sglang import SglangRadixCache
 
 B = 4

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvalign.cli import main
-from kvalign.versions import installed_versions
+from kvalign.releases.versions import installed_versions
 
 
 def run_cli(capsys, *argv: str, stdin: str | None = None, monkeypatch=None) -> tuple[int, str, str]:
@@ -59,7 +59,7 @@ def test_check_real_pair_is_aligned_but_for_small_hicache_pages_and_quiet(router
 
 
 def test_check_catches_router_that_ignores_is_eagle(capsys, router_hasher, sglang_available):
-    rc, out, _ = run_cli(capsys, "check", "--examples", "15", "--router-hash", "kvalign.misaligned:ignore_eagle",
+    rc, out, _ = run_cli(capsys, "check", "--examples", "15", "--router-hash", "kvalign.verify.misaligned:ignore_eagle",
                          "--property", "hash", "--property", "pages", "--property", "overlap")
     assert rc == 1
     assert "MISALIGNED: router eagle off vs engine bigram keys" in out
@@ -72,7 +72,7 @@ def test_page_size_pins_every_generated_case(capsys, router_hasher, sglang_avail
     """``--page-size 3`` (a size the strategies rarely draw): the negative control still fails, and its
     shrunk counterexample is at page 3, so the flag reaches the generated cases."""
     rc, out, _ = run_cli(capsys, "check", "--examples", "15", "--json", "--page-size", "3", "--mode", "eagle",
-                         "--router-hash", "kvalign.misaligned:ignore_eagle", "--property", "hash")
+                         "--router-hash", "kvalign.verify.misaligned:ignore_eagle", "--property", "hash")
     report = json.loads(out)
     assert rc == 1 and report["page_size"] == 3
     assert [r["counterexample"]["block_size"] for r in report["rows"]] == [3] * 4
@@ -81,7 +81,7 @@ def test_page_size_pins_every_generated_case(capsys, router_hasher, sglang_avail
 
 def test_check_json_report(capsys, router_hasher, sglang_available):
     rc, out, _ = run_cli(capsys, "check", "--examples", "20", "--json", "--property", "overlap",
-                         "--router-hash", "kvalign.misaligned:drop_namespace")
+                         "--router-hash", "kvalign.verify.misaligned:drop_namespace")
     report = json.loads(out)
     assert rc == 1 and report["aligned"] is False
     assert report["versions"] == installed_versions() and set(report["versions"]) == {"kvalign", "ai-dynamo-runtime", "sglang", "torch"}
@@ -94,8 +94,8 @@ def test_check_json_report(capsys, router_hasher, sglang_available):
     ("argv", "message"),
     [
         (["check", "--router-hash", "nosuchmodule:fn"], "cannot import router hasher module 'nosuchmodule'"),
-        (["check", "--router-hash", "kvalign.hashing"], "must look like MODULE:FUNCTION"),
-        (["check", "--router-hash", "kvalign.hashing:nope"], "has no callable 'nope'"),
+        (["check", "--router-hash", "kvalign.model.hashing"], "must look like MODULE:FUNCTION"),
+        (["check", "--router-hash", "kvalign.model.hashing:nope"], "has no callable 'nope'"),
         (["check", "--examples", "0"], "--examples must be >= 1"),
         (["check", "--ingest-examples", "0"], "--ingest-examples must be >= 1"),
         (["check", "--property", "prefill"], "invalid choice: 'prefill'"),
@@ -118,7 +118,7 @@ def test_hash_command_matches_router(capsys, monkeypatch, router_hasher):
                          stdin=json.dumps(toks), monkeypatch=monkeypatch)
     assert rc == 0 and json.loads(out) == router_hasher(toks, 4, None, "L", True, "ns")
     rc, out, _ = run_cli(capsys, "hash", "--block-size", "4", "--sequence", stdin="[1,2,3,4,5,6,7,8]", monkeypatch=monkeypatch)
-    from kvalign.hashing import block_hashes, sequence_hashes
+    from kvalign.model.hashing import block_hashes, sequence_hashes
 
     assert rc == 0 and json.loads(out) == sequence_hashes(block_hashes(list(range(1, 9)), 4))
 
@@ -144,9 +144,9 @@ def test_a_mismatch_that_does_not_recur_is_reported_as_intermittent_not_a_crash(
     row still reports the mismatch the real path produced, saying it did not recur."""
     from hypothesis import strategies as st
 
-    from kvalign.causes import Cause
-    from kvalign.check import run_search
-    from kvalign.properties import Mismatch
+    from kvalign.model.causes import Cause
+    from kvalign.verify.check import run_search
+    from kvalign.verify.properties import Mismatch
 
     calls: list[int] = []
 

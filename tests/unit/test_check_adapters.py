@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvalign.check import run_check, run_search
+from kvalign.verify.check import run_check, run_search
 from kvalign.oracles.dynamo import adapt_hasher
-from kvalign.properties import hash_property
-from kvalign.strategies import hash_cases
+from kvalign.verify.properties import hash_property
+from kvalign.verify.strategies import hash_cases
 
 
 @pytest.fixture

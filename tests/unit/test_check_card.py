@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvalign.causes import Cause
-from kvalign.check import Systems, run_card
+from kvalign.model.causes import Cause
+from kvalign.verify.check import Systems, run_card
 from kvalign.oracles.base import OracleUnavailable
-from kvalign.properties import Mismatch, card_property
+from kvalign.verify.properties import Mismatch, card_property
 
 
 @pytest.fixture(scope="module")

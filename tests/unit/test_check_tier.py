@@ -1,7 +1,7 @@
 """The ``tier`` and ``servable`` properties against the real systems, and their negative controls.
 
 SGLang's real ``UnifiedRadixCache`` with HiCache on (its own ``init_hicache``; only the transfer
-path is :mod:`kvalign.hicache_standin`), SGLang's real publisher, Dynamo's real relay and a real
+path is :mod:`kvalign.standins.hicache`), SGLang's real publisher, Dynamo's real relay and a real
 ``KvRouter``. The negative controls put a broken hop between SGLang's publisher and the real relay:
 one that files host-tier stores under the device tier, one that renames the host medium to a string
 the relay does not map.
@@ -53,9 +53,9 @@ unknown_host_medium_everywhere = _rewrite_medium("CPU_PINNED", "HOST_PINNED", se
 @pytest.fixture(scope="module")
 def tier_paths(sglang_available) -> Iterator[Callable[[Any], Any]]:
     """``tier_paths(transform)``: one real RouterPath (wrapped for the tier machine) per hop kind."""
-    from kvalign.hicache_standin import version_problem
+    from kvalign.standins.hicache import version_problem
     from kvalign.oracles.router_path import RouterPath
-    from kvalign.tier import TierPath
+    from kvalign.verify.tier import TierPath
 
     problem = version_problem(sglang_available)
     if problem:
@@ -77,7 +77,7 @@ def tier_paths(sglang_available) -> Iterator[Callable[[Any], Any]]:
 
 
 def _search(tp: Any, **kw: Any) -> Any:
-    from kvalign.tier import run_tier_search
+    from kvalign.verify.tier import run_tier_search
 
     kw.setdefault("lora", False)
     kw.setdefault("namespace", False)
@@ -134,7 +134,7 @@ def test_servable_holds_at_a_page_of_the_threshold_or_more(tier_paths):
 def test_relay_medium_map_is_the_one_kvalign_names_causes_with(tier_paths):
     """RELAY_TIERS (what names MEDIUM_NOT_INDEXED and what ``watch`` counts blocks per tier with) against
     the real relay, plus an unmapped string."""
-    from kvalign.relay import RELAY_TIERS
+    from kvalign.model.relay import RELAY_TIERS
 
     tp = tier_paths()
     worker, tap = tp.worker(4, False)
@@ -177,7 +177,7 @@ def test_tier_rows_are_skipped_not_failed_without_a_per_tier_answer(tier_paths):
     """A release whose router has no get_overlap_scores (before 1.5): nothing to compare, so no claim."""
     import types
 
-    from kvalign.tier import run_tier_rows
+    from kvalign.verify.tier import run_tier_rows
 
     real = tier_paths().path
 
@@ -209,7 +209,7 @@ def _init_hicache_literal(name: str) -> Any:
 def test_standin_runs_sglangs_own_hicache_set_up_and_events(sglang_available, core, policy):
     """The stand-in turns the tier on through SGLang's init_hicache (its thresholds, not kvalign's), and
     the tier emits the events the issue lists per write policy, on both tree cores."""
-    from kvalign.hicache_standin import version_problem
+    from kvalign.standins.hicache import version_problem
     from kvalign.oracles.hicache import HiCacheEngine, available_cores
 
     if version_problem(sglang_available):
@@ -257,7 +257,7 @@ def test_check_page_size_decides_the_servable_verdict(sglang_available, tmp_path
     import sys
     from pathlib import Path
 
-    from kvalign.hicache_standin import version_problem
+    from kvalign.standins.hicache import version_problem
 
     if version_problem(sglang_available):
         pytest.skip(version_problem(sglang_available))

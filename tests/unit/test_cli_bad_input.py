@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from sglang_publisher import RECORDED, RealPublisher, free_port, raw_capture, sglang_publisher  # noqa: F401
 
-from kvalign.capture import FORMAT_VERSION, CaptureWriter
+from kvalign.streams.capture import FORMAT_VERSION, CaptureWriter
 from kvalign.cli import main
-from kvalign.events import EventBatch, decode_payload
+from kvalign.model.events import EventBatch, decode_payload
 
 GOOD = bytes.fromhex(RECORDED[("0.5.23", True)])
 

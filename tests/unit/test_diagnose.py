@@ -14,10 +14,10 @@ import pytest
 from cause_scenarios import SCENARIOS, diagnose_argv, record
 from sglang_publisher import captured, sglang_publisher  # noqa: F401 - fixture
 
-from kvalign.causes import Cause
+from kvalign.model.causes import Cause
 from kvalign.cli import main
-from kvalign.diagnose import RouterSettings, diagnose
-from kvalign.hashing import block_hashes
+from kvalign.streams.diagnose import RouterSettings, diagnose
+from kvalign.model.hashing import block_hashes
 from kvalign.oracles.sglang import SglangRadixCache
 
 B = 4
@@ -277,7 +277,7 @@ def test_every_cause_scenario_through_the_cli(tmp_path, sglang_publisher, capsys
 def _hicache_capture(tmp_path, publisher, prompt: list[int], name: str) -> str:
     """SGLang's real HiCache tier (write-through; stand-in transfers): ``prompt`` cached, backed up to
     host, then every device page evicted. Its host copies stay."""
-    from kvalign.hicache_standin import version_problem
+    from kvalign.standins.hicache import version_problem
     from kvalign.oracles.hicache import HiCacheEngine
     from kvalign.oracles.sglang import sglang_version
 
@@ -319,7 +319,7 @@ def test_load_back_threshold_is_sglangs_own():
     import ast
     import inspect
 
-    from kvalign.diagnose import LOAD_BACK_THRESHOLD
+    from kvalign.streams.diagnose import LOAD_BACK_THRESHOLD
 
     try:
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache

@@ -12,14 +12,14 @@ import json
 import pytest
 from sglang_publisher import captured, sglang_publisher  # noqa: F401 - fixture
 
-from kvalign.capture import CaptureReader, expand_event
-from kvalign.causes import Cause
+from kvalign.streams.capture import CaptureReader, expand_event
+from kvalign.model.causes import Cause
 from kvalign.cli import main
-from kvalign.diagnose import RouterSettings
-from kvalign.diagnose_workers import diagnose_workers
-from kvalign.hashing import block_hashes
+from kvalign.streams.diagnose import RouterSettings
+from kvalign.streams.diagnose_workers import diagnose_workers
+from kvalign.model.hashing import block_hashes
 from kvalign.oracles.sglang import SglangRadixCache
-from kvalign.relay import Relay
+from kvalign.model.relay import Relay
 
 B = 4
 PROMPT = list(range(100, 121))  # 21 tokens: 5 bigram pages

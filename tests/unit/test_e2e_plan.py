@@ -112,9 +112,9 @@ def test_sglang_cpu_plan_runs_the_real_engine_with_the_stand_in(capsys):
     assert "[NEGATIVE CONTROL: the draft never agrees with the target]" in out.splitlines()[0]
     for name in ("prefill0", "prefill1", "decode0"):
         assert "-m dynamo.sglang" in blocks[name] and "--device cpu" in blocks[name]
-        assert "SGLANG_USE_CPU_ENGINE=1" in blocks[name] and "sglang_cpu_standin/site" in blocks[name]
+        assert "SGLANG_USE_CPU_ENGINE=1" in blocks[name] and "standins/sglang_cpu/site" in blocks[name]
         assert "--speculative-draft-model-path $RUN_DIR/models/draft-disagree" in blocks[name]
-    assert "sglang_cpu_standin" not in blocks["frontend"] + blocks["broker"]  # only the workers load it
+    assert "standins/sglang_cpu" not in blocks["frontend"] + blocks["broker"]  # only the workers load it
 
 
 @pytest.mark.parametrize("args,message", [

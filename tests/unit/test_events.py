@@ -1,4 +1,4 @@
-"""kvalign.events: SGLang's ZMQ KV-event wire format, both encodings.
+"""kvalign.model.events: SGLang's ZMQ KV-event wire format, both encodings.
 
 Byte-exact payloads were recorded from the real SGLang publishers (0.5.19 positional, 0.5.23 map;
 shared/docs/reference/sglang-radix-keys.md §5). The installed SGLang's own ZmqEventPublisher is
@@ -15,10 +15,10 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_frames, decode_payload
+from kvalign.model.events import AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_frames, decode_payload
 from kvalign.live.cluster.ports import PortPool
 from kvalign.oracles.sglang import shutdown_publisher
-from kvalign.strategies import PAGE_SIZES, token_ids
+from kvalign.verify.strategies import PAGE_SIZES, token_ids
 
 # Recorded from sglang 0.5.19 (positional) and 0.5.23 (map): P=4, insert 1..10, evict(4).
 RECORDED = {

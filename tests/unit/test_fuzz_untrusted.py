@@ -34,9 +34,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sglang_publisher import RECORDED
 
-from kvalign.capture import CaptureError, CaptureReader, CaptureWriter
+from kvalign.streams.capture import CaptureError, CaptureReader, CaptureWriter
 from kvalign.cli import main
-from kvalign.events import EventBatch, EventDecodeError, decode_frames
+from kvalign.model.events import EventBatch, EventDecodeError, decode_frames
 
 TOPIC = b"kv-events"
 PROMPT = list(range(100, 121))

@@ -1,4 +1,4 @@
-"""kvalign.hashing against the real router binding (ai-dynamo-runtime, CPU)."""
+"""kvalign.model.hashing against the real router binding (ai-dynamo-runtime, CPU)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from kvalign.causes import Cause
-from kvalign.check import run_search
-from kvalign.hashing import block_count, block_hashes, compute_block_hash_for_seq, salt_seed, sequence_hashes
-from kvalign.misaligned import drop_lora, drop_namespace, eagle_b_window, flip_eagle, ignore_eagle
-from kvalign.properties import Mismatch, hash_property
-from kvalign.strategies import hash_cases
+from kvalign.model.causes import Cause
+from kvalign.verify.check import run_search
+from kvalign.model.hashing import block_count, block_hashes, compute_block_hash_for_seq, salt_seed, sequence_hashes
+from kvalign.verify.misaligned import drop_lora, drop_namespace, eagle_b_window, flip_eagle, ignore_eagle
+from kvalign.verify.properties import Mismatch, hash_property
+from kvalign.verify.strategies import hash_cases
 
 VECTORS = [json.loads(line) for line in Path(__file__).with_name("vectors").joinpath("router_vectors.jsonl").read_text().splitlines()]
 

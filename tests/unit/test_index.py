@@ -1,11 +1,11 @@
-"""kvalign.index: the router's kv_hit_rate arithmetic and basic index semantics.
+"""kvalign.model.index: the router's kv_hit_rate arithmetic and basic index semantics.
 
 Overlap itself is held against Dynamo's real RadixTree by test_alignment and test_stateful."""
 
 from __future__ import annotations
 
-from kvalign.index import PrefixIndex, router_kv_hit_rate
-from kvalign.relay import RouterCleared, RouterRemoved, RouterStored
+from kvalign.model.index import PrefixIndex, router_kv_hit_rate
+from kvalign.model.relay import RouterCleared, RouterRemoved, RouterStored
 
 
 def test_kv_hit_rate_counts_partial_last_block_like_the_router():

@@ -8,10 +8,10 @@ import time
 import pytest
 import zmq
 
-from kvalign.hashing import block_hashes
+from kvalign.model.hashing import block_hashes
 from kvalign.live.wire.capture import EventCapture
 from kvalign.live.cluster.ports import PortPool
-from kvalign.index import router_kv_hit_rate
+from kvalign.model.index import router_kv_hit_rate
 from kvalign.oracles.sglang import shutdown_publisher
 
 

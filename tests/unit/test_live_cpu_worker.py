@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvalign.events import AllBlocksCleared, BlockStored
+from kvalign.model.events import AllBlocksCleared, BlockStored
 from kvalign.live.engines import fake_cpu_worker as cpu_worker
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kvalign.hashing import block_hashes
+from kvalign.model.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvalign.model.hashing import block_hashes
 from kvalign.live.runs.fuzz.views import (
     common_blocks,
     credited_blocks,

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import pytest
 import zmq
 
-from kvalign.events import decode_frames
+from kvalign.model.events import decode_frames
 from kvalign.live.wire.lossy_hop import LossyHop
 
 pytestmark = pytest.mark.slow  # SGLang's real publisher: the first import of SGLang costs about a minute

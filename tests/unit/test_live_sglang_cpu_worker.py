@@ -11,7 +11,7 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from kvalign import sglang_cpu_standin
+from kvalign.standins import sglang_cpu as sglang_cpu_standin
 from kvalign.live.engines import engine_model
 from kvalign.live.runs.scenario import prompt_tokens
 from kvalign.live.engines.sglang_cpu import CpuEagle, plan_cluster
@@ -99,7 +99,7 @@ def test_id_zero_is_the_word_the_zero_head_generates(tmp_path):
 def test_a_release_without_bind_gets_an_ipc_publisher_and_a_loopback_forwarder(tmp_path, monkeypatch):
     """0.5.21 from the wheel cache (a directory given, nothing installed here: only the commands)."""
     from kvalign.live.engines.sglang_cpu import SglangCpuWorkerKind
-    from kvalign.release_env import python_for
+    from kvalign.releases.release_env import python_for
 
     monkeypatch.setenv("KVALIGN_WHEEL_CACHE", str(tmp_path / "cache"))
     plan, _ = plan_cluster(Topology.disaggregated(2, 1, eagle=True), tmp_path)

@@ -249,7 +249,7 @@ def test_relay_hop_patch_redirects_only_dynamos_subscriber_address():
     import subprocess
     import sys
 
-    from kvalign import sglang_cpu_standin
+    from kvalign.standins import sglang_cpu as sglang_cpu_standin
     from kvalign.live.engines.sglang_cpu import engine_problem
 
     if engine_problem():

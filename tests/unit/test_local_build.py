@@ -1,4 +1,4 @@
-"""kvalign.local_build: a pull request's own build checked like a release (``matrix --dynamo PATH``).
+"""kvalign.releases.local_build: a pull request's own build checked like a release (``matrix --dynamo PATH``).
 
 The differential test builds a source checkout from the installed ai-dynamo 1.6.1 (its own files,
 nothing changed) and expects the release's row; a copy whose ``dynamo.sglang`` derives
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvalign import local_build
+from kvalign.releases import local_build
 from kvalign.cli import main
 from kvalign.errors import UsageError
 

@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from kvalign.check import MODES, PROPERTIES
-from kvalign import matrix
+from kvalign.verify.rows import MODES, PROPERTIES
+from kvalign.verify import matrix
 from kvalign.cli import main
-from kvalign.matrix import (MatrixError, Pair, PairEnv, PairResult, cache_root,
+from kvalign.verify.matrix import (MatrixError, Pair, PairEnv, PairResult, cache_root,
                             default_dynamo_versions, ensure_release, pair_env, plan_pairs, render, requires_dist,
                             result_from_row, sglang_roots, shipped_sglang, shipped_sglang_from_metadata, table,
                             unsatisfied)
-from kvalign.versions import installed_versions
+from kvalign.releases.versions import installed_versions
 
 OLD_DYNAMO = "1.0.2"
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,7 +99,7 @@ def test_an_extra_s_own_requirements_are_told_apart_from_the_base_set():
 def test_each_dynamo_release_s_shipped_sglang_is_read_from_its_real_wheel():
     """The pins as published: ai-dynamo 1.6.1 (the environment's) -> sglang 0.5.21; 1.5.1 (installed
     into the wheel cache from the package index) -> 0.5.18."""
-    from kvalign.matrix import installed
+    from kvalign.verify.matrix import installed
 
     if installed("ai-dynamo") != "1.6.1":
         pytest.skip(f"the environment's ai-dynamo is {installed('ai-dynamo')}, not the pinned 1.6.1")
@@ -392,7 +392,7 @@ def test_live_column_and_json_when_asked_for():
 
 
 def test_live_rows_say_why_a_pair_cannot_run_live():
-    from kvalign.matrix import installed, live_command, live_problem, run_live
+    from kvalign.verify.matrix import installed, live_command, live_problem, run_live
 
     other = run_live("1.5.1", "0.5.18")  # another Dynamo runs fake workers, keyed by the environment's SGLang
     assert other["verdict"] == "skipped" and "key pages with the environment's SGLang" in other["detail"], other

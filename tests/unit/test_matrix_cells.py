@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 import kvalign.commands.matrix as matrix_cmd
-import kvalign.matrix as matrix
+import kvalign.verify.matrix as matrix
 from kvalign.cli import main
-from kvalign.matrix import CELL_FORMAT, MatrixError, PairResult
+from kvalign.verify.matrix import CELL_FORMAT, MatrixError, PairResult
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / ".github" / "workflows" / "kvalign-nightly.yml"
@@ -276,7 +276,7 @@ def _kvalign(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_cells_of_the_installed_pair_merge_into_the_single_run_table(tmp_path):
-    from kvalign.versions import installed_versions
+    from kvalign.releases.versions import installed_versions
 
     v = installed_versions()
     # card and hash: a child per run and per cell as in a full run, without minutes of state machines

@@ -1,4 +1,4 @@
-"""kvalign.relay against Dynamo's real worker-side relay, end to end over loopback ZMQ.
+"""kvalign.model.relay against Dynamo's real worker-side relay, end to end over loopback ZMQ.
 
 The production path is: SGLang's ZmqEventPublisher -> Dynamo's Rust ZMQ decoder (bigram
 detection per event, flattening, B+1 windows, namespace inheritance) -> the router's index. Here
@@ -17,12 +17,12 @@ from itertools import count
 import pytest
 from hypothesis import given, settings
 
-from kvalign.hashing import block_hashes
-from kvalign.index import PrefixIndex
+from kvalign.model.hashing import block_hashes
+from kvalign.model.index import PrefixIndex
 from kvalign.live.cluster.ports import PortPool
 from kvalign.oracles.sglang import to_kvalign_event
-from kvalign.relay import Relay
-from kvalign.strategies import PAGE_SIZES, scenarios
+from kvalign.model.relay import Relay
+from kvalign.verify.strategies import PAGE_SIZES, scenarios
 
 _sentinels = count(10**6, 97)
 CARD_EAGLE_OFF = (True, 4, "card-eagle-off")
@@ -146,7 +146,7 @@ def test_negative_control_card_without_eagle_is_cache_blind(dynamo_relay, cache_
     """Dynamo #10982 / #11764: bigram events, but the router's model card has enable_eagle=False.
     The real relay indexes the B+1 windows, the query hashes B windows: overlap 0, silently —
     and kvalign names the cause."""
-    from kvalign.causes import Cause, classify_hash_mismatch
+    from kvalign.model.causes import Cause, classify_hash_mismatch
 
     from sglang.srt.disaggregation.kv_events import AllBlocksCleared
 

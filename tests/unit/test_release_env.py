@@ -1,4 +1,4 @@
-"""kvalign.release_env: a release's environment and the installer that fills its directory.
+"""kvalign.releases.release_env: a release's environment and the installer that fills its directory.
 
 The environment is checked from inside its own interpreter (what a pair's check sees), with a
 release directory made on the spot; the installers are checked against each other on a real,
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvalign import release_env
-from kvalign.release_env import ReleaseEnvError, installer, install, python_for
+from kvalign.releases import release_env
+from kvalign.releases.release_env import ReleaseEnvError, installer, install, python_for
 
 PROBE = """
 import importlib.metadata as md, json, sys, kvalign, torch

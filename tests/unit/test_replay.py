@@ -16,15 +16,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from sglang_publisher import RECORDED, captured, raw_capture, sglang_publisher  # noqa: F401 - fixture
 
-from kvalign.capture import CaptureError, compact_event
+from kvalign.streams.capture import CaptureError, compact_event
 from kvalign.cli import main
-from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvalign.hashing import block_hashes
-from kvalign.index import PrefixIndex
+from kvalign.model.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvalign.model.hashing import block_hashes
+from kvalign.model.index import PrefixIndex
 from kvalign.oracles.sglang import SglangRadixCache
-from kvalign.relay import Relay
-from kvalign.replay import replay_captures
-from kvalign.replay_index import BatchRejected, ReplayIndex
+from kvalign.model.relay import Relay
+from kvalign.streams.replay import replay_captures
+from kvalign.streams.replay_index import BatchRejected, ReplayIndex
 
 KV_B = 2
 SALTS = [None, "a"]
@@ -257,7 +257,7 @@ def test_replay_with_a_router_block_size_the_engine_does_not_use(tmp_path, sglan
 def test_negative_control_misaligned_router_query_disagrees_with_the_engine(cache_factory):
     """The agreement above is not vacuous: a router that ignores is_eagle, querying the same
     replayed index, no longer reproduces SGLang's reuse."""
-    from kvalign.misaligned import ignore_eagle
+    from kvalign.verify.misaligned import ignore_eagle
 
     cache = cache_factory("unified")(KV_B, True)
     doc = list(range(1, 12))

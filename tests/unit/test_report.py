@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from kvalign.causes import Cause
+from kvalign.model.causes import Cause
 from kvalign.cli import main
-from kvalign.report import ANCHORS, Anchor, locate
+from kvalign.verify.report import ANCHORS, Anchor, locate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,7 +72,7 @@ def test_lora_report_on_the_shipped_pair_1_6_1_x_0_5_21(tmp_path):
 def test_host_credit_anchors_are_found_in_the_installed_pair(sglang_available):
     """Every source line the HOST_CREDIT_NOT_SERVABLE report quotes exists in the installed 1.6.1 x 0.5.23
     wheels (the threshold, its check, the scheduler's call, the host medium, the router's host weight)."""
-    from kvalign.hicache_standin import version_problem
+    from kvalign.standins.hicache import version_problem
 
     if version_problem(sglang_available):
         pytest.skip(version_problem(sglang_available))
@@ -89,7 +89,7 @@ def test_host_credit_anchors_are_found_in_the_installed_pair(sglang_available):
 def test_host_credit_report_on_the_installed_pair_installs_nothing(tmp_path, sglang_available):
     """1.6.1 x 0.5.23 is the environment's own pair: the report runs on it with an empty wheel cache and
     installs no release into it."""
-    from kvalign.hicache_standin import version_problem
+    from kvalign.standins.hicache import version_problem
 
     if version_problem(sglang_available):
         pytest.skip(version_problem(sglang_available))

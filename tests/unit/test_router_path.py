@@ -14,10 +14,10 @@ from typing import Any
 import msgpack
 import pytest
 
-from kvalign.check import run_search
+from kvalign.verify.check import run_search
 from kvalign.oracles.base import OracleUnavailable
-from kvalign.properties import ingest_property
-from kvalign.strategies import ingest_scenarios
+from kvalign.verify.properties import ingest_property
+from kvalign.verify.strategies import ingest_scenarios
 
 EXAMPLES = 15
 

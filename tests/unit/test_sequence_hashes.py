@@ -1,4 +1,4 @@
-"""kvalign.hashing.sequence_hashes against the sequence hashes the REAL Dynamo router computes.
+"""kvalign.model.hashing.sequence_hashes against the sequence hashes the REAL Dynamo router computes.
 
 The binding exposes only local hashes; the chain is observed through an in-process
 approximate-mode ``KvRouter`` (see ``dynamo_router.py``): for each request the router's stored
@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynamo_router import DynamoRouterOracle
-from kvalign.hashing import XXH3_SEED, block_hashes, salt_seed, sequence_hashes
-from kvalign.strategies import HashCase, mm_infos, names, token_ids
+from kvalign.model.hashing import XXH3_SEED, block_hashes, salt_seed, sequence_hashes
+from kvalign.verify.strategies import HashCase, mm_infos, names, token_ids
 
 BLOCK_SIZES = (1, 2, 4, 16, 64)
 

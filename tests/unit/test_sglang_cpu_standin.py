@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvalign import sglang_cpu_standin as standin
-from kvalign.sglang_cpu_standin import kernels, ops
+from kvalign.standins import sglang_cpu as standin
+from kvalign.standins.sglang_cpu import kernels, ops
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def test_stand_in_is_absent_from_processes_that_did_not_ask_for_it():
     """Never leaks: the test process (and so every oracle) has no sgl_kernel and no patches."""
     assert str(standin.SITE_DIR) not in sys.path
     proc = _child("import importlib.util, sys; import kvalign.oracles.sglang, kvalign.oracles.dynamo; "
-                  "print(importlib.util.find_spec('sgl_kernel') is None, 'kvalign.sglang_cpu_standin' in sys.modules)")
+                  "print(importlib.util.find_spec('sgl_kernel') is None, 'kvalign.standins.sglang_cpu' in sys.modules)")
     assert proc.stdout.split() == ["True", "False"], proc.stderr
 
 

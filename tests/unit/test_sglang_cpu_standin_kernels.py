@@ -1,6 +1,6 @@
 """The CPU kernel stand-ins against SGLang's own Triton kernels, run by Triton's interpreter.
 
-Once per supported release (``kvalign.sglang_cpu_standin.SUPPORTED``): the environment's SGLang,
+Once per supported release (``kvalign.standins.sglang_cpu.SUPPORTED``): the environment's SGLang,
 and each other release from ``kvalign matrix``'s wheel cache (installed by the fixture; skipped
 with the reason when it cannot be). Call sites moved between releases: in 0.5.19 and 0.5.21 the
 tree kernels' wrappers live in ``srt/speculative/eagle_utils.py`` (``build_tree_kernel_efficient``
@@ -8,7 +8,7 @@ dispatches to its Triton / CPU branch functions directly, called here the same w
 draft-cache-locs launch is inline in ``eagle_worker_common.prepare_for_draft`` (reproduced here
 with its arguments), and ``fill_front_out_cache_loc_func`` does not exist (skipped there).
 
-For every ``*_cpu`` name in :mod:`kvalign.sglang_cpu_standin.kernels`, Hypothesis draws inputs
+For every ``*_cpu`` name in :mod:`kvalign.standins.sglang_cpu.kernels`, Hypothesis draws inputs
 shaped as SGLang 0.5.23 builds them (int32/int64 index tensors, small batches, topk=1 chains and
 topk>1 trees), and SGLang's ``*_func`` wrapper runs twice on identical copies: once down its
 Triton branch (the reference: SGLang's Triton kernel under ``TRITON_INTERPRET=1`` on CPU tensors)
@@ -62,8 +62,8 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kvalign.sglang_cpu_standin import SUPPORTED
-from kvalign.sglang_cpu_standin import kernels as standin
+from kvalign.standins.sglang_cpu import SUPPORTED
+from kvalign.standins.sglang_cpu import kernels as standin
 
 #: One reference child per release, each importing that release's kernel modules and their SGLang
 #: import chain (30-55 s here), and the interpreted kernels on a stale key: not in the fast tier.
@@ -423,7 +423,7 @@ class ReferenceProcess:
 @pytest.fixture(scope="module", params=list(SUPPORTED))
 def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReferenceProcess]:
     """SGLang's call sites in one supported release (the environment's, or one from the wheel cache)."""
-    from kvalign.matrix import MatrixError, ensure_release
+    from kvalign.verify.matrix import MatrixError, ensure_release
 
     for package in ("sglang", "triton"):
         if importlib.util.find_spec(package) is None:

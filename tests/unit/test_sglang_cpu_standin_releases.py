@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import recorded
 
-from kvalign import sglang_cpu_standin as standin
+from kvalign.standins import sglang_cpu as standin
 
 ROOT = Path(__file__).resolve().parents[2]
 OTHER_RELEASES = [v for v in standin.SUPPORTED if v != standin.SGLANG_VERSION]
@@ -37,7 +37,7 @@ EXAMPLES = 150
 
 @pytest.fixture(scope="module", params=OTHER_RELEASES)
 def release(request: pytest.FixtureRequest) -> tuple[str, Path]:
-    from kvalign.matrix import MatrixError, ensure_release
+    from kvalign.verify.matrix import MatrixError, ensure_release
 
     version = request.param
     try:
@@ -61,7 +61,7 @@ def test_patches_find_their_targets_in_the_release(release, tmp_path):
     this release first, so a clean exit means every target was found (as in a worker: the harness's
     IPC endpoint is set, so the KV-events patch applies too)."""
     version, where = release
-    from kvalign.sglang_cpu_standin.hooks import release_patches
+    from kvalign.standins.sglang_cpu.hooks import release_patches
 
     modules = sorted(release_patches(version))
     code = (
@@ -90,7 +90,7 @@ def _run_stand_ins(version: str, where: Path, cases: list[dict]) -> tuple[str | 
     case where each differs from the recorded Triton outputs (None: none differs)."""
     import torch
 
-    from kvalign.sglang_cpu_standin.allocator import alloc_decode_cpu, alloc_extend_launch
+    from kvalign.standins.sglang_cpu.allocator import alloc_decode_cpu, alloc_extend_launch
 
     naive = recorded.load_function(where / recorded.ALLOCATOR_SOURCES[1], "alloc_extend_naive", {"torch": torch})
     extend_cpu = alloc_extend_launch(naive)
@@ -179,7 +179,7 @@ def _allocator_main(record: str | None = None) -> int:
     from sglang.kernels.ops.memory.allocator import alloc_decode_kernel, alloc_extend_kernel
     from sglang.srt.mem_cache.allocator.paged import alloc_extend_naive
 
-    from kvalign.sglang_cpu_standin.allocator import alloc_decode_cpu, alloc_extend_launch
+    from kvalign.standins.sglang_cpu.allocator import alloc_decode_cpu, alloc_extend_launch
 
     extend_cpu = alloc_extend_launch(alloc_extend_naive)
 

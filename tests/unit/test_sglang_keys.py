@@ -1,4 +1,4 @@
-"""kvalign.sglang_keys against SGLang's real radix cache (CPU): pages, payloads, event hashes."""
+"""kvalign.model.sglang_keys against SGLang's real radix cache (CPU): pages, payloads, event hashes."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvalign.events import BlockStored
+from kvalign.model.events import BlockStored
 from kvalign.oracles.sglang import SglangRadixCache, lora_id_for
-from kvalign.sglang_keys import (
+from kvalign.model.sglang_keys import (
     engine_block_hashes,
     event_namespace,
     event_page_windows,
@@ -17,7 +17,7 @@ from kvalign.sglang_keys import (
     page_windows,
     raw_window,
 )
-from kvalign.strategies import PAGE_SIZES, token_ids
+from kvalign.verify.strategies import PAGE_SIZES, token_ids
 
 #: These properties cost a few milliseconds a case (one small real cache each), so even the fast tier runs
 #: 300 of each: part of its 5,000 generated cases.

@@ -8,11 +8,11 @@ from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
-from kvalign.causes import Cause
-from kvalign.misaligned import drop_namespace, ignore_eagle
+from kvalign.model.causes import Cause
+from kvalign.verify.misaligned import drop_namespace, ignore_eagle
 from kvalign.oracles.sglang import KINDS
-from kvalign.properties import AlignmentHarness, Mismatch
-from kvalign.strategies import PAGE_SIZES, tenants, token_ids
+from kvalign.verify.properties import AlignmentHarness, Mismatch
+from kvalign.verify.strategies import PAGE_SIZES, tenants, token_ids
 
 TOKENS = token_ids(max_size=40, vocab=3)
 TENANTS = tenants(lora=True, namespace=True)

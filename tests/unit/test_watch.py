@@ -15,7 +15,7 @@ import zmq
 from sglang_publisher import RealPublisher
 
 from kvalign.oracles.sglang import SglangRadixCache
-from kvalign.watch import Watcher
+from kvalign.streams.watch import Watcher
 
 B = 4
 

@@ -141,10 +141,10 @@ def test_blocks_held_per_tier_and_unmapped_media_from_real_hicache_events(sglang
     from prometheus_client import generate_latest
     from prometheus_client.registry import CollectorRegistry
 
-    from kvalign.hicache_standin import version_problem
+    from kvalign.standins.hicache import version_problem
     from kvalign.oracles.hicache import HiCacheEngine
-    from kvalign.watch import Watcher
-    from kvalign.watch_metrics import WatchCollector
+    from kvalign.streams.watch import Watcher
+    from kvalign.streams.watch_metrics import WatchCollector
 
     if version_problem(sglang_available):
         pytest.skip(version_problem(sglang_available))

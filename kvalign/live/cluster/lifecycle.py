@@ -29,7 +29,7 @@ from pathlib import Path
 from kvalign.live.cluster import discovery
 from kvalign.live.wire.capture import EventCapture
 from kvalign.live.wire.client import wait_ready
-from kvalign.release_env import python_for
+from kvalign.releases.release_env import python_for
 from kvalign.live.engines.model_dir import MODEL_NAME, write_model_dir
 from kvalign.live.cluster.discovery import EtcdStore
 from kvalign.live.cluster.ports import LOOPBACK, PortPool
@@ -47,7 +47,7 @@ def make_plan(
     ``control_plane``: ``"file"`` (no service) or ``"etcd-nats"`` (etcd + nats-server processes).
     ``dynamo_dir``: another Dynamo release's directory (``kvalign matrix``'s wheel cache) that every
     process runs, ``dynamo_version`` its version: every process is started by the interpreter of that
-    release's own environment (:func:`kvalign.release_env.python_for`).
+    release's own environment (:func:`kvalign.releases.release_env.python_for`).
     """
     run = Path(run_dir).resolve()
     run.mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,7 @@ from pathlib import Path
 import requests
 
 from kvalign.errors import UsageError
-from kvalign.events import AllBlocksCleared
+from kvalign.model.events import AllBlocksCleared
 from kvalign.live.cluster import discovery
 from kvalign.live.cluster.control import ControlError, clear_kv_blocks
 from kvalign.live.cluster.lifecycle import Cluster, make_plan

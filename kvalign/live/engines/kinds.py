@@ -17,22 +17,21 @@ branches spread over the commands and the scenario.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal, Protocol
 
 from kvalign.live.engines import sglang_cpu as sglang_cpu_worker
 from kvalign.live.cluster.lifecycle import make_plan
 from kvalign.live.engines.gpu import Prereqs, check_prereqs, resolve_model_dir
 from kvalign.live.engines.sglang_worker import SglangWorkerKind, gpu_topology
 from kvalign.live.cluster.topology import ClusterPlan, CpuWorkerKind, Topology, WorkerKind
+from kvalign.live.engines.run_options import RunOptions
 
-if TYPE_CHECKING:
-    from kvalign.live.runs.disagg_eagle import E2eOptions
 
 EngineName = Literal["sglang-gpu", "sglang-cpu", "fake-cpu"]
 
 
 class EngineKind(Protocol):
-    """What differs between engines, for one run described by :class:`E2eOptions`."""
+    """What differs between engines, for one run described by :class:`RunOptions`."""
 
     name: EngineName
     #: runs on this machine's CPU (no GPUs; prerequisites are reported by the harness or the stand-in)
@@ -42,50 +41,50 @@ class EngineKind(Protocol):
     #: ``kvalign live up``'s default start-up budget, seconds
     live_startup_timeout_s: float
 
-    def validate(self, opts: E2eOptions) -> None:
+    def validate(self, opts: RunOptions) -> None:
         """Raise ValueError (one line) for an option this engine does not take."""
         ...
 
-    def gpus_needed(self, opts: E2eOptions) -> int: ...
+    def gpus_needed(self, opts: RunOptions) -> int: ...
 
-    def topology(self, opts: E2eOptions) -> Topology: ...
+    def topology(self, opts: RunOptions) -> Topology: ...
 
-    def describe(self, opts: E2eOptions) -> str:
+    def describe(self, opts: RunOptions) -> str:
         """The workers, for the run's first line."""
         ...
 
-    def model_lines(self, opts: E2eOptions, plan: ClusterPlan) -> list[str]:
+    def model_lines(self, opts: RunOptions, plan: ClusterPlan) -> list[str]:
         """What ``e2e plan`` says about the models served."""
         ...
 
-    def plan(self, topology: Topology, run_dir: str | Path, opts: E2eOptions) -> tuple[ClusterPlan, WorkerKind]:
+    def plan(self, topology: Topology, run_dir: str | Path, opts: RunOptions) -> tuple[ClusterPlan, WorkerKind]:
         """Ports, env, models and the worker kind for ``topology`` (``live`` passes its own)."""
         ...
 
-    def prerequisites(self, opts: E2eOptions, *, import_check: bool = True) -> Prereqs | None:
+    def prerequisites(self, opts: RunOptions, *, import_check: bool = True) -> Prereqs | None:
         """What the run lacks here; None when the harness itself reports it at start."""
         ...
 
 
-def _environment_dynamo_only(name: str, opts: E2eOptions) -> None:
+def _environment_dynamo_only(name: str, opts: RunOptions) -> None:
     """Another Dynamo release runs only under kvalign's fake workers: a real engine's worker is that
     release's ``dynamo.sglang``, which imports only beside its own SGLang (1.3.1 pins 0.5.14, 1.0.x
     0.5.9), and the CPU engine stand-in covers SGLang 0.5.19, 0.5.21 and 0.5.23 only."""
-    from kvalign.matrix import installed
+    from kvalign.verify.matrix import installed
 
     if opts.dynamo is not None and opts.dynamo != installed("ai-dynamo-runtime"):
         raise ValueError(f"--dynamo {opts.dynamo} runs kvalign's fake CPU workers (--engine fake-cpu): {name}'s workers "
                          f"would be dynamo.sglang {opts.dynamo}, which imports only beside its own SGLang release")
 
 
-def _only_cpu_engine_options(name: str, opts: E2eOptions) -> None:
+def _only_cpu_engine_options(name: str, opts: RunOptions) -> None:
     if opts.sglang is not None:
         raise ValueError(f"--sglang picks the real CPU engine's SGLang release: it needs --engine sglang-cpu, not {name}")
     if opts.draft != "agree":
         raise ValueError("--draft disagree builds the tiny CPU draft: it needs --engine sglang-cpu")
 
 
-def _cpu_topology(opts: E2eOptions) -> Topology:
+def _cpu_topology(opts: RunOptions) -> Topology:
     return Topology.disaggregated(opts.prefill, opts.decode, eagle=True,
                                   register_eagle=None if opts.router_eagle else False, page_size=opts.page_size)
 
@@ -98,30 +97,30 @@ class FakeCpuEngine:
     speculates = False
     live_startup_timeout_s = 120.0
 
-    def validate(self, opts: E2eOptions) -> None:
+    def validate(self, opts: RunOptions) -> None:
         _only_cpu_engine_options(self.name, opts)
 
-    def gpus_needed(self, opts: E2eOptions) -> int:
+    def gpus_needed(self, opts: RunOptions) -> int:
         return 0
 
-    def topology(self, opts: E2eOptions) -> Topology:
+    def topology(self, opts: RunOptions) -> Topology:
         return _cpu_topology(opts)
 
-    def describe(self, opts: E2eOptions) -> str:
+    def describe(self, opts: RunOptions) -> str:
         on = "" if opts.dynamo is None else f", every process on Dynamo {opts.dynamo}"
         return f"{opts.prefill} prefill + {opts.decode} decode CPU workers (SGLang radix cache, no model){on}"
 
-    def model_lines(self, opts: E2eOptions, plan: ClusterPlan) -> list[str]:
+    def model_lines(self, opts: RunOptions, plan: ClusterPlan) -> list[str]:
         return []
 
-    def plan(self, topology: Topology, run_dir: str | Path, opts: E2eOptions) -> tuple[ClusterPlan, WorkerKind]:
-        from kvalign.matrix import ensure_release
+    def plan(self, topology: Topology, run_dir: str | Path, opts: RunOptions) -> tuple[ClusterPlan, WorkerKind]:
+        from kvalign.verify.matrix import ensure_release
 
         dynamo_dir = None if opts.dynamo is None else ensure_release("dynamo", opts.dynamo)
         return make_plan(topology, run_dir, control_plane=opts.control_plane, dynamo_dir=dynamo_dir,
                          dynamo_version=opts.dynamo if dynamo_dir else None), CpuWorkerKind()
 
-    def prerequisites(self, opts: E2eOptions, *, import_check: bool = True) -> Prereqs | None:
+    def prerequisites(self, opts: RunOptions, *, import_check: bool = True) -> Prereqs | None:
         return None
 
 
@@ -133,30 +132,30 @@ class SglangCpuEngine:
     speculates = True
     live_startup_timeout_s = 400.0
 
-    def validate(self, opts: E2eOptions) -> None:
+    def validate(self, opts: RunOptions) -> None:
         """Every option but another Dynamo release applies (the SGLang release is checked against the
         stand-in when planning)."""
         _environment_dynamo_only(self.name, opts)
 
-    def gpus_needed(self, opts: E2eOptions) -> int:
+    def gpus_needed(self, opts: RunOptions) -> int:
         return 0
 
-    def topology(self, opts: E2eOptions) -> Topology:
+    def topology(self, opts: RunOptions) -> Topology:
         return _cpu_topology(opts)
 
-    def describe(self, opts: E2eOptions) -> str:
+    def describe(self, opts: RunOptions) -> str:
         release = f" {opts.sglang} (wheel cache)" if opts.sglang else ""
         return (f"{opts.prefill} prefill + {opts.decode} decode real SGLang{release} CPU workers, EAGLE3 "
                 f"(tiny Llama, {opts.draft}ing draft)")
 
-    def model_lines(self, opts: E2eOptions, plan: ClusterPlan) -> list[str]:
+    def model_lines(self, opts: RunOptions, plan: ClusterPlan) -> list[str]:
         return [f"models: tiny Llama target + {opts.draft}ing EAGLE3 draft, built offline under RUN_DIR/models"]
 
-    def plan(self, topology: Topology, run_dir: str | Path, opts: E2eOptions) -> tuple[ClusterPlan, WorkerKind]:
+    def plan(self, topology: Topology, run_dir: str | Path, opts: RunOptions) -> tuple[ClusterPlan, WorkerKind]:
         return sglang_cpu_worker.plan_cluster(topology, run_dir, draft=opts.draft, control_plane=opts.control_plane,
                                               sglang_version=opts.sglang)
 
-    def prerequisites(self, opts: E2eOptions, *, import_check: bool = True) -> Prereqs | None:
+    def prerequisites(self, opts: RunOptions, *, import_check: bool = True) -> Prereqs | None:
         problem = sglang_cpu_worker.engine_problem(opts.sglang)
         return Prereqs((), (problem,) if problem else ())
 
@@ -169,25 +168,25 @@ class SglangGpuEngine:
     speculates = True
     live_startup_timeout_s = 900.0
 
-    def validate(self, opts: E2eOptions) -> None:
+    def validate(self, opts: RunOptions) -> None:
         _only_cpu_engine_options(self.name, opts)
         _environment_dynamo_only(self.name, opts)
 
-    def gpus_needed(self, opts: E2eOptions) -> int:
+    def gpus_needed(self, opts: RunOptions) -> int:
         return 1 if opts.single_gpu else 2
 
-    def topology(self, opts: E2eOptions) -> Topology:
+    def topology(self, opts: RunOptions) -> Topology:
         return gpu_topology(single_gpu=opts.single_gpu, prefill=opts.prefill, decode=opts.decode,
                             router_eagle=opts.router_eagle, page_size=opts.page_size)
 
-    def describe(self, opts: E2eOptions) -> str:
+    def describe(self, opts: RunOptions) -> str:
         dgpu = 0 if opts.single_gpu else 1
         return f"{opts.prefill} prefill (GPU 0) + {opts.decode} decode (GPU {dgpu}), EAGLE3"
 
-    def model_lines(self, opts: E2eOptions, plan: ClusterPlan) -> list[str]:
+    def model_lines(self, opts: RunOptions, plan: ClusterPlan) -> list[str]:
         return [f"model:       {opts.model} -> --model-path {plan.model_path}", f"draft model: {opts.draft_model}"]
 
-    def plan(self, topology: Topology, run_dir: str | Path, opts: E2eOptions) -> tuple[ClusterPlan, WorkerKind]:
+    def plan(self, topology: Topology, run_dir: str | Path, opts: RunOptions) -> tuple[ClusterPlan, WorkerKind]:
         model_dir, _ = resolve_model_dir(opts.model)
         draft_dir, _ = resolve_model_dir(opts.draft_model)
         plan = make_plan(topology, run_dir, str(model_dir or opts.model), model_name=Path(opts.model).name,
@@ -198,7 +197,7 @@ class SglangGpuEngine:
         )
         return plan, kind
 
-    def prerequisites(self, opts: E2eOptions, *, import_check: bool = True) -> Prereqs | None:
+    def prerequisites(self, opts: RunOptions, *, import_check: bool = True) -> Prereqs | None:
         return check_prereqs(self.gpus_needed(opts), opts.model, opts.draft_model, import_check=import_check)
 
 

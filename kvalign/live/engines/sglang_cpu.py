@@ -3,7 +3,7 @@
 The same Dynamo worker, SGLang scheduler, speculative decoder, radix cache and KV-event publisher
 as the GPU nightly, on this machine's CPU, serving the tiny offline models of
 :mod:`kvalign.live.engines.engine_model`. Everything kvalign adds to the SGLang processes comes from
-:mod:`kvalign.sglang_cpu_standin` (kernel stand-ins + patches), loaded through ``PYTHONPATH`` of
+:mod:`kvalign.standins.sglang_cpu` (kernel stand-ins + patches), loaded through ``PYTHONPATH`` of
 these worker processes only.
 
 Settings and why (sglang-cpu-engine.md):
@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvalign.release_env import python_for
-from kvalign import sglang_cpu_standin
+from kvalign.releases.release_env import python_for
+from kvalign.standins import sglang_cpu as sglang_cpu_standin
 from kvalign.live.cluster.lifecycle import make_plan
 from kvalign.live.engines.engine_model import TARGET_NAME, Draft, write_models
 from kvalign.live.cluster.processes import ProcessSpec
@@ -65,7 +65,7 @@ class SglangCpuWorkerKind:
     """Builds each worker's real ``dynamo.sglang`` command on CPU (a :class:`WorkerKind`).
 
     ``sglang_dir``: a release from ``kvalign matrix``'s wheel cache: the workers are started by the
-    interpreter of its own environment (:func:`kvalign.release_env.python_for`, with the plan's Dynamo
+    interpreter of its own environment (:func:`kvalign.releases.release_env.python_for`, with the plan's Dynamo
     release when it has one), the stand-in alone on ``PYTHONPATH``; None runs the environment's.
     """
 
@@ -185,7 +185,7 @@ def release_dir(sglang_version: str | None) -> tuple[str, Path | None]:
 
     A release other than the environment's is installed into ``kvalign matrix``'s per-version cache
     (with its pinned dependency set) on first use."""
-    from kvalign.matrix import ensure_release, installed
+    from kvalign.verify.matrix import ensure_release, installed
 
     version = sglang_version or installed("sglang") or sglang_cpu_standin.SGLANG_VERSION
     problem = sglang_cpu_standin.version_problem(version)

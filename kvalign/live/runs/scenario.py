@@ -24,8 +24,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from kvalign.hashing import block_hashes
-from kvalign.index import router_kv_hit_rate
+from kvalign.model.hashing import block_hashes
+from kvalign.model.index import router_kv_hit_rate
 from kvalign.live.wire.client import ChatResult, stream_chat
 
 #: 18 in-vocabulary words (see :mod:`kvalign.live.engines.model_dir`): with the chat framing, request 1
@@ -212,7 +212,7 @@ class LiveDiagnosis:
     """``kvalign diagnose`` of one live request against one worker's capture."""
 
     worker: str
-    report: Any  # kvalign.diagnose.Diagnosis
+    report: Any  # kvalign.streams.diagnose.Diagnosis
     cli_args: list[str]
     live_cause: Any = None  # a Cause the live router's own credit shows where the registered settings show none
     live_note: str = ""
@@ -230,8 +230,8 @@ class LiveDiagnosis:
 
 
 def _diagnose_on(cluster: Any, record: RequestRecord, label: str) -> LiveDiagnosis:
-    from kvalign.diagnose import RouterSettings
-    from kvalign.diagnose import diagnose as run_diagnose
+    from kvalign.streams.diagnose import RouterSettings
+    from kvalign.streams.diagnose import diagnose as run_diagnose
 
     handle = cluster.workers[label]
     path = cluster.capture.capture_path(label)
@@ -250,9 +250,9 @@ def _live_router_differs(found: LiveDiagnosis, record: RequestRecord, capture: s
     ask which eagle setting the live router's credit matches: a router that hashes plain blocks
     although every worker registered ``enable_eagle`` is ROUTER_EAGLE_OFF even with a right card
     (Dynamo #11764: the prefill router built its KV chooser with eagle off, whatever the card said)."""
-    from kvalign.causes import Cause
-    from kvalign.diagnose import RouterSettings
-    from kvalign.diagnose import diagnose as run_diagnose
+    from kvalign.model.causes import Cause
+    from kvalign.streams.diagnose import RouterSettings
+    from kvalign.streams.diagnose import diagnose as run_diagnose
 
     if found.report.cause is not None or record.observed is None:
         return found

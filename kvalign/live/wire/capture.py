@@ -2,13 +2,13 @@
 
 The prediction must come from the *same* events the router indexes, but through kvalign's code
 only: this module subscribes to each worker's SGLang ZMQ PUB (beside Dynamo's relay, which is
-another subscriber of the same socket), decodes frames with :func:`kvalign.events.decode_frames`,
-converts them with :class:`kvalign.relay.Relay` and applies them to a
-:class:`kvalign.index.PrefixIndex` keyed by the worker's Dynamo instance id. Malformed frames are
+another subscriber of the same socket), decodes frames with :func:`kvalign.model.events.decode_frames`,
+converts them with :class:`kvalign.model.relay.Relay` and applies them to a
+:class:`kvalign.model.index.PrefixIndex` keyed by the worker's Dynamo instance id. Malformed frames are
 kept as errors (a finding, not a crash).
 
 With ``capture_dir`` each worker's stream is also written as a standard kvalign capture
-(:class:`kvalign.capture.CaptureWriter`, ``<label>.capture.jsonl``), so ``kvalign diagnose`` and
+(:class:`kvalign.streams.capture.CaptureWriter`, ``<label>.capture.jsonl``), so ``kvalign diagnose`` and
 ``kvalign replay`` can be run on exactly what the live router saw.
 
 ZMQ PUB/SUB drops what is published before a subscription arrives, so a capture must be started
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import zmq
 
-from kvalign.capture import CaptureWriter
-from kvalign.events import BlockStored, EventBatch, EventDecodeError, decode_frames
-from kvalign.index import PrefixIndex
-from kvalign.relay import Relay
+from kvalign.streams.capture import CaptureWriter
+from kvalign.model.events import BlockStored, EventBatch, EventDecodeError, decode_frames
+from kvalign.model.index import PrefixIndex
+from kvalign.model.relay import Relay
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import msgpack
 import zmq
 
-from kvalign.events import AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_frames
+from kvalign.model.events import AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_frames
 from kvalign.live.cluster.ports import LOOPBACK
 
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kvalign.causes import Cause
-from kvalign.events import BlockRemoved, BlockStored
+from kvalign.model.causes import Cause
+from kvalign.model.events import BlockRemoved, BlockStored
 from kvalign.live.cluster.control import ControlError, clear_kv_blocks
 from kvalign.live.cluster.lifecycle import Cluster
 from kvalign.live.cluster.ports import LOOPBACK, PortPool
@@ -363,7 +363,7 @@ class FuzzDriver:
         return any(engine.get(seq) not in (None, got) for seq, got in router.items())
 
     def diagnose(self, label: str | None, tokens: list[int]) -> Any:
-        from kvalign.diagnose import RouterSettings, diagnose
+        from kvalign.streams.diagnose import RouterSettings, diagnose
 
         if label is None:
             return None

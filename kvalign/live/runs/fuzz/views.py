@@ -7,7 +7,7 @@
   router disagreeing with it is a finding (the tenant negative control strips ``cache_salt``).
 
 Each view is a worker's batches since its *epoch* (the example's start, or its last restart),
-replayed through kvalign's :class:`~kvalign.relay.Relay` into a :class:`~kvalign.index.PrefixIndex`.
+replayed through kvalign's :class:`~kvalign.model.relay.Relay` into a :class:`~kvalign.model.index.PrefixIndex`.
 A prediction is taken at a *mark* (how many of the worker's batches had arrived); a request sent
 while others were in flight may have been routed at any mark in a window, so views answer for
 every mark in ``[lo, hi]``.
@@ -26,11 +26,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from kvalign.events import EventBatch
-from kvalign.hashing import block_hashes
-from kvalign.index import PrefixIndex
+from kvalign.model.events import EventBatch
+from kvalign.model.hashing import block_hashes
+from kvalign.model.index import PrefixIndex
 from kvalign.live.wire.capture import EventCapture
-from kvalign.relay import Relay
+from kvalign.model.relay import Relay
 
 _WORKER = 0  # one index per worker view: the id inside it is arbitrary
 

@@ -1,0 +1,103 @@
+"""The catalog of named causes of router/engine key divergence, and a hasher-level classifier.
+
+Every real cache-blind regression so far was one of a handful of flag or framing mismatches
+(Dynamo #5096, #10982, #11764, #14530). Naming the cause — not just "hashes differ" — is what
+turns a failed check into a fix, so findings are labelled from this one catalog everywhere
+(``check``, ``diagnose``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from enum import Enum
+from typing import Any
+
+from kvalign.model.hashing import block_hashes, salt_seed
+
+
+class Cause(str, Enum):
+    """Why the router's block keys stopped matching the engine's."""
+
+    ROUTER_EAGLE_OFF = "router eagle off vs engine bigram keys"
+    ROUTER_EAGLE_ON = "router eagle on vs engine plain keys"
+    EAGLE_B_WINDOW = "eagle mode hashes B-token windows instead of B+1"
+    EAGLE_BLOCK_COUNT = "eagle block count rule differs (must be floor((N-1)/B))"
+    BLOCK_SIZE = "block size mismatch"
+    LORA_DROPPED = "LoRA name dropped from the hash seed"
+    NAMESPACE_DROPPED = "cache namespace (cache_salt) dropped from the hash seed"
+    SEED_DRIFT = "LoRA / namespace / cache_salt seed drift"
+    MM_DROPPED = "multimodal mm_hash bytes dropped"
+    PROMPT_SHIFT = "prompt shifted by k tokens (template or BOS drift)"
+    EVICTED = "blocks evicted (BlockRemoved)"
+    SEQUENCE_GAP = "sequence gap / dropped batch"
+    PROMPT_TOO_SHORT = "prompt shorter than one block (eagle needs B+1 tokens)"
+    CARD_EAGLE_OFF = "card enable_eagle off for an algorithm SGLang keys by bigrams"
+    CARD_EAGLE_ON = "card enable_eagle on for an algorithm SGLang keys by plain tokens"
+    CARD_UNAVAILABLE = "dynamo.sglang registration code does not run with this SGLang"
+    EVENTS_DROPPED = "router ingestion dropped engine events"
+    TENANTS_SHARE_KEYS = "router ingestion ignores cache_salt: tenants share keys"
+    INGEST_STALE = "router index kept blocks the engine removed or cleared"
+    LORA_NOT_IN_EVENTS = "SGLang's events carry no LoRA name: the router keys adapter pages as base-model pages"
+    SALT_NOT_IN_EVENTS = ("SGLang's events carry no cache_salt (it keys the tenant apart, then publishes its pages as "
+                          "unsalted ones): the router keys salted pages as unsalted pages")
+    PATH_UNAVAILABLE = "the release's worker relay / router cannot run here"
+    TIER_MISFILED = "router files a page under another tier than the one SGLang's event names (device vs host)"
+    TIER_RESIDENCY = "router's device / host credit differs from SGLang's HiCache residency"
+    MEDIUM_NOT_INDEXED = "the relay maps no tier to the event's medium: those pages are indexed nowhere, silently"
+    HOST_CREDIT_NOT_SERVABLE = ("router credits host-tier pages that SGLang will not load back (host-only stretch "
+                                "below its load_back_threshold): the engine re-prefills them")
+    UNKNOWN = "unclassified hash difference"
+
+
+def _window_b_eagle_count(tokens: Sequence[int], b: int, **kw: Any) -> list[int]:
+    """What a router that kept the eagle block count but hashed B-token windows would give."""
+    n = max(len(tokens) - 1, 0) // b
+    return block_hashes(list(tokens)[: n * b], b, **kw)
+
+
+def classify_hash_mismatch(
+    got: Sequence[int],
+    tokens: Sequence[int],
+    block_size: int,
+    *,
+    eagle: bool,
+    lora_name: str | None = None,
+    cache_namespace: str | None = None,
+    mm_infos: Sequence[Mapping[str, Any] | None] | None = None,
+) -> Cause:
+    """Name the misalignment that explains a router's hashes ``got`` for this input.
+
+    Each catalog hypothesis is replayed with kvalign's exact reference; the first one that
+    reproduces ``got`` exactly is the cause.
+    """
+    got = list(got)
+    kw = dict(lora_name=lora_name, cache_namespace=cache_namespace, mm_infos=mm_infos)
+    candidates: list[tuple[Cause, Callable[[], list[int]]]] = []
+    if eagle:
+        candidates.append((Cause.ROUTER_EAGLE_OFF, lambda: block_hashes(tokens, block_size, eagle=False, **kw)))
+        candidates.append((Cause.EAGLE_B_WINDOW, lambda: _window_b_eagle_count(tokens, block_size, **kw)))
+    else:
+        candidates.append((Cause.ROUTER_EAGLE_ON, lambda: block_hashes(tokens, block_size, eagle=True, **kw)))
+    if lora_name:
+        candidates.append((Cause.LORA_DROPPED, lambda: block_hashes(tokens, block_size, eagle=eagle, **{**kw, "lora_name": None})))
+    if cache_namespace:
+        candidates.append(
+            (Cause.NAMESPACE_DROPPED, lambda: block_hashes(tokens, block_size, eagle=eagle, **{**kw, "cache_namespace": None}))
+        )
+    if lora_name and cache_namespace:
+        candidates.append(
+            (Cause.SEED_DRIFT, lambda: block_hashes(tokens, block_size, eagle=eagle, mm_infos=mm_infos))
+        )
+    if mm_infos:
+        candidates.append((Cause.MM_DROPPED, lambda: block_hashes(tokens, block_size, eagle=eagle, **{**kw, "mm_infos": None})))
+    for cause, replay in candidates:
+        if replay() == got:
+            return cause
+    expected_n = len(block_hashes(tokens, block_size, eagle=eagle, **kw))
+    if eagle and len(got) != expected_n:
+        return Cause.EAGLE_BLOCK_COUNT
+    if (lora_name or cache_namespace) and salt_seed(lora_name, cache_namespace) != salt_seed():
+        ref = block_hashes(tokens, block_size, eagle=eagle, **kw)
+        if len(ref) == len(got):
+            return Cause.SEED_DRIFT
+    return Cause.UNKNOWN

@@ -1,0 +1,1 @@
+"""Stand-ins for CUDA-only parts of SGLang (the CPU engine's kernels and patches, HiCache's transfers), each pinned to its release and tested against the original; imports the model and :mod:`kvalign.errors` only."""

@@ -1,0 +1,87 @@
+"""Install the stand-in's patches as SGLang's modules load, in every worker process.
+
+Patching at import (a meta-path finder that runs a patch right after its target module
+executes) rather than importing SGLang eagerly from ``sitecustomize`` keeps start-up order
+exactly SGLang's own: nothing of SGLang is imported before the worker's ``main`` imports it.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+from kvalign.standins.sglang_cpu import SUPPORTED, patches, version_problem
+
+#: module -> patches to run once it has executed, in every supported release (each release's own
+#: extra ones come from ``SUPPORTED[version].patches``).
+PATCHES: dict[str, tuple[Callable[[], None], ...]] = {
+    "sglang.srt.speculative.draft_utils": (patches.draft_extend_backend,),
+    "sglang.srt.layers.attention.torch_native_backend": (patches.target_verify_extend,),
+    "sglang.srt.arg_groups.pd_disaggregation_hook": (patches.fake_transfer_prefill_check,),
+    "sglang.srt.managers.disagg_service": (patches.fake_transfer_bootstrap,),
+    "sglang.srt.disaggregation.decode": (patches.fake_transfer_decode,),
+}
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader, after: Sequence[Callable[[], None]]) -> None:
+        self.inner, self.after = inner, after
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.inner.exec_module(module)
+        for patch in self.after:
+            patch()
+
+
+def release_patches(version: str) -> dict[str, tuple[Callable[[], None], ...]]:
+    """The common patches plus ``version``'s own."""
+    table = dict(PATCHES)
+    for module, name in SUPPORTED[version].patches:
+        table[module] = (*table.get(module, ()), getattr(patches, name))
+    return table
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def __init__(self, table: dict[str, tuple[Callable[[], None], ...]]) -> None:
+        self.table = table
+
+    def find_spec(self, name: str, path: Sequence[str] | None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        after = self.table.get(name)
+        if after is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _Loader(spec.loader, after)
+                return spec
+        return None
+
+
+#: PyPI's torchvision is a CUDA build: these two op-registration modules raise beside torch+cpu
+#: ("operator torchvision::nms does not exist"); SGLang only needs torchvision's Python parts.
+TORCHVISION_SHIM = ("torchvision._meta_registrations", "torchvision._autograd_registrations")
+
+
+def install() -> None:
+    """Refuse a different SGLang, shim torchvision, then patch SGLang's modules as they load."""
+    problem = version_problem()
+    if problem:  # site.py would turn SystemExit into a traceback: leave with one line instead
+        sys.stderr.write(f"kvalign: {problem}\n")
+        sys.stderr.flush()
+        os._exit(2)
+    for name in TORCHVISION_SHIM:
+        sys.modules.setdefault(name, ModuleType(name))
+    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        from importlib import metadata
+
+        sys.meta_path.insert(0, _PatchOnImport(release_patches(metadata.version("sglang"))))

@@ -1,0 +1,528 @@
+"""``kvalign report``'s engine: one finding, as a Markdown report a maintainer can act on.
+
+A matrix cell says *that* a pair disagrees; an upstream maintainer needs the evidence: the shrunk
+counterexample, the bytes the engine put on the wire, what the router indexed from them, what the
+engine holds, and where in each release's source the behaviour comes from. :func:`collect` runs in
+the pair's own environment (:mod:`kvalign.releases.release_env`, the matrix's per-version cache): it searches the
+properties for the finding with Hypothesis, then replays the shrunk example once more through the
+real SGLang cache, SGLang's real ZMQ publisher and Dynamo's real relay + ``KvRouter``, recording the
+wire frames at the loopback hop between them. :func:`render` turns that JSON into Markdown.
+
+Run as ``python -m kvalign.verify.report CAUSE --mode M --examples N`` (what ``kvalign report`` does in a
+subprocess); it prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.metadata
+import importlib.util
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvalign.model.causes import Cause
+
+#: The properties searched for a finding, most telling evidence first (``ingest`` has wire bytes).
+SEARCH_ORDER = ("ingest", "overlap", "pages", "hash")
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """A place in a release's source that a finding comes from, found by text in that release's files.
+
+    ``package`` is the top-level import (``sglang`` / ``dynamo``); ``path`` is relative to it.
+    A release where ``text`` does not occur says so in the report instead of quoting a stale line.
+    """
+
+    package: str
+    path: str
+    text: str
+    why: str
+    dist: str = ""  # the distribution shipping the file, when not the package's usual one
+
+
+ANCHORS: dict[Cause, tuple[Anchor, ...]] = {
+    Cause.LORA_NOT_IN_EVENTS: (
+        Anchor("sglang", "srt/managers/schedule_batch.py", "lora_id is concatenated to the extra key",
+               "the engine keys a LoRA request's pages by its lora_id: the id is appended to extra_key, "
+               "which namespaces every page hash of the request"),
+        Anchor("sglang", "srt/mem_cache/events.py", "lora_id=None,",
+               "but every BlockStored the cache publishes says lora_id=None"),
+        Anchor("sglang", "srt/disaggregation/kv_events.py", "lora_id: Optional[int]",
+               "the wire struct has a lora_id field and no lora_name field, so not even the id could name the "
+               "adapter to the router"),
+        Anchor("dynamo", "sglang/publisher.py", "publisher = KvEventPublisher(",
+               "dynamo.sglang relays the engine's ZMQ events into the router as they come: no LoRA context is "
+               "added on the way"),
+        Anchor("dynamo", "_core.pyi", "lora_name: Optional LoRA adapter name for adapter-aware block hashing.",
+               "the router hashes a LoRA block with the adapter's *name* (compute_block_hash_for_seq / "
+               "KvEventPublisher.publish_stored take lora_name; the relay itself is compiled Rust in dynamo._core); "
+               "an event without a name is hashed as a base-model block", dist="ai-dynamo-runtime"),
+    ),
+    Cause.HOST_CREDIT_NOT_SERVABLE: (
+        Anchor("sglang", "srt/mem_cache/unified_radix_cache.py", "self.load_back_threshold = 10",
+               "SGLang's init_hicache sets the load-back threshold to 10 KV slots (tokens, or bigrams under EAGLE)"),
+        Anchor("sglang", "srt/mem_cache/unified_radix_cache.py", "if (kv_tokens < max(1, self.load_back_threshold)",
+               "_load_back_transfers declines a host-only stretch shorter than the threshold; the request re-prefills "
+               "those tokens instead of loading them back"),
+        Anchor("sglang", "srt/managers/schedule_policy.py", "loaded = self.tree_cache.init_load_back(",
+               "the scheduler calls init_load_back with no mem_quota, so the threshold is the only decline here (the "
+               "memory budget defers the request with NO_TOKEN instead)"),
+        Anchor("sglang", "srt/disaggregation/kv_events.py", 'CPU = "CPU_PINNED"',
+               "every host copy is published as its own BlockStored with medium CPU_PINNED: the router learns that a "
+               "page is on host, never whether SGLang would load it back"),
+        Anchor("dynamo", "_core.pyi", "host_cache_hit_weight: float = 0.75,",
+               "KvRouterConfig credits every host-pinned block past the device prefix at 0.75 of a device block "
+               "(best_worker's overlap), whatever the stretch's length", dist="ai-dynamo-runtime"),
+        Anchor("dynamo", "common/configuration/groups/kv_router_args.py", 'flag_name="--router-host-cache-hit-weight",',
+               "the frontend's flag for that weight (default 0.75); it scales all host credit and cannot express "
+               "\"no credit below SGLang's threshold\""),
+    ),
+}
+
+
+def package_dir(package: str) -> Path | None:
+    """Where ``package`` would be imported from (the pair's release first), without importing it."""
+    spec = importlib.util.find_spec(package)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return Path(locations[0]) if locations else None
+
+
+def _enclosing(source: str, line: int) -> str:
+    """``Class.function`` (or ``<module>``) whose body holds ``line``."""
+    best: tuple[int, str] = (0, "<module>")
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        nonlocal best
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                end = getattr(child, "end_lineno", child.lineno)
+                if child.lineno <= line <= end and child.lineno >= best[0]:
+                    best = (child.lineno, name)
+                walk(child, name + ".")
+
+    try:
+        walk(ast.parse(source), "")
+    except SyntaxError:  # a .pyi with syntax this Python lacks: no name, the line still stands
+        return "<module>"
+    return best[1]
+
+
+def locate(anchor: Anchor) -> dict[str, Any]:
+    """The anchor in the installed release: file, line, enclosing function, the line itself."""
+    root = package_dir(anchor.package)
+    dist = anchor.dist or {"sglang": "sglang", "dynamo": "ai-dynamo"}[anchor.package]
+    try:
+        version = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    found: dict[str, Any] = {"package": anchor.package, "dist": dist, "version": version, "path": anchor.path,
+                             "text": anchor.text, "why": anchor.why, "line": None}
+    if root is None or not (root / anchor.path).is_file():
+        found["missing"] = "file not in this release"
+        return found
+    source = (root / anchor.path).read_text(encoding="utf-8", errors="replace")
+    lines = source.splitlines()
+    for i, line in enumerate(lines, 1):
+        if anchor.text in line:
+            found.update(line=i, function=_enclosing(source, i), source=line.strip())
+            return found
+    found["missing"] = "text not found in this release"
+    return found
+
+
+def _hexable(value: Any) -> Any:
+    """A decoded msgpack value as JSON: bytes as hex, tuples as lists, everything else as is."""
+    if isinstance(value, bytes):
+        return {"hex": value.hex()}
+    if isinstance(value, (list, tuple)):
+        return [_hexable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(_hexable(k)): _hexable(v) for k, v in value.items()}
+    return value
+
+
+def _is_sentinel(payload: Any) -> bool:
+    from kvalign.oracles.router_path import sentinel_hash
+
+    if isinstance(payload, dict):
+        events = payload.get("events") or []
+    else:
+        events = payload[1] if isinstance(payload, (list, tuple)) and len(payload) > 1 else []
+    hashes = [h for ev in events for h in _event_hashes(ev)]
+    return bool(hashes) and all(sentinel_hash(0) <= h < sentinel_hash(1 << 20) for h in hashes)
+
+
+def _event_hashes(ev: Any) -> list[int]:
+    if isinstance(ev, dict):
+        return [int(h) for h in ev.get("block_hashes", [])]
+    if isinstance(ev, (list, tuple)) and len(ev) > 1 and isinstance(ev[1], list):
+        return [int(h) for h in ev[1] if isinstance(h, int)]
+    return []
+
+
+def search(cause: Cause, modes: Sequence[str], examples: int) -> tuple[Any, str, str, str, Any]:
+    """The first shrunk counterexample any property gives for ``cause``: (mismatch, prop, mode, variant, hasher)."""
+    from kvalign.verify.check import Systems, property_body, run_search, strategy_for
+    from kvalign.verify.rows import VARIANTS
+    from kvalign.oracles.base import OracleUnavailable
+    from kvalign.oracles.dynamo import DynamoRadixTree, load_router_hasher
+    from kvalign.oracles.sglang import SglangRadixCache
+
+    hasher = load_router_hasher(None)
+    make_cache = lambda p, eagle: SglangRadixCache(p, eagle=eagle)  # noqa: E731
+    systems = Systems(hasher, make_cache, DynamoRadixTree)
+    try:
+        for prop in SEARCH_ORDER:
+            try:
+                body = property_body(prop, hasher, make_cache, DynamoRadixTree, systems)
+            except OracleUnavailable:
+                continue
+            for mode in modes:
+                for variant in VARIANTS:
+                    _calls, _failures, found = run_search(body, strategy_for(prop, mode, variant), examples)
+                    if found is not None and found.cause is cause:
+                        return found, prop, mode, variant, hasher
+    finally:
+        systems.close()
+    raise LookupError(f"no counterexample for {cause.name} in {examples} examples per property x mode x variant")
+
+
+def replay_ingest(isc: Any, hasher: Any) -> dict[str, Any]:
+    """Send ``isc``'s engine events once more through the real path and record every step of it."""
+    import msgpack
+
+    from kvalign.model.hashing import U64_MASK, block_hashes
+    from kvalign.oracles.router_path import RouterPath
+    from kvalign.oracles.sglang import SglangRadixCache, lora_id_for, to_kvalign_event
+    from kvalign.verify.properties import engine_batches
+    from kvalign.model.events import BlockStored
+    from kvalign.model.sglang_keys import event_page_windows
+
+    sc = isc.scenario
+    p, eagle = sc.page_size, sc.eagle
+    frames: list[list[bytes]] = []
+
+    def record(parts: list[bytes]) -> list[bytes]:
+        frames.append(list(parts))
+        return parts
+
+    path = RouterPath(transform=record)
+    try:
+        worker = path.worker(p, eagle)
+        if not worker.barrier():
+            raise RuntimeError(f"Dynamo {path.version}'s relay never indexed a plain sentinel page")
+        base = worker.token_space()
+        shift = lambda tokens: [base + t for t in tokens]  # noqa: E731
+        start = len(frames)
+        cache, batches = engine_batches(lambda ps, e: SglangRadixCache(ps, eagle=e), isc, shift, worker.publisher.clear)
+        for raw in batches:
+            if raw:
+                worker.publisher.publish(raw)
+        worker.barrier()
+        wire = []
+        for parts in frames[start:]:
+            payload = msgpack.unpackb(parts[-1], raw=False, strict_map_key=False)
+            if _is_sentinel(payload):
+                continue
+            wire.append({"frames_hex": [f.hex() for f in parts], "topic": parts[0].decode("utf-8", "replace"),
+                         "seq": int.from_bytes(parts[1], "big") if len(parts) > 2 else None,
+                         "decoded": _hexable(payload)})
+        events = [to_kvalign_event(e) for raw in batches for e in raw]
+        stored = [e for e in events if isinstance(e, BlockStored)]
+        dumped = {h: t for _p, h, t in worker.dump()}
+        tenants = sorted({t for _tok, t in sc.inserts if t[0]}, key=str)
+        indexed = []
+        for ev in stored:
+            for h, window in zip(ev.block_hashes, event_page_windows(ev.token_ids, ev.block_size, len(ev.block_hashes))):
+                h &= U64_MASK
+                indexed.append({
+                    "engine_hash": h, "tokens": list(window), "event_lora_id": ev.lora_id,
+                    "event_lora_name": ev.lora_name, "event_cache_salt": ev.cache_salt,
+                    "router_local_hash": dumped.get(h),
+                    "base_model_hash": block_hashes(window, p, eagle=eagle, cache_namespace=ev.cache_salt)[0],
+                    "adapter_hashes": {lora: block_hashes(window, p, eagle=eagle, lora_name=lora,
+                                                          cache_namespace=ev.cache_salt)[0] for lora, _ns in tenants},
+                })
+        queries = []
+        q_tokens = list(sc.query[0]) or list(sc.inserts[0][0])
+        for lora, ns in dict.fromkeys([t for _tok, t in sc.inserts] + [sc.query[1], (None, None)]):
+            q = shift(q_tokens)
+            queries.append({"lora_name": lora, "cache_salt": ns, "tokens": q,
+                            "engine_pages": cache.match(q, lora_name=lora, cache_salt=ns) // p,
+                            "router_blocks": worker.overlap(q, lora, ns),
+                            "router_query_hashes": [int(h) for h in hasher(q, p, None, lora, eagle, ns)]})
+        return {"token_offset": base, "wire": wire, "indexed": indexed, "queries": queries,
+                "requests": [{"tokens": shift(tok), "lora_name": t[0], "cache_salt": t[1],
+                              "engine_extra_key": lora_id_for(t[0]) if t[0] else None} for tok, t in sc.inserts]}
+    finally:
+        path.close()
+
+
+#: Causes only the HiCache state machine finds (kvalign.verify.tier): searched there, replayed step by step.
+TIER_CAUSES = frozenset({Cause.HOST_CREDIT_NOT_SERVABLE})
+#: Page sizes the report's servable search draws: below SGLang's load_back_threshold, where the finding holds.
+SERVABLE_REPORT_PAGE_SIZES = (2, 4)
+
+
+def search_servable(modes: Sequence[str], examples: int) -> tuple[Any, str, str, str]:
+    """The shrunk ``servable`` counterexample: (mismatch, prop, mode, variant)."""
+    from kvalign.oracles.router_path import RouterPath
+    from kvalign.verify.tier import TierPath, run_tier_search
+
+    path = TierPath(RouterPath())
+    try:
+        for mode in modes:
+            _calls, _failures, found = run_tier_search(path, eagle=mode == "eagle", lora=False, namespace=False,
+                                                       servable=True, examples=examples,
+                                                       page_sizes=SERVABLE_REPORT_PAGE_SIZES)
+            if found is not None and found.cause is Cause.HOST_CREDIT_NOT_SERVABLE:
+                return found, "servable", mode, "base"
+    finally:
+        path.close()
+        path.path.close()
+    raise LookupError(f"no counterexample for HOST_CREDIT_NOT_SERVABLE in {examples} state-machine runs per mode")
+
+
+def _engine_for(example: dict[str, Any]) -> Any:
+    """A fresh HiCache engine with the example's page size, write policy, host size and tree core
+    (the example names the core by its class; the engine is built by kind)."""
+    from kvalign.oracles.hicache import HiCacheEngine, available_cores
+
+    host = 1 << 20 if example["host_tokens"] == "unbounded" else int(example["host_tokens"])
+    for kind in available_cores():
+        engine = HiCacheEngine(example["page_size"], eagle=example["eagle"], core=kind, policy=example["policy"],
+                               host_tokens=host)
+        if engine.core == example["core"]:
+            return engine
+    raise RuntimeError(f"this SGLang has no tree core {example['core']!r}")
+
+
+def replay_servable(example: dict[str, Any]) -> dict[str, Any]:
+    """Run the shrunk state-machine steps once more through the real path, recording the wire and, after
+    every step, SGLang's residency of the admitted prompt against the router's per-tier answer."""
+    import msgpack
+
+    from kvalign.oracles.router_path import RouterPath
+    from kvalign.verify.tier import TierPath, tenant_kwargs
+
+    frames: list[list[bytes]] = []
+
+    def record(parts: list[bytes]) -> list[bytes]:
+        frames.append(list(parts))
+        return parts
+
+    tp = TierPath(RouterPath(transform=record))
+    try:
+        worker, tap = tp.worker(example["page_size"], example["eagle"])
+        base = worker.token_space()
+        shift = lambda tokens: [base + t for t in tokens]  # noqa: E731
+        engine = _engine_for(example)
+        engine.take_raw_events()
+        steps = [tuple(s) for s in example["steps"]]
+        prompt, tenant = shift(list(steps[-1][1])), tuple(steps[-1][2])
+        start, table, outcome = len(frames), [], None
+        for i, step in enumerate(steps):
+            kind = step[0]
+            if kind == "cache":
+                engine.insert(shift(list(step[1])), *step[2])
+                if "+transfers_done" in step:
+                    engine.transfers_done()
+            elif kind == "transfers_done":
+                engine.transfers_done()
+            elif kind == "evict_device":
+                engine.evict(step[1] * engine.page_size)
+            elif kind == "evict_host":
+                engine.evict_host(step[1] * engine.page_size)
+            elif kind == "flush":
+                engine.reset()
+            elif kind == "admit":
+                query = shift(list(step[1]))
+                tiers = tp.path.query_tiers(worker.router, query, *step[2])
+                best = tp.path.call(worker.router.best_worker, query, **tenant_kwargs(tuple(step[2])))
+                host, loaded = engine.admit(query, *step[2])
+                if i == len(steps) - 1:
+                    outcome = {"host_only_units": host, "loaded_back": loaded, "router_tiers": tiers,
+                               "best_worker_overlap": best[2], "load_back_threshold": engine.load_back_threshold}
+                    break
+                engine.insert(query, *step[2])
+            events = engine.take_raw_events()
+            if events:
+                worker.publisher.publish(events)
+            if tp.settle(worker, tap) is not None:
+                raise RuntimeError(f"the router did not settle after step {i + 1} {step!r}")
+            held = engine.residency(prompt, *tenant)
+            tiers = tp.path.query_tiers(worker.router, prompt, *tenant)
+            table.append({"step": list(step), "events": [f"{type(e).__name__}[{getattr(e.medium, 'value', e.medium)}, "
+                                                         f"{len(e.block_hashes)} page(s)]" if hasattr(e, "block_hashes")
+                                                         else type(e).__name__ for e in events],
+                          "engine_device": held.device, "engine_host": held.host,
+                          "router_device": tiers["device_blocks"], "router_host": tiers["host_pinned_extension_blocks"]})
+        wire = []
+        for parts in frames[start:]:
+            payload = msgpack.unpackb(parts[-1], raw=False, strict_map_key=False)
+            if _is_sentinel(payload):
+                continue
+            wire.append({"frames_hex": [f.hex() for f in parts], "topic": parts[0].decode("utf-8", "replace"),
+                         "seq": int.from_bytes(parts[1], "big") if len(parts) > 2 else None,
+                         "decoded": _hexable(payload)})
+        if outcome is None:
+            raise RuntimeError("the example does not end in an admitted request")
+        return {"token_offset": base, "prompt": prompt, "steps": table, "wire": wire, "outcome": outcome,
+                "engine": {"page_size": engine.page_size, "core": engine.core, "policy": engine.policy}}
+    finally:
+        tp.close()
+        tp.path.close()
+
+
+def collect(cause: Cause, modes: Sequence[str], examples: int) -> dict[str, Any]:
+    """Everything the report says, from the releases importable here (run inside the pair's environment)."""
+    from kvalign.verify.check import _plain
+
+    if cause in TIER_CAUSES:
+        found, prop, mode, variant = search_servable(modes, examples)
+        hasher = None
+    else:
+        found, prop, mode, variant, hasher = search(cause, modes, examples)
+    out: dict[str, Any] = {
+        "cause": cause.name, "cause_text": cause.value, "property": prop, "mode": mode, "variant": variant,
+        "detail": found.detail, "counterexample": _plain(found.example),
+        "versions": {d: _version(d) for d in ("ai-dynamo", "ai-dynamo-runtime", "sglang")},
+        "anchors": [locate(a) for a in ANCHORS.get(cause, ())],
+    }
+    if prop == "ingest":
+        out["replay"] = replay_ingest(found.example, hasher)
+    if prop == "servable":
+        out["condition"] = found.condition
+        out["tier_replay"] = replay_servable(found.example)
+    return out
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _fence(text: str, lang: str = "") -> str:
+    return f"```{lang}\n{text}\n```"
+
+
+def render(data: dict[str, Any], command: str) -> str:
+    """The Markdown report for one collected finding; ``command`` reproduces it."""
+    v = data["versions"]
+    pair = f"ai-dynamo {v['ai-dynamo']} (ai-dynamo-runtime {v['ai-dynamo-runtime']}) × sglang {v['sglang']}"
+    out = [f"# {data['cause']}: {data['cause_text']}", "",
+           f"**Pair:** {pair}.  ",
+           f"**Found by:** kvalign's `{data['property']}` property, {data['mode']} mode, `{data['variant']}` variant "
+           "(Hypothesis search, shrunk).  ",
+           f"**Reproduce:** `{command}`", "",
+           "## What goes wrong", "", data["detail"], "",
+           "## Shrunk counterexample", "", _fence(json.dumps(data["counterexample"], ensure_ascii=False), "json"), ""]
+    replay = data.get("replay")
+    if replay:
+        out += ["The replay below sends this example once more through the real path: SGLang's "
+                "`UnifiedRadixCache` → SGLang's `ZmqEventPublisher` → a 127.0.0.1 hop (recorded here) → Dynamo's "
+                f"`KvEventPublisher` relay → `KvRouter`. Token ids are offset by {replay['token_offset']} (each "
+                "example gets its own token range in the long-lived router).", "",
+                "## Requests the engine cached", "",
+                "| # | tokens | lora_name | cache_salt | SGLang extra_key (the LoRA id) |", "|---|---|---|---|---|"]
+        for i, r in enumerate(replay["requests"], 1):
+            out.append(f"| {i} | {r['tokens']} | {r['lora_name']!r} | {r['cache_salt']!r} | {r['engine_extra_key']!r} |")
+        out += ["", "## Event bytes on the wire, as decoded", ""]
+        for i, w in enumerate(replay["wire"], 1):
+            out += [f"Message {i} (topic {w['topic']!r}, seq {w['seq']}): frames (hex)", "",
+                    _fence("\n".join(w["frames_hex"])), "", "decoded (msgpack):", "",
+                    _fence(json.dumps(w["decoded"], ensure_ascii=False), "json"), ""]
+        out += ["## What the router indexed", "",
+                "| engine block hash | page tokens | event lora_id | event lora_name | router's local hash | "
+                "= base-model hash? | adapter hash(es) |", "|---|---|---|---|---|---|---|"]
+        for b in replay["indexed"]:
+            local = b["router_local_hash"]
+            out.append(f"| {b['engine_hash']} | {b['tokens']} | {b['event_lora_id']!r} | {b['event_lora_name']!r} | "
+                       f"{'not indexed' if local is None else local} | {'yes' if local == b['base_model_hash'] else 'no'} | "
+                       + ", ".join(f"{k}: {h}" for k, h in b["adapter_hashes"].items()) + " |")
+        out += ["", "## What the engine holds vs what the router answers", "",
+                "| query tenant (lora_name, cache_salt) | SGLang `match_prefix` (pages) | router overlap (blocks) |",
+                "|---|---|---|"]
+        for q in replay["queries"]:
+            out.append(f"| ({q['lora_name']!r}, {q['cache_salt']!r}) | {q['engine_pages']} | {q['router_blocks']} |")
+        out.append("")
+    tier = data.get("tier_replay")
+    if tier:
+        out += _render_tier_replay(tier, data.get("condition"))
+    anchors = data.get("anchors") or []
+    out += ["## Source lines responsible", ""]
+    if not anchors:
+        out.append(f"kvalign records no source anchors for {data['cause']} yet.")
+    for a in anchors:
+        where = f"`{a['package']}/{a['path']}`"
+        if a.get("missing"):
+            out.append(f"- {a['dist']} {a['version']}: {where}: {a['missing']} (looked for `{a['text']}`) — {a['why']}.")
+        else:
+            out.append(f"- {a['dist']} {a['version']}: {where}:{a['line']} in `{a['function']}`: `{a['source']}` — "
+                       f"{a['why']}.")
+    out += ["", "---", "Generated by `kvalign report` from real runs of the wheels named above."]
+    return "\n".join(out) + "\n"
+
+
+def _render_tier_replay(tier: dict[str, Any], condition: str | None) -> list[str]:
+    """The HiCache replay's sections: the steps with both sides' answer after each, the admitted
+    request's outcome, and the wire."""
+    e, o = tier["engine"], tier["outcome"]
+    out = ["The replay below runs these steps once more through the real path: SGLang's `UnifiedRadixCache` with "
+           f"HiCache on ({e['core']}, write policy `{e['policy']}`, page size {e['page_size']}; SGLang's own "
+           "`init_hicache`, with only the device↔host transfer path stood in: kvalign/standins/hicache.py) → SGLang's "
+           "`ZmqEventPublisher` → a 127.0.0.1 hop (recorded here) → Dynamo's `KvEventPublisher` relay → `KvRouter`. "
+           f"Token ids are offset by {tier['token_offset']}.", "",
+           "## Each step: where SGLang holds the prompt, what the router credits", "",
+           f"Prompt of the admitted request: {tier['prompt']}.", "",
+           "| # | step | SGLang's events | SGLang device pages | SGLang host-only pages | router device blocks | "
+           "router host blocks |", "|---|---|---|---|---|---|---|"]
+    for i, row in enumerate(tier["steps"], 1):
+        out.append(f"| {i} | `{json.dumps(row['step'])}` | {', '.join(row['events']) or '-'} | {row['engine_device']} | "
+                   f"{row['engine_host']} | {row['router_device']} | {row['router_host']} |")
+    t = o["router_tiers"]
+    out += ["", "## The admitted request", "",
+            f"- The router credits {t['device_blocks']} device + {t['host_pinned_extension_blocks']} host block(s) "
+            f"(`get_overlap_scores`); `best_worker` answers overlap {o['best_worker_overlap']}.",
+            f"- SGLang matches {o['host_only_units']} host-only slot(s) past the device prefix, below its "
+            f"`load_back_threshold` ({o['load_back_threshold']}), and loads back {o['loaded_back']}: the request "
+            "re-prefills them.", ""]
+    if condition:
+        out += [f"This holds {condition}.", ""]
+    out += ["## Event bytes on the wire, as decoded", ""]
+    for i, w in enumerate(tier["wire"], 1):
+        out += [f"Message {i} (topic {w['topic']!r}, seq {w['seq']}): frames (hex)", "",
+                _fence("\n".join(w["frames_hex"])), "", "decoded (msgpack):", "",
+                _fence(json.dumps(w["decoded"], ensure_ascii=False), "json"), ""]
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The in-pair collector: one JSON object on stdout, or one error line on stderr (exit 2)."""
+    ap = argparse.ArgumentParser(prog="python -m kvalign.verify.report")
+    ap.add_argument("cause", choices=[c.name for c in Cause])
+    ap.add_argument("--mode", action="append", choices=("plain", "eagle"))
+    ap.add_argument("--examples", type=int, default=30)
+    args = ap.parse_args(argv)
+    try:
+        data = collect(Cause[args.cause], tuple(args.mode or ("plain", "eagle")), args.examples)
+    except LookupError as exc:
+        print(f"not found: {exc}", file=sys.stderr)
+        return 3
+    json.dump(data, sys.stdout, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o),
+              ensure_ascii=False)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

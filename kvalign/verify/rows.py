@@ -1,0 +1,36 @@
+"""A ``check`` row and the table it is drawn from: the leaf that the check engine, the tier rows,
+the matrix and the report all read, so none of them imports another for a type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PROPERTIES = ("card", "hash", "pages", "overlap", "ingest", "tier", "servable")
+MODES = ("plain", "eagle")
+VARIANTS = {"base": (False, False), "lora": (True, False), "namespace": (False, True), "lora+namespace": (True, True)}
+
+
+@dataclass
+class RowResult:
+    """One property x mode x variant run."""
+
+    prop: str
+    mode: str
+    variant: str
+    cases: int = 0
+    mismatches: int = 0
+    seconds: float = 0.0
+    cause: str | None = None
+    cause_name: str | None = None
+    detail: str | None = None
+    counterexample: Any = None
+    #: the configurations the row's mismatch is confined to (e.g. HiCache on, page sizes below 10), or None
+    condition: str | None = None
+    #: why the row did not run at all (kvalign's own stand-in does not cover this release); the row stays ok
+    skipped: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatches == 0
