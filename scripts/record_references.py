@@ -2,13 +2,13 @@
 
 For each SGLang release other than the environment's (installed into ``kvalign matrix``'s wheel
 cache), run the release's paged-allocator Triton kernels under Triton's interpreter on the
-derandomized inputs of ``tests/unit/test_sglang_cpu_standin_releases.py`` and write the inputs,
+derandomized inputs of ``tests/unit/standins/test_sglang_cpu_standin_releases.py`` and write the inputs,
 the kernels' outputs and the key (release, Triton version, kernel-source hash) to
 ``tests/unit/references/allocator-<release>.json``.
 
 For each supported SGLang release (the environment's included), run the stand-in kernels' call
 sites down their Triton branch (interpreted) on derandomized inputs drawn from
-``tests/unit/test_sglang_cpu_standin_kernels.py``'s strategies, and write inputs, outputs and key
+``tests/unit/standins/test_sglang_cpu_standin_kernels.py``'s strategies, and write inputs, outputs and key
 (release, Triton version, kernel-source hash, strategies hash) to
 ``tests/unit/references/kernels-<release>.json.gz``.
 
@@ -45,7 +45,7 @@ def record_allocator(release: str, out: Path) -> dict:
         raise SystemExit(f"sglang {release} is the environment's; the allocator references are for the other releases")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", standin.ENABLE_ENV, "SGLANG_USE_CPU_ENGINE")}
     env.update(PYTHONPATH=os.pathsep.join([str(where), str(ROOT)]), TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(TESTS / "test_sglang_cpu_standin_releases.py"), "--allocator",
+    proc = subprocess.run([sys.executable, str(TESTS / "standins" / "test_sglang_cpu_standin_releases.py"), "--allocator",
                            "--record", str(out)], capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
         raise SystemExit(f"recording sglang {release} failed:\n{proc.stderr[-3000:]}")
@@ -69,7 +69,7 @@ KINDS = ("card", "allocator", "kernels")
 def main(argv: list[str]) -> int:
     from kvalign.standins import sglang_cpu as standin
 
-    sys.path.insert(0, str(TESTS))
+    sys.path[:0] = [str(TESTS), str(TESTS / "standins")]
     from recorded import path_for
 
     from recorded import card_key, card_table

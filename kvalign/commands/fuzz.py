@@ -51,7 +51,7 @@ def register(actions: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=10, help="most steps per example (default 10)")
     p.add_argument("--seed", type=int, default=None,
                    help=f"Hypothesis seed (default {DEFAULT_SEED}, {DISAGG_SEED} with --topology disagg: fixed, and with "
-                        "the default 3 examples x 10 steps it draws every rule; tests/unit/test_live_fuzz_machine.py "
+                        "the default 3 examples x 10 steps it draws every rule; tests/unit/live/test_live_fuzz_machine.py "
                         "holds that)")
     p.add_argument("--router-eagle", choices=("on", "off"), default=None,
                    help="off = negative control: workers register enable_eagle=False (router hashes plain blocks); "

@@ -38,7 +38,7 @@ from kvalign.model.sglang_keys import engine_block_hashes
 WORKER = 1
 _xxh3 = xxhash.xxh3_64_intdigest
 #: SGLang 0.5.23's ``UnifiedRadixCache.init_hicache`` (mem_cache/unified_radix_cache.py:576): a host-only
-#: stretch shorter than this many KV slots is not loaded back but re-prefilled (tests/unit/test_diagnose.py
+#: stretch shorter than this many KV slots is not loaded back but re-prefilled (tests/unit/streams/test_diagnose.py
 #: reads it from the installed SGLang's source).
 LOAD_BACK_THRESHOLD = 10
 

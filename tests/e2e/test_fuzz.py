@@ -13,7 +13,7 @@ stream before any request):
 * **router eagle off, disagreeing draft** (aggregated): the two controls that need a cluster
   registered or built differently, replayed one after the other.
 
-The driver runs in this process (the CLI is tested on its own in tests/unit/test_live_fuzz_cli.py).
+The driver runs in this process (the CLI is tested on its own in tests/unit/live/test_live_fuzz_cli.py).
 """
 
 from __future__ import annotations

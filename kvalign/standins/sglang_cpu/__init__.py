@@ -6,7 +6,7 @@ and prefill/decode code paths need two narrow patches on the ``torch_native`` ba
 package is everything kvalign adds to a real SGLang process, in one place:
 
 * :mod:`.kernels` — pure-torch versions of the ``sgl_kernel`` ``*_cpu`` functions SGLang imports,
-  each tested against SGLang's own Triton kernel (``tests/unit/test_sglang_cpu_standin_kernels.py``);
+  each tested against SGLang's own Triton kernel (``tests/unit/standins/test_sglang_cpu_standin_kernels.py``);
 * :mod:`.ops` — ``torch.ops.sgl_kernel.*`` names SGLang looks up at import time on paths a Llama
   never executes, registered as ops that raise when called;
 * :mod:`.patches` — the EAGLE-on-torch_native and fake-transfer patches;

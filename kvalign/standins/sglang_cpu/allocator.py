@@ -10,7 +10,7 @@ names in ``sglang.srt.mem_cache.allocator.paged`` to :class:`Launch` objects:
 * decode runs :func:`alloc_decode_cpu`, a pure-torch copy of the kernel's arithmetic.
 
 Both are held equal to the release's Triton kernels under ``TRITON_INTERPRET=1``
-(``tests/unit/test_sglang_cpu_standin_releases.py``).
+(``tests/unit/standins/test_sglang_cpu_standin_releases.py``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ With ``SGLANG_USE_CPU_ENGINE=1`` SGLang imports these names from ``sgl_kernel``,
 only as CUDA builds. Each function here has the argument order and in-place/out-param contract of
 the CPU branch of the SGLang ``*_func`` that calls it, and the behaviour of the Triton kernel that
 the same ``*_func`` launches on GPU: that kernel is the specification, and
-``tests/unit/test_sglang_cpu_standin_kernels.py`` runs it under ``TRITON_INTERPRET=1`` against
+``tests/unit/standins/test_sglang_cpu_standin_kernels.py`` runs it under ``TRITON_INTERPRET=1`` against
 these functions (in the nightly; CI holds them to its outputs recorded on the derandomized inputs).
 
 Triton addresses tensors through raw base pointers (``ptr + row * stride + col``), so every

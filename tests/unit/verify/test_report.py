@@ -19,7 +19,7 @@ from kvalign.model.causes import Cause
 from kvalign.cli import main
 from kvalign.verify.report import ANCHORS, Anchor, locate
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _kvalign(*argv: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:

@@ -261,7 +261,7 @@ def test_check_page_size_decides_the_servable_verdict(sglang_available, tmp_path
 
     if version_problem(sglang_available):
         pytest.skip(version_problem(sglang_available))
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
                KVALIGN_LOG_DIR=str(tmp_path))
 

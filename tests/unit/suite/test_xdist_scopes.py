@@ -7,7 +7,7 @@ from xdist_scopes import FAKE_WORKERS, REAL_ENGINE, scope
 
 
 def test_a_unit_file_is_its_own_scope():
-    assert scope("tests/unit/test_hashing.py::test_block_hashes_equal_router_binding[1]") == "tests/unit/test_hashing.py"
+    assert scope("tests/unit/model/test_hashing.py::test_block_hashes_equal_router_binding[1]") == "tests/unit/model/test_hashing.py"
 
 
 def test_real_engine_tests_share_one_scope_by_file_or_name():

@@ -2,7 +2,7 @@
 
 The "older bindings" here are the real 1.6.1 binding behind the exact signatures that ai-dynamo-runtime
 1.0.x (no ``is_eagle``, no ``cache_namespace``) and 1.3.x (no ``cache_namespace``) export; the
-CI matrix test runs a real 1.0.2 wheel as well (tests/unit/test_matrix.py).
+CI matrix test runs a real 1.0.2 wheel as well (tests/unit/verify/test_matrix.py).
 """
 
 from __future__ import annotations

@@ -57,7 +57,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import recorded
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/unit's recorded references, also when run as a script
+import recorded  # noqa: E402
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -69,7 +71,7 @@ from kvalign.standins.sglang_cpu import kernels as standin
 #: import chain (30-55 s here), and the interpreted kernels on a stale key: not in the fast tier.
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 REQUEST_TIMEOUT_S = 120.0
 #: The child's start-up: a release from the wheel cache is compiled from source on every import (the
 #: cache holds no bytecode), which took over 120 s for 0.5.19 on the shared 2-core machine.

@@ -6,7 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 _spec = importlib.util.spec_from_file_location("suite_times", ROOT / "bench" / "suite_times.py")
 suite_times = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(suite_times)

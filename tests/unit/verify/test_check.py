@@ -33,9 +33,9 @@ PROGRESS = re.compile(r"^  (card|hash|pages|overlap|ingest|tier|servable)/(plain
 @pytest.mark.slow  # the whole check as a user runs it; each property's negative control stays in the fast tier
 def test_check_real_pair_is_aligned_but_for_small_hicache_pages_and_quiet(router_hasher, sglang_available, tmp_path):
     # In a subprocess, as a user runs it: the ingest rows start a Dynamo runtime, and the first runtime of
-    # a process owns its TCP server (tests/unit/test_live_discovery.py needs to own it in this one).
+    # a process owns its TCP server (tests/unit/live/test_live_discovery.py needs to own it in this one).
     # DYN_LOG is unset so that Dynamo logs at its own default level, as for a user.
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env = {k: v for k, v in os.environ.items() if k != "DYN_LOG"}
     env.update(PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]), KVALIGN_LOG_DIR=str(tmp_path))
     res = subprocess.run([sys.executable, "-m", "kvalign", "check", "--examples", "15"], capture_output=True, text=True,

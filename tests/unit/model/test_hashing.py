@@ -16,7 +16,7 @@ from kvalign.verify.misaligned import drop_lora, drop_namespace, eagle_b_window,
 from kvalign.verify.properties import Mismatch, hash_property
 from kvalign.verify.strategies import hash_cases
 
-VECTORS = [json.loads(line) for line in Path(__file__).with_name("vectors").joinpath("router_vectors.jsonl").read_text().splitlines()]
+VECTORS = [json.loads(line) for line in Path(__file__).resolve().parents[1].joinpath("vectors").joinpath("router_vectors.jsonl").read_text().splitlines()]
 
 
 @settings(max_examples=settings.default.max_examples * 10)

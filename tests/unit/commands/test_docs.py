@@ -20,7 +20,7 @@ import pytest
 
 from kvalign.cli import build_parser
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", re.M | re.S)
 #: a kvalign command line: in a ``bash`` block any line that runs it, elsewhere only a ``$ `` line

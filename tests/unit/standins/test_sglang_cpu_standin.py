@@ -19,7 +19,7 @@ from kvalign.standins import sglang_cpu as standin
 from kvalign.standins.sglang_cpu import kernels, ops
 
 PY = sys.executable
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _child(code: str, **env: str) -> subprocess.CompletedProcess:

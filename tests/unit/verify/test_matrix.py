@@ -29,7 +29,7 @@ from kvalign.verify.matrix import (MatrixError, Pair, PairEnv, PairResult, cache
 from kvalign.releases.versions import installed_versions
 
 OLD_DYNAMO = "1.0.2"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _kvalign(*argv: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:

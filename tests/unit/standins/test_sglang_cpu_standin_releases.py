@@ -26,11 +26,13 @@ import warnings
 from pathlib import Path
 
 import pytest
-import recorded
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/unit's recorded references, also when run as a script
+import recorded  # noqa: E402
 
 from kvalign.standins import sglang_cpu as standin
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 OTHER_RELEASES = [v for v in standin.SUPPORTED if v != standin.SGLANG_VERSION]
 EXAMPLES = 150
 

@@ -23,7 +23,7 @@ import kvalign.verify.matrix as matrix
 from kvalign.cli import main
 from kvalign.verify.matrix import CELL_FORMAT, MatrixError, PairResult
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WORKFLOW = ROOT / ".github" / "workflows" / "kvalign-nightly.yml"
 
 # ---- stubbed pairs: several cells, no child process ------------------------------------------------

@@ -23,7 +23,7 @@ from kvalign.releases import local_build
 from kvalign.cli import main
 from kvalign.errors import UsageError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _wheel(path: Path, files: dict[str, bytes], dist: str = "ai_dynamo", version: str = "1.6.1",
