@@ -30,7 +30,7 @@ from kvalign.live.cluster import discovery
 from kvalign.live.wire.capture import EventCapture
 from kvalign.live.wire.client import wait_ready
 from kvalign.releases.release_env import python_for
-from kvalign.live.engines.model_dir import MODEL_NAME, write_model_dir
+from kvalign.live.cluster.model_dir import MODEL_NAME, write_model_dir
 from kvalign.live.cluster.discovery import EtcdStore
 from kvalign.live.cluster.ports import LOOPBACK, PortPool
 from kvalign.live.cluster.processes import ProcessGroup, ProcessSpec

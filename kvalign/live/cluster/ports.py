@@ -17,7 +17,10 @@ from __future__ import annotations
 import random
 import socket
 
-LOOPBACK = "127.0.0.1"
+from kvalign.live.wire import LOOPBACK
+
+__all__ = ["LOOPBACK", "PORT_RANGE", "PortPool", "is_free"]
+
 PORT_RANGE = (20000, 32767)
 
 

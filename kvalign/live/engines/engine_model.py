@@ -5,7 +5,7 @@ No model hub is reachable in CI, so the real-engine layer builds its own weights
 default capture ``[2, L//2, L-3]`` breaks below 4 layers — 4 heads, 2 KV heads, head dim 16,
 vocab 512) and a one-layer ``LlamaForCausalLMEagle3`` draft (``fc`` 3H -> H, attention input 2H),
 both ``0.05 * randn`` with a fixed seed, written as safetensors next to the word-level tokenizer
-of :mod:`kvalign.live.engines.model_dir` (so kvalign tokenises prompts exactly as the frontend does).
+of :mod:`kvalign.live.cluster.model_dir` (so kvalign tokenises prompts exactly as the frontend does).
 
 The *target's LM head is zero*: its logits are constant, so greedy decoding always emits id 0
 (the word ``ok``). That makes acceptance a property of the draft alone:
@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from kvalign.live.engines.model_dir import write_model_dir
+from kvalign.live.cluster.model_dir import write_model_dir
 
 if TYPE_CHECKING:  # torch is imported when weights are built, not by every kvalign command
     import torch

@@ -28,7 +28,7 @@ from kvalign.model.hashing import block_hashes
 from kvalign.model.index import router_kv_hit_rate
 from kvalign.live.wire.client import ChatResult, stream_chat
 
-#: 18 in-vocabulary words (see :mod:`kvalign.live.engines.model_dir`): with the chat framing, request 1
+#: 18 in-vocabulary words (see :mod:`kvalign.live.cluster.model_dir`): with the chat framing, request 1
 #: is 21 tokens (> B+1 = 17, so it holds one EAGLE block at B=16) and each repeat adds 18.
 BASE_TEXT = "the quick brown fox jumps over lazy dog a rabbit ran across green field under bright morning sun"
 

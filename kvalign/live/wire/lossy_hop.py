@@ -41,7 +41,7 @@ import msgpack
 import zmq
 
 from kvalign.model.events import AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_frames
-from kvalign.live.cluster.ports import LOOPBACK
+from kvalign.live.wire import LOOPBACK
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from kvalign.live.cluster import discovery
-from kvalign.live.engines.model_dir import write_model_dir
+from kvalign.live.cluster.model_dir import write_model_dir
 from kvalign.live.cluster.ports import PortPool
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvalign.live.engines.model_dir import CHAT_TEMPLATE, EOS, SPECIAL, WORDS, write_model_dir
+from kvalign.live.cluster.model_dir import CHAT_TEMPLATE, EOS, SPECIAL, WORDS, write_model_dir
 from kvalign.live.runs.scenario import BASE_TEXT, prefix_prompts, prompt_tokens
 
 
