@@ -35,6 +35,7 @@ from kvalign.live.cluster.lifecycle import Cluster
 from kvalign.live.cluster.ports import LOOPBACK, PortPool
 from kvalign.live.cluster.processes import rss_bytes, run_pids
 from kvalign.live.cluster.topology import COMPONENT, RUN_MARKER_ENV, Topology
+from kvalign.live.engines.hicache import HiCache
 from kvalign.live.runs.fuzz.invariants import (
     MIN_SPEC_TOKENS, InvariantFailed, Observation, Tally, evaluate, failure_numbers, observation_json,
 )
@@ -76,6 +77,7 @@ class FuzzOptions:
     restart_grace_s: float = 2.0
     fill_prompts: int = 4
     startup_timeout_s: float = 600.0
+    hicache: HiCache | None = None  # SGLang's host tier on the publishing workers (the HiCache rules run)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -93,7 +95,9 @@ class FuzzOptions:
         return {"engine": self.engine, "topology": self.topology, "workers": self.workers,
                 "page_size": self.page_size, "max_total_tokens": self.max_total_tokens, "sglang": self.sglang,
                 "draft": self.draft, "router_eagle": self.router_eagle, "gap_check": self.gap_check,
-                "strip_salt": self.strip_salt, "hide_gaps": self.hide_gaps}
+                "strip_salt": self.strip_salt, "hide_gaps": self.hide_gaps,
+                "hicache": None if self.hicache is None else {"write_policy": self.hicache.write_policy,
+                                                              "ratio": self.hicache.ratio}}
 
 
 def engine_problem(opts: FuzzOptions) -> str | None:
@@ -135,7 +139,7 @@ def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Clust
     from kvalign.live.engines.sglang_cpu import plan_cluster
 
     topo = fuzz_topology(opts)
-    plan, kind = plan_cluster(topo, run_dir, draft=opts.draft, sglang_version=opts.sglang)
+    plan, kind = plan_cluster(topo, run_dir, draft=opts.draft, sglang_version=opts.sglang, hicache=opts.hicache)
     publishing = [w for w in topo.workers if w.publishes_kv_events]
     labels = [w.name for w in publishing]
     downstream = _hop_ports(plan, labels)
