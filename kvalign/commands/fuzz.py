@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvalign.commands import hicache_option
 from kvalign.errors import UsageError
 from kvalign.live.runs.fuzz.driver import (
     ENGINES, TOPOLOGIES, FuzzDriver, FuzzEnvironmentError, FuzzOptions, engine_problem, fuzz_cluster,
@@ -67,6 +68,9 @@ def register(actions: argparse._SubParsersAction) -> None:
                         "is visible (kvalign diagnose must still name the loss); meant for --replay scripts that drop a batch")
     p.add_argument("--workers", type=int, default=2,
                    help="aggregated workers, or prefill workers with --topology disagg (default 2)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="KV page / router block size (default 16, or the replayed script's)")
+    hicache_option.add(p)
     p.add_argument("--max-total-tokens", type=int, default=512,
                    help="each worker's KV pool in tokens; small so the scheduler evicts (default 512)")
     p.add_argument("--shrink-seconds", type=float, default=300.0,
@@ -97,7 +101,8 @@ def _options(args: argparse.Namespace, script: dict[str, Any] | None) -> FuzzOpt
             engine=given.get("engine", args.engine), workers=int(given.get("workers", args.workers)),
             topology=args.topology or given.get("topology", "agg"),
             sglang=args.sglang or given.get("sglang"), draft=args.draft or given.get("draft", "agree"),
-            page_size=int(given.get("page_size", 16)),
+            page_size=args.page_size if args.page_size is not None else int(given.get("page_size", 16)),
+            hicache=hicache_option.hicache_from(args, given.get("hicache")),
             max_total_tokens=int(given.get("max_total_tokens", args.max_total_tokens)),
             router_eagle=args.router_eagle == "on" if args.router_eagle else bool(given.get("router_eagle", True)),
             gap_check=args.gap_check if args.gap_check is not None else bool(given.get("gap_check", True)),
@@ -130,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
              + ("" if opts.gap_check else " [NEGATIVE CONTROL: gap check off]")
              + (" [NEGATIVE CONTROL: the hop strips cache_salt]" if opts.strip_salt else "")
              + (" [NEGATIVE CONTROL: disagreeing draft]" if opts.draft == "disagree" else "")
-             + (" [NEGATIVE CONTROL: the hop hides sequence gaps]" if opts.hide_gaps else "") + f"; run dir {run_dir}")
+             + (" [NEGATIVE CONTROL: the hop hides sequence gaps]" if opts.hide_gaps else "")
+             + (f", {opts.hicache.describe()}" if opts.hicache else "") + f"; run dir {run_dir}")
     from kvalign.live.runs.fuzz.machine import replay, run_fuzz
 
     try:

@@ -42,6 +42,9 @@ from kvalign.live.runs.fuzz.invariants import (
 from kvalign.live.runs.fuzz.prompts import Sent, new_tokens, resolve
 from kvalign.live.runs.fuzz.surfaces import MetricReader, SurfaceMissing
 from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews, common_blocks
+from kvalign.live.runs.fuzz import hicache as tiers_check
+from kvalign.live.runs.fuzz import hicache_rules
+from kvalign.live.runs.fuzz.tiers import TierDeliveredViews, TierWorkerViews
 from kvalign.live.wire.client import Completion, SseError, complete_tokens
 from kvalign.live.wire.lossy_hop import LossyHop
 
@@ -173,14 +176,25 @@ class FuzzDriver:
 
     def __post_init__(self) -> None:
         b = self.opts.page_size
-        self.engine_views = WorkerViews(self.cluster.capture, b)
-        self.router_views = WorkerViews(self.cluster.router_capture, b)
-        self.delivered_views = DeliveredViews(self.engine_views, self.router_views, self.hop.original_seq)
+        views, delivered = (TierWorkerViews, TierDeliveredViews) if self.opts.hicache else (WorkerViews, DeliveredViews)
+        self.engine_views = views(self.cluster.capture, b)
+        self.router_views = views(self.cluster.router_capture, b)
+        self.delivered_views = delivered(self.engine_views, self.router_views, self.hop.original_seq)
         self.disagg = self.opts.topology == "disagg"
         plan = self.cluster.plan
         decode = [w.name for w in plan.topology.workers if w.role in ("decode", "agg")]
         self.metrics = MetricReader(self.cluster.frontend_url, {
             name: f"http://{LOOPBACK}:{plan.worker_ports[name].system}/metrics" for name in decode})
+        #: HiCache (``--hicache``): SGLang's per-tier reuse on each publishing worker, the router's host weight
+        self.engine_tiers = tiers_check.EngineTiers({
+            name: f"http://{LOOPBACK}:{plan.worker_ports[name].system}/metrics" for name in self.labels
+        }) if self.opts.hicache else None
+        self.host_weight = tiers_check.host_weight() if self.opts.hicache else 0.0
+        self.router_credit = tiers_check.RouterCredit(self.metrics.frontend_url)
+        self.host_requeries: list[dict[str, Any]] = []
+        self.host_evictions_in_example = 0
+        if self.opts.hicache:
+            self.counts.update(dict.fromkeys(hicache_rules.COUNTS, 0))
         self.history: list[Sent] = []
         self.served: list[str | None] = []  # the worker each history prompt ran on
         self.steps: list[dict[str, Any]] = []
@@ -317,6 +331,10 @@ class FuzzDriver:
 
     def _best(self, tokens: list[int], marks: dict[str, int], salt: str | None) -> str | None:
         held = {lab: self._held(self.prediction_views, lab, tokens, marks[lab], salt=salt)[0] for lab in self.labels}
+        if self.opts.hicache:  # the router weighs a host block by its host_cache_hit_weight
+            held = {lab: tiers_check.weighted(self.prediction_views.residency(
+                lab, tokens, eagle=self.engine_eagle(lab), lo=marks[lab], namespace=salt)[0], self.host_weight)
+                for lab in self.labels}
         top = max(held.values(), default=0)
         leaders = [lab for lab, h in held.items() if h == top]
         return leaders[0] if top > 0 and len(leaders) == 1 else None
@@ -333,7 +351,8 @@ class FuzzDriver:
             delivered = self._held(self.delivered_views, label, tokens, deliv_m[label], salt=salt)[0]
             faulted = delivered != engine_held and any(d.label == label for d in self.hop.dropped)
         self.requests += 1
-        return Observation(self.requests, tokens, c, label, concurrent, self.opts.page_size,
+        kind = tiers_check.TierObservation if self.opts.hicache else Observation
+        return kind(self.requests, tokens, c, label, concurrent, self.opts.page_size,
                            self.engine_eagle(label) if label else True, predicted, engine_held, engine_tokens,
                            surface, faulted, best, spec)
 
@@ -344,10 +363,14 @@ class FuzzDriver:
 
     def _check(self, obs: Observation) -> None:
         failures = evaluate(obs, self.tally)
+        if isinstance(obs, tiers_check.TierObservation):
+            failures += tiers_check.evaluate_tiers(obs, self.tally)
+            failures.sort(key=lambda f: tiers_check.EVALUATION_ORDER.index(f[0]))
+            hicache_rules.record(self, obs)
         if failures:
             name, detail = failures[0]
-            raise InvariantFailed(name, detail, cause=self.cause(obs.label, obs.tokens), worker=obs.label,
-                                  request=obs.request, numbers=failure_numbers(obs))
+            raise InvariantFailed(name, detail, cause=tiers_check.cause(obs) or self.cause(obs.label, obs.tokens),
+                                  worker=obs.label, request=obs.request, numbers=failure_numbers(obs))
 
     def cause(self, label: str | None, tokens: list[int]) -> str:
         """Why the router's view differs: the tenant cause when the hop delivered a stored block
@@ -391,7 +414,7 @@ class FuzzDriver:
             for label in self.labels:
                 views.start_epoch(label)
         self.history, self.served, self.steps, self.observed = [], [], [], []
-        self.restarts_in_example = 0
+        self.restarts_in_example = self.host_evictions_in_example = 0
         self.hop.dropped.clear()
         self.examples += 1
 
@@ -440,6 +463,8 @@ class FuzzDriver:
                                lose=step.get("lose", True))
         elif rule == "restart":
             self._restart(self.labels[step["worker"] % len(self.labels)])
+        elif rule in hicache_rules.RULES and self.opts.hicache:
+            hicache_rules.RULES[rule](self, step)
         else:
             raise ValueError(f"unknown step rule {rule!r}")
 
@@ -453,6 +478,7 @@ class FuzzDriver:
         best = self._best(tokens, marks[0], salt) if pin is None or judge_routing else None
         decode = self.metrics.decode(self.metrics.decode_urls) if max_tokens >= MIN_SPEC_TOKENS else None
         reused_before = self.metrics.prefill_reused() if self.disagg else 0.0
+        tiers_before = self._tiers_now(required=False) if self.opts.hicache else None
         dropped_before = len(self.hop.dropped)
         c = self._send(tokens, max_tokens, None if pin is None else self.cluster.workers[pin].instance_id, salt)
         self._settle(after_request=True)
@@ -474,6 +500,8 @@ class FuzzDriver:
         obs = self._observation(tokens, c, label, marks, concurrent=False, engine_tokens=engine_tokens,
                                 surface=surface, best=best, salt=salt, spec=spec)
         obs.stored_pages = 0 if label is None else self._held_now(label, tokens, salt)
+        if tiers_before is not None:
+            self._annotate_tiers(obs, tiers_before, marks, salt)
         self._record(obs)
         tpv = "" if spec is None else f", tokens/verify {spec.tokens_per_verify}"
         self.progress(f"request {obs.request}: {len(tokens)} tokens -> {obs.label}, kv_hit_rate {c.kv_hit_rate} "
@@ -482,13 +510,37 @@ class FuzzDriver:
         self._check(obs)
         return obs
 
+    def _tiers_now(self, *, required: bool) -> tuple[float, dict[str, dict[str, float] | None]]:
+        """HiCache: the router's raw credit counter and each publishing worker's per-tier reuse, now."""
+        assert self.engine_tiers is not None
+        return self.router_credit.now(required=required), self.engine_tiers.snapshots()
+
+    def _annotate_tiers(self, obs: Observation, before: tuple[float, dict[str, dict[str, float] | None]], marks: tuple,
+                        salt: str | None) -> None:
+        """Fill a HiCache request's per-tier fields: residency in both views at the routing mark, the
+        router's raw credit (its counter's delta) and the engine's split (its counter's delta)."""
+        assert isinstance(obs, tiers_check.TierObservation)
+        raw, engine = self._tiers_now(required=True)
+        obs.router_raw, obs.weight = raw - before[0], self.host_weight
+        if obs.label is None:
+            return
+        eagle = self.engine_eagle(obs.label)
+        obs.residency = self.engine_views.residency(obs.label, obs.tokens, eagle=eagle, lo=marks[2][obs.label],
+                                                    namespace=salt)[0]
+        obs.router_view = self.delivered_views.residency(obs.label, obs.tokens, eagle=eagle, lo=marks[1][obs.label],
+                                                         namespace=salt)[0]
+        assert self.engine_tiers is not None
+        obs.engine_split = self.engine_tiers.split(obs.label, before[1].get(obs.label), engine.get(obs.label),
+                                                   obs.engine_tokens)
+
     def _concurrent(self, reqs: list[tuple[list[int], int]]) -> None:
         """A burst, judged against the state settled before it. A request whose credit a sibling
         could change — the sibling shares a page of its prompt that neither view held before the
         burst, or the burst evicted a page it held — is counted ``unattributable``, not judged."""
-        if self.disagg:
-            raise FuzzEnvironmentError("bursts cannot be checked in disaggregation: the prefill worker's reuse is "
-                                       "read per request from a counter, which a burst merges")
+        if self.disagg or self.opts.hicache:
+            raise FuzzEnvironmentError("bursts cannot be checked in disaggregation or with HiCache: the prefill "
+                                       "worker's reuse and the router's raw credit per tier are read per request "
+                                       "from counters, which a burst merges")
         self._settle()
         marks = self._marks()
         with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
@@ -639,4 +691,6 @@ class FuzzDriver:
     def finish_counts(self) -> dict[str, int]:
         """The counts, with evictions read off the engine's own stream (pages removed)."""
         removed = sum(1 for c in self.cluster.capture.snapshot() for ev in c.batch.events if isinstance(ev, BlockRemoved))
-        return {**self.counts, "evictions": removed}
+        tiered = tiers_check.tier_counts({lab: self.engine_views.batches(lab) for lab in self.labels},
+                                         self.opts.page_size) if self.opts.hicache else {}
+        return {**self.counts, "evictions": removed, **tiered}
