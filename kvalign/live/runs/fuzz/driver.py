@@ -448,7 +448,7 @@ class FuzzDriver:
         marks = self._marks()
         best = self._best(tokens, marks[0], salt) if pin is None or judge_routing else None
         decode = self.metrics.decode(self.metrics.decode_urls) if max_tokens >= MIN_SPEC_TOKENS else None
-        reused_before = self.metrics.prefill_reused() if self.disagg else 0.0
+        reused_before = self.metrics.prefill_reused(before_first_report=True) if self.disagg else 0.0
         dropped_before = len(self.hop.dropped)
         c = self._send(tokens, max_tokens, None if pin is None else self.cluster.workers[pin].instance_id, salt)
         self._settle(after_request=True)
