@@ -103,6 +103,7 @@ def _options(args: argparse.Namespace, script: dict[str, Any] | None) -> FuzzOpt
             gap_check=args.gap_check if args.gap_check is not None else bool(given.get("gap_check", True)),
             strip_salt=args.strip_salt if args.strip_salt is not None else bool(given.get("strip_salt", False)),
             hide_gaps=args.hide_gaps if args.hide_gaps is not None else bool(given.get("hide_gaps", False)),
+            publisher_faults=bool(given.get("publisher_faults", False)),  # a control script's, never a flag
         )
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
@@ -130,7 +131,9 @@ def run(args: argparse.Namespace) -> int:
              + ("" if opts.gap_check else " [NEGATIVE CONTROL: gap check off]")
              + (" [NEGATIVE CONTROL: the hop strips cache_salt]" if opts.strip_salt else "")
              + (" [NEGATIVE CONTROL: disagreeing draft]" if opts.draft == "disagree" else "")
-             + (" [NEGATIVE CONTROL: the hop hides sequence gaps]" if opts.hide_gaps else "") + f"; run dir {run_dir}")
+             + (" [NEGATIVE CONTROL: the hop hides sequence gaps]" if opts.hide_gaps else "")
+             + (" [NEGATIVE CONTROL: publisher-fault hook loaded in the workers]" if opts.publisher_faults else "")
+             + f"; run dir {run_dir}")
     from kvalign.live.runs.fuzz.machine import replay, run_fuzz
 
     try:
@@ -170,6 +173,13 @@ def render(out: dict[str, Any]) -> str:
     if f is None:
         lines.append("PASS: every invariant held on every request")
     else:
-        lines.append(f"FAIL {f['invariant']} (cause {f['cause']}): {f['detail']}")
+        also = [n for n in f.get("failing", []) if n != f["invariant"]]
+        lines.append(f"FAIL {f['invariant']}{f' (failing with it: {chr(44).join(also)})' if also else ''} "
+                     f"(cause {f['cause']}): {f['detail']}")
+        if f.get("evidence"):
+            lines.append(f"  {f['evidence']['detail']}")
+            lines.append(f"  the recorded stream, replayed offline: {f['evidence']['replay']}")
+        if f.get("note"):
+            lines.append(f"  note: {f['note']}")
         lines.append(f"replay: kvalign e2e fuzz --replay {f['script']}")
     return "\n".join(lines)
