@@ -25,7 +25,7 @@ from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews
 from kvalign.live.wire.capture import Captured
 from kvalign.live.wire.client import Completion
 from kvalign.live.wire.lossy_hop import Dropped
-from kvalign.model.events import BlockStored, EventBatch
+from kvalign.model.events import AllBlocksCleared, BlockStored, EventBatch, KVEvent
 from kvalign.model.sglang_keys import engine_block_hashes, page_count, page_units
 from kvalign.streams.diagnose import RouterSettings, diagnose
 
@@ -44,7 +44,7 @@ def store(tokens: list[int], cached: int, parent: int | None = None) -> BlockSto
 class Capture:
     """The part of :class:`~kvalign.live.wire.capture.EventCapture` the views read."""
 
-    def __init__(self, batches: list[BlockStored], path: str | None = None) -> None:
+    def __init__(self, batches: list[KVEvent], path: str | None = None) -> None:
         self.endpoints = {"worker0": "tcp://127.0.0.1:1", "worker1": "tcp://127.0.0.1:2"}
         self.batches = [Captured("worker0", EventBatch(float(i), [ev], 0, "map", i), float(i)) for i, ev in enumerate(batches)]
         self.path = path
@@ -59,7 +59,7 @@ class Capture:
         return self.path
 
 
-def driver(tmp_path: Path, engine: list[BlockStored], router: list[BlockStored] | None = None,
+def driver(tmp_path: Path, engine: list[KVEvent], router: list[KVEvent] | None = None,
            router_path: str | None = None) -> FuzzDriver:
     d = object.__new__(FuzzDriver)
     d.opts, d.tally, d.counts, d.notes, d.progress = FuzzOptions(), Tally(), dict.fromkeys(COUNTS, 0), [], lambda _m: None
@@ -76,21 +76,23 @@ def observation(tokens: list[int], *, reused: int, held: int, router_blocks: int
                 stored: int = 0) -> Observation:
     n = len(tokens)
     c = Completion(n, reused, [1], 7, 7, router_blocks / -(-n // B))
-    return Observation(request, tokens, c, "worker0", False, B, True, router_blocks, held, reused,
-                       stored_pages=stored, engine_mark=mark)
+    obs = Observation(request, tokens, c, "worker0", False, B, True, router_blocks, held, reused)
+    obs.stored_pages, obs.engine_mark = stored, mark
+    return obs
 
 
 def test_a_store_the_engines_publisher_dropped_is_named_from_the_recorded_stream(tmp_path: Path) -> None:
     """AB's store never published: AB again reuses 4 pages, the engine's stream holds 3. The failure
     names the engine's events with page 3, recorded beside it with the offline replay command;
     reading only the router side (the old reporting) finds nothing to name."""
-    d = driver(tmp_path, [store(A, 0)])
-    obs = observation(AB, reused=64, held=3, router_blocks=3, mark=1)
+    d = driver(tmp_path, [AllBlocksCleared(), store(A, 0)])  # the example's flush, then A
+    d.engine_views.epoch["worker0"] = d.router_views.epoch["worker0"] = 1
+    obs = observation(AB, reused=64, held=3, router_blocks=3, mark=2)
     with pytest.raises(InvariantFailed) as err:
         d._check(obs)
     f = err.value
-    assert f.invariant == "engine_matches_index" and f.failing == ["engine_matches_index", "router_credits_engine_reuse"]
-    assert f.cause == "ENGINE_EVENTS_MISSING" and f.evidence["kind"] == "never_stored"
+    assert f.invariant == "engine_matches_index" and f.cause == "ENGINE_EVENTS_MISSING"
+    assert f.failing == ["engine_matches_index", "router_credits_engine_reuse"] and f.evidence["kind"] == "never_stored"
     assert f.evidence["pages"] == [3, 3] and "page 3 (tokens [48, 64))" in f.evidence["detail"]
     recorded = Path(f.evidence["capture"])
     assert recorded.parent == tmp_path / "failures" / "request-3" and json.loads(Path(f.evidence["prompt"]).read_text()) == AB
@@ -98,6 +100,7 @@ def test_a_store_the_engines_publisher_dropped_is_named_from_the_recorded_stream
     # the offline replay of the recorded stream names the same cause
     d2 = diagnose(str(recorded), AB, RouterSettings(block_size=B), engine_reused=64, routed_at=f.evidence["routed_at_batch"])
     assert d2.cause is not None and d2.cause.name == "ENGINE_EVENTS_MISSING"
+    assert f.evidence["routed_at_batch"] == 2 and not d2.notes  # recorded from the flush: no "joined late" note
 
 
 def test_a_wrong_parent_in_the_engines_stream_is_named_not_a_prompt_shift(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvalign.model.causes import Cause
-from kvalign.model.events import BlockRemoved, BlockStored
+from kvalign.model.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvalign.live.cluster.control import ControlError, clear_kv_blocks
 from kvalign.live.cluster.lifecycle import Cluster
 from kvalign.live.cluster.ports import LOOPBACK, PortPool
@@ -372,11 +372,13 @@ class FuzzDriver:
         if label is not None and self._salt_lost(label):
             return Cause.TENANTS_SHARE_KEYS.name, None
         if label is not None and "engine_matches_index" in failing and obs.engine_tokens is not None:
-            epoch = self.engine_views.epoch.get(label, 0)
-            path = record_engine_stream(Path(self.cluster.plan.run_dir) / "failures" / f"request-{obs.request}",
-                                        self.engine_views.since_epoch(label), obs.tokens)
+            batches, start = self.engine_views.batches(label), self.engine_views.epoch.get(label, 0)
+            if start and any(isinstance(ev, AllBlocksCleared) for ev in batches[start - 1].events):
+                start -= 1  # the example's flush: the recorded stream starts with the clear, as a cache that was emptied
+            path = record_engine_stream(Path(self.cluster.plan.run_dir) / "failures", obs.request, batches[start:],
+                                        obs.tokens)
             found = engine_cause(path, obs.tokens, obs.engine_tokens, self.opts.page_size, eagle=obs.engine_eagle,
-                                 routed_at=obs.engine_mark - epoch, salt=obs.salt)
+                                 routed_at=obs.engine_mark - start, salt=obs.salt)
             if found is not None:
                 return found
         d = self.diagnose(label, obs.tokens)

@@ -29,9 +29,14 @@ ENGINE_CAPTURE = "engine.capture.jsonl"
 PROMPT = "prompt.json"
 
 
-def record_engine_stream(directory: Path, batches: Sequence[EventBatch], tokens: Sequence[int]) -> Path:
-    """Write ``batches`` (one worker's, since its cache was empty) and the prompt under ``directory``."""
-    directory.mkdir(parents=True, exist_ok=True)
+def record_engine_stream(failures: Path, request: int, batches: Sequence[EventBatch], tokens: Sequence[int]) -> Path:
+    """Write ``batches`` (one worker's, from a point where its cache was empty) and the prompt under
+    ``failures/request-N`` (``request-N.2``, ... when an earlier driver of the same run dir used it)."""
+    directory, n = failures / f"request-{request}", 1
+    while directory.exists():
+        n += 1
+        directory = failures / f"request-{request}.{n}"
+    directory.mkdir(parents=True)
     (directory / PROMPT).write_text(json.dumps(list(tokens)))
     path = directory / ENGINE_CAPTURE
     writer = CaptureWriter(str(path), force=True)
