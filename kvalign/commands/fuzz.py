@@ -113,6 +113,7 @@ def _options(args: argparse.Namespace, script: dict[str, Any] | None) -> FuzzOpt
             gap_check=args.gap_check if args.gap_check is not None else bool(given.get("gap_check", True)),
             strip_salt=args.strip_salt if args.strip_salt is not None else bool(given.get("strip_salt", False)),
             hide_gaps=args.hide_gaps if args.hide_gaps is not None else bool(given.get("hide_gaps", False)),
+            publisher_faults=bool(given.get("publisher_faults", False)),  # a control script's, never a flag
         )
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
@@ -141,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
              + (" [NEGATIVE CONTROL: the hop strips cache_salt]" if opts.strip_salt else "")
              + (" [NEGATIVE CONTROL: disagreeing draft]" if opts.draft == "disagree" else "")
              + (" [NEGATIVE CONTROL: the hop hides sequence gaps]" if opts.hide_gaps else "")
+             + (" [NEGATIVE CONTROL: publisher-fault hook loaded in the workers]" if opts.publisher_faults else "")
              + (f", {opts.hicache.describe()}" if opts.hicache else "") + f"; run dir {run_dir}")
     from kvalign.live.runs.fuzz.machine import replay, run_fuzz
 
@@ -182,6 +184,13 @@ def render(out: dict[str, Any]) -> str:
     if f is None:
         lines.append("PASS: every invariant held on every request")
     else:
-        lines.append(f"FAIL {f['invariant']} (cause {f['cause']}): {f['detail']}")
+        also = [n for n in f.get("failing", []) if n != f["invariant"]]
+        lines.append(f"FAIL {f['invariant']}{f' (failing with it: {chr(44).join(also)})' if also else ''} "
+                     f"(cause {f['cause']}): {f['detail']}")
+        if f.get("evidence"):
+            lines.append(f"  {f['evidence']['detail']}")
+            lines.append(f"  the recorded stream, replayed offline: {f['evidence']['replay']}")
+        if f.get("note"):
+            lines.append(f"  note: {f['note']}")
         lines.append(f"replay: kvalign e2e fuzz --replay {f['script']}")
     return "\n".join(lines)

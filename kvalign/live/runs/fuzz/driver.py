@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvalign.model.causes import Cause
-from kvalign.model.events import BlockRemoved, BlockStored
+from kvalign.model.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvalign.live.cluster.control import ControlError, clear_kv_blocks
 from kvalign.live.cluster.lifecycle import Cluster
 from kvalign.live.cluster.ports import LOOPBACK, PortPool
@@ -37,9 +37,12 @@ from kvalign.live.cluster.processes import rss_bytes, run_pids
 from kvalign.live.cluster.topology import COMPONENT, RUN_MARKER_ENV, Topology
 from kvalign.live.engines.hicache import HiCache
 from kvalign.live.runs.fuzz.invariants import (
-    MIN_SPEC_TOKENS, InvariantFailed, Observation, Tally, evaluate, failure_numbers, observation_json,
+    MIN_SPEC_TOKENS, InvariantFailed, Observation, Tally, evaluate, failure_numbers, lost_pages_reused,
+    observation_json,
 )
 from kvalign.live.runs.fuzz.prompts import Sent, new_tokens, resolve
+from kvalign.live.runs.fuzz.publisher_faults import HARMFUL, PublisherFaultControl
+from kvalign.live.runs.fuzz.recorded import record_engine_stream, engine_cause
 from kvalign.live.runs.fuzz.surfaces import MetricReader, SurfaceMissing
 from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews, common_blocks
 from kvalign.live.runs.fuzz import hicache as tiers_check
@@ -75,6 +78,7 @@ class FuzzOptions:
     gap_check: bool = True  # False: predict the router from the engine's stream (negative control)
     strip_salt: bool = False  # the hop removes cache_salt from stored blocks (negative control)
     hide_gaps: bool = False  # the hop renumbers batches after a loss, hiding the gap from every subscriber
+    publisher_faults: bool = False  # the workers load kvalign's publisher-fault hook (a test control; scripts arm it)
     quiet_s: float = 0.4
     settle_timeout_s: float = 8.0
     restart_grace_s: float = 2.0
@@ -99,6 +103,7 @@ class FuzzOptions:
                 "page_size": self.page_size, "max_total_tokens": self.max_total_tokens, "sglang": self.sglang,
                 "draft": self.draft, "router_eagle": self.router_eagle, "gap_check": self.gap_check,
                 "strip_salt": self.strip_salt, "hide_gaps": self.hide_gaps,
+                **({"publisher_faults": True} if self.publisher_faults else {}),
                 "hicache": None if self.hicache is None else {"write_policy": self.hicache.write_policy,
                                                               "ratio": self.hicache.ratio}}
 
@@ -150,6 +155,8 @@ def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Clust
     kind.max_total_tokens = opts.max_total_tokens  # the publishing workers': small, so they evict
     kind.decode_max_total_tokens = DECODE_POOL_TOKENS
     kind.relay_subscribe = {label: f"tcp://{LOOPBACK}:{port}" for label, port in downstream.items()}
+    if opts.publisher_faults:
+        kind.publisher_faults_dir = Path(run_dir) / "publisher-faults"
     upstream = {w.name: plan.kv_events_connect(w) for w in publishing}
     with LossyHop(upstream, downstream, strip_salt=opts.strip_salt, hide_gaps=opts.hide_gaps, taps=taps) as hop:
         cluster = Cluster(plan, kind, startup_timeout_s=opts.startup_timeout_s, router_view=hop.downstream,
@@ -201,6 +208,10 @@ class FuzzDriver:
         self.observed: list[dict[str, Any]] = []
         self.restarts_in_example = 0
         self.notes: list[str] = []  # what the run saw that no invariant judges (a loss diagnose did not name)
+        faults_dir = getattr(self.cluster.kind, "publisher_faults_dir", None)
+        self.publisher_faults = None if faults_dir is None else PublisherFaultControl(faults_dir)
+        self.faults_fired: list[dict[str, Any]] = []  # each armed publisher fault: request, worker, what it did
+        self._corrupted: set[str] = set()  # workers whose stream a harmful publisher fault broke this example
         # per worker: batches the router-side capture joined too late to see (ZMQ's slow joiner), taken
         # once the cluster is quiet: quiet alone first (an unreachable baseline), then what it lacks
         self._lag_base: dict[str, int] = dict.fromkeys(self.labels, 1 << 30)
@@ -281,6 +292,8 @@ class FuzzDriver:
                 return True
             time.sleep(0.02)
         self.unsettled += 1
+        self.progress(f"settle: still not quiet after {self.opts.settle_timeout_s:g}s (behind {self._behind()}); "
+                      "counted in unsettled_waits")
         behind = self._applied_behind()
         if behind > 0:
             self.notes.append(f"the router's index had applied {behind:g} fewer KV events than its "
@@ -306,6 +319,8 @@ class FuzzDriver:
         while self._held_now(label, tokens, salt) < want:
             if time.monotonic() > deadline:
                 self.unsettled += 1
+                self.progress(f"settle: {label}'s stream shows {self._held_now(label, tokens, salt)} of the prompt's "
+                              f"{want} pages after {self.opts.settle_timeout_s:g}s; counted in unsettled_waits")
                 return
             time.sleep(0.05)
         self._settle(after_request=True)
@@ -354,7 +369,7 @@ class FuzzDriver:
         kind = tiers_check.TierObservation if self.opts.hicache else Observation
         return kind(self.requests, tokens, c, label, concurrent, self.opts.page_size,
                            self.engine_eagle(label) if label else True, predicted, engine_held, engine_tokens,
-                           surface, faulted, best, spec)
+                           surface, faulted, best, spec, engine_mark=eng_m.get(label, 0) if label else 0, salt=salt)
 
     def _record(self, obs: Observation) -> None:
         self.history.append(Sent(tuple(obs.tokens), tuple(obs.completion.completion_token_ids)))
@@ -369,17 +384,33 @@ class FuzzDriver:
             hicache_rules.record(self, obs)
         if failures:
             name, detail = failures[0]
-            raise InvariantFailed(name, detail, cause=tiers_check.cause(obs) or self.cause(obs.label, obs.tokens),
-                                  worker=obs.label, request=obs.request, numbers=failure_numbers(obs))
+            names = [n for n, _ in failures]
+            hicache_cause = tiers_check.cause(obs)
+            cause, evidence = (hicache_cause, None) if hicache_cause else self.cause(obs, names)
+            raise InvariantFailed(name, detail, cause=cause, worker=obs.label, request=obs.request,
+                                  numbers=failure_numbers(obs), failing=names, evidence=evidence)
 
-    def cause(self, label: str | None, tokens: list[int]) -> str:
-        """Why the router's view differs: the tenant cause when the hop delivered a stored block
-        without the ``cache_salt`` the engine published it with; else ``kvalign diagnose``'s cause
-        for ``tokens`` on ``label``'s router-side capture."""
+    def cause(self, obs: Observation, failing: list[str]) -> tuple[str, dict[str, Any] | None]:
+        """Why a request failed, and the evidence: the tenant cause when the hop delivered a stored
+        block without the ``cache_salt`` the engine published it with; the engine's own events when
+        the engine reused pages its stream did not hold in the prompt's chain at the routing mark
+        (:func:`.recorded.engine_cause`, from the stream recorded for the failure); else ``kvalign
+        diagnose``'s cause for the prompt on the worker's router-side capture."""
+        label = obs.label
         if label is not None and self._salt_lost(label):
-            return Cause.TENANTS_SHARE_KEYS.name
-        d = self.diagnose(label, tokens)
-        return "none" if d is None or d.cause is None else d.cause.name
+            return Cause.TENANTS_SHARE_KEYS.name, None
+        if label is not None and "engine_matches_index" in failing and obs.engine_tokens is not None:
+            batches, start = self.engine_views.batches(label), self.engine_views.epoch.get(label, 0)
+            if start and any(isinstance(ev, AllBlocksCleared) for ev in batches[start - 1].events):
+                start -= 1  # the example's flush: the recorded stream starts with the clear, as a cache that was emptied
+            path = record_engine_stream(Path(self.cluster.plan.run_dir) / "failures", obs.request, batches[start:],
+                                        obs.tokens)
+            found = engine_cause(path, obs.tokens, obs.engine_tokens, self.opts.page_size, eagle=obs.engine_eagle,
+                                 routed_at=obs.engine_mark - start, salt=obs.salt)
+            if found is not None:
+                return found
+        d = self.diagnose(label, obs.tokens)
+        return ("none" if d is None or d.cause is None else d.cause.name), None
 
     def _salt_lost(self, label: str) -> bool:
         def salts(views: WorkerViews) -> dict[int | None, list[str | None]]:
@@ -416,6 +447,7 @@ class FuzzDriver:
         self.history, self.served, self.steps, self.observed = [], [], [], []
         self.restarts_in_example = self.host_evictions_in_example = 0
         self.hop.dropped.clear()
+        self._corrupted.clear()
         self.examples += 1
 
     def _clear(self, labels: list[str]) -> None:
@@ -449,7 +481,8 @@ class FuzzDriver:
             pin = step.get("pin")
             self._request(resolve(step["prompt"], self.history), step["max_tokens"],
                           pin=None if pin is None else self.labels[pin % len(self.labels)], salt=step.get("salt"),
-                          judge_routing=step.get("judge_routing", False))
+                          judge_routing=step.get("judge_routing", False),
+                          fault=(step["publisher_fault"], step.get("fault_params")) if step.get("publisher_fault") else None)
         elif rule == "concurrent":
             self._concurrent([(resolve(p, self.history), mt) for p, mt in step["requests"]])
         elif rule == "flush":
@@ -469,22 +502,30 @@ class FuzzDriver:
             raise ValueError(f"unknown step rule {rule!r}")
 
     def _request(self, tokens: list[int], max_tokens: int, pin: str | None = None, salt: str | None = None,
-                 judge_routing: bool = False) -> Observation:
+                 judge_routing: bool = False, fault: tuple[str, dict[str, Any] | None] | None = None) -> Observation:
         """One request sent alone on a settled cluster, with every surface read around it.
         ``judge_routing``: a pinned request's worker is still judged as a routing decision (the
-        best-worker control: a gateway that pins against the router's cache view)."""
+        best-worker control: a gateway that pins against the router's cache view). ``fault``
+        (scripts only): a publisher fault armed inside the pinned worker (every publishing worker
+        unpinned) for this request (:mod:`.publisher_faults`)."""
         self._settle()
         marks = self._marks()
         best = self._best(tokens, marks[0], salt) if pin is None or judge_routing else None
         decode = self.metrics.decode(self.metrics.decode_urls) if max_tokens >= MIN_SPEC_TOKENS else None
-        reused_before = self.metrics.prefill_reused() if self.disagg else 0.0
+        reused_before = self.metrics.prefill_reused(before_first_report=True) if self.disagg else 0.0
         tiers_before = self._tiers_now(required=False) if self.opts.hicache else None
         dropped_before = len(self.hop.dropped)
+        armed = self._arm(fault, [pin] if pin else self.labels)
         c = self._send(tokens, max_tokens, None if pin is None else self.cluster.workers[pin].instance_id, salt)
         self._settle(after_request=True)
         label = self._label_of(c.prefill_worker_id)
-        if label is not None and not any(d.unpublished for d in self.hop.dropped[dropped_before:]):
+        if self._fired(armed, label):
+            self._corrupted.add(label)
+        if (label is not None and not any(d.unpublished for d in self.hop.dropped[dropped_before:])
+                and label not in self._corrupted):  # a stream a publisher fault broke may never show the pages
             self._await_stored(label, tokens, salt)
+        if armed is not None:
+            self.publisher_faults.disarm(self.labels)
         if self.disagg:
             engine_tokens: int | None = round(self.metrics.prefill_reused() - reused_before)
             surface = "frontend router_kv_worker_reused_tokens_total{phase=prefill} delta"
@@ -532,6 +573,37 @@ class FuzzDriver:
         assert self.engine_tiers is not None
         obs.engine_split = self.engine_tiers.split(obs.label, before[1].get(obs.label), engine.get(obs.label),
                                                    obs.engine_tokens)
+
+    def _arm(self, fault: tuple[str, dict[str, Any] | None] | None, labels: list[str]) -> tuple[int, str] | None:
+        """Arm a script's publisher fault on ``labels``: (its id, its name)."""
+        if fault is None:
+            return None
+        if self.publisher_faults is None:
+            raise FuzzEnvironmentError("the script arms a publisher fault, but the workers were started without the "
+                                       "publisher-fault hook (the fuzz option publisher_faults)")
+        name, params = fault
+        try:
+            return self.publisher_faults.arm(labels, name, params), name
+        except ValueError as exc:
+            raise FuzzEnvironmentError(str(exc)) from None
+
+    def _fired(self, armed: tuple[int, str] | None, label: str | None) -> bool:
+        """Whether the armed fault fired in ``label``'s worker (recorded); True for a harmful one
+        only: the request's own pages are then not waited for (the stream will never show them)."""
+        if armed is None or label is None:
+            return False
+        fault_id, name = armed
+        deadline = time.monotonic() + (self.opts.settle_timeout_s if name == "merge" else 0.0)
+        done = self.publisher_faults.fired(label, fault_id)
+        while done is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            done = self.publisher_faults.fired(label, fault_id)
+        self.faults_fired.append({"request": self.requests + 1, "worker": label, "fault": name,
+                                  **({"fired": False} if done is None else {"fired": True, **{
+                                      k: v for k, v in done.items() if k not in ("id", "fault")}})})
+        self.progress(f"publisher fault {name} on {label}: " + ("did not fire" if done is None else
+                      f"{done['batches_in']} batch(es) in, {done['batches_out']} out, {done['blocks']} blocks"))
+        return done is not None and name in HARMFUL
 
     def _concurrent(self, reqs: list[tuple[list[int], int]]) -> None:
         """A burst, judged against the state settled before it. A request whose credit a sibling
@@ -639,8 +711,13 @@ class FuzzDriver:
         self.progress(f"drop_batch: the hop lost {label}'s batch seq {lost[0].seq} ({lost[0].blocks} blocks) "
                       f"of request {obs.request}")
         follow = [*tokens, *self.history[-1].output, *new_tokens(len(tokens), self.opts.page_size + 1)]
-        self._request(follow, 1, pin=label)
-        self.counts["lost_requeried"] += 1
+        again = self._request(follow, 1, pin=label)
+        if lost_pages_reused(obs, again):
+            self.counts["lost_requeried"] += 1
+        else:
+            self.progress(f"drop_batch: follow-up request {again.request} did not reuse the lost pages "
+                          f"{obs.engine_held}..{obs.stored_pages - 1} (engine view {again.engine_held} pages, reused "
+                          f"{again.engine_tokens} tokens): not counted in lost_requeried")
         d = self.diagnose(label, follow)
         cause = "none" if d is None or d.cause is None else d.cause.name
         self.progress(f"drop_batch: kvalign diagnose on {label}'s router-side capture: {cause}")
@@ -684,6 +761,7 @@ class FuzzDriver:
         for views in (self.engine_views, self.router_views):
             views.start_epoch(label)
         self.hop.dropped[:] = [d for d in self.hop.dropped if d.label != label]
+        self._corrupted.discard(label)
         self.restarts_in_example += 1
         self.counts["restarts"] += 1
         self.progress(f"restart {label}: new instance {new.instance_id} after {time.monotonic() - t0:.0f}s")
