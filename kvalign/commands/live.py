@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 
 from kvalign.errors import UsageError
-from kvalign.live.cluster.lifecycle import Cluster, plan_specs
+from kvalign.live.cluster.lifecycle import Cluster, plan_specs, with_routers
 from kvalign.live.runs.disagg_eagle import E2eOptions
 from kvalign.live.engines.kinds import ENGINE_KINDS
 from kvalign.live.cluster.processes import ProcessExited, sigterm_as_interrupt
-from kvalign.live.cluster.routers import APPROX_POLICIES, ROUTER_MODES, RouterSetup, with_routers
+from kvalign.live.cluster.routers import APPROX_POLICIES, ROUTER_MODES, RouterSetup
 from kvalign.live.cluster.topology import (
     CONTROL_PLANES,
     ClusterPlan,

@@ -17,6 +17,7 @@ processes are stopped last, after every Dynamo process (they are ``infrastructur
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import socket
 import sys
@@ -34,6 +35,7 @@ from kvalign.live.cluster.model_dir import MODEL_NAME, write_model_dir
 from kvalign.live.cluster.discovery import EtcdStore
 from kvalign.live.cluster.ports import LOOPBACK, PortPool
 from kvalign.live.cluster.processes import ProcessGroup, ProcessSpec
+from kvalign.live.cluster.routers import RouterSetup, frontend_process_name
 from kvalign.live.cluster.topology import ClusterPlan, ControlPlane, Topology, WorkerKind, WorkerPorts, WorkerSpec
 
 
@@ -68,6 +70,15 @@ def make_plan(
     for w in topology.workers:
         plan.worker_ports[w.name] = WorkerPorts.allocate(pool, w.name)
     return plan
+
+
+def with_routers(plan: ClusterPlan, setup: RouterSetup) -> ClusterPlan:
+    """``plan`` with ``setup``'s routers (:mod:`kvalign.live.cluster.routers`): one more loopback HTTP
+    port per extra frontend replica, clear of every port the plan already uses."""
+    pool = PortPool()
+    pool.assigned.update({f"plan.{i}": p for i, p in enumerate(plan.all_ports())})
+    extra = tuple(pool.take(f"{frontend_process_name(i)}.http") for i in range(1, setup.count))
+    return dataclasses.replace(plan, routers=setup, router_http_ports=extra)
 
 
 def plan_specs(plan: ClusterPlan, kind: WorkerKind) -> list[ProcessSpec]:

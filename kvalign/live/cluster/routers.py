@@ -12,22 +12,16 @@ families per router (``docs/components/router/router-operations.md``):
   the router that routed them, unless ``--router-replica-sync`` makes replicas publish and
   subscribe to each other's request lifecycle events on the event plane.
 
-:class:`RouterSetup` says which of these a run uses; :func:`with_routers` gives a planned cluster
-its extra frontends (ports on loopback, like every other listener). Replica sync is on for every
+:class:`RouterSetup` says which of these a run uses;
+:func:`kvalign.live.cluster.lifecycle.with_routers` gives a planned cluster its extra frontends (ports on loopback, like every other listener). Replica sync is on for every
 replica of a multi-router run, as Dynamo's docs launch them, except the replicas named in
 ``unsynced`` (the negative control: a replica started without the flag).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
-
-from kvalign.live.cluster.ports import PortPool
-
-if TYPE_CHECKING:
-    from kvalign.live.cluster.topology import ClusterPlan
+from typing import Literal
 
 RouterMode = Literal["events", "approx"]
 ROUTER_MODES: tuple[RouterMode, ...] = ("events", "approx")
@@ -96,12 +90,3 @@ def router_name(replica: int) -> str:
 def frontend_process_name(replica: int) -> str:
     """The process (and log file) name of replica ``replica``: ``frontend``, ``frontend1``, ..."""
     return "frontend" if replica == 0 else f"frontend{replica}"
-
-
-def with_routers(plan: ClusterPlan, setup: RouterSetup) -> ClusterPlan:
-    """``plan`` with ``setup``'s routers: one more loopback HTTP port per extra replica, clear of
-    every port the plan already uses."""
-    pool = PortPool()
-    pool.assigned.update({f"plan.{i}": p for i, p in enumerate(plan.all_ports())})
-    extra = tuple(pool.take(f"{frontend_process_name(i)}.http") for i in range(1, setup.count))
-    return dataclasses.replace(plan, routers=setup, router_http_ports=extra)

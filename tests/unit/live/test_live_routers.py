@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvalign.live.cluster.lifecycle import make_plan, plan_specs
-from kvalign.live.cluster.routers import RouterSetup, frontend_process_name, with_routers
+from kvalign.live.cluster.lifecycle import make_plan, plan_specs, with_routers
+from kvalign.live.cluster.routers import RouterSetup, frontend_process_name
 from kvalign.live.cluster.topology import CpuWorkerKind, Topology
 
 
