@@ -20,6 +20,7 @@ from kvalign.live.runs.fuzz.driver import (
     ENGINES, TOPOLOGIES, FuzzDriver, FuzzEnvironmentError, FuzzOptions, engine_problem, fuzz_cluster,
 )
 from kvalign.live.cluster.processes import ProcessExited
+from kvalign.live.cluster.routers import APPROX_POLICIES, ROUTER_MODES
 
 #: A fixed seed: the same workloads every run (CI), chosen so that 3 examples of 10 steps draw
 #: every rule at least once under the pinned Hypothesis (a unit test re-derives this offline).
@@ -69,6 +70,18 @@ def register(actions: argparse._SubParsersAction) -> None:
                    help="aggregated workers, or prefill workers with --topology disagg (default 2)")
     p.add_argument("--max-total-tokens", type=int, default=512,
                    help="each worker's KV pool in tokens; small so the scheduler evicts (default 512)")
+    p.add_argument("--routers", type=int, default=None,
+                   help="dynamo.frontend replicas with --router-replica-sync; requests alternate between them and "
+                        "routers_agree asks every replica about every request (default 1)")
+    p.add_argument("--no-replica-sync", dest="replica_sync", action="store_const", const=False, default=None,
+                   help="negative control of routers_agree: the second router runs without --router-replica-sync")
+    p.add_argument("--router-mode", choices=ROUTER_MODES, default=None,
+                   help="approx: --no-router-kv-events; the router's credit is measured against the engine's reuse "
+                        "(credit_error), not judged (default events)")
+    p.add_argument("--approx-policy", choices=APPROX_POLICIES, default=None,
+                   help="approx mode: --router-approximate-cache-policy (default ttl)")
+    p.add_argument("--router-ttl", type=float, default=None, metavar="SECONDS",
+                   help="approx mode: --router-ttl-secs (default Dynamo's, 120)")
     p.add_argument("--shrink-seconds", type=float, default=300.0,
                    help="bound on shrinking a failure (default 300, Hypothesis's own)")
     p.add_argument("--replay", metavar="SCRIPT", default=None, help="rerun a failure's script instead of generating")
@@ -103,6 +116,11 @@ def _options(args: argparse.Namespace, script: dict[str, Any] | None) -> FuzzOpt
             gap_check=args.gap_check if args.gap_check is not None else bool(given.get("gap_check", True)),
             strip_salt=args.strip_salt if args.strip_salt is not None else bool(given.get("strip_salt", False)),
             hide_gaps=args.hide_gaps if args.hide_gaps is not None else bool(given.get("hide_gaps", False)),
+            routers=int(args.routers if args.routers is not None else given.get("routers", 1)),
+            replica_sync=args.replica_sync if args.replica_sync is not None else bool(given.get("replica_sync", True)),
+            router_mode=args.router_mode or given.get("router_mode", "events"),
+            approx_policy=args.approx_policy or given.get("approx_policy", "ttl"),
+            router_ttl=args.router_ttl if args.router_ttl is not None else given.get("router_ttl"),
         )
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
@@ -130,7 +148,10 @@ def run(args: argparse.Namespace) -> int:
              + ("" if opts.gap_check else " [NEGATIVE CONTROL: gap check off]")
              + (" [NEGATIVE CONTROL: the hop strips cache_salt]" if opts.strip_salt else "")
              + (" [NEGATIVE CONTROL: disagreeing draft]" if opts.draft == "disagree" else "")
-             + (" [NEGATIVE CONTROL: the hop hides sequence gaps]" if opts.hide_gaps else "") + f"; run dir {run_dir}")
+             + (" [NEGATIVE CONTROL: the hop hides sequence gaps]" if opts.hide_gaps else "")
+             + (f"; {opts.router_setup().describe()}" if opts.routers > 1 or opts.router_mode != "events" else "")
+             + (" [NEGATIVE CONTROL: router1 without replica sync]" if not opts.replica_sync else "")
+             + f"; run dir {run_dir}")
     from kvalign.live.runs.fuzz.machine import replay, run_fuzz
 
     try:
@@ -166,6 +187,11 @@ def render(out: dict[str, Any]) -> str:
     lines = [f"{out['examples']} examples, {out['steps']} steps, {out['requests']} requests in {out['seconds']}s; "
              + ", ".join(f"{k} {v}" for k, v in out["counts"].items())]
     lines += [f"  {name:<26} checked {v['checked']:>4}  failed {v['failed']}" for name, v in out["invariants"].items()]
+    ce = out.get("credit_error") or {}
+    if ce.get("requests"):
+        lines.append(f"  router credit - engine reuse ({out.get('router_mode', 'events')} mode): mean |error| "
+                     f"{ce['mean_abs_tokens']} tokens, worst {ce['worst_abs_tokens']}, exact {ce['exact']}/{ce['requests']}, "
+                     f"over-credited {ce['overcredited']}, under-credited {ce['undercredited']}")
     f = out["failure"]
     if f is None:
         lines.append("PASS: every invariant held on every request")

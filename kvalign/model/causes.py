@@ -46,6 +46,9 @@ class Cause(str, Enum):
     MEDIUM_NOT_INDEXED = "the relay maps no tier to the event's medium: those pages are indexed nowhere, silently"
     HOST_CREDIT_NOT_SERVABLE = ("router credits host-tier pages that SGLang will not load back (host-only stretch "
                                 "below its load_back_threshold): the engine re-prefills them")
+    REPLICA_INDEX_DIVERGED = "router replicas would route the same prompt by indexes that hold different pages"
+    REPLICA_STATE_UNSYNCED = ("a router replica misses its peers' active-sequence events (no replica sync): its "
+                              "load view lacks their in-flight requests")
     UNKNOWN = "unclassified hash difference"
 
 

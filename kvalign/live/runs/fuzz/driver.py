@@ -31,10 +31,12 @@ from typing import Any, Literal
 from kvalign.model.causes import Cause
 from kvalign.model.events import BlockRemoved, BlockStored
 from kvalign.live.cluster.control import ControlError, clear_kv_blocks
-from kvalign.live.cluster.lifecycle import Cluster
+from kvalign.live.cluster.lifecycle import Cluster, with_routers
 from kvalign.live.cluster.ports import LOOPBACK, PortPool
 from kvalign.live.cluster.processes import rss_bytes, run_pids
+from kvalign.live.cluster.routers import RouterSetup
 from kvalign.live.cluster.topology import COMPONENT, RUN_MARKER_ENV, Topology
+from kvalign.live.runs.fuzz.credit_error import CreditError
 from kvalign.live.runs.fuzz.invariants import (
     MIN_SPEC_TOKENS, InvariantFailed, Observation, Tally, evaluate, failure_numbers, observation_json,
 )
@@ -76,6 +78,11 @@ class FuzzOptions:
     restart_grace_s: float = 2.0
     fill_prompts: int = 4
     startup_timeout_s: float = 600.0
+    routers: int = 1  # dynamo.frontend replicas (kvalign.live.runs.fuzz.replicas)
+    replica_sync: bool = True  # False: router1 runs without --router-replica-sync (routers_agree's control)
+    router_mode: Literal["events", "approx"] = "events"  # approx: --no-router-kv-events, measured not judged
+    approx_policy: Literal["ttl", "lru"] = "ttl"
+    router_ttl: float | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -88,12 +95,26 @@ class FuzzOptions:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.draft not in ("agree", "disagree"):
             raise ValueError(f"--draft must be agree or disagree, got {self.draft!r}")
+        if not self.replica_sync and self.routers < 2:
+            raise ValueError("--no-replica-sync needs --routers 2 or more (it starts the second router without sync)")
+        if self.routers > 1 and self.router_mode == "approx":
+            raise ValueError("--routers 2+ with --router-mode approx: an approximate router's prediction has no live "
+                             "reference to hold replicas to here; run `kvalign live up --routers 2 --router-mode approx "
+                             "--scenario`, which holds them to the routing decisions")
+        self.router_setup()
+
+    def router_setup(self) -> RouterSetup:
+        """The frontends this run starts (:mod:`kvalign.live.cluster.routers`)."""
+        return RouterSetup(self.routers, self.router_mode, frozenset() if self.replica_sync else frozenset({1}),
+                           self.approx_policy, self.router_ttl)
 
     def as_json(self) -> dict[str, Any]:
         return {"engine": self.engine, "topology": self.topology, "workers": self.workers,
                 "page_size": self.page_size, "max_total_tokens": self.max_total_tokens, "sglang": self.sglang,
                 "draft": self.draft, "router_eagle": self.router_eagle, "gap_check": self.gap_check,
-                "strip_salt": self.strip_salt, "hide_gaps": self.hide_gaps}
+                "strip_salt": self.strip_salt, "hide_gaps": self.hide_gaps, "routers": self.routers,
+                "replica_sync": self.replica_sync, "router_mode": self.router_mode, "approx_policy": self.approx_policy,
+                "router_ttl": self.router_ttl}
 
 
 def engine_problem(opts: FuzzOptions) -> str | None:
@@ -119,8 +140,7 @@ def fuzz_topology(opts: FuzzOptions) -> Topology:
 def _hop_ports(plan: Any, labels: list[str], *, taken: list[int] = (), what: str = "hop") -> dict[str, int]:
     """A loopback port per worker for one of the hop's PUBs, distinct from every plan port."""
     pool = PortPool()
-    taken = [*taken, plan.http_port, plan.broker_xsub, plan.broker_xpub, plan.etcd_client, plan.etcd_peer,
-             plan.nats_port, *(p for wp in plan.worker_ports.values() for p in wp.all())]
+    taken = [*taken, *plan.all_ports()]
     pool.assigned.update({f"plan.{i}": p for i, p in enumerate(taken) if p is not None})
     return {label: pool.take(f"{label}.{what}") for label in labels}
 
@@ -136,6 +156,7 @@ def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Clust
 
     topo = fuzz_topology(opts)
     plan, kind = plan_cluster(topo, run_dir, draft=opts.draft, sglang_version=opts.sglang)
+    plan = with_routers(plan, opts.router_setup())
     publishing = [w for w in topo.workers if w.publishes_kv_events]
     labels = [w.name for w in publishing]
     downstream = _hop_ports(plan, labels)
@@ -187,6 +208,12 @@ class FuzzDriver:
         # once the cluster is quiet: quiet alone first (an unreachable baseline), then what it lacks
         self._lag_base: dict[str, int] = dict.fromkeys(self.labels, 1 << 30)
         self._applied_base: float | None = None  # router-applied minus router-side events, once quiet
+        self.credit_error = CreditError(b)  # router tokens minus engine tokens, per request (a measurement)
+        self.replicas: Any = None
+        if self.opts.routers > 1:
+            from kvalign.live.runs.fuzz.replicas import FuzzReplicas
+
+            self.replicas = FuzzReplicas(self)
         self._settle()
         self._lag_base = {}
         self._lag_base = {lab: max(v, 0) for lab, v in self._behind().items()}
@@ -227,16 +254,24 @@ class FuzzDriver:
 
     def _applied_behind(self) -> float:
         """Events the relay received that the router's index has not applied yet (0 without the counter)."""
-        if self._applied_base is None:
+        if self.replicas is not None and self.replicas.event_plane_down:
             return 0.0
+        delivered = self._delivered_events()
+        others = 0.0 if self.replicas is None else self.replicas.applied_behind(delivered, self._components())
+        if self._applied_base is None:
+            return others
         applied = self.metrics.events_applied(self._components())
-        return 0.0 if applied is None else self._delivered_events() - (applied - self._applied_base)
+        return max(others, 0.0 if applied is None else delivered - (applied - self._applied_base))
 
     def _rebase_applied(self) -> None:
         """Count from now: what the router applied before (an earlier user of the cluster, batches the
         capture joined too late for) or will never apply (a restarted worker's relay) is not waited on."""
+        if self.opts.router_mode == "approx":  # the router consumes no KV events: nothing to wait for
+            return
         applied = self.metrics.events_applied(self._components())
         self._applied_base = None if applied is None else applied - self._delivered_events()
+        if self.replicas is not None:
+            self.replicas.rebase_applied(self._delivered_events(), self._components())
 
     def _settle(self, *, after_request: bool = False) -> bool:
         """Wait until the router side has every batch the engine published (but those the hop lost
@@ -298,8 +333,8 @@ class FuzzDriver:
     def _send(self, tokens: list[int], max_tokens: int, pin: int | None = None, salt: str | None = None) -> Completion:
         pins = {"prefill_pin": pin} if self.disagg else {"pin": pin}
         try:
-            return complete_tokens(self.cluster.frontend_url, self.cluster.model, tokens, max_tokens=max_tokens,
-                                   cache_salt=salt, **pins)
+            url = self.cluster.frontend_url if self.replicas is None else self.replicas.next_url()
+            return complete_tokens(url, self.cluster.model, tokens, max_tokens=max_tokens, cache_salt=salt, **pins)
         except (SseError, OSError) as exc:
             raise FuzzEnvironmentError(f"request of {len(tokens)} tokens failed: {exc}") from None
 
@@ -339,7 +374,8 @@ class FuzzDriver:
         self.observed.append(observation_json(obs))
 
     def _check(self, obs: Observation) -> None:
-        failures = evaluate(obs, self.tally)
+        self.credit_error.add(obs.router_tokens, obs.engine_tokens, hop_faulted=obs.hop_faulted)
+        failures = evaluate(obs, self.tally, router_judged=self.opts.router_mode == "events")
         if failures:
             name, detail = failures[0]
             raise InvariantFailed(name, detail, cause=self.cause(obs.label, obs.tokens), worker=obs.label,
@@ -390,6 +426,8 @@ class FuzzDriver:
         self.restarts_in_example = 0
         self.hop.dropped.clear()
         self.examples += 1
+        if self.replicas is not None:
+            self.replicas.begin_example()
 
     def _clear(self, labels: list[str]) -> None:
         before = {lab: self.engine_views.mark(lab) for lab in labels}
@@ -436,6 +474,15 @@ class FuzzDriver:
                                lose=step.get("lose", True))
         elif rule == "restart":
             self._restart(self.labels[step["worker"] % len(self.labels)])
+        elif rule in ("restart_router", "interrupt_events") and self.replicas is None:
+            raise FuzzEnvironmentError(f"step {rule} needs router replicas (--routers 2 or more)")
+        elif rule == "restart_router":
+            try:
+                self.replicas.restart_router(step.get("router", 0))
+            except (TimeoutError, RuntimeError) as exc:
+                raise FuzzEnvironmentError(f"router restart failed: {exc}") from None
+        elif rule == "interrupt_events":
+            self.replicas.interrupt_events(step.get("worker", 0), step.get("seed", 0))
         else:
             raise ValueError(f"unknown step rule {rule!r}")
 
@@ -446,6 +493,7 @@ class FuzzDriver:
         best-worker control: a gateway that pins against the router's cache view)."""
         self._settle()
         marks = self._marks()
+        agree = None if self.replicas is None else self.replicas.before(tokens, salt, marks[0])
         best = self._best(tokens, marks[0], salt) if pin is None or judge_routing else None
         decode = self.metrics.decode(self.metrics.decode_urls) if max_tokens >= MIN_SPEC_TOKENS else None
         reused_before = self.metrics.prefill_reused() if self.disagg else 0.0
@@ -472,10 +520,13 @@ class FuzzDriver:
         obs.stored_pages = 0 if label is None else self._held_now(label, tokens, salt)
         self._record(obs)
         tpv = "" if spec is None else f", tokens/verify {spec.tokens_per_verify}"
-        self.progress(f"request {obs.request}: {len(tokens)} tokens -> {obs.label}, kv_hit_rate {c.kv_hit_rate} "
+        via = "" if self.replicas is None else f" via {self.replicas.last_router}"
+        self.progress(f"request {obs.request}{via}: {len(tokens)} tokens -> {obs.label}, kv_hit_rate {c.kv_hit_rate} "
                       f"({obs.router_tokens} tokens credited, router view {obs.predicted} blocks), engine reused "
                       f"{engine_tokens}{' [hop fault]' if obs.hop_faulted else ''}{tpv}")
         self._check(obs)
+        if self.replicas is not None:
+            self.replicas.after([agree], obs.request)
         return obs
 
     def _concurrent(self, reqs: list[tuple[list[int], int]]) -> None:
@@ -487,6 +538,7 @@ class FuzzDriver:
                                        "read per request from a counter, which a burst merges")
         self._settle()
         marks = self._marks()
+        agree = [] if self.replicas is None else [self.replicas.before(toks, None, marks[0]) for toks, _ in reqs]
         with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
             futures = [pool.submit(self._send, toks, mt) for toks, mt in reqs]
             answers = [f.result() for f in futures]
@@ -509,6 +561,8 @@ class FuzzDriver:
         self.progress(f"concurrent burst of {len(reqs)}: " + ", ".join(shown))
         for obs in checks:
             self._check(obs)
+        if self.replicas is not None:
+            self.replicas.after(agree, self.requests)
 
     def _attributable(self, label: str, tokens: list[int], siblings: list[list[int]], obs: Observation,
                       start: tuple, end: tuple) -> bool:
