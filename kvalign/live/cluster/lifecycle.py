@@ -204,12 +204,18 @@ class Cluster:
         self.workers[name] = handle
         return handle
 
-    def restart_router(self, replica: int, timeout_s: float | None = None) -> float:
+    def restart_router(self, replica: int, timeout_s: float | None = None, *, routers: RouterSetup | None = None) -> float:
         """Stop router replica ``replica`` (its frontend process) and start it again on the same
         port; returns the seconds until it served the model again. What its router knew is gone:
-        on start it rebuilds the prefix state from the workers' local indexers (Dynamo 1.6.1)."""
+        on start it rebuilds the prefix state from the workers' local indexers (Dynamo 1.6.1).
+        ``routers``: the replicas' setup from now on (a replica restarted with other flags, e.g.
+        without replica sync); the same count of replicas."""
+        if routers is not None:
+            if routers.count != self.plan.routers.count:
+                raise ValueError(f"a restart keeps {self.plan.routers.count} routers, not {routers.count}")
+            self.plan = dataclasses.replace(self.plan, routers=routers)
+        self.group.stop_one(self.plan.frontend_spec(replica).name)
         spec = self.plan.frontend_spec(replica)
-        self.group.stop_one(spec.name)
         self.group.start(spec)
         return wait_ready(self.plan.frontend_urls[replica], self.model,
                           timeout_s=timeout_s or self.startup_timeout_s, alive=self.group.check_alive)

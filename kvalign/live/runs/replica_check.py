@@ -117,6 +117,20 @@ class RouterReplicas:
     def lifecycle(self) -> dict[str, float]:
         return {name: lifecycle_applied(scrape(f"{url}/metrics")) for name, url in zip(self.names, self.urls)}
 
+    def quiet_lifecycle(self, quiet_s: float = 0.5, bound_s: float = 5.0) -> dict[str, float]:
+        """The counters once none moved for ``quiet_s`` (at most ``bound_s``): a base taken right
+        after start-up would otherwise miss the late lifecycle events of the readiness probes."""
+        deadline = time.monotonic() + bound_s
+        last, since = self.lifecycle(), time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = self.lifecycle()
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                break
+        return last
+
     def await_lifecycle(self, base: Mapping[str, float], requests: int, bound_s: float) -> dict[str, float]:
         """The counters' rise since ``base`` once every replica applied ``requests`` requests'
         events, or at ``bound_s`` (the events travel through the event plane after the answer)."""

@@ -106,7 +106,7 @@ class ReplicaScenario:
         self.disagg = plan.topology.disaggregated_mode
         self.stored: dict[str, tuple[list[int], str]] = {}  # prompt name -> (tokens, worker it was sent to)
         self.report = ReplicaReport(self.mode)
-        self._life_base = self.replicas.lifecycle()
+        self._life_base = self.replicas.quiet_lifecycle()
 
     # ---- readings ---------------------------------------------------------------------------
 
@@ -168,16 +168,24 @@ class ReplicaScenario:
         if step.failure and self.report.failure is None:
             self.report.failure = step.failure
 
-    def run(self, prompts: int = 4) -> ReplicaReport:
+    def stores(self, prompts: int, *, seed: int = 1000) -> ReplicaReport:
+        """``prompts`` fresh prompts, each through the next replica, pinned to the next worker,
+        each followed by ``routers_agree`` on every prompt stored so far."""
         n_routers, n = self.cluster.plan.routers.count, len(self.report.steps)
         for i in range(prompts):
-            router, worker = i % n_routers, self.labels[i % len(self.labels)]
+            router, worker = (n + i) % n_routers, self.labels[(n + i) % len(self.labels)]
             step = ReplicaStep(n + i + 1, "store", f"router{router}", worker)
-            self._send(f"P{i}", router, worker, seed=1000 + i)
+            self._send(f"P{n + i}", router, worker, seed=seed + n + i)
             self._lifecycle(step, 1)
             self._agree(step, 0.0)
             self._finish(step)
-        last = n_routers - 1
+        return self.report
+
+    def run(self, prompts: int = 4) -> ReplicaReport:
+        """The whole scenario: :meth:`stores`, then a replica restart and an event-plane
+        interruption, each waited on for convergence, then one more store."""
+        self.stores(prompts)
+        last = self.cluster.plan.routers.count - 1
         step = ReplicaStep(len(self.report.steps) + 1, "restart", f"router{last}", None)
         restart_s = self.cluster.restart_router(last)
         self.progress(f"router{last} restarted, serving again after {restart_s:.1f}s")

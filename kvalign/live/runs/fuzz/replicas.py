@@ -66,7 +66,7 @@ class FuzzReplicas:
         self.event_plane_down = False
         self.faults_in_example = 0  # replica faults (restart_router, interrupt_events) drawn in this example
         self._applied_base: list[float | None] = [None] * len(self.urls)
-        self._life = self.reader.lifecycle()
+        self._life = self.reader.quiet_lifecycle()
 
     def begin_example(self) -> None:
         self.faults_in_example = 0
