@@ -426,6 +426,7 @@ class FuzzDriver:
         self.restarts_in_example = 0
         self.hop.dropped.clear()
         self.examples += 1
+        self.credit_error.begin_workload()
         if self.replicas is not None:
             self.replicas.begin_example()
 
@@ -447,6 +448,7 @@ class FuzzDriver:
     def run_step(self, step: dict[str, Any]) -> None:
         """Run one step (recorded first, so a failing step is in the replay script)."""
         self.steps.append(step)
+        self.credit_error.note_step(step)
         self.steps_run += 1
         rule = step["rule"]
         try:
