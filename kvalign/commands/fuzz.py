@@ -121,6 +121,7 @@ def _options(args: argparse.Namespace, script: dict[str, Any] | None) -> FuzzOpt
             router_mode=args.router_mode or given.get("router_mode", "events"),
             approx_policy=args.approx_policy or given.get("approx_policy", "ttl"),
             router_ttl=args.router_ttl if args.router_ttl is not None else given.get("router_ttl"),
+            publisher_faults=bool(given.get("publisher_faults", False)),  # a control script's, never a flag
         )
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
@@ -151,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
              + (" [NEGATIVE CONTROL: the hop hides sequence gaps]" if opts.hide_gaps else "")
              + (f"; {opts.router_setup().describe()}" if opts.routers > 1 or opts.router_mode != "events" else "")
              + (" [NEGATIVE CONTROL: router1 without replica sync]" if not opts.replica_sync else "")
+             + (" [NEGATIVE CONTROL: publisher-fault hook loaded in the workers]" if opts.publisher_faults else "")
              + f"; run dir {run_dir}")
     from kvalign.live.runs.fuzz.machine import replay, run_fuzz
 
@@ -196,6 +198,13 @@ def render(out: dict[str, Any]) -> str:
     if f is None:
         lines.append("PASS: every invariant held on every request")
     else:
-        lines.append(f"FAIL {f['invariant']} (cause {f['cause']}): {f['detail']}")
+        also = [n for n in f.get("failing", []) if n != f["invariant"]]
+        lines.append(f"FAIL {f['invariant']}{f' (failing with it: {chr(44).join(also)})' if also else ''} "
+                     f"(cause {f['cause']}): {f['detail']}")
+        if f.get("evidence"):
+            lines.append(f"  {f['evidence']['detail']}")
+            lines.append(f"  the recorded stream, replayed offline: {f['evidence']['replay']}")
+        if f.get("note"):
+            lines.append(f"  note: {f['note']}")
         lines.append(f"replay: kvalign e2e fuzz --replay {f['script']}")
     return "\n".join(lines)

@@ -91,6 +91,9 @@ class SglangCpuWorkerKind:
         self.sglang_version, self.sglang_dir = sglang_version, sglang_dir
         self.release = sglang_cpu_standin.SUPPORTED[sglang_version]
         self.relay_subscribe = dict(relay_subscribe or {})  # worker name -> the fuzz's lossy-hop endpoint
+        #: a test control (the fuzz's ``publisher_faults``): each publishing worker loads kvalign's
+        #: publisher-fault hook, armed through ``<dir>/<worker>.json`` (never set on the normal path)
+        self.publisher_faults_dir: Path | None = None
 
     def _kv_ipc(self, worker: WorkerSpec, plan: ClusterPlan) -> str:
         """The IPC endpoint ``worker``'s SGLang binds for its events (releases without ``bind``)."""
@@ -152,6 +155,8 @@ class SglangCpuWorkerKind:
         }
         if worker.publishes_kv_events and not self.release.kv_events_bind:
             env[sglang_cpu_standin.KV_EVENTS_IPC_ENV] = self._kv_ipc(worker, plan)
+        if worker.publishes_kv_events and self.publisher_faults_dir is not None:
+            env[sglang_cpu_standin.PUBLISHER_FAULTS_ENV] = str(self.publisher_faults_dir / f"{worker.name}.json")
         return ProcessSpec(worker.name, argv, env)
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from kvalign.standins.sglang_cpu import SUPPORTED, patches, version_problem
+from kvalign.standins.sglang_cpu import SUPPORTED, patches, publisher_faults, version_problem
 
 #: module -> patches to run once it has executed, in every supported release (each release's own
 #: extra ones come from ``SUPPORTED[version].patches``).
@@ -84,4 +84,8 @@ def install() -> None:
     if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
         from importlib import metadata
 
-        sys.meta_path.insert(0, _PatchOnImport(release_patches(metadata.version("sglang"))))
+        table = release_patches(metadata.version("sglang"))
+        if os.environ.get(publisher_faults.FAULTS_ENV):  # a test control, never set on the normal path
+            module = "sglang.srt.disaggregation.kv_events"
+            table[module] = (*table.get(module, ()), publisher_faults.install)
+        sys.meta_path.insert(0, _PatchOnImport(table))

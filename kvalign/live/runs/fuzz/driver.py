@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvalign.model.causes import Cause
-from kvalign.model.events import BlockRemoved, BlockStored
+from kvalign.model.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvalign.live.cluster.control import ControlError, clear_kv_blocks
 from kvalign.live.cluster.lifecycle import Cluster, with_routers
 from kvalign.live.cluster.ports import LOOPBACK, PortPool
@@ -38,9 +38,12 @@ from kvalign.live.cluster.routers import RouterSetup
 from kvalign.live.cluster.topology import COMPONENT, RUN_MARKER_ENV, Topology
 from kvalign.live.runs.fuzz.credit_error import CreditError
 from kvalign.live.runs.fuzz.invariants import (
-    MIN_SPEC_TOKENS, InvariantFailed, Observation, Tally, evaluate, failure_numbers, observation_json,
+    MIN_SPEC_TOKENS, InvariantFailed, Observation, Tally, evaluate, failure_numbers, lost_pages_reused,
+    observation_json,
 )
 from kvalign.live.runs.fuzz.prompts import Sent, new_tokens, resolve
+from kvalign.live.runs.fuzz.publisher_faults import HARMFUL, PublisherFaultControl
+from kvalign.live.runs.fuzz.recorded import record_engine_stream, engine_cause
 from kvalign.live.runs.fuzz.surfaces import MetricReader, SurfaceMissing
 from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews, common_blocks
 from kvalign.live.wire.client import Completion, SseError, complete_tokens
@@ -73,6 +76,7 @@ class FuzzOptions:
     gap_check: bool = True  # False: predict the router from the engine's stream (negative control)
     strip_salt: bool = False  # the hop removes cache_salt from stored blocks (negative control)
     hide_gaps: bool = False  # the hop renumbers batches after a loss, hiding the gap from every subscriber
+    publisher_faults: bool = False  # the workers load kvalign's publisher-fault hook (a test control; scripts arm it)
     quiet_s: float = 0.4
     settle_timeout_s: float = 8.0
     restart_grace_s: float = 2.0
@@ -114,7 +118,7 @@ class FuzzOptions:
                 "draft": self.draft, "router_eagle": self.router_eagle, "gap_check": self.gap_check,
                 "strip_salt": self.strip_salt, "hide_gaps": self.hide_gaps, "routers": self.routers,
                 "replica_sync": self.replica_sync, "router_mode": self.router_mode, "approx_policy": self.approx_policy,
-                "router_ttl": self.router_ttl}
+                "router_ttl": self.router_ttl, **({"publisher_faults": True} if self.publisher_faults else {})}
 
 
 def engine_problem(opts: FuzzOptions) -> str | None:
@@ -164,6 +168,8 @@ def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Clust
     kind.max_total_tokens = opts.max_total_tokens  # the publishing workers': small, so they evict
     kind.decode_max_total_tokens = DECODE_POOL_TOKENS
     kind.relay_subscribe = {label: f"tcp://{LOOPBACK}:{port}" for label, port in downstream.items()}
+    if opts.publisher_faults:
+        kind.publisher_faults_dir = Path(run_dir) / "publisher-faults"
     upstream = {w.name: plan.kv_events_connect(w) for w in publishing}
     with LossyHop(upstream, downstream, strip_salt=opts.strip_salt, hide_gaps=opts.hide_gaps, taps=taps) as hop:
         cluster = Cluster(plan, kind, startup_timeout_s=opts.startup_timeout_s, router_view=hop.downstream,
@@ -187,6 +193,8 @@ class FuzzDriver:
     steps_run: int = 0
     unsettled: int = 0
     peak_rss_bytes: int = 0  # every process of the run, sampled after each step
+    replicas: Any = None  # FuzzReplicas with --routers 2+ (set in __post_init__)
+    credit_error: CreditError | None = None  # router tokens minus engine tokens, per request (a measurement)
 
     def __post_init__(self) -> None:
         b = self.opts.page_size
@@ -204,12 +212,15 @@ class FuzzDriver:
         self.observed: list[dict[str, Any]] = []
         self.restarts_in_example = 0
         self.notes: list[str] = []  # what the run saw that no invariant judges (a loss diagnose did not name)
+        faults_dir = getattr(self.cluster.kind, "publisher_faults_dir", None)
+        self.publisher_faults = None if faults_dir is None else PublisherFaultControl(faults_dir)
+        self.faults_fired: list[dict[str, Any]] = []  # each armed publisher fault: request, worker, what it did
+        self._corrupted: set[str] = set()  # workers whose stream a harmful publisher fault broke this example
         # per worker: batches the router-side capture joined too late to see (ZMQ's slow joiner), taken
         # once the cluster is quiet: quiet alone first (an unreachable baseline), then what it lacks
         self._lag_base: dict[str, int] = dict.fromkeys(self.labels, 1 << 30)
         self._applied_base: float | None = None  # router-applied minus router-side events, once quiet
-        self.credit_error = CreditError(b)  # router tokens minus engine tokens, per request (a measurement)
-        self.replicas: Any = None
+        self.credit_error = CreditError(b)
         if self.opts.routers > 1:
             from kvalign.live.runs.fuzz.replicas import FuzzReplicas
 
@@ -298,6 +309,8 @@ class FuzzDriver:
                 return True
             time.sleep(0.02)
         self.unsettled += 1
+        self.progress(f"settle: still not quiet after {self.opts.settle_timeout_s:g}s (behind {self._behind()}); "
+                      "counted in unsettled_waits")
         behind = self._applied_behind()
         if behind > 0:
             self.notes.append(f"the router's index had applied {behind:g} fewer KV events than its "
@@ -323,6 +336,8 @@ class FuzzDriver:
         while self._held_now(label, tokens, salt) < want:
             if time.monotonic() > deadline:
                 self.unsettled += 1
+                self.progress(f"settle: {label}'s stream shows {self._held_now(label, tokens, salt)} of the prompt's "
+                              f"{want} pages after {self.opts.settle_timeout_s:g}s; counted in unsettled_waits")
                 return
             time.sleep(0.05)
         self._settle(after_request=True)
@@ -366,7 +381,7 @@ class FuzzDriver:
         self.requests += 1
         return Observation(self.requests, tokens, c, label, concurrent, self.opts.page_size,
                            self.engine_eagle(label) if label else True, predicted, engine_held, engine_tokens,
-                           surface, faulted, best, spec)
+                           surface, faulted, best, spec, engine_mark=eng_m.get(label, 0) if label else 0, salt=salt)
 
     def _record(self, obs: Observation) -> None:
         self.history.append(Sent(tuple(obs.tokens), tuple(obs.completion.completion_token_ids)))
@@ -374,21 +389,37 @@ class FuzzDriver:
         self.observed.append(observation_json(obs))
 
     def _check(self, obs: Observation) -> None:
-        self.credit_error.add(obs.router_tokens, obs.engine_tokens, hop_faulted=obs.hop_faulted)
+        if self.credit_error is not None:
+            self.credit_error.add(obs.router_tokens, obs.engine_tokens, hop_faulted=obs.hop_faulted)
         failures = evaluate(obs, self.tally, router_judged=self.opts.router_mode == "events")
         if failures:
             name, detail = failures[0]
-            raise InvariantFailed(name, detail, cause=self.cause(obs.label, obs.tokens), worker=obs.label,
-                                  request=obs.request, numbers=failure_numbers(obs))
+            names = [n for n, _ in failures]
+            cause, evidence = self.cause(obs, names)
+            raise InvariantFailed(name, detail, cause=cause, worker=obs.label, request=obs.request,
+                                  numbers=failure_numbers(obs), failing=names, evidence=evidence)
 
-    def cause(self, label: str | None, tokens: list[int]) -> str:
-        """Why the router's view differs: the tenant cause when the hop delivered a stored block
-        without the ``cache_salt`` the engine published it with; else ``kvalign diagnose``'s cause
-        for ``tokens`` on ``label``'s router-side capture."""
+    def cause(self, obs: Observation, failing: list[str]) -> tuple[str, dict[str, Any] | None]:
+        """Why a request failed, and the evidence: the tenant cause when the hop delivered a stored
+        block without the ``cache_salt`` the engine published it with; the engine's own events when
+        the engine reused pages its stream did not hold in the prompt's chain at the routing mark
+        (:func:`.recorded.engine_cause`, from the stream recorded for the failure); else ``kvalign
+        diagnose``'s cause for the prompt on the worker's router-side capture."""
+        label = obs.label
         if label is not None and self._salt_lost(label):
-            return Cause.TENANTS_SHARE_KEYS.name
-        d = self.diagnose(label, tokens)
-        return "none" if d is None or d.cause is None else d.cause.name
+            return Cause.TENANTS_SHARE_KEYS.name, None
+        if label is not None and "engine_matches_index" in failing and obs.engine_tokens is not None:
+            batches, start = self.engine_views.batches(label), self.engine_views.epoch.get(label, 0)
+            if start and any(isinstance(ev, AllBlocksCleared) for ev in batches[start - 1].events):
+                start -= 1  # the example's flush: the recorded stream starts with the clear, as a cache that was emptied
+            path = record_engine_stream(Path(self.cluster.plan.run_dir) / "failures", obs.request, batches[start:],
+                                        obs.tokens)
+            found = engine_cause(path, obs.tokens, obs.engine_tokens, self.opts.page_size, eagle=obs.engine_eagle,
+                                 routed_at=obs.engine_mark - start, salt=obs.salt)
+            if found is not None:
+                return found
+        d = self.diagnose(label, obs.tokens)
+        return ("none" if d is None or d.cause is None else d.cause.name), None
 
     def _salt_lost(self, label: str) -> bool:
         def salts(views: WorkerViews) -> dict[int | None, list[str | None]]:
@@ -425,8 +456,10 @@ class FuzzDriver:
         self.history, self.served, self.steps, self.observed = [], [], [], []
         self.restarts_in_example = 0
         self.hop.dropped.clear()
+        self._corrupted.clear()
         self.examples += 1
-        self.credit_error.begin_workload()
+        if self.credit_error is not None:
+            self.credit_error.begin_workload()
         if self.replicas is not None:
             self.replicas.begin_example()
 
@@ -448,7 +481,8 @@ class FuzzDriver:
     def run_step(self, step: dict[str, Any]) -> None:
         """Run one step (recorded first, so a failing step is in the replay script)."""
         self.steps.append(step)
-        self.credit_error.note_step(step)
+        if self.credit_error is not None:
+            self.credit_error.note_step(step)
         self.steps_run += 1
         rule = step["rule"]
         try:
@@ -462,7 +496,8 @@ class FuzzDriver:
             pin = step.get("pin")
             self._request(resolve(step["prompt"], self.history), step["max_tokens"],
                           pin=None if pin is None else self.labels[pin % len(self.labels)], salt=step.get("salt"),
-                          judge_routing=step.get("judge_routing", False))
+                          judge_routing=step.get("judge_routing", False),
+                          fault=(step["publisher_fault"], step.get("fault_params")) if step.get("publisher_fault") else None)
         elif rule == "concurrent":
             self._concurrent([(resolve(p, self.history), mt) for p, mt in step["requests"]])
         elif rule == "flush":
@@ -489,22 +524,30 @@ class FuzzDriver:
             raise ValueError(f"unknown step rule {rule!r}")
 
     def _request(self, tokens: list[int], max_tokens: int, pin: str | None = None, salt: str | None = None,
-                 judge_routing: bool = False) -> Observation:
+                 judge_routing: bool = False, fault: tuple[str, dict[str, Any] | None] | None = None) -> Observation:
         """One request sent alone on a settled cluster, with every surface read around it.
         ``judge_routing``: a pinned request's worker is still judged as a routing decision (the
-        best-worker control: a gateway that pins against the router's cache view)."""
+        best-worker control: a gateway that pins against the router's cache view). ``fault``
+        (scripts only): a publisher fault armed inside the pinned worker (every publishing worker
+        unpinned) for this request (:mod:`.publisher_faults`)."""
         self._settle()
         marks = self._marks()
         agree = None if self.replicas is None else self.replicas.before(tokens, salt, marks[0])
         best = self._best(tokens, marks[0], salt) if pin is None or judge_routing else None
         decode = self.metrics.decode(self.metrics.decode_urls) if max_tokens >= MIN_SPEC_TOKENS else None
-        reused_before = self.metrics.prefill_reused() if self.disagg else 0.0
+        reused_before = self.metrics.prefill_reused(before_first_report=True) if self.disagg else 0.0
         dropped_before = len(self.hop.dropped)
+        armed = self._arm(fault, [pin] if pin else self.labels)
         c = self._send(tokens, max_tokens, None if pin is None else self.cluster.workers[pin].instance_id, salt)
         self._settle(after_request=True)
         label = self._label_of(c.prefill_worker_id)
-        if label is not None and not any(d.unpublished for d in self.hop.dropped[dropped_before:]):
+        if self._fired(armed, label):
+            self._corrupted.add(label)
+        if (label is not None and not any(d.unpublished for d in self.hop.dropped[dropped_before:])
+                and label not in self._corrupted):  # a stream a publisher fault broke may never show the pages
             self._await_stored(label, tokens, salt)
+        if armed is not None:
+            self.publisher_faults.disarm(self.labels)
         if self.disagg:
             engine_tokens: int | None = round(self.metrics.prefill_reused() - reused_before)
             surface = "frontend router_kv_worker_reused_tokens_total{phase=prefill} delta"
@@ -530,6 +573,37 @@ class FuzzDriver:
         if self.replicas is not None:
             self.replicas.after([agree], obs.request)
         return obs
+
+    def _arm(self, fault: tuple[str, dict[str, Any] | None] | None, labels: list[str]) -> tuple[int, str] | None:
+        """Arm a script's publisher fault on ``labels``: (its id, its name)."""
+        if fault is None:
+            return None
+        if self.publisher_faults is None:
+            raise FuzzEnvironmentError("the script arms a publisher fault, but the workers were started without the "
+                                       "publisher-fault hook (the fuzz option publisher_faults)")
+        name, params = fault
+        try:
+            return self.publisher_faults.arm(labels, name, params), name
+        except ValueError as exc:
+            raise FuzzEnvironmentError(str(exc)) from None
+
+    def _fired(self, armed: tuple[int, str] | None, label: str | None) -> bool:
+        """Whether the armed fault fired in ``label``'s worker (recorded); True for a harmful one
+        only: the request's own pages are then not waited for (the stream will never show them)."""
+        if armed is None or label is None:
+            return False
+        fault_id, name = armed
+        deadline = time.monotonic() + (self.opts.settle_timeout_s if name == "merge" else 0.0)
+        done = self.publisher_faults.fired(label, fault_id)
+        while done is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            done = self.publisher_faults.fired(label, fault_id)
+        self.faults_fired.append({"request": self.requests + 1, "worker": label, "fault": name,
+                                  **({"fired": False} if done is None else {"fired": True, **{
+                                      k: v for k, v in done.items() if k not in ("id", "fault")}})})
+        self.progress(f"publisher fault {name} on {label}: " + ("did not fire" if done is None else
+                      f"{done['batches_in']} batch(es) in, {done['batches_out']} out, {done['blocks']} blocks"))
+        return done is not None and name in HARMFUL
 
     def _concurrent(self, reqs: list[tuple[list[int], int]]) -> None:
         """A burst, judged against the state settled before it. A request whose credit a sibling
@@ -639,8 +713,13 @@ class FuzzDriver:
         self.progress(f"drop_batch: the hop lost {label}'s batch seq {lost[0].seq} ({lost[0].blocks} blocks) "
                       f"of request {obs.request}")
         follow = [*tokens, *self.history[-1].output, *new_tokens(len(tokens), self.opts.page_size + 1)]
-        self._request(follow, 1, pin=label)
-        self.counts["lost_requeried"] += 1
+        again = self._request(follow, 1, pin=label)
+        if lost_pages_reused(obs, again):
+            self.counts["lost_requeried"] += 1
+        else:
+            self.progress(f"drop_batch: follow-up request {again.request} did not reuse the lost pages "
+                          f"{obs.engine_held}..{obs.stored_pages - 1} (engine view {again.engine_held} pages, reused "
+                          f"{again.engine_tokens} tokens): not counted in lost_requeried")
         d = self.diagnose(label, follow)
         cause = "none" if d is None or d.cause is None else d.cause.name
         self.progress(f"drop_batch: kvalign diagnose on {label}'s router-side capture: {cause}")
@@ -684,6 +763,7 @@ class FuzzDriver:
         for views in (self.engine_views, self.router_views):
             views.start_epoch(label)
         self.hop.dropped[:] = [d for d in self.hop.dropped if d.label != label]
+        self._corrupted.discard(label)
         self.restarts_in_example += 1
         self.counts["restarts"] += 1
         self.progress(f"restart {label}: new instance {new.instance_id} after {time.monotonic() - t0:.0f}s")

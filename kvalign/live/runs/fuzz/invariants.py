@@ -63,11 +63,16 @@ class InvariantFailed(AssertionError):
     """One invariant failed on one request: which, why (a cause name), and the numbers."""
 
     def __init__(self, invariant: str, detail: str, *, cause: str = "none", worker: str | None = None,
-                 request: int | None = None, numbers: dict[str, Any] | None = None) -> None:
+                 request: int | None = None, numbers: dict[str, Any] | None = None, failing: list[str] | None = None,
+                 evidence: dict[str, Any] | None = None) -> None:
         super().__init__(f"{invariant}: {detail} (cause: {cause})")
         self.invariant, self.detail, self.cause = invariant, detail, cause
         self.worker, self.request = worker, request
         self.numbers = dict(numbers or {})
+        #: every invariant the request failed, in evaluation order (``invariant`` is the first)
+        self.failing = list(failing or [invariant])
+        #: what the cause was named from (the engine's recorded stream and its replay command), if anything
+        self.evidence = evidence
 
 
 @dataclass
@@ -104,6 +109,8 @@ class Observation:
     best: str | None = None  # the unique best worker in the router view (alone-sent requests only)
     spec: SpecDecodeWindow | None = None  # the decode worker's metric window (alone-sent requests only)
     stored_pages: int = 0  # engine view's leading pages of the prompt once the request settled
+    engine_mark: int = 0  # the engine view's mark the request was routed at (its worker's batches then)
+    salt: str | None = None  # the request's cache_salt
 
     @property
     def n(self) -> int:
@@ -174,6 +181,17 @@ def evaluate(obs: Observation, tally: Tally, *, router_judged: bool = True) -> l
         check("decode_keeps_speculating", not problems,
               f"request {obs.request} ({len(c.completion_token_ids)} tokens decoded): " + "; ".join(problems))
     return out
+
+
+def lost_pages_reused(lost: Observation, follow_up: Observation) -> bool:
+    """Whether ``follow_up`` looked at the pages the hop lost from ``lost``'s store batch: those are
+    the pages ``lost`` added to the engine view (``engine_held .. stored_pages - 1``), and the follow-up
+    counts only when its engine view held all of them and the engine reused them (a follow-up that
+    found them evicted, or reused fewer, looked at nothing the loss changed)."""
+    if follow_up.engine_tokens is None or lost.stored_pages <= lost.engine_held:
+        return False
+    return (follow_up.engine_held >= lost.stored_pages
+            and follow_up.engine_tokens >= lost.stored_pages * follow_up.block_size)
 
 
 def failure_numbers(obs: Observation) -> dict[str, Any]:
