@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvalign.commands import hicache_option
 from kvalign.errors import UsageError
 from kvalign.live.runs.fuzz.driver import (
     ENGINES, TOPOLOGIES, FuzzDriver, FuzzEnvironmentError, FuzzOptions, engine_problem, fuzz_cluster,
@@ -28,6 +29,10 @@ DEFAULT_SEED = 48
 #: The same for 2 prefill + 1 decode, where bursts are not drawn: every other rule, and a single
 #: restart (a restart costs a minute or two on 2 cores; seed 48 draws two there).
 DISAGG_SEED = 17
+#: The same with ``--hicache`` (its two rules added): every rule but bursts (which HiCache's per-request
+#: counters cannot attribute) with one restart, and an ``offload`` whose host-only stretch is below
+#: SGLang's load_back_threshold at page 4 (step 11) and above it at page 16.
+HICACHE_SEED = 262
 #: (seed, examples, steps) of the shorter 2 prefill + 1 decode run the per-pull-request suite takes:
 #: the same rules in 18 steps instead of 30 (fewer 5-request fills; a disaggregated request costs
 #: about 3 s here), so every fuzz test together stays within 10 minutes of CI.
@@ -51,7 +56,8 @@ def register(actions: argparse._SubParsersAction) -> None:
     p.add_argument("--examples", type=int, default=3, help="Hypothesis examples (workloads) on one cluster (default 3)")
     p.add_argument("--steps", type=int, default=10, help="most steps per example (default 10)")
     p.add_argument("--seed", type=int, default=None,
-                   help=f"Hypothesis seed (default {DEFAULT_SEED}, {DISAGG_SEED} with --topology disagg: fixed, and with "
+                   help=f"Hypothesis seed (default {DEFAULT_SEED}, {DISAGG_SEED} with --topology disagg, {HICACHE_SEED} with "
+                        "--hicache: fixed, and with "
                         "the default 3 examples x 10 steps it draws every rule; tests/unit/live/test_live_fuzz_machine.py "
                         "holds that)")
     p.add_argument("--router-eagle", choices=("on", "off"), default=None,
@@ -68,6 +74,9 @@ def register(actions: argparse._SubParsersAction) -> None:
                         "is visible (kvalign diagnose must still name the loss); meant for --replay scripts that drop a batch")
     p.add_argument("--workers", type=int, default=2,
                    help="aggregated workers, or prefill workers with --topology disagg (default 2)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="KV page / router block size (default 16, or the replayed script's)")
+    hicache_option.add(p)
     p.add_argument("--max-total-tokens", type=int, default=512,
                    help="each worker's KV pool in tokens; small so the scheduler evicts (default 512)")
     p.add_argument("--routers", type=int, default=None,
@@ -110,7 +119,8 @@ def _options(args: argparse.Namespace, script: dict[str, Any] | None) -> FuzzOpt
             engine=given.get("engine", args.engine), workers=int(given.get("workers", args.workers)),
             topology=args.topology or given.get("topology", "agg"),
             sglang=args.sglang or given.get("sglang"), draft=args.draft or given.get("draft", "agree"),
-            page_size=int(given.get("page_size", 16)),
+            page_size=args.page_size if args.page_size is not None else int(given.get("page_size", 16)),
+            hicache=hicache_option.hicache_from(args, given.get("hicache")),
             max_total_tokens=int(given.get("max_total_tokens", args.max_total_tokens)),
             router_eagle=args.router_eagle == "on" if args.router_eagle else bool(given.get("router_eagle", True)),
             gap_check=args.gap_check if args.gap_check is not None else bool(given.get("gap_check", True)),
@@ -153,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
              + (f"; {opts.router_setup().describe()}" if opts.routers > 1 or opts.router_mode != "events" else "")
              + (" [NEGATIVE CONTROL: router1 without replica sync]" if not opts.replica_sync else "")
              + (" [NEGATIVE CONTROL: publisher-fault hook loaded in the workers]" if opts.publisher_faults else "")
-             + f"; run dir {run_dir}")
+             + (f", {opts.hicache.describe()}" if opts.hicache else "") + f"; run dir {run_dir}")
     from kvalign.live.runs.fuzz.machine import replay, run_fuzz
 
     try:
@@ -165,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
             if script is not None:
                 result = replay(driver, script, run_dir / "fuzz-failure.json")
             else:
-                seed = args.seed if args.seed is not None else DISAGG_SEED if opts.topology == "disagg" else DEFAULT_SEED
+                seed = args.seed if args.seed is not None else HICACHE_SEED if opts.hicache else \
+                    DISAGG_SEED if opts.topology == "disagg" else DEFAULT_SEED
                 result = run_fuzz(driver, examples=args.examples, steps=args.steps, seed=seed,
                                   shrink_seconds=args.shrink_seconds, script_path=run_dir / "fuzz-failure.json",
                                   report=progress)

@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvalign.commands import hicache_option
 from kvalign.errors import UsageError
 from kvalign.live.cluster.lifecycle import Cluster, plan_specs, with_routers
 from kvalign.live.runs.disagg_eagle import E2eOptions
@@ -65,6 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="file: file discovery + zmq events, no service (default); etcd-nats: start etcd + "
                             "nats-server on loopback, etcd discovery + NATS events")
         add_router_arguments(q)
+        hicache_option.add(q)
         if name == "up":
             q.add_argument("--scenario", action="store_true",
                            help="run the 4-request prefix scenario and check it; with --routers 2+ the router-replica "
@@ -122,7 +124,8 @@ def _plan(args: argparse.Namespace) -> tuple[ClusterPlan, WorkerKind]:
     topology = _topology(args)
     try:
         opts = E2eOptions(engine=args.engine, draft=args.draft, control_plane=args.control_plane,
-                          sglang=release_version(args.sglang), dynamo=release_version(args.dynamo, "--dynamo"))
+                          sglang=release_version(args.sglang), dynamo=release_version(args.dynamo, "--dynamo"),
+                          hicache=hicache_option.hicache_from(args))
     except ValueError as exc:  # an option this engine does not take
         raise UsageError(str(exc)) from None
     routers = router_setup(args)

@@ -37,6 +37,7 @@ from kvalign.live.cluster.processes import rss_bytes, run_pids
 from kvalign.live.cluster.routers import RouterSetup
 from kvalign.live.cluster.topology import COMPONENT, RUN_MARKER_ENV, Topology
 from kvalign.live.runs.fuzz.credit_error import CreditError
+from kvalign.live.engines.hicache import HiCache
 from kvalign.live.runs.fuzz.invariants import (
     MIN_SPEC_TOKENS, InvariantFailed, Observation, Tally, evaluate, failure_numbers, lost_pages_reused,
     observation_json,
@@ -46,6 +47,9 @@ from kvalign.live.runs.fuzz.publisher_faults import HARMFUL, PublisherFaultContr
 from kvalign.live.runs.fuzz.recorded import record_engine_stream, engine_cause
 from kvalign.live.runs.fuzz.surfaces import MetricReader, SurfaceMissing
 from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews, common_blocks
+from kvalign.live.runs.fuzz import hicache as tiers_check
+from kvalign.live.runs.fuzz import hicache_rules
+from kvalign.live.runs.fuzz.tiers import TierDeliveredViews, TierWorkerViews
 from kvalign.live.wire.client import Completion, SseError, complete_tokens
 from kvalign.live.wire.lossy_hop import LossyHop
 
@@ -87,6 +91,7 @@ class FuzzOptions:
     router_mode: Literal["events", "approx"] = "events"  # approx: --no-router-kv-events, measured not judged
     approx_policy: Literal["ttl", "lru"] = "ttl"
     router_ttl: float | None = None
+    hicache: HiCache | None = None  # SGLang's host tier on the publishing workers (the HiCache rules run)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -118,7 +123,9 @@ class FuzzOptions:
                 "draft": self.draft, "router_eagle": self.router_eagle, "gap_check": self.gap_check,
                 "strip_salt": self.strip_salt, "hide_gaps": self.hide_gaps, "routers": self.routers,
                 "replica_sync": self.replica_sync, "router_mode": self.router_mode, "approx_policy": self.approx_policy,
-                "router_ttl": self.router_ttl, **({"publisher_faults": True} if self.publisher_faults else {})}
+                "router_ttl": self.router_ttl, **({"publisher_faults": True} if self.publisher_faults else {}),
+                "hicache": None if self.hicache is None else {"write_policy": self.hicache.write_policy,
+                                                              "ratio": self.hicache.ratio}}
 
 
 def engine_problem(opts: FuzzOptions) -> str | None:
@@ -159,7 +166,7 @@ def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Clust
     from kvalign.live.engines.sglang_cpu import plan_cluster
 
     topo = fuzz_topology(opts)
-    plan, kind = plan_cluster(topo, run_dir, draft=opts.draft, sglang_version=opts.sglang)
+    plan, kind = plan_cluster(topo, run_dir, draft=opts.draft, sglang_version=opts.sglang, hicache=opts.hicache)
     plan = with_routers(plan, opts.router_setup())
     publishing = [w for w in topo.workers if w.publishes_kv_events]
     labels = [w.name for w in publishing]
@@ -198,14 +205,25 @@ class FuzzDriver:
 
     def __post_init__(self) -> None:
         b = self.opts.page_size
-        self.engine_views = WorkerViews(self.cluster.capture, b)
-        self.router_views = WorkerViews(self.cluster.router_capture, b)
-        self.delivered_views = DeliveredViews(self.engine_views, self.router_views, self.hop.original_seq)
+        views, delivered = (TierWorkerViews, TierDeliveredViews) if self.opts.hicache else (WorkerViews, DeliveredViews)
+        self.engine_views = views(self.cluster.capture, b)
+        self.router_views = views(self.cluster.router_capture, b)
+        self.delivered_views = delivered(self.engine_views, self.router_views, self.hop.original_seq)
         self.disagg = self.opts.topology == "disagg"
         plan = self.cluster.plan
         decode = [w.name for w in plan.topology.workers if w.role in ("decode", "agg")]
         self.metrics = MetricReader(self.cluster.frontend_url, {
             name: f"http://{LOOPBACK}:{plan.worker_ports[name].system}/metrics" for name in decode})
+        #: HiCache (``--hicache``): SGLang's per-tier reuse on each publishing worker, the router's host weight
+        self.engine_tiers = tiers_check.EngineTiers({
+            name: f"http://{LOOPBACK}:{plan.worker_ports[name].system}/metrics" for name in self.labels
+        }) if self.opts.hicache else None
+        self.host_weight = tiers_check.host_weight() if self.opts.hicache else 0.0
+        self.router_credit = tiers_check.RouterCredit(self.metrics.frontend_url)
+        self.host_requeries: list[dict[str, Any]] = []
+        self.host_evictions_in_example = 0
+        if self.opts.hicache:
+            self.counts.update(dict.fromkeys(hicache_rules.COUNTS, 0))
         self.history: list[Sent] = []
         self.served: list[str | None] = []  # the worker each history prompt ran on
         self.steps: list[dict[str, Any]] = []
@@ -363,6 +381,10 @@ class FuzzDriver:
 
     def _best(self, tokens: list[int], marks: dict[str, int], salt: str | None) -> str | None:
         held = {lab: self._held(self.prediction_views, lab, tokens, marks[lab], salt=salt)[0] for lab in self.labels}
+        if self.opts.hicache:  # the router weighs a host block by its host_cache_hit_weight
+            held = {lab: tiers_check.weighted(self.prediction_views.residency(
+                lab, tokens, eagle=self.engine_eagle(lab), lo=marks[lab], namespace=salt)[0], self.host_weight)
+                for lab in self.labels}
         top = max(held.values(), default=0)
         leaders = [lab for lab, h in held.items() if h == top]
         return leaders[0] if top > 0 and len(leaders) == 1 else None
@@ -379,7 +401,8 @@ class FuzzDriver:
             delivered = self._held(self.delivered_views, label, tokens, deliv_m[label], salt=salt)[0]
             faulted = delivered != engine_held and any(d.label == label for d in self.hop.dropped)
         self.requests += 1
-        return Observation(self.requests, tokens, c, label, concurrent, self.opts.page_size,
+        kind = tiers_check.TierObservation if self.opts.hicache else Observation
+        return kind(self.requests, tokens, c, label, concurrent, self.opts.page_size,
                            self.engine_eagle(label) if label else True, predicted, engine_held, engine_tokens,
                            surface, faulted, best, spec, engine_mark=eng_m.get(label, 0) if label else 0, salt=salt)
 
@@ -391,11 +414,18 @@ class FuzzDriver:
     def _check(self, obs: Observation) -> None:
         if self.credit_error is not None:
             self.credit_error.add(obs.router_tokens, obs.engine_tokens, hop_faulted=obs.hop_faulted)
-        failures = evaluate(obs, self.tally, router_judged=self.opts.router_mode == "events")
+        router_judged = self.opts.router_mode == "events"
+        failures = evaluate(obs, self.tally, router_judged=router_judged)
+        if isinstance(obs, tiers_check.TierObservation):
+            if router_judged:
+                failures += tiers_check.evaluate_tiers(obs, self.tally)
+                failures.sort(key=lambda f: tiers_check.EVALUATION_ORDER.index(f[0]))
+            hicache_rules.record(self, obs)
         if failures:
             name, detail = failures[0]
             names = [n for n, _ in failures]
-            cause, evidence = self.cause(obs, names)
+            hicache_cause = tiers_check.cause(obs)
+            cause, evidence = (hicache_cause, None) if hicache_cause else self.cause(obs, names)
             raise InvariantFailed(name, detail, cause=cause, worker=obs.label, request=obs.request,
                                   numbers=failure_numbers(obs), failing=names, evidence=evidence)
 
@@ -454,7 +484,7 @@ class FuzzDriver:
             for label in self.labels:
                 views.start_epoch(label)
         self.history, self.served, self.steps, self.observed = [], [], [], []
-        self.restarts_in_example = 0
+        self.restarts_in_example = self.host_evictions_in_example = 0
         self.hop.dropped.clear()
         self._corrupted.clear()
         self.examples += 1
@@ -520,6 +550,8 @@ class FuzzDriver:
                 raise FuzzEnvironmentError(f"router restart failed: {exc}") from None
         elif rule == "interrupt_events":
             self.replicas.interrupt_events(step.get("worker", 0), step.get("seed", 0))
+        elif rule in hicache_rules.RULES and self.opts.hicache:
+            hicache_rules.RULES[rule](self, step)
         else:
             raise ValueError(f"unknown step rule {rule!r}")
 
@@ -536,6 +568,7 @@ class FuzzDriver:
         best = self._best(tokens, marks[0], salt) if pin is None or judge_routing else None
         decode = self.metrics.decode(self.metrics.decode_urls) if max_tokens >= MIN_SPEC_TOKENS else None
         reused_before = self.metrics.prefill_reused(before_first_report=True) if self.disagg else 0.0
+        tiers_before = self._tiers_now(required=False) if self.opts.hicache else None
         dropped_before = len(self.hop.dropped)
         armed = self._arm(fault, [pin] if pin else self.labels)
         c = self._send(tokens, max_tokens, None if pin is None else self.cluster.workers[pin].instance_id, salt)
@@ -563,6 +596,8 @@ class FuzzDriver:
         obs = self._observation(tokens, c, label, marks, concurrent=False, engine_tokens=engine_tokens,
                                 surface=surface, best=best, salt=salt, spec=spec)
         obs.stored_pages = 0 if label is None else self._held_now(label, tokens, salt)
+        if tiers_before is not None:
+            self._annotate_tiers(obs, tiers_before, marks, salt)
         self._record(obs)
         tpv = "" if spec is None else f", tokens/verify {spec.tokens_per_verify}"
         via = "" if self.replicas is None else f" via {self.replicas.last_router}"
@@ -573,6 +608,29 @@ class FuzzDriver:
         if self.replicas is not None:
             self.replicas.after([agree], obs.request)
         return obs
+
+    def _tiers_now(self, *, required: bool) -> tuple[float, dict[str, dict[str, float] | None]]:
+        """HiCache: the router's raw credit counter and each publishing worker's per-tier reuse, now."""
+        assert self.engine_tiers is not None
+        return self.router_credit.now(required=required), self.engine_tiers.snapshots()
+
+    def _annotate_tiers(self, obs: Observation, before: tuple[float, dict[str, dict[str, float] | None]], marks: tuple,
+                        salt: str | None) -> None:
+        """Fill a HiCache request's per-tier fields: residency in both views at the routing mark, the
+        router's raw credit (its counter's delta) and the engine's split (its counter's delta)."""
+        assert isinstance(obs, tiers_check.TierObservation)
+        raw, engine = self._tiers_now(required=True)
+        obs.router_raw, obs.weight = raw - before[0], self.host_weight
+        if obs.label is None:
+            return
+        eagle = self.engine_eagle(obs.label)
+        obs.residency = self.engine_views.residency(obs.label, obs.tokens, eagle=eagle, lo=marks[2][obs.label],
+                                                    namespace=salt)[0]
+        obs.router_view = self.delivered_views.residency(obs.label, obs.tokens, eagle=eagle, lo=marks[1][obs.label],
+                                                         namespace=salt)[0]
+        assert self.engine_tiers is not None
+        obs.engine_split = self.engine_tiers.split(obs.label, before[1].get(obs.label), engine.get(obs.label),
+                                                   obs.engine_tokens)
 
     def _arm(self, fault: tuple[str, dict[str, Any] | None] | None, labels: list[str]) -> tuple[int, str] | None:
         """Arm a script's publisher fault on ``labels``: (its id, its name)."""
@@ -609,9 +667,10 @@ class FuzzDriver:
         """A burst, judged against the state settled before it. A request whose credit a sibling
         could change — the sibling shares a page of its prompt that neither view held before the
         burst, or the burst evicted a page it held — is counted ``unattributable``, not judged."""
-        if self.disagg:
-            raise FuzzEnvironmentError("bursts cannot be checked in disaggregation: the prefill worker's reuse is "
-                                       "read per request from a counter, which a burst merges")
+        if self.disagg or self.opts.hicache:
+            raise FuzzEnvironmentError("bursts cannot be checked in disaggregation or with HiCache: the prefill "
+                                       "worker's reuse and the router's raw credit per tier are read per request "
+                                       "from counters, which a burst merges")
         self._settle()
         marks = self._marks()
         agree = [] if self.replicas is None else [self.replicas.before(toks, None, marks[0]) for toks, _ in reqs]
@@ -771,4 +830,6 @@ class FuzzDriver:
     def finish_counts(self) -> dict[str, int]:
         """The counts, with evictions read off the engine's own stream (pages removed)."""
         removed = sum(1 for c in self.cluster.capture.snapshot() for ev in c.batch.events if isinstance(ev, BlockRemoved))
-        return {**self.counts, "evictions": removed}
+        tiered = tiers_check.tier_counts({lab: self.engine_views.batches(lab) for lab in self.labels},
+                                         self.opts.page_size) if self.opts.hicache else {}
+        return {**self.counts, "evictions": removed, **tiered}

@@ -45,13 +45,15 @@ from kvalign.live.runs.fuzz.views import credited_blocks, engine_cached_tokens, 
 from kvalign.live.wire.client import Completion
 from kvalign.live.wire.metrics import SpecDecodeWindow, accept_failures
 
-INVARIANTS = ("router_credits_engine_reuse", "router_matches_prediction", "engine_matches_index", "no_stale_credit",
-              "best_worker_chosen", "decode_keeps_speculating", "routers_agree")
+INVARIANTS = ("router_credits_engine_reuse", "router_tiers_match_engine", "router_matches_prediction",
+              "engine_matches_index", "no_stale_credit", "best_worker_chosen", "decode_keeps_speculating",
+              "routers_agree")
 #: Invariants of some runs only (router replicas: :mod:`.replicas`), left out of a run's JSON when never checked.
 OPTIONAL = ("routers_agree",)
 #: What the router credited, judged against the engine and kvalign's views: not judged with an
 #: approximate router (``--router-mode approx`` predicts from routing decisions; measured instead).
-ROUTER_JUDGED = ("router_credits_engine_reuse", "router_matches_prediction", "no_stale_credit", "best_worker_chosen")
+ROUTER_JUDGED = ("router_credits_engine_reuse", "router_tiers_match_engine", "router_matches_prediction",
+                 "no_stale_credit", "best_worker_chosen")
 
 #: Fewest generated tokens for which tokens-per-verify can tell accepted drafts from none: the first
 #: token comes from the prefill forward, and with one draft token per verify (the CPU engine) two

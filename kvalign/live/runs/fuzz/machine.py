@@ -74,6 +74,7 @@ class FuzzResult:
             "invariants": d.tally.as_json(),
             "last_page_overcredits": d.tally.last_page_overcredits, "unattributable": d.tally.unattributable,
             "hop_faulted": d.tally.hop_faulted,
+            **({"host_requeries": d.host_requeries} if d.opts.hicache else {}),
             "failure": None if self.failure is None else self.failure.as_json(),
             "options": d.opts.as_json(), "startup_s": round(self.startup_s, 1), "seconds": round(self.seconds, 1),
             "requests_per_minute": round(60 * d.requests / self.seconds, 1) if self.seconds > 0 else None,
@@ -112,7 +113,8 @@ def machine_class(driver: FuzzDriver) -> type[RuleBasedStateMachine]:
         def request(self, prompt: dict, mt: int) -> None:
             driver.run_step({"rule": "request", "prompt": prompt, "max_tokens": mt})
 
-        @precondition(lambda self: not driver.disagg)  # prefill reuse is a counter: a burst merges it
+        # prefill reuse (disagg) and the router's raw credit per tier (HiCache) are counters: a burst merges them
+        @precondition(lambda self: not driver.disagg and not driver.opts.hicache)
         @rule(reqs=st.lists(st.tuples(specs, max_tokens()), min_size=2, max_size=3))
         def concurrent(self, reqs: list) -> None:
             driver.run_step({"rule": "concurrent", "requests": [list(r) for r in reqs]})
@@ -145,6 +147,10 @@ def machine_class(driver: FuzzDriver) -> type[RuleBasedStateMachine]:
             def interrupt_events(self, w: int, seed: int) -> None:
                 driver.run_step({"rule": "interrupt_events", "worker": w, "seed": seed})
 
+    if driver.opts.hicache:
+        from kvalign.live.runs.fuzz.hicache_rules import machine_class as with_hicache
+
+        return with_hicache(LiveFuzz, driver)
     return LiveFuzz
 
 
