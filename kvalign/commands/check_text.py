@@ -51,8 +51,9 @@ def pages(page_size: int | None) -> str:
 
 
 def header(label: str, sglang: str, kind: str, dynamo: str, examples: int, page_size: int | None) -> str:
+    sizes = f"page size {page_size}" if page_size else "every page size"
     return "\n".join([fit(f"kvalign check: SGLang {sglang} ({kind} cache) x Dynamo RadixTree {dynamo}"),
-                      fit(f"  router hasher {label}; {examples} examples per row; {pages(page_size)}")])
+                      fit(f"  router hasher {label}; {examples} examples per row; {sizes}")])
 
 
 def table(rows: Sequence[RowResult]) -> str:

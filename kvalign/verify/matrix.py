@@ -623,21 +623,14 @@ def _markdown_causes(r: PairResult) -> str:
 
 def render_markdown(results: Sequence[PairResult], command: str) -> str:
     """``matrix --markdown``: a row per pair (``(shipped)`` in bold: the pair a deployment of that Dynamo
-    runs), the causes found with the properties that found them, why any property could not run, and
-    under it all the one command that reproduces it."""
+    runs), the causes found with the properties that found them and ``n/a`` with the properties that
+    could not run (the table without ``--markdown`` says why, a line per reason), and under it the one
+    command that reproduces it."""
     out = ["| dynamo | sglang | verdict | causes (properties) |", "|---|---|---|---|"]
     for r in results:
         sglang = f"**{r.sglang} (shipped)**" if r.shipped else r.sglang
         live = f"; live: {r.live.get('verdict', '-')}" if r.live is not None else ""
         out.append(f"| {r.dynamo} | {sglang} | {r.verdict} | {_markdown_causes(r)}{live} |")
-    reasons: dict[str, list[str]] = {}
-    for r in results:
-        for n in r.not_applicable:
-            pair = f"{r.dynamo} × {r.sglang}"
-            if pair not in reasons.setdefault(n["reason"], []):
-                reasons[n["reason"]].append(pair)
-    if reasons:
-        out += [""] + [f"- n/a in {', '.join(pairs)}: {why}" for why, pairs in reasons.items()]
     return "\n".join([*out, "", f"`{command}`"])
 
 

@@ -62,6 +62,11 @@ def test_check_real_pair_is_aligned_but_for_small_hicache_pages_and_quiet(router
     assert "  rows: servable/plain/base, servable/eagle/base" in out and "  scope: holds only with HiCache on" in out
     assert "  counterexample (servable/plain/base): page size " in out and "    shrunk: {'page_size': " in out
     assert wide_lines(out, res.stderr) == []
+    # README.md's excerpt of `kvalign check` is this output (numbers aside: it ran with 200 examples;
+    # the tier and servable rows draw at most 12 runs either way, so their lines are the same)
+    import readme_excerpts
+
+    assert readme_excerpts.missing(".venv/bin/kvalign check", out) == []
     # quiet: stderr holds kvalign's progress lines only; the runtimes' own lines are in the kept log
     # (and, as on any failing run, the line naming the log the runtimes wrote to, its path apart when long)
     lines = res.stderr.splitlines()
