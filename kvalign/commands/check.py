@@ -50,9 +50,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _result(r: RowResult) -> str:
     if r.skipped:
         return f"skipped: {r.skipped}"
+    apart = "".join(f"; {e['cases']} {name} counted apart" for name, e in (r.scoped or {}).items())
     if not r.ok:
-        return f"MISALIGNED: {r.cause}" + (f" ({r.condition})" if r.condition else "")
-    return "ok"
+        return f"MISALIGNED: {r.cause}" + (f" ({r.condition})" if r.condition else "") + apart
+    return "ok" + (f" ({apart[2:]})" if apart else "")
+
+
+def _apart(rows: list[RowResult]) -> str:
+    """The verdict line's note on causes counted apart from the mismatches (they never fail a row)."""
+    totals: dict[str, int] = {}
+    for r in rows:
+        for name, e in (r.scoped or {}).items():
+            totals[name] = totals.get(name, 0) + e["cases"]
+    return "".join(f"; {name} counted apart in {n} cases (not a misalignment)" for name, n in totals.items())
 
 
 def _confined(rows: list[RowResult]) -> str:
@@ -110,10 +120,12 @@ def run(args: argparse.Namespace) -> int:
         for r in rows:
             if not r.ok:
                 where = f"\n  holds {r.condition}" if r.condition else ""
-                print(f"\n{r.prop} / {r.mode} / {r.variant}: {r.detail}\n  cause: {r.cause}{where}\n"
+                admitted = ("\n  admitted request (SGLang's scheduler): " +
+                            ", ".join(f"{k} {v}" for k, v in r.admission.items())) if r.admission else ""
+                print(f"\n{r.prop} / {r.mode} / {r.variant}: {r.detail}\n  cause: {r.cause}{where}{admitted}\n"
                       f"  shrunk counterexample: {r.counterexample}")
         total = sum(r.cases for r in rows)
         verdict = "ALIGNED" if aligned else "MISALIGNED"
         print(f"\n{verdict}: {total} cases in {time.perf_counter() - start:.1f}s, "
-              f"{sum(not r.ok for r in rows)} of {len(rows)} rows mismatched{_confined(rows)}")
+              f"{sum(not r.ok for r in rows)} of {len(rows)} rows mismatched{_confined(rows)}{_apart(rows)}")
     return 0 if aligned else 1
