@@ -112,8 +112,12 @@ class HiCacheEngine:
             self.allocator.clear()
 
     def available_tokens(self) -> int:
-        """Free device slots in SGLang's allocator (what its eviction on allocation frees up)."""
+        """Free device slots in SGLang's allocator."""
         return int(self.allocator.available_size())
+
+    def evictable_tokens(self) -> int:
+        """Device slots SGLang's eviction on allocation could free (unlocked cached pages)."""
+        return int(self.cache.full_evictable_size())
 
     def residency(self, tokens: Sequence[int], lora_name: str | None = None, cache_salt: str | None = None) -> Residency:
         """What the tree holds of the whole prompt (no scheduler cap): the pages the router indexes."""

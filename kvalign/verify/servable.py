@@ -81,6 +81,30 @@ def judge(admission: Admission, tiers: dict[str, int], page_size: int, *, eagle:
     return Judgement(a, rd, rh, capped, host_in_cap, None, seen)
 
 
+def worked_case(eagle: bool) -> list[tuple[Any, ...]]:
+    """The HOST_CREDIT_NOT_SERVABLE case the cap cannot explain, as :func:`ask_servable` steps (page 4):
+    8 then 16 tokens cached (bigram keys: one token more each, the second extending the first), device
+    pressure evicts the 8-token leaf to host, then a 21-token prompt (22 under EAGLE) arrives. SGLang's
+    scheduler matches at most 20 tokens: 2 pages on device, 2 host-only pages (8 slots, below
+    ``load_back_threshold`` 10): it loads 0 back and re-prefills them; the router credits 2 + 2 blocks."""
+    first = list(range(1, 9 + int(eagle)))
+    second = first + [3] * 8
+    return [("request", first), ("transfers_done",), ("request", second), ("transfers_done",),
+            ("evict_device", 8), ("request", second + [2] * 5)]
+
+
+def worked_cases(router_path: Any = None) -> list[dict[str, Any]]:
+    """:func:`worked_case` on every tree core this SGLang has, plain and EAGLE: the last request's judgement each."""
+    from kvalign.oracles.hicache import available_cores
+
+    out = []
+    for eagle in (False, True):
+        for core in available_cores():
+            *_, last = ask_servable(worked_case(eagle), page_size=4, eagle=eagle, core=core, router_path=router_path)
+            out.append({"mode": "eagle" if eagle else "plain", "core": core, **last.judgement})
+    return out
+
+
 def last_page_condition() -> str:
     """Where LAST_PAGE_CAPPED occurs (a page exists past the cap only at a page boundary)."""
     return ("only for a prompt that ends exactly at a page boundary (plain keys: N % page == 0; EAGLE: (N - 1) % page "

@@ -60,7 +60,9 @@ TIER_PAGE_SIZES = (2, 4, 16)
 EVICT_ALL_PAGES = 64
 #: Device pool sizes drawn per example, in pages (0: larger than any example fills). The smallest
 #: still admits the longest first request; below a request's need, SGLang defers it (NO_TOKEN).
-DEVICE_PAGES = (6, 12)
+DEVICE_PAGES = (4, 8)
+#: First tokens of the pressure requests (the prompts draw 0..3; an example's token range is 16 wide).
+PRESSURE_TOKENS = range(4, 16)
 #: Steps per example (each one publishes, waits for the router, and checks every prompt).
 STEPS = 8
 #: How long to wait for one published step to be indexed.
@@ -267,6 +269,7 @@ class TierMachine(RuleBasedStateMachine):
         #: [examples with a LAST_PAGE_CAPPED request, the first such example, its judgement] (counted apart)
         self.capped = capped if capped is not None else [0, None, None]
         self._capped_seen = False
+        self.pressure = 0
         self.path, self.eagle, self.servable, self.make_engine = path, eagle, servable, make_engine
         self.tenant = tenants(lora=lora, namespace=namespace)
         self.cores = cores
@@ -349,6 +352,29 @@ class TierMachine(RuleBasedStateMachine):
     def evict_host(self, pages: int) -> None:
         self.engine.evict_host(pages * self.engine.page_size)
         self._after(("evict_host", pages))
+
+    def _pressure_room(self) -> int:
+        """Tokens a request can take beyond the free device room and still be admitted (SGLang's prefill
+        budget counts evictable pages as room: extend + 1 output + a page's overhead); 0 when unbounded."""
+        if self.engine is None or self.config.get("device_tokens") == "unbounded":
+            return 0
+        return max(0, self.engine.evictable_tokens() - 1)
+
+    @precondition(lambda self: self._pressure_room() > 0)
+    @rule(data=st.data())
+    @_counted
+    def pressure_request(self, data: st.DataObject) -> None:
+        """Another user's request, longer than the free device room: SGLang's allocator runs out and SGLang
+        evicts on allocation (``evict_from_tree_cache`` / ``evict_for_alloc``) to admit it."""
+        self.pressure += 1
+        p = self.engine.page_size
+        over = data.draw(st.integers(1, self._pressure_room()), label="over")
+        n = max(1, self.engine.available_tokens() - p + over)
+        tokens = [PRESSURE_TOKENS[(self.pressure - 1) % len(PRESSURE_TOKENS)]] * n  # shares no prompt's first token
+        tenant = (None, None)
+        if self._serve(tokens, tenant, ("cache", tokens, tenant)):
+            self.prompts.append((tokens, tenant))
+        self._after(None)
 
     @precondition(lambda self: bool(self.prompts))
     @rule(data=st.data())
