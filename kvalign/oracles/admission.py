@@ -36,7 +36,7 @@ from typing import Any
 #: Requests a tree's request pool holds at once (one runs at a time here).
 REQ_SLOTS = 4
 #: Longest request, in tokens, a request-pool row holds (the machine's prompts stay far below).
-MAX_CONTEXT = 4096
+MAX_CONTEXT = 2048
 
 
 @dataclass(frozen=True)

@@ -85,8 +85,9 @@ def _seed_host_transfer_ops() -> None:
     sys.modules["sgl_kernel"], sys.modules["sgl_kernel.kvcacheio"] = package, kvcacheio
 
 
+@cache
 def _modules() -> types.SimpleNamespace:
-    """Import SGLang's cache classes once, behind the torchvision shim.
+    """Import SGLang's cache classes once, behind the torchvision shim (cached: every cache built asks).
 
     PyPI torchvision is a CUDA build; its two op-registration modules fail beside torch+cpu
     ("operator torchvision::nms does not exist"). Pre-seeding them lets the rest import.

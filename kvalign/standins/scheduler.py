@@ -22,14 +22,17 @@ serves; ``tests/unit/standins/test_scheduler_standin.py`` holds it to the origin
 from __future__ import annotations
 
 import types
+from functools import cache
 from typing import Any
 
 #: ``ScheduleBatch.model_config`` for a text-only decoder: the only fields the admission path reads.
 MODEL_CONFIG = types.SimpleNamespace(vocab_size=1 << 20, is_encoder_decoder=False)
 
 
+@cache
 def scheduler_context(page_size: int, write_policy: str) -> Any:
-    """SGLang's own ``RuntimeContext`` for a scheduler started with HiCache on, without a model.
+    """SGLang's own ``RuntimeContext`` for a scheduler started with HiCache on, without a model (one per
+    page size and write policy: the admission path only reads it).
 
     Activate it with ``sglang.srt.runtime_context.use_context`` around SGLang calls (it swaps a process
     global, so only for the duration of a call)."""
