@@ -105,3 +105,16 @@ def test_judge_keeps_the_cap_apart_from_host_credit(admission, tiers, cause, cap
     j = judge(admission, {"device_blocks": tiers[0], "host_pinned_extension_blocks": tiers[1]}, 4, eagle=False,
               threshold=10)
     assert (j.cause.name if j.cause else None, j.capped_blocks) == (cause, capped), j.detail
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+@pytest.mark.parametrize("eagle", [False, True], ids=["plain", "eagle"])
+def test_host_credit_holds_under_every_write_policy(router_path, policy, eagle):
+    """The scope the verdict line states (HiCache on, pages below 10) needs no write policy: a prompt hit twice
+    (write_through_selective backs up on the second hit), evicted to host, then asked for with one token more."""
+    prompt = list(range(1, 9 + eagle))
+    steps = [("request", prompt), ("transfers_done",), ("request", prompt), ("transfers_done",), ("evict_device", 8),
+             ("request", prompt + [9])]
+    *_, last = _ask(router_path, steps, page_size=4, eagle=eagle, policy=policy)
+    a = last["admission"]
+    assert last["cause"] == HOST_CREDIT and (a["host_only_tokens"], a["loaded_tokens"]) == (8, 0), last["detail"]
