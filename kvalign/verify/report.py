@@ -412,7 +412,7 @@ def collect(cause: Cause, modes: Sequence[str], examples: int) -> dict[str, Any]
         out["condition"] = found.condition
         out["admission"] = getattr(found, "admission", None)
         out["tier_replay"] = replay_servable(found.example)
-        from kvalign.verify.servable import worked_cases
+        from kvalign.verify.servable_sequence import worked_cases
 
         out["worked_cases"] = worked_cases()
     return out
@@ -532,7 +532,7 @@ def _render_tier_replay(tier: dict[str, Any], condition: str | None) -> list[str
 def _render_worked_cases(cases: list[dict[str, Any]]) -> list[str]:
     """The same finding in a case with pages on device before the host-only stretch, on every tree core and mode."""
     out = ["## The same at page 4, with a device prefix, on both tree cores, plain and EAGLE", "",
-           "Steps (`kvalign.verify.servable.worked_case`, each request served by SGLang's own scheduler code): 8 tokens "
+           "Steps (`kvalign.verify.servable_sequence.worked_case`, each request served by SGLang's own scheduler code): 8 tokens "
            "then 16 tokens cached (the second extends the first; under EAGLE one token more each), device pressure "
            "evicts the 8-token leaf to host, then a 21-token prompt (22 under EAGLE) extending the second arrives.", "",
            "| mode | tree core | prompt_tokens | SGLang's cap | device_tokens | host_only_tokens | loaded_tokens | "

@@ -17,7 +17,8 @@ import pytest
 
 from kvalign.oracles.admission import Admission
 from kvalign.oracles.base import OracleUnavailable
-from kvalign.verify.servable import judge, worked_case
+from kvalign.verify.servable import judge
+from kvalign.verify.servable_sequence import worked_case
 
 HOST_CREDIT, CAPPED = "HOST_CREDIT_NOT_SERVABLE", "LAST_PAGE_CAPPED"
 
@@ -38,7 +39,7 @@ def router_path(sglang_available: str) -> Iterator[Any]:
 
 
 def _ask(router_path: Any, steps: list[tuple[Any, ...]], **kw: Any) -> list[dict[str, Any]]:
-    from kvalign.verify.servable import ask_servable
+    from kvalign.verify.servable_sequence import ask_servable
 
     return [v.judgement for v in ask_servable(steps, router_path=router_path, **kw)]
 
