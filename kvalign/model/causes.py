@@ -48,6 +48,14 @@ class Cause(str, Enum):
                                 "below its load_back_threshold): the engine re-prefills them")
     LAST_PAGE_CAPPED = ("router credits the page holding the prompt's last token, which SGLang's scheduler never "
                         "matches (it caps a match at input_len - 1 tokens): the engine computes that page again")
+    ENGINE_EVENTS_MISSING = ("the engine reused pages its own KV events never stored in the prompt's chain (never "
+                             "stored, stored under a wrong parent or block hash, or removed): SGLang's publisher, no "
+                             "router can credit them")
+    ENGINE_EVENTS_LATE = ("the engine's KV events stored pages it reused only after the request was routed: a timing "
+                          "race shown by the recorded stream, not a key mismatch")
+    REPLICA_INDEX_DIVERGED = "router replicas would route the same prompt by indexes that hold different pages"
+    REPLICA_STATE_UNSYNCED = ("a router replica misses its peers' active-sequence events (no replica sync): its "
+                              "load view lacks their in-flight requests")
     UNKNOWN = "unclassified hash difference"
 
 
