@@ -46,6 +46,8 @@ class Cause(str, Enum):
     MEDIUM_NOT_INDEXED = "the relay maps no tier to the event's medium: those pages are indexed nowhere, silently"
     HOST_CREDIT_NOT_SERVABLE = ("router credits host-tier pages that SGLang will not load back (host-only stretch "
                                 "below its load_back_threshold): the engine re-prefills them")
+    LAST_PAGE_CAPPED = ("router credits the page holding the prompt's last token, which SGLang's scheduler never "
+                        "matches (it caps a match at input_len - 1 tokens): the engine computes that page again")
     ENGINE_EVENTS_MISSING = ("the engine reused pages its own KV events never stored in the prompt's chain (never "
                              "stored, stored under a wrong parent or block hash, or removed): SGLang's publisher, no "
                              "router can credit them")

@@ -30,6 +30,11 @@ class RowResult:
     condition: str | None = None
     #: why the row did not run at all (kvalign's own stand-in does not cover this release); the row stays ok
     skipped: str | None = None
+    #: the admitted request of a HiCache row's shrunk counterexample, as SGLang's scheduler reports it
+    #: (prompt_tokens, device_tokens, host_only_tokens, loaded_tokens, ...), or None
+    admission: dict[str, Any] | None = None
+    #: causes counted apart from the mismatches (never failing the row): name -> cases, cause, condition, example
+    scoped: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
