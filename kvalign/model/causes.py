@@ -46,6 +46,9 @@ class Cause(str, Enum):
     MEDIUM_NOT_INDEXED = "the relay maps no tier to the event's medium: those pages are indexed nowhere, silently"
     HOST_CREDIT_NOT_SERVABLE = ("router credits host-tier pages that SGLang will not load back (host-only stretch "
                                 "below its load_back_threshold): the engine re-prefills them")
+    REGISTERED_BLOCK_SIZE = ("Dynamo registers a block size other than the one SGLang's KV events carry (a page size "
+                             "SGLang set after Dynamo read it): the relay drops every page, the router's hit rate is 0")
+    ADVERTISED_BLOCK_SIZE = "SGLang's /server_info advertises a KV-event block_size its events do not carry"
     UNKNOWN = "unclassified hash difference"
 
 

@@ -226,6 +226,12 @@ def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make
                 for row in run_card(systems, modes):
                     emit(row)
                 continue
+            if prop == "advertised":
+                from kvalign.verify.advertised import run_advertised_rows
+
+                for row in run_advertised_rows(modes, page_size):
+                    emit(row)
+                continue
             if prop in ("tier", "servable"):
                 from kvalign.verify.tier import TIER_EXAMPLES, run_tier_rows
 
