@@ -43,13 +43,14 @@ class HiCacheEngine:
 
     _rids = itertools.count()
 
-    def __init__(self, page_size: int, *, eagle: bool, core: str, policy: str, host_tokens: int) -> None:
+    def __init__(self, page_size: int, *, eagle: bool, core: str, policy: str, host_tokens: int,
+                 dynamo_format: bool = False) -> None:
         from kvalign.standins.hicache import attach_host_tier
 
         if core not in CORES:
             raise ValueError(f"the host tier needs the unified cache; got {core!r}")
         self.page_size, self.eagle, self.policy = page_size, eagle, policy
-        self._o = SglangRadixCache(page_size, eagle=eagle, kind=core)
+        self._o = SglangRadixCache(page_size, eagle=eagle, kind=core, dynamo_format=dynamo_format)
         self.cache = self._o._cache
         if not hasattr(self.cache, "init_hicache"):
             raise OracleUnavailable(f"SGLang {sglang_version()}'s {type(self.cache).__name__} has no init_hicache")

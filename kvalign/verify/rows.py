@@ -7,8 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-PROPERTIES = ("card", "advertised", "hash", "pages", "overlap", "ingest", "tier", "servable")
+PROPERTIES = ("card", "advertised", "hash", "pages", "overlap", "ingest", "tenants", "tier", "servable")
 MODES = ("plain", "eagle")
+#: SGLang's KV-event formats (``KVEventsConfig.format``; "dynamo" from 0.5.23), and the properties whose rows
+#: read SGLang's events (run once per format); the others carry ``event_format`` "any".
+EVENT_FORMATS = ("default", "dynamo")
+EVENT_PROPERTIES = ("pages", "overlap", "ingest", "tier", "servable", "tenants")
 VARIANTS = {"base": (False, False), "lora": (True, False), "namespace": (False, True), "lora+namespace": (True, True)}
 
 
@@ -30,6 +34,8 @@ class RowResult:
     condition: str | None = None
     #: why the row did not run at all (kvalign's own stand-in does not cover this release); the row stays ok
     skipped: str | None = None
+    #: SGLang's KV-event format the row's events were published in ("any": the property reads no events)
+    event_format: str = "default"
 
     @property
     def ok(self) -> bool:
