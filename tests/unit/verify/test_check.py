@@ -25,9 +25,9 @@ def run_cli(capsys, *argv: str, stdin: str | None = None, monkeypatch=None) -> t
 
 
 #: The only lines `kvalign check` may write to stderr on an aligned pair: one progress line per row.
-PROGRESS = re.compile(r"^  (card|hash|pages|overlap|ingest|tier|servable)/(plain|eagle)/[a-z+]+: "
-                      r"(ok|MISALIGNED: router credits host-tier pages .* \(only with HiCache on and page sizes below "
-                      r"SGLang's load_back_threshold \(10 tokens\).*\)) \(\d+ cases, \d+\.\ds\)$")
+PROGRESS = re.compile(r"^  (card|advertised|hash|pages|overlap|ingest|tenants|tier|servable)/(plain|eagle)/[a-z_+]+: "
+                      r"(ok|skipped: overrides.py's .*|MISALIGNED: router credits host-tier pages .* \(only with HiCache "
+                      r"on and page sizes below SGLang's load_back_threshold \(10 tokens\).*\)) \(\d+ cases, \d+\.\ds\)$")
 
 
 @pytest.mark.slow  # the whole check as a user runs it; each property's negative control stays in the fast tier
@@ -77,6 +77,31 @@ def test_page_size_pins_every_generated_case(capsys, router_hasher, sglang_avail
     assert rc == 1 and report["page_size"] == 3
     assert [r["counterexample"]["block_size"] for r in report["rows"]] == [3] * 4
     assert {r["cause_name"] for r in report["rows"]} == {"ROUTER_EAGLE_OFF"}
+
+
+def test_event_format_both_runs_event_properties_per_format(capsys, router_hasher, sglang_available):
+    """``--event-format both``: every row says its format; a property that reads events has rows in both,
+    one that does not (hash) runs once as "any"; the dynamo rows say so in the table too."""
+    rc, out, _ = run_cli(capsys, "check", "--examples", "5", "--json", "--event-format", "both", "--property", "hash",
+                         "--property", "pages", "--mode", "plain")
+    report = json.loads(out)
+    assert rc == 0 and report["event_formats"] == ["default", "dynamo"]
+    by = {(r["prop"], r["event_format"]) for r in report["rows"]}
+    assert by == {("hash", "any"), ("pages", "default"), ("pages", "dynamo")}
+    assert all(r["mismatches"] == 0 for r in report["rows"])
+    rc, out, _ = run_cli(capsys, "check", "--examples", "5", "--event-format", "dynamo", "--property", "pages",
+                         "--mode", "plain")
+    assert rc == 0 and "pages     plain  lora [dynamo]" in out
+
+
+def test_a_release_without_the_dynamo_format_is_said():
+    from kvalign.commands.check import formats_to_run
+    from kvalign.errors import UsageError
+
+    assert formats_to_run("both", True, "0.5.23") == ("default", "dynamo")
+    assert formats_to_run("both", False, "0.5.21") == ("default", "dynamo")  # its dynamo rows: skipped, with why
+    with pytest.raises(UsageError, match="SGLang 0.5.21 has no \"dynamo\" KV-event format"):
+        formats_to_run("dynamo", False, "0.5.21")
 
 
 def test_check_json_report(capsys, router_hasher, sglang_available):
