@@ -9,6 +9,8 @@ from typing import Any
 
 PROPERTIES = ("card", "advertised", "hash", "pages", "overlap", "ingest", "tenants", "tier", "servable")
 MODES = ("plain", "eagle")
+#: Properties that do not run in every mode (the page size a worker registers does not depend on EAGLE's keys).
+PROPERTY_MODES = {"advertised": ("plain",)}
 #: SGLang's KV-event formats (``KVEventsConfig.format``; "dynamo" from 0.5.23), and the properties whose rows
 #: read SGLang's events (run once per format); the others carry ``event_format`` "any".
 EVENT_FORMATS = ("default", "dynamo")
