@@ -123,6 +123,7 @@ def overrides_source() -> Path:
     _sglang()
     try:
         from sglang.srt.arg_groups import overrides
+        from sglang.srt.runtime_context import describe_kv_events_publisher, override_platform  # noqa: F401
     except ImportError as exc:
         raise OracleUnavailable(f"this SGLang has no arg_groups.overrides ({exc}): its page-size overrides are "
                                 "not read by kvalign") from None
@@ -168,10 +169,12 @@ def _model_dirs() -> dict[str, str]:
 @contextmanager
 def platform(name: str) -> Iterator[str]:
     """SGLang's ``override_platform`` presenting GPU platform ``name``; yields its ``--device``."""
-    from sglang.srt.runtime_context import override_platform
+    from sglang.srt import runtime_context
 
+    known = set(getattr(runtime_context, "_PLATFORM_PROBES", {})) | set(getattr(runtime_context, "_PLATFORM_VALUES", {}))
     device, facts = PLATFORMS[name]
-    with override_platform(**{**{f: False for f in _FACTS}, **facts}):
+    wanted = {**{f: False for f in _FACTS}, **facts}
+    with runtime_context.override_platform(**{k: v for k, v in wanted.items() if not known or k in known}):
         yield device
 
 

@@ -152,7 +152,10 @@ def run_row(derive: Derive, variant: str, configs: list[WorkerConfig]) -> RowRes
         others = [c.name for c in SEVERITY if c in first and c is not cause]
         if others:
             row.detail += f" [also {', '.join(others)} in other configurations]"
-    if not row.cases:
+    if not configs:
+        row.skipped = (f"SGLang's resolution rejects --attention-backend {variant} on every platform kvalign presents "
+                       f"({', '.join(PLATFORMS)}) with every model kind ({', '.join(MODELS)})")
+    elif not row.cases:
         row.skipped = (f"SGLang or dynamo.sglang refuses every one of the {len(configs)} configurations kvalign builds "
                        f"for {variant} ({rejected} by SGLang's resolution, {refused} by Dynamo's launch checks)")
     elif row.ok:

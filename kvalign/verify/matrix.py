@@ -38,7 +38,7 @@ from packaging.version import InvalidVersion, Version
 from kvalign.releases import local_build
 from kvalign.oracles.router_path import STUCK_EXIT_S, STUCK_MARK
 from kvalign.releases.release_env import ReleaseEnvError, cache_root, child_env, install, locked, python_for
-from kvalign.verify.rows import MODES, PROPERTIES, PROPERTY_MODES
+from kvalign.verify.rows import EVENT_PROPERTIES, MODES, PROPERTIES, PROPERTY_MODES
 from kvalign.runtime_log import log_dir
 
 DYNAMO_PACKAGES = ("ai-dynamo-runtime", "ai-dynamo")
@@ -543,10 +543,10 @@ def _cell(findings: Sequence[dict[str, str]], not_applicable: Sequence[dict[str,
     return ", ".join(parts) if parts else "ok"
 
 
-def _dynamo_format_cell(r: PairResult) -> str:
-    """The dynamo-format column: ``-`` where the check did not run it, ``n/a`` where this SGLang has no
-    such format, else ``ok`` or the causes of the rows run in it."""
-    if "dynamo" not in r.event_formats:
+def _dynamo_format_cell(r: PairResult, props: Sequence[str]) -> str:
+    """The dynamo-format column: ``-`` where the check did not run it (or no property that reads
+    events), ``n/a`` where this SGLang has no such format, else ``ok`` or the causes of its rows."""
+    if "dynamo" not in r.event_formats or not set(props) & set(EVENT_PROPERTIES):
         return "-"
     findings = [f for f in r.findings if f.get("event_format") == "dynamo"]
     not_applicable = [n for n in r.not_applicable if n.get("event_format") == "dynamo"]
@@ -578,7 +578,7 @@ def table(results: Sequence[PairResult], props: Sequence[str] = PROPERTIES, mode
                            [n for n in default_na if n["property"] == p and n["mode"] == m])
                      for p, m in columns]
             if fmt:
-                cells.append(_dynamo_format_cell(r))
+                cells.append(_dynamo_format_cell(r, props))
         if live:
             cells.append((r.live or {}).get("verdict", "-"))
         body.append([r.dynamo, r.sglang + (" (shipped)" if r.shipped else ""), r.verdict, *cells])
