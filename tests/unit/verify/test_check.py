@@ -44,17 +44,18 @@ def test_check_real_pair_is_aligned_but_for_small_hicache_pages_and_quiet(router
     # every page size the strategies draw: the servable rows find HOST_CREDIT_NOT_SERVABLE at page 2 or 4
     assert rc == 1, out + res.stderr[-2000:]
     verdict = out.splitlines()[-1]
-    assert verdict.startswith("MISALIGNED: ") and "2 of 44 rows mismatched" in verdict
+    assert verdict.startswith("MISALIGNED: ") and "2 of 60 rows mismatched" in verdict
     assert "; HOST_CREDIT_NOT_SERVABLE holds only with HiCache on and page sizes below" in verdict
-    # card x 2 modes + (hash, pages, overlap, ingest, tier) x 2 modes x 4 variants: ok; servable x 2 modes: not
-    assert out.count(" ok") == 42
+    # card x 2 modes + advertised (9 rows, plain; its "other" row is skipped: the dLLM override) + (hash, pages,
+    # overlap, ingest, tier) x 2 modes x 4 variants + tenants x 2 modes x 3 variants: ok; servable x 2 modes: not
+    assert out.count(" ok") == 57 and out.count("  skipped: overrides.py's _dllm_page_size") == 1
     assert [ln.split()[0] for ln in out.splitlines() if "  MISALIGNED: " in ln] == ["servable", "servable"]
     assert [ln.split()[0] for ln in out.splitlines() if ln.endswith(" ok")].count("ingest") == 8
     # quiet: stderr holds kvalign's progress lines only; the runtimes' own lines are in the kept log
     # (and, as on any failing run, one line naming the log the runtimes wrote to)
     *lines, log_line = res.stderr.splitlines()
     assert log_line.startswith("kvalign: Dynamo and SGLang runtime logs: "), res.stderr
-    assert len(lines) == 44 and all(PROGRESS.match(ln) for ln in lines), res.stderr
+    assert len(lines) == 60 and all(PROGRESS.match(ln) for ln in lines), res.stderr
     assert all(log.name.startswith("check-") and log.stat().st_size for log in tmp_path.iterdir())
 
 
