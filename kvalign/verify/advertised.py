@@ -89,7 +89,8 @@ def platform_for(backend: str) -> str | None:
     accepts ``backend`` at all (None: none)."""
     preferred = PLATFORM_OF.get(backend)
     for name in ([preferred] if preferred else []) + [p for p in PLATFORMS if p != preferred]:
-        if any(resolve(WorkerConfig(backend=backend, model=m, platform=name)) is not None for m in models_for(backend)):
+        if any(resolve(WorkerConfig(backend=backend, backend_flag=flag, role=role, model=m, platform=name)) is not None
+               for m in models_for(backend) for flag in BACKEND_FLAGS for role in ROLES):
             return name
     return None
 

@@ -117,20 +117,27 @@ class Published:
 
 
 def _name(published: Published, unnamed: tuple[str, ...]) -> tuple[Cause, str] | None:
-    collided = published.collisions()
-    if collided:
-        owners = sorted(published.owners[collided[0]], key=str)
-        return Cause.TENANT_HASH_COLLISION, (f"SGLang published {len(collided)} page hash(es) for more than one tenant "
-                                             f"(e.g. {collided[0]} for {owners}): the router keeps one entry per hash")
-    if published.parents_elsewhere:
-        return Cause.PARENT_OUTSIDE_NAMESPACE, published.parents_elsewhere[0]
+    """The cause SGLang's events show, the root first: a LoRA page without its name (or with another)
+    makes every query of that tenant miss whatever else the events get right; then pages of two
+    tenants under one hash; then a parent in another namespace. The other facts seen follow in the detail."""
+    found: list[tuple[Cause, str]] = []
     if published.names:
         missing = next((n for n in published.names if n.endswith("lora_name=None")), None)
         fallback = f" (requests for {', '.join(unnamed)} carried no name: SGLang's adapter-id fallback)" if unnamed else ""
-        if missing:
-            return Cause.LORA_NOT_IN_EVENTS, missing + fallback
-        return Cause.LORA_NAME_MISMATCH, published.names[0] + fallback
-    return None
+        found.append((Cause.LORA_NOT_IN_EVENTS, missing + fallback) if missing
+                     else (Cause.LORA_NAME_MISMATCH, published.names[0] + fallback))
+    collided = published.collisions()
+    if collided:
+        owners = sorted(published.owners[collided[0]], key=str)
+        found.append((Cause.TENANT_HASH_COLLISION, f"SGLang published {len(collided)} page hash(es) for more than one "
+                                                   f"tenant (e.g. {collided[0]} for {owners}): the router keeps one "
+                                                   "entry per hash"))
+    if published.parents_elsewhere:
+        found.append((Cause.PARENT_OUTSIDE_NAMESPACE, published.parents_elsewhere[0]))
+    if not found:
+        return None
+    (cause, why), *also = found
+    return cause, why + "".join(f"; also {c.name}: {w}" for c, w in also)
 
 
 def tenants_property(path: Any, make_cache: Callable[[int, bool], Any], sc: TenantScenario,

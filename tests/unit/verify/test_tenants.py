@@ -75,12 +75,17 @@ def test_a_request_without_its_lora_name_is_named_from_the_adapter_table(path, f
 
 
 def test_an_adapter_sglang_never_loaded_collides_only_in_the_default_format(path):
-    """Two LoRA tenants whose names SGLang does not know: the default format publishes their pages under
-    one hash (and no name), so the router keeps one entry and a removal of one tenant's pages does not
-    reach the other's; the dynamo format namespaces the hashes by extra_key (the name is still missing)."""
+    """Two LoRA tenants whose names SGLang does not know: both formats publish no name (the root cause,
+    named first); the default format also publishes their pages under one hash, so the router keeps one
+    entry and a removal of one tenant's pages does not reach the other's; the dynamo format namespaces
+    the hashes by extra_key."""
     sc = TenantScenario(2, False, DOC, [("loraA", None), ("loraB", None)], ("loraA", "loraB"), None, True)
-    assert _cause(path, "default", sc, load_adapters=False) is Cause.TENANT_HASH_COLLISION
-    assert _cause(path, "dynamo", sc, load_adapters=False) is Cause.LORA_NOT_IN_EVENTS
+    with pytest.raises(Mismatch) as found:
+        tenants_property(path, _make("default"), sc, load_adapters=False)
+    assert found.value.cause is Cause.LORA_NOT_IN_EVENTS and "also TENANT_HASH_COLLISION" in found.value.detail
+    with pytest.raises(Mismatch) as found:
+        tenants_property(path, _make("dynamo"), sc, load_adapters=False)
+    assert found.value.cause is Cause.LORA_NOT_IN_EVENTS and "TENANT_HASH_COLLISION" not in found.value.detail
     # names restored, hashes untouched: the collision alone, in the default format only
     named = misaligned_events.restore_lora_name
     assert _cause(path, "default", sc, named, load_adapters=False) is Cause.TENANT_HASH_COLLISION
