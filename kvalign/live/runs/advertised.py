@@ -10,8 +10,8 @@ outside an engine; here the running workers say it themselves, per publishing wo
 * the ``block_size`` of every ``BlockStored`` the worker published (the cluster's capture of SGLang's
   own stream).
 
-A worker that published no page yet has nothing to compare on the event side (``emitted`` empty): its
-row is not ok, so a live run must send requests first.
+A worker that published no page (a short replay that never routed to it) has nothing to compare on
+the event side: its row is ok but ``checked`` false, and says so.
 """
 
 from __future__ import annotations
@@ -41,8 +41,13 @@ class AdvertisedRow:
     def ok(self) -> bool:
         return self.cause is None
 
+    @property
+    def checked(self) -> bool:
+        """Whether the events said anything: a worker that published no page compares nothing."""
+        return bool(self.emitted)
+
     def as_json(self) -> dict[str, Any]:
-        return {**asdict(self), "ok": self.ok}
+        return {**asdict(self), "ok": self.ok, "checked": self.checked}
 
 
 def _server_info(path: Any) -> dict[str, Any] | None:
@@ -77,7 +82,7 @@ def advertised_rows(cluster: Any) -> list[AdvertisedRow]:
                                    "detail": said + " (the worker recorded no /server_info descriptor)" if info is None
                                    else said + " (no model card in discovery)"})
         elif not emitted:
-            row = AdvertisedRow(**{**asdict(row), "cause": "NO_EVENTS", "detail": said})
+            row = AdvertisedRow(**{**asdict(row), "detail": said + " (it published no page: nothing to compare)"})
         elif set(emitted) != {registered}:
             row = AdvertisedRow(**{**asdict(row), "cause": Cause.REGISTERED_BLOCK_SIZE.name, "detail": said})
         elif advertised != registered:

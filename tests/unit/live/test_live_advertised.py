@@ -91,10 +91,10 @@ def _cluster(tmp_path, card_block: int, advertised: int | None, emitted: list[in
     (16, 8, [8], "REGISTERED_BLOCK_SIZE"),
     (8, 16, [8], "ADVERTISED_BLOCK_SIZE"),
     (8, 8, [8, 16], "REGISTERED_BLOCK_SIZE"),
-    (8, 8, [], "NO_EVENTS"),
+    (8, 8, [], None),
     (8, None, [8], "UNAVAILABLE"),
 ])
-def test_a_row_is_ok_only_when_all_three_agree(tmp_path, card, advertised, emitted, cause):
+def test_a_row_fails_only_when_the_three_disagree(tmp_path, card, advertised, emitted, cause):
     (row,) = advertised_rows(_cluster(tmp_path, card, advertised, emitted))
-    assert row.cause == cause and row.ok == (cause is None)
+    assert row.cause == cause and row.ok == (cause is None) and row.checked == bool(emitted)
     assert row.launch_page_size == 8 and f"kv_cache_block_size {card}" in row.detail
