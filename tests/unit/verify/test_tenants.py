@@ -125,3 +125,35 @@ def test_scenarios_draw_distinct_tenants_sharing_one_prompt():
             assert sc.prompts(i)[1][: pages * sc.page_size + 1] == sc.doc[: pages * sc.page_size + 1]
 
     check()
+
+
+def _strip_salt(frames: list[bytes]) -> list[bytes]:
+    """A relay that ignores cache_salt (the frames of SGLang 0.5.23's map-form events): as the live fuzz's
+    ``--strip-salt`` hop does, and ``tests/unit/oracles/test_router_path.py``'s control in the default format."""
+    import msgpack
+
+    batch = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
+    for ev in batch[1]:
+        if isinstance(ev, dict):
+            ev.pop("cache_salt", None)
+            ev.pop("metadata", None)
+    return [frames[0], frames[1], msgpack.packb(batch, use_bin_type=True)]
+
+
+def test_a_salt_blind_relay_is_tenants_share_keys_in_the_dynamo_format(sglang_available, router_hasher):
+    """The cause the live run names for its salt-stripping hop in the dynamo format
+    (docs/live-fuzz.md): ``ingest`` through a relay that drops cache_salt names TENANTS_SHARE_KEYS."""
+    from kvalign.oracles.router_path import RouterPath
+    from kvalign.verify.properties import ingest_property
+    from kvalign.verify.strategies import ingest_scenarios
+
+    try:
+        stripped = RouterPath(_strip_salt)
+    except OracleUnavailable as exc:
+        pytest.skip(f"real Dynamo router path unavailable: {exc}")
+    try:
+        _calls, failures, found = run_search(lambda isc: ingest_property(stripped, router_hasher, _make("dynamo"), isc),
+                                             ingest_scenarios(eagle=False, namespace=True), 15)
+    finally:
+        stripped.close()
+    assert found is not None and failures > 0 and found.cause is Cause.TENANTS_SHARE_KEYS, found
