@@ -53,6 +53,14 @@ class Cause(str, Enum):
                              "keeps one entry for both, and removing either removes both")
     PARENT_OUTSIDE_NAMESPACE = "a page's parent hash is another tenant's page: the router attaches it below the wrong tenant"
     LORA_NAME_MISMATCH = "SGLang publishes a LoRA page under another name than the one the request carries"
+    ENGINE_EVENTS_MISSING = ("the engine reused pages its own KV events never stored in the prompt's chain (never "
+                             "stored, stored under a wrong parent or block hash, or removed): SGLang's publisher, no "
+                             "router can credit them")
+    ENGINE_EVENTS_LATE = ("the engine's KV events stored pages it reused only after the request was routed: a timing "
+                          "race shown by the recorded stream, not a key mismatch")
+    REPLICA_INDEX_DIVERGED = "router replicas would route the same prompt by indexes that hold different pages"
+    REPLICA_STATE_UNSYNCED = ("a router replica misses its peers' active-sequence events (no replica sync): its "
+                              "load view lacks their in-flight requests")
     UNKNOWN = "unclassified hash difference"
 
 
