@@ -72,6 +72,8 @@ def register(actions: argparse._SubParsersAction) -> None:
     p.add_argument("--hide-gaps", dest="hide_gaps", action="store_const", const=True, default=None,
                    help="negative control: after a lost batch the hop renumbers later batches, so no sequence gap "
                         "is visible (kvalign diagnose must still name the loss); meant for --replay scripts that drop a batch")
+    p.add_argument("--event-format", choices=("default", "dynamo"), default=None,
+                   help="SGLang's KV-event format (--kv-events-config format; dynamo: SGLang 0.5.23+); default: default")
     p.add_argument("--workers", type=int, default=2,
                    help="aggregated workers, or prefill workers with --topology disagg (default 2)")
     p.add_argument("--page-size", type=int, default=None,
@@ -121,6 +123,7 @@ def _options(args: argparse.Namespace, script: dict[str, Any] | None) -> FuzzOpt
             sglang=args.sglang or given.get("sglang"), draft=args.draft or given.get("draft", "agree"),
             page_size=args.page_size if args.page_size is not None else int(given.get("page_size", 16)),
             hicache=hicache_option.hicache_from(args, given.get("hicache")),
+            event_format=args.event_format or given.get("event_format", "default"),
             max_total_tokens=int(given.get("max_total_tokens", args.max_total_tokens)),
             router_eagle=args.router_eagle == "on" if args.router_eagle else bool(given.get("router_eagle", True)),
             gap_check=args.gap_check if args.gap_check is not None else bool(given.get("gap_check", True)),
@@ -155,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     shape = (f"{opts.workers} prefill + 1 decode" if opts.topology == "disagg" else f"{opts.workers} aggregated")
     progress(f"kvalign e2e fuzz: {what} on {shape} {opts.engine} EAGLE3 workers"
              f"{f' (SGLang {opts.sglang})' if opts.sglang else ''}, page {opts.page_size}, "
-             f"KV pool {opts.max_total_tokens} tokens" + ("" if opts.router_eagle else " [NEGATIVE CONTROL: router eagle off]")
+             f"KV pool {opts.max_total_tokens} tokens"
+             + (f", SGLang's {opts.event_format} KV-event format" if opts.event_format != "default" else "") + ("" if opts.router_eagle else " [NEGATIVE CONTROL: router eagle off]")
              + ("" if opts.gap_check else " [NEGATIVE CONTROL: gap check off]")
              + (" [NEGATIVE CONTROL: the hop strips cache_salt]" if opts.strip_salt else "")
              + (" [NEGATIVE CONTROL: disagreeing draft]" if opts.draft == "disagree" else "")
@@ -164,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
              + (" [NEGATIVE CONTROL: router1 without replica sync]" if not opts.replica_sync else "")
              + (" [NEGATIVE CONTROL: publisher-fault hook loaded in the workers]" if opts.publisher_faults else "")
              + (f", {opts.hicache.describe()}" if opts.hicache else "") + f"; run dir {run_dir}")
+    from kvalign.live.runs.advertised import advertised_rows
     from kvalign.live.runs.fuzz.machine import replay, run_fuzz
 
     try:
@@ -182,17 +187,23 @@ def run(args: argparse.Namespace) -> int:
                                   report=progress)
             result.startup_s = startup_s
             out = result.as_json()
+            rows = advertised_rows(cluster)  # each worker's block sizes, live (the events of the whole run)
+            out["event_format"], out["advertised"] = opts.event_format, [r.as_json() for r in rows]
+            bad = next((r for r in rows if not r.ok), None)
+            if bad is not None and out["failure"] is None:
+                out["verdict"] = "fail"
+                out["failure"] = {"invariant": "advertised_block_size", "cause": bad.cause, "detail": bad.detail}
     except (ProcessExited, TimeoutError, FuzzEnvironmentError, RuntimeError) as exc:
         raise UsageError(f"{str(exc).splitlines()[0]} (logs kept under {run_dir / 'logs'})") from None
     if args.json:
         print(json.dumps(out, indent=1))
     else:
         print(render(out))
-    if result.passed and not args.keep_logs:
+    if out["verdict"] == "pass" and not args.keep_logs:
         shutil.rmtree(run_dir, ignore_errors=True)
     else:
         progress(f"logs and captures kept under {run_dir}")
-    return 0 if result.passed else 1
+    return 0 if out["verdict"] == "pass" else 1
 
 
 def render(out: dict[str, Any]) -> str:
@@ -200,6 +211,7 @@ def render(out: dict[str, Any]) -> str:
     lines = [f"{out['examples']} examples, {out['steps']} steps, {out['requests']} requests in {out['seconds']}s; "
              + ", ".join(f"{k} {v}" for k, v in out["counts"].items())]
     lines += [f"  {name:<26} checked {v['checked']:>4}  failed {v['failed']}" for name, v in out["invariants"].items()]
+    lines += [f"  advertised {r['worker']}: {'ok' if r['ok'] else r['cause']}: {r['detail']}" for r in out.get("advertised", [])]
     ce = out.get("credit_error") or {}
     if ce.get("requests"):
         lines.append(f"  router credit - engine reuse ({out.get('router_mode', 'events')} mode): mean |error| "
@@ -217,5 +229,6 @@ def render(out: dict[str, Any]) -> str:
             lines.append(f"  the recorded stream, replayed offline: {f['evidence']['replay']}")
         if f.get("note"):
             lines.append(f"  note: {f['note']}")
-        lines.append(f"replay: kvalign e2e fuzz --replay {f['script']}")
+        if f.get("script"):
+            lines.append(f"replay: kvalign e2e fuzz --replay {f['script']}")
     return "\n".join(lines)

@@ -48,6 +48,13 @@ class Cause(str, Enum):
                                 "below its load_back_threshold): the engine re-prefills them")
     LAST_PAGE_CAPPED = ("router credits the page holding the prompt's last token, which SGLang's scheduler never "
                         "matches (it caps a match at input_len - 1 tokens): the engine computes that page again")
+    REGISTERED_BLOCK_SIZE = ("Dynamo registers a block size other than the one SGLang's KV events carry (a page size "
+                             "SGLang set after Dynamo read it): the relay drops every page, the router's hit rate is 0")
+    ADVERTISED_BLOCK_SIZE = "SGLang's /server_info advertises a KV-event block_size its events do not carry"
+    TENANT_HASH_COLLISION = ("SGLang publishes one block hash for two tenants' pages (LoRA / cache_salt): the router "
+                             "keeps one entry for both, and removing either removes both")
+    PARENT_OUTSIDE_NAMESPACE = "a page's parent hash is another tenant's page: the router attaches it below the wrong tenant"
+    LORA_NAME_MISMATCH = "SGLang publishes a LoRA page under another name than the one the request carries"
     ENGINE_EVENTS_MISSING = ("the engine reused pages its own KV events never stored in the prompt's chain (never "
                              "stored, stored under a wrong parent or block hash, or removed): SGLang's publisher, no "
                              "router can credit them")

@@ -7,8 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-PROPERTIES = ("card", "hash", "pages", "overlap", "ingest", "tier", "servable")
+PROPERTIES = ("card", "advertised", "hash", "pages", "overlap", "ingest", "tenants", "tier", "servable")
 MODES = ("plain", "eagle")
+#: Properties that do not run in every mode (the page size a worker registers does not depend on EAGLE's keys).
+PROPERTY_MODES = {"advertised": ("plain",)}
+#: SGLang's KV-event formats (``KVEventsConfig.format``; "dynamo" from 0.5.23), and the properties whose rows
+#: read SGLang's events (run once per format); the others carry ``event_format`` "any".
+EVENT_FORMATS = ("default", "dynamo")
+EVENT_PROPERTIES = ("pages", "overlap", "ingest", "tier", "servable", "tenants")
 VARIANTS = {"base": (False, False), "lora": (True, False), "namespace": (False, True), "lora+namespace": (True, True)}
 
 
@@ -35,6 +41,8 @@ class RowResult:
     admission: dict[str, Any] | None = None
     #: causes counted apart from the mismatches (never failing the row): name -> cases, cause, condition, example
     scoped: dict[str, Any] | None = None
+    #: SGLang's KV-event format the row's events were published in ("any": the property reads no events)
+    event_format: str = "default"
 
     @property
     def ok(self) -> bool:
