@@ -46,6 +46,17 @@ class Cause(str, Enum):
     MEDIUM_NOT_INDEXED = "the relay maps no tier to the event's medium: those pages are indexed nowhere, silently"
     HOST_CREDIT_NOT_SERVABLE = ("router credits host-tier pages that SGLang will not load back (host-only stretch "
                                 "below its load_back_threshold): the engine re-prefills them")
+    DP_RANK_UNPUBLISHED = ("a data-parallel rank's scheduler publishes no KV events (only rank 0 publishes): the "
+                           "router never indexes that rank's cache")
+    DP_RANK_TAG = ("a data-parallel rank's batches carry another rank's attn_dp_rank: Dynamo drops them as disagreeing "
+                   "with their source, so that rank's cache is never indexed")
+    DP_RANK_UNSUBSCRIBED = ("a data-parallel rank is registered for routing but its KV events are never subscribed: the "
+                            "router routes to a rank it never indexed")
+    DP_RANK_UNREGISTERED = ("SGLang runs a data-parallel rank that the worker's card does not register: the router never "
+                            "routes to it")
+    DP_RANK_MISATTRIBUTED = "a block stored by one data-parallel rank is credited to another rank"
+    DP_ROUTED_ELSEWHERE = ("the router sends the request to another data-parallel rank than the one its overlap scored "
+                           "(or with another rank's credit)")
     UNKNOWN = "unclassified hash difference"
 
 

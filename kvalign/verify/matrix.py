@@ -38,7 +38,7 @@ from packaging.version import InvalidVersion, Version
 from kvalign.releases import local_build
 from kvalign.oracles.router_path import STUCK_EXIT_S, STUCK_MARK
 from kvalign.releases.release_env import ReleaseEnvError, cache_root, child_env, install, locked, python_for
-from kvalign.verify.rows import MODES, PROPERTIES
+from kvalign.verify.rows import MODES, PROPERTIES, PROPERTY_MODES
 from kvalign.runtime_log import log_dir
 
 DYNAMO_PACKAGES = ("ai-dynamo-runtime", "ai-dynamo")
@@ -535,7 +535,8 @@ def table(results: Sequence[PairResult], props: Sequence[str] = PROPERTIES, mode
     A pair whose SGLang is the one its Dynamo release pins says ``(shipped)`` after the version;
     with ``--live`` rows, a last column gives the live scenario's verdict."""
     live = any(r.live is not None for r in results)
-    head = ["dynamo", "sglang", "verdict", *[f"{p}:{m}" for p in props for m in modes], *([LIVE_COLUMN] if live else [])]
+    columns = [(p, m) for p in props for m in modes if m in PROPERTY_MODES.get(p, modes)]
+    head = ["dynamo", "sglang", "verdict", *[f"{p}:{m}" for p, m in columns], *([LIVE_COLUMN] if live else [])]
     body = []
     for r in results:
         if r.verdict == "error":
@@ -543,7 +544,7 @@ def table(results: Sequence[PairResult], props: Sequence[str] = PROPERTIES, mode
         else:
             cells = [_cell([f for f in r.findings if f["property"] == p and f["mode"] == m],
                            [n for n in r.not_applicable if n["property"] == p and n["mode"] == m])
-                     for p in props for m in modes]
+                     for p, m in columns]
         if live:
             cells.append((r.live or {}).get("verdict", "-"))
         body.append([r.dynamo, r.sglang + (" (shipped)" if r.shipped else ""), r.verdict, *cells])

@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-PROPERTIES = ("card", "hash", "pages", "overlap", "ingest", "tier", "servable")
+PROPERTIES = ("card", "hash", "pages", "overlap", "ingest", "tier", "servable", "dp")
 MODES = ("plain", "eagle")
+#: Properties checked in some modes only (the others in every mode): no DP rank decision reads the key mode.
+PROPERTY_MODES = {"dp": ("plain",)}
 VARIANTS = {"base": (False, False), "lora": (True, False), "namespace": (False, True), "lora+namespace": (True, True)}
 
 
