@@ -57,6 +57,14 @@ class Cause(str, Enum):
     DP_RANK_MISATTRIBUTED = "a block stored by one data-parallel rank is credited to another rank"
     DP_ROUTED_ELSEWHERE = ("the router sends the request to another data-parallel rank than the one its overlap scored "
                            "(or with another rank's credit)")
+    ENGINE_EVENTS_MISSING = ("the engine reused pages its own KV events never stored in the prompt's chain (never "
+                             "stored, stored under a wrong parent or block hash, or removed): SGLang's publisher, no "
+                             "router can credit them")
+    ENGINE_EVENTS_LATE = ("the engine's KV events stored pages it reused only after the request was routed: a timing "
+                          "race shown by the recorded stream, not a key mismatch")
+    REPLICA_INDEX_DIVERGED = "router replicas would route the same prompt by indexes that hold different pages"
+    REPLICA_STATE_UNSYNCED = ("a router replica misses its peers' active-sequence events (no replica sync): its "
+                              "load view lacks their in-flight requests")
     UNKNOWN = "unclassified hash difference"
 
 
