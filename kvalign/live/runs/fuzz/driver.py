@@ -462,8 +462,9 @@ class FuzzDriver:
             hicache_cause = tiers_check.cause(obs)
             rank_cause = None if self.dp is None else self.dp.cause(obs.label)
             cause, evidence = (hicache_cause or rank_cause, None) if hicache_cause or rank_cause else self.cause(obs, names)
+            numbers = {**failure_numbers(obs), **({"rank": obs.label} if self.dp is not None else {})}
             raise InvariantFailed(name, detail, cause=cause, worker=obs.label, request=obs.request,
-                                  numbers=failure_numbers(obs), failing=names, evidence=evidence)
+                                  numbers=numbers, failing=names, evidence=evidence)
 
     def cause(self, obs: Observation, failing: list[str]) -> tuple[str, dict[str, Any] | None]:
         """Why a request failed, and the evidence: the tenant cause when the hop delivered a stored
