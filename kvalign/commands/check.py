@@ -40,6 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cap on generated cases per ingest row (each runs the real relay and router; default 25)")
     p.add_argument("--tier-examples", type=int, default=None,
                    help="cap on generated state-machine runs per tier / servable row (default 12)")
+    p.add_argument("--dp-examples", type=int, default=None,
+                   help="cap on generated cases per dp row (each caches on every rank and routes; default 20)")
     p.add_argument("--page-size", type=positive_int, default=None, metavar="N",
                    help="run every property at this page (block) size only, e.g. your deployment's; "
                         "default: every size the strategies draw")
@@ -72,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--ingest-examples must be >= 1, got {args.ingest_examples}")
     if args.tier_examples is not None and args.tier_examples < 1:
         raise UsageError(f"--tier-examples must be >= 1, got {args.tier_examples}")
+    if args.dp_examples is not None and args.dp_examples < 1:
+        raise UsageError(f"--dp-examples must be >= 1, got {args.dp_examples}")
     from kvalign.oracles.dynamo import DynamoRadixTree, dynamo_version, load_router_hasher
     from kvalign.oracles.sglang import SglangRadixCache, has_dynamo_format, sglang_version
 
@@ -100,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
                           props=todo, modes=tuple(args.modes or MODES),
                           variants=tuple(VARIANTS), seed=args.seed, progress=progress,
                           ingest_examples=args.ingest_examples, tier_examples=args.tier_examples,
-                          page_size=args.page_size, event_format=fmt)
+                          page_size=args.page_size, event_format=fmt,
+                          dp_examples=args.dp_examples)
     aligned = all(r.ok for r in rows)
     if args.json:
         json.dump({"aligned": aligned, "router_hasher": label, "cache": kind, "page_size": args.page_size,

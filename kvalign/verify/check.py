@@ -221,7 +221,7 @@ def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make
               variants: tuple[str, ...] = tuple(VARIANTS), seed: int | None = None,
               progress: Callable[[RowResult], None] | None = None, systems: Systems | None = None,
               ingest_examples: int = 25, tier_examples: int | None = None, page_size: int | None = None,
-              event_format: str = "default") -> list[RowResult]:
+              event_format: str = "default", dp_examples: int | None = None) -> list[RowResult]:
     """Run every requested property x mode x variant and return one row each; ``page_size`` pins the
     page size of every generated case (None: every size the strategies draw). ``event_format``: the
     KV-event format ``make_cache``'s caches publish in (and the tier rows'), carried by every row of a
@@ -246,6 +246,13 @@ def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make
                 from kvalign.verify.advertised import run_advertised_rows
 
                 for row in run_advertised_rows(modes, page_size):
+                    emit(row)
+                continue
+            if prop == "dp":
+                from kvalign.verify.dp import DP_EXAMPLES, run_dp_rows
+
+                for row in run_dp_rows(systems.router_path, modes, min(examples, dp_examples or DP_EXAMPLES), run_search,
+                                       seed=seed, page_size=page_size):
                     emit(row)
                 continue
             if prop in ("tier", "servable"):

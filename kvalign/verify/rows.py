@@ -7,10 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-PROPERTIES = ("card", "advertised", "hash", "pages", "overlap", "ingest", "tenants", "tier", "servable")
+PROPERTIES = ("card", "advertised", "hash", "pages", "overlap", "ingest", "tenants", "tier", "servable", "dp")
 MODES = ("plain", "eagle")
-#: Properties that do not run in every mode (the page size a worker registers does not depend on EAGLE's keys).
-PROPERTY_MODES = {"advertised": ("plain",)}
+#: Properties that do not run in every mode (the page size a worker registers does not depend on EAGLE's keys;
+#: no DP rank decision reads the key mode).
+PROPERTY_MODES = {"advertised": ("plain",), "dp": ("plain",)}
 #: SGLang's KV-event formats (``KVEventsConfig.format``; "dynamo" from 0.5.23), and the properties whose rows
 #: read SGLang's events (run once per format); the others carry ``event_format`` "any".
 EVENT_FORMATS = ("default", "dynamo")
