@@ -39,6 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cap on generated cases per ingest row (each runs the real relay and router; default 25)")
     p.add_argument("--tier-examples", type=int, default=None,
                    help="cap on generated state-machine runs per tier / servable row (default 12)")
+    p.add_argument("--mm-examples", type=int, default=None,
+                   help="cap on generated image scenarios per mm row (default 25; each runs two chat requests "
+                        "through Dynamo's frontend and SGLang's multimodal path)")
     p.add_argument("--page-size", type=positive_int, default=None, metavar="N",
                    help="run every property at this page (block) size only, e.g. your deployment's; "
                         "default: every size the strategies draw")
@@ -75,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--examples must be >= 1, got {args.examples}")
     if args.ingest_examples < 1:
         raise UsageError(f"--ingest-examples must be >= 1, got {args.ingest_examples}")
+    if args.mm_examples is not None and args.mm_examples < 1:
+        raise UsageError(f"--mm-examples must be >= 1, got {args.mm_examples}")
     if args.tier_examples is not None and args.tier_examples < 1:
         raise UsageError(f"--tier-examples must be >= 1, got {args.tier_examples}")
     from kvalign.oracles.dynamo import DynamoRadixTree, dynamo_version, load_router_hasher
@@ -97,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     rows = run_check(hasher, make_cache, DynamoRadixTree, examples=args.examples,
                      props=tuple(args.props or PROPERTIES), modes=tuple(args.modes or MODES),
                      variants=tuple(VARIANTS), seed=args.seed, progress=progress,
-                     ingest_examples=args.ingest_examples, tier_examples=args.tier_examples, page_size=args.page_size)
+                     ingest_examples=args.ingest_examples, tier_examples=args.tier_examples, page_size=args.page_size,
+                     mm_examples=args.mm_examples)
     aligned = all(r.ok for r in rows)
     if args.json:
         json.dump({"aligned": aligned, "router_hasher": label, "cache": kind, "page_size": args.page_size,

@@ -208,7 +208,8 @@ def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make
               examples: int, props: tuple[str, ...] = PROPERTIES, modes: tuple[str, ...] = MODES,
               variants: tuple[str, ...] = tuple(VARIANTS), seed: int | None = None,
               progress: Callable[[RowResult], None] | None = None, systems: Systems | None = None,
-              ingest_examples: int = 25, tier_examples: int | None = None, page_size: int | None = None) -> list[RowResult]:
+              ingest_examples: int = 25, tier_examples: int | None = None, page_size: int | None = None,
+              mm_examples: int | None = None) -> list[RowResult]:
     """Run every requested property x mode x variant and return one row each; ``page_size`` pins the
     page size of every generated case (None: every size the strategies draw)."""
     systems = systems or Systems(hasher, make_cache, make_index)
@@ -224,6 +225,13 @@ def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make
         for prop in props:
             if prop == "card":
                 for row in run_card(systems, modes):
+                    emit(row)
+                continue
+            if prop == "mm":
+                from kvalign.verify.mm import MM_EXAMPLES, run_mm_rows
+
+                for row in run_mm_rows(systems, modes, min(examples, mm_examples or MM_EXAMPLES), seed,
+                                       page_size=page_size):
                     emit(row)
                 continue
             if prop in ("tier", "servable"):

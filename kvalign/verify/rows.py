@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-PROPERTIES = ("card", "hash", "pages", "overlap", "ingest", "tier", "servable")
+PROPERTIES = ("card", "hash", "pages", "overlap", "ingest", "tier", "servable", "mm")
 MODES = ("plain", "eagle")
 VARIANTS = {"base": (False, False), "lora": (True, False), "namespace": (False, True), "lora+namespace": (True, True)}
 
