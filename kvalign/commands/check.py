@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict
 
 from kvalign.verify.check import run_check
-from kvalign.verify.rows import MODES, PROPERTIES, VARIANTS, RowResult
+from kvalign.verify.rows import DEFAULT_PROPERTIES, MODES, PROPERTIES, VARIANTS, RowResult
 from kvalign.commands.options import positive_int
 from kvalign.errors import UsageError
 from kvalign.oracles.sglang import KINDS
@@ -33,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache", choices=KINDS, default="default",
                    help="SGLang cache class: the one this release's server builds (default: UnifiedRadixCache from "
                         "0.5.19 on, RadixCache before), UnifiedRadixCache, its Python core, or RadixCache")
-    p.add_argument("--property", dest="props", action="append", choices=PROPERTIES, help="only these properties")
+    p.add_argument("--property", dest="props", action="append", choices=PROPERTIES,
+                   help="only these properties (default: all but mm, the image-prompt property, which is opt-in)")
     p.add_argument("--mode", dest="modes", action="append", choices=MODES, help="only these modes")
     p.add_argument("--ingest-examples", type=int, default=25,
                    help="cap on generated cases per ingest row (each runs the real relay and router; default 25)")
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
                                                       f"{_result(r)} ({r.cases} cases, {r.seconds:.1f}s)",
                                                       file=console(), flush=True)
     rows = run_check(hasher, make_cache, DynamoRadixTree, examples=args.examples,
-                     props=tuple(args.props or PROPERTIES), modes=tuple(args.modes or MODES),
+                     props=tuple(args.props or DEFAULT_PROPERTIES), modes=tuple(args.modes or MODES),
                      variants=tuple(VARIANTS), seed=args.seed, progress=progress,
                      ingest_examples=args.ingest_examples, tier_examples=args.tier_examples, page_size=args.page_size,
                      mm_examples=args.mm_examples)

@@ -40,10 +40,6 @@ from typing import Any
 
 from kvalign.oracles.base import OracleUnavailable
 
-#: SGLang's pad values start here (``MM_PAD_SHIFT_VALUE``); a token id at or above it is an image's.
-MM_PAD_SHIFT_VALUE = 1_000_000
-U32_MAX = 0xFFFFFFFF
-
 
 @dataclass(frozen=True)
 class MmItem:

@@ -25,7 +25,7 @@ from hypothesis.errors import FlakyFailure
 
 from kvalign.model.causes import Cause
 from kvalign.oracles.base import OracleUnavailable, RouterHasher
-from kvalign.verify.rows import MODES, PROPERTIES, VARIANTS, RowResult
+from kvalign.verify.rows import DEFAULT_PROPERTIES, MODES, VARIANTS, RowResult
 from kvalign.verify.properties import Mismatch, card_property, hash_property, ingest_property, overlap_property, pages_property
 from kvalign.verify.strategies import hash_cases, ingest_scenarios, scenarios
 
@@ -205,7 +205,7 @@ def name_set_note(missed: list[str], registered: int) -> str:
 
 
 def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make_index: Callable[[], Any], *,
-              examples: int, props: tuple[str, ...] = PROPERTIES, modes: tuple[str, ...] = MODES,
+              examples: int, props: tuple[str, ...] = DEFAULT_PROPERTIES, modes: tuple[str, ...] = MODES,
               variants: tuple[str, ...] = tuple(VARIANTS), seed: int | None = None,
               progress: Callable[[RowResult], None] | None = None, systems: Systems | None = None,
               ingest_examples: int = 25, tier_examples: int | None = None, page_size: int | None = None,

@@ -32,24 +32,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvalign.model.causes import Cause, classify_hash_mismatch
-from kvalign.model.hashing import U32_MAX, U64_MASK
+from kvalign.model.hashing import U64_MASK
 from kvalign.model.index import PrefixIndex
+from kvalign.model.mm_keys import pad_runs, wide_tokens
 from kvalign.model.relay import RouterStored
 from kvalign.oracles.base import OracleUnavailable, RouterHasher
 from kvalign.oracles.frontend_mm import Preprocessed
-from kvalign.oracles.sglang_mm import MM_PAD_SHIFT_VALUE, EngineRequest
+from kvalign.oracles.sglang_mm import EngineRequest
 from kvalign.verify.mm_strategies import Image, MmScenario, wire_parts
 from kvalign.verify.properties import Mismatch
 
 WORKER = 1
 
-#: The router's sequence for a preprocessed request (the frontend's routing tokens); controls replace it.
-Route = Callable[[Preprocessed], list[int]]
+#: What happens to a preprocessed request between the frontend and the two sides: nothing, except in
+#: a negative control (a frontend or worker that drops or alters part of it).
+Transform = Callable[[Preprocessed], Preprocessed]
 
 
-def frontend_route(pre: Preprocessed) -> list[int]:
-    """What Dynamo's frontend hands its KV router: the routing sequence, else the prompt."""
-    return pre.router_tokens
+def as_sent(pre: Preprocessed) -> Preprocessed:
+    """The request as Dynamo's frontend sent it."""
+    return pre
 
 
 @dataclass
@@ -60,45 +62,17 @@ class MmSystems:
     sglang: Any  # SglangMultimodal
     path: Any  # RouterPath
     hasher: RouterHasher
-    route: Route = frontend_route
+    transform: Transform = as_sent
     #: the hasher is the installed router's own (so the real KvRouter's answer must equal the walk)
     real_hasher: bool = True
     cleared: set[tuple[int, bool]] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
-class Run:
-    """A maximal run of pad tokens (ids at or above SGLang's ``MM_PAD_SHIFT_VALUE``): one image."""
-
-    start: int
-    values: tuple[int, ...]
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.values)
-
-
-def pad_runs(tokens: Sequence[int]) -> list[Run]:
-    """The image runs of a sequence, in order (text ids are far below the pad shift)."""
-    runs: list[Run] = []
-    i = 0
-    while i < len(tokens):
-        if tokens[i] >= MM_PAD_SHIFT_VALUE:
-            j = i
-            while j < len(tokens) and tokens[j] >= MM_PAD_SHIFT_VALUE:
-                j += 1
-            runs.append(Run(i, tuple(tokens[i:j])))
-            i = j
-        else:
-            i += 1
-    return runs
-
-
-@dataclass(frozen=True)
 class Side:
     """One request as both sides keyed it."""
 
-    pre: Preprocessed
+    pre: Preprocessed  # mm_hashes: what the frontend computed; request: what the worker got
     engine: EngineRequest
     router: list[int]  # the router's sequence
 
@@ -138,7 +112,7 @@ def name_mm_cause(side: Side, page_size: int, eagle: bool, *, indexed_all: bool,
     """Why the router's keys for ``side`` differ from SGLang's: (cause, the evidence in one sentence)."""
     engine, router = side.engine.padded, side.router
     e_runs, r_runs = pad_runs(engine), pad_runs(router[: len(engine) + page_size])
-    wide = [t for t in engine if t > U32_MAX]
+    wide = wide_tokens(engine)
     if wide and not indexed_all:
         return Cause.MM_PAD_WIDTH, (f"SGLang's pad value {wide[0]} is wider than u32 (image pads are "
                                     f"{len(side.engine.items[0].pad_values) if side.engine.items else '?'} "
@@ -191,8 +165,8 @@ def mm_property(systems: MmSystems, make_cache: Callable[[int, bool], Any], sc: 
     p, eagle = sc.page_size, sc.eagle
     sides = []
     for parts in (sc.first, sc.second):
-        pre = systems.frontend.preprocess(p, wire_parts(parts))
-        sides.append(Side(pre, systems.sglang.process(pre.request), systems.route(pre)))
+        pre = systems.transform(systems.frontend.preprocess(p, wire_parts(parts)))
+        sides.append(Side(pre, systems.sglang.process(pre.request), pre.router_tokens))
     first, second = sides
     worker = systems.path.worker(p, eagle)
     _clear(systems, worker)

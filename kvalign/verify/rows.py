@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 PROPERTIES = ("card", "hash", "pages", "overlap", "ingest", "tier", "servable", "mm")
+#: What ``check`` and ``matrix`` run without ``--property``: ``mm`` is opt-in, since it starts Dynamo's
+#: frontend and SGLang's multimodal processor (20-40 s on two cores) and needs both releases' multimodal paths.
+DEFAULT_PROPERTIES = tuple(p for p in PROPERTIES if p != "mm")
 MODES = ("plain", "eagle")
 VARIANTS = {"base": (False, False), "lora": (True, False), "namespace": (False, True), "lora+namespace": (True, True)}
 
