@@ -165,13 +165,22 @@ class SglangMultimodal:
         if not self._Scheduler._try_apply_padded_mm_input_ids(recv, req, image_inputs):
             req.origin_input_ids = self._mm_utils.duplicate_pad_mm_input_ids(req.origin_input_ids, image_inputs,
                                                                              self.pad_input_ids)
-        items = tuple(MmItem(it.hash, tuple(it.padding_values()) if it.pad_value is not None else (),
-                             tuple((int(s), int(e)) for s, e in (it.offsets or ())))
+        items = tuple(MmItem(it.hash, _pad_values(it), tuple((int(s), int(e)) for s, e in (it.offsets or ())))
                       for it in image_inputs.mm_items)
         return EngineRequest(input_ids, [int(t) for t in req.origin_input_ids], items, forwarded)
 
     def close(self) -> None:
         self._loop.close()
+
+
+def _pad_values(item: Any) -> tuple[int, ...]:
+    """An item's pad values: 0.5.23's ``padding_values()`` (four wide sentinels), else the one
+    ``pad_value`` of the releases before it."""
+    if item.pad_value is None:
+        return ()
+    if "padding_values" in type(item).__dict__:
+        return tuple(int(v) for v in item.padding_values())
+    return (int(item.pad_value),)
 
 
 def _handed_to_scheduler(obj: Any, input_text: Any, input_ids: Sequence[int], input_embeds: Any, mm_inputs: Any,

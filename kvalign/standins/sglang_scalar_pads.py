@@ -23,6 +23,10 @@ from typing import Any
 from kvalign.errors import OracleUnavailable
 from kvalign.model.mm_keys import MM_PAD_SHIFT_VALUE
 
+#: Set to "1" in a real-engine worker's environment (the live layer's aligned control): the CPU
+#: engine stand-in's import hook (:mod:`kvalign.standins.sglang_cpu.hooks`) then installs the rule in
+#: the worker and in SGLang's scheduler children as ``schedule_batch`` loads.
+ENABLE_ENV = "KVALIGN_MM_SCALAR_PADS"
 #: The release whose pad rule this is, and the one it is loaded on.
 RULE_OF = "0.5.21"
 LOADED_ON = "0.5.23"
@@ -49,6 +53,11 @@ def scalar_pads() -> Iterator[None]:
         yield
     finally:
         module._compute_pad_values = original
+
+
+def install_in_module() -> None:
+    """Key images with 0.5.21's scalar pad value for the rest of the process (a worker's import hook)."""
+    _schedule_batch()._compute_pad_values = _scalar_pad_values
 
 
 def _schedule_batch() -> Any:

@@ -74,7 +74,7 @@ class SglangCpuWorkerKind:
     def __init__(self, draft_model: str | None, *, eagle: CpuEagle = CpuEagle(), max_total_tokens: int = 4096,
                  threads: int = 2, sglang_version: str = sglang_cpu_standin.SGLANG_VERSION,
                  sglang_dir: Path | None = None, relay_subscribe: Mapping[str, str] | None = None,
-                 sleep_on_idle: bool = True) -> None:
+                 sleep_on_idle: bool = True, extra_env: Mapping[str, str] | None = None) -> None:
         self.draft_model, self.eagle = draft_model, eagle
         #: SGLang's ``--sleep-on-idle`` (0.5.19, 0.5.21, 0.5.23): without it each scheduler spins a core
         #: while it has nothing to do, so a 3-worker cluster on two cores starves the router, the
@@ -91,6 +91,7 @@ class SglangCpuWorkerKind:
         self.sglang_version, self.sglang_dir = sglang_version, sglang_dir
         self.release = sglang_cpu_standin.SUPPORTED[sglang_version]
         self.relay_subscribe = dict(relay_subscribe or {})  # worker name -> the fuzz's lossy-hop endpoint
+        self.extra_env = dict(extra_env or {})  # e.g. a stand-in switched on for this run only
 
     def _kv_ipc(self, worker: WorkerSpec, plan: ClusterPlan) -> str:
         """The IPC endpoint ``worker``'s SGLang binds for its events (releases without ``bind``)."""
@@ -149,6 +150,7 @@ class SglangCpuWorkerKind:
             "OMP_NUM_THREADS": str(self.threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "TORCH_EXTENSIONS_DIR": torch_extensions_dir(self.sglang_version),
             **({ROUTER_EAGLE_ENV: "off"} if forced_off else {}), **({RELAY_SUBSCRIBE_ENV: hop} if hop else {}),
+            **self.extra_env,
         }
         if worker.publishes_kv_events and not self.release.kv_events_bind:
             env[sglang_cpu_standin.KV_EVENTS_IPC_ENV] = self._kv_ipc(worker, plan)

@@ -84,4 +84,10 @@ def install() -> None:
     if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
         from importlib import metadata
 
-        sys.meta_path.insert(0, _PatchOnImport(release_patches(metadata.version("sglang"))))
+        table = release_patches(metadata.version("sglang"))
+        from kvalign.standins import sglang_scalar_pads
+
+        if os.environ.get(sglang_scalar_pads.ENABLE_ENV) == "1":  # the live multimodal control: 0.5.21's pad rule
+            module = "sglang.srt.managers.schedule_batch"
+            table[module] = (*table.get(module, ()), sglang_scalar_pads.install_in_module)
+        sys.meta_path.insert(0, _PatchOnImport(table))
