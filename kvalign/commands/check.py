@@ -15,9 +15,10 @@ import sys
 import time
 from dataclasses import asdict
 
-from kvalign.verify.check import run_check
-from kvalign.verify.rows import DEFAULT_PROPERTIES, MODES, PROPERTIES, VARIANTS, RowResult
+from kvalign.commands import check_text
 from kvalign.commands.options import positive_int
+from kvalign.verify.check import run_check
+from kvalign.verify.rows import DEFAULT_PROPERTIES, MODES, PROPERTIES, VARIANTS
 from kvalign.errors import UsageError
 from kvalign.oracles.sglang import KINDS
 from kvalign.runtime_log import console
@@ -51,29 +52,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def _result(r: RowResult) -> str:
-    if r.skipped:
-        return f"skipped: {r.skipped}"
-    if not r.ok:
-        return f"MISALIGNED: {r.cause}" + (f" ({r.condition})" if r.condition else "")
-    return "ok"
-
-
-def _confined(rows: list[RowResult]) -> str:
-    """The verdict line's note on causes that hold only in some configurations: a reader deciding
-    whether *their* deployment is affected needs that before the per-row details."""
-    conditions = dict.fromkeys((r.cause_name, r.condition) for r in rows if not r.ok and r.condition)
-    return "".join(f"; {name} holds {condition}" for name, condition in conditions)
-
-
-def _table(rows: list[RowResult]) -> str:
-    head = ("property", "mode", "variant", "cases", "mismatches", "result")
-    body = [(r.prop, r.mode, r.variant, str(r.cases), str(r.mismatches), _result(r)) for r in rows]
-    widths = [max(len(x[i]) for x in (head, *body)) for i in range(len(head))]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, body)])
-
-
 def run(args: argparse.Namespace) -> int:
     if args.examples < 1:
         raise UsageError(f"--examples must be >= 1, got {args.examples}")
@@ -93,13 +71,10 @@ def run(args: argparse.Namespace) -> int:
     make_cache = lambda p, eagle: SglangRadixCache(p, eagle=eagle, kind=kind)  # noqa: E731
     label = args.router_hash or "dynamo._core.compute_block_hash_for_seq"
     if not args.json:
-        pages = f"page size {args.page_size}" if args.page_size else "every page size"
-        print(f"kvalign check: router hasher {label}; SGLang {versions['sglang']} ({kind} cache); "
-              f"Dynamo RadixTree {versions['ai-dynamo-runtime']}; {args.examples} examples per row; {pages}", flush=True)
+        print(check_text.header(label, versions["sglang"], kind, versions["ai-dynamo-runtime"], args.examples,
+                                args.page_size), flush=True)
     start = time.perf_counter()
-    progress = None if args.json else lambda r: print(f"  {r.prop}/{r.mode}/{r.variant}: "
-                                                      f"{_result(r)} ({r.cases} cases, {r.seconds:.1f}s)",
-                                                      file=console(), flush=True)
+    progress = None if args.json else lambda r: print(check_text.progress_line(r), file=console(), flush=True)
     rows = run_check(hasher, make_cache, DynamoRadixTree, examples=args.examples,
                      props=tuple(args.props or DEFAULT_PROPERTIES), modes=tuple(args.modes or MODES),
                      variants=tuple(VARIANTS), seed=args.seed, progress=progress,
@@ -112,15 +87,10 @@ def run(args: argparse.Namespace) -> int:
                    "seconds": round(time.perf_counter() - start, 2), "rows": [asdict(r) for r in rows]},
                   sys.stdout, default=str, ensure_ascii=False)
         sys.stdout.write("\n")
-    else:
-        print(_table(rows))
-        for r in rows:
-            if not r.ok:
-                where = f"\n  holds {r.condition}" if r.condition else ""
-                print(f"\n{r.prop} / {r.mode} / {r.variant}: {r.detail}\n  cause: {r.cause}{where}\n"
-                      f"  shrunk counterexample: {r.counterexample}")
-        total = sum(r.cases for r in rows)
-        verdict = "ALIGNED" if aligned else "MISALIGNED"
-        print(f"\n{verdict}: {total} cases in {time.perf_counter() - start:.1f}s, "
-              f"{sum(not r.ok for r in rows)} of {len(rows)} rows mismatched{_confined(rows)}")
+    else:  # the table in 100 columns, each cause explained once under it (kvalign/commands/check_text.py)
+        print(check_text.table(rows))
+        below = check_text.explanations(rows, args.page_size)
+        if below:
+            print(below)
+        print("\n" + check_text.verdict(rows, time.perf_counter() - start))
     return 0 if aligned else 1

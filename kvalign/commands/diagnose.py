@@ -16,6 +16,7 @@ import json
 import sys
 
 from kvalign.commands.options import positive_int
+from kvalign.errors import UsageError
 from kvalign.streams.diagnose import BlockView, Diagnosis, RouterSettings, diagnose
 from kvalign.streams.diagnose_workers import RoutingDiagnosis, check_worker_names, diagnose_workers
 from kvalign.streams.prompt import load_prompt
@@ -40,6 +41,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="router EAGLE hashing (auto: what the engine's events show; with several captures, the first one's)")
     p.add_argument("--lora", default=None, help="LoRA name the router hashes with")
     p.add_argument("--namespace", default=None, help="cache namespace (cache_salt) the router hashes with")
+    p.add_argument("--engine-reused", type=int, default=None, metavar="TOKENS",
+                   help="the tokens the engine reported reusing for this prompt (cached_tokens; one --capture): when "
+                        "its own events do not show those pages, the cause is the engine's events")
+    p.add_argument("--routed-at-batch", type=int, default=None, metavar="K",
+                   help="with --engine-reused: the capture's batches that had arrived when the request was routed "
+                        "(a live fuzz failure records it); pages stored after them were published late")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     p.set_defaults(run=run)
 
@@ -155,6 +162,10 @@ def run(args: argparse.Namespace) -> int:
     settings = RouterSettings(args.block_size, args.router_eagle, args.lora, args.namespace)
     captures = args.capture
     check_worker_names(captures, args.worker)
+    if args.engine_reused is not None and (len(captures) > 1 or args.engine_reused < 0):
+        raise UsageError("--engine-reused takes one --capture (the worker that served the prompt) and a count >= 0")
+    if args.routed_at_batch is not None and (args.engine_reused is None or args.routed_at_batch < 0):
+        raise UsageError("--routed-at-batch needs --engine-reused and a count >= 0")
     if len(captures) > 1 or args.router_worker is not None or args.router_kv_hit_rate is not None:
         rd = diagnose_workers(captures, tokens, settings, names=args.worker, reported_worker=args.router_worker,
                               reported_kv_hit_rate=args.router_kv_hit_rate)
@@ -164,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(render_routing(rd))
         return 1 if rd.misaligned else 0
-    d = diagnose(captures[0], tokens, settings)
+    d = diagnose(captures[0], tokens, settings, engine_reused=args.engine_reused, routed_at=args.routed_at_batch)
     if args.json:
         json.dump(to_json(d), sys.stdout)
         sys.stdout.write("\n")

@@ -15,11 +15,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvalign.commands import hicache_option
 from kvalign.errors import UsageError
 from kvalign.live.runs.fuzz.driver import (
     ENGINES, TOPOLOGIES, FuzzDriver, FuzzEnvironmentError, FuzzOptions, engine_problem, fuzz_cluster,
 )
 from kvalign.live.cluster.processes import ProcessExited
+from kvalign.live.cluster.routers import APPROX_POLICIES, ROUTER_MODES
 
 #: A fixed seed: the same workloads every run (CI), chosen so that 3 examples of 10 steps draw
 #: every rule at least once under the pinned Hypothesis (a unit test re-derives this offline).
@@ -27,6 +29,10 @@ DEFAULT_SEED = 48
 #: The same for 2 prefill + 1 decode, where bursts are not drawn: every other rule, and a single
 #: restart (a restart costs a minute or two on 2 cores; seed 48 draws two there).
 DISAGG_SEED = 17
+#: The same with ``--hicache`` (its two rules added): every rule but bursts (which HiCache's per-request
+#: counters cannot attribute) with one restart, and an ``offload`` whose host-only stretch is below
+#: SGLang's load_back_threshold at page 4 (step 11) and above it at page 16.
+HICACHE_SEED = 262
 #: (seed, examples, steps) of the shorter 2 prefill + 1 decode run the per-pull-request suite takes:
 #: the same rules in 18 steps instead of 30 (fewer 5-request fills; a disaggregated request costs
 #: about 3 s here), so every fuzz test together stays within 10 minutes of CI.
@@ -50,7 +56,8 @@ def register(actions: argparse._SubParsersAction) -> None:
     p.add_argument("--examples", type=int, default=3, help="Hypothesis examples (workloads) on one cluster (default 3)")
     p.add_argument("--steps", type=int, default=10, help="most steps per example (default 10)")
     p.add_argument("--seed", type=int, default=None,
-                   help=f"Hypothesis seed (default {DEFAULT_SEED}, {DISAGG_SEED} with --topology disagg: fixed, and with "
+                   help=f"Hypothesis seed (default {DEFAULT_SEED}, {DISAGG_SEED} with --topology disagg, {HICACHE_SEED} with "
+                        "--hicache: fixed, and with "
                         "the default 3 examples x 10 steps it draws every rule; tests/unit/live/test_live_fuzz_machine.py "
                         "holds that)")
     p.add_argument("--router-eagle", choices=("on", "off"), default=None,
@@ -67,8 +74,23 @@ def register(actions: argparse._SubParsersAction) -> None:
                         "is visible (kvalign diagnose must still name the loss); meant for --replay scripts that drop a batch")
     p.add_argument("--workers", type=int, default=2,
                    help="aggregated workers, or prefill workers with --topology disagg (default 2)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="KV page / router block size (default 16, or the replayed script's)")
+    hicache_option.add(p)
     p.add_argument("--max-total-tokens", type=int, default=512,
                    help="each worker's KV pool in tokens; small so the scheduler evicts (default 512)")
+    p.add_argument("--routers", type=int, default=None,
+                   help="dynamo.frontend replicas with --router-replica-sync; requests alternate between them and "
+                        "routers_agree asks every replica about every request (default 1)")
+    p.add_argument("--no-replica-sync", dest="replica_sync", action="store_const", const=False, default=None,
+                   help="negative control of routers_agree: the second router runs without --router-replica-sync")
+    p.add_argument("--router-mode", choices=ROUTER_MODES, default=None,
+                   help="approx: --no-router-kv-events; the router's credit is measured against the engine's reuse "
+                        "(credit_error), not judged (default events)")
+    p.add_argument("--approx-policy", choices=APPROX_POLICIES, default=None,
+                   help="approx mode: --router-approximate-cache-policy (default ttl)")
+    p.add_argument("--router-ttl", type=float, default=None, metavar="SECONDS",
+                   help="approx mode: --router-ttl-secs (default Dynamo's, 120)")
     p.add_argument("--shrink-seconds", type=float, default=300.0,
                    help="bound on shrinking a failure (default 300, Hypothesis's own)")
     p.add_argument("--replay", metavar="SCRIPT", default=None, help="rerun a failure's script instead of generating")
@@ -97,12 +119,19 @@ def _options(args: argparse.Namespace, script: dict[str, Any] | None) -> FuzzOpt
             engine=given.get("engine", args.engine), workers=int(given.get("workers", args.workers)),
             topology=args.topology or given.get("topology", "agg"),
             sglang=args.sglang or given.get("sglang"), draft=args.draft or given.get("draft", "agree"),
-            page_size=int(given.get("page_size", 16)),
+            page_size=args.page_size if args.page_size is not None else int(given.get("page_size", 16)),
+            hicache=hicache_option.hicache_from(args, given.get("hicache")),
             max_total_tokens=int(given.get("max_total_tokens", args.max_total_tokens)),
             router_eagle=args.router_eagle == "on" if args.router_eagle else bool(given.get("router_eagle", True)),
             gap_check=args.gap_check if args.gap_check is not None else bool(given.get("gap_check", True)),
             strip_salt=args.strip_salt if args.strip_salt is not None else bool(given.get("strip_salt", False)),
             hide_gaps=args.hide_gaps if args.hide_gaps is not None else bool(given.get("hide_gaps", False)),
+            routers=int(args.routers if args.routers is not None else given.get("routers", 1)),
+            replica_sync=args.replica_sync if args.replica_sync is not None else bool(given.get("replica_sync", True)),
+            router_mode=args.router_mode or given.get("router_mode", "events"),
+            approx_policy=args.approx_policy or given.get("approx_policy", "ttl"),
+            router_ttl=args.router_ttl if args.router_ttl is not None else given.get("router_ttl"),
+            publisher_faults=bool(given.get("publisher_faults", False)),  # a control script's, never a flag
         )
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
@@ -130,7 +159,11 @@ def run(args: argparse.Namespace) -> int:
              + ("" if opts.gap_check else " [NEGATIVE CONTROL: gap check off]")
              + (" [NEGATIVE CONTROL: the hop strips cache_salt]" if opts.strip_salt else "")
              + (" [NEGATIVE CONTROL: disagreeing draft]" if opts.draft == "disagree" else "")
-             + (" [NEGATIVE CONTROL: the hop hides sequence gaps]" if opts.hide_gaps else "") + f"; run dir {run_dir}")
+             + (" [NEGATIVE CONTROL: the hop hides sequence gaps]" if opts.hide_gaps else "")
+             + (f"; {opts.router_setup().describe()}" if opts.routers > 1 or opts.router_mode != "events" else "")
+             + (" [NEGATIVE CONTROL: router1 without replica sync]" if not opts.replica_sync else "")
+             + (" [NEGATIVE CONTROL: publisher-fault hook loaded in the workers]" if opts.publisher_faults else "")
+             + (f", {opts.hicache.describe()}" if opts.hicache else "") + f"; run dir {run_dir}")
     from kvalign.live.runs.fuzz.machine import replay, run_fuzz
 
     try:
@@ -142,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
             if script is not None:
                 result = replay(driver, script, run_dir / "fuzz-failure.json")
             else:
-                seed = args.seed if args.seed is not None else DISAGG_SEED if opts.topology == "disagg" else DEFAULT_SEED
+                seed = args.seed if args.seed is not None else HICACHE_SEED if opts.hicache else \
+                    DISAGG_SEED if opts.topology == "disagg" else DEFAULT_SEED
                 result = run_fuzz(driver, examples=args.examples, steps=args.steps, seed=seed,
                                   shrink_seconds=args.shrink_seconds, script_path=run_dir / "fuzz-failure.json",
                                   report=progress)
@@ -166,10 +200,22 @@ def render(out: dict[str, Any]) -> str:
     lines = [f"{out['examples']} examples, {out['steps']} steps, {out['requests']} requests in {out['seconds']}s; "
              + ", ".join(f"{k} {v}" for k, v in out["counts"].items())]
     lines += [f"  {name:<26} checked {v['checked']:>4}  failed {v['failed']}" for name, v in out["invariants"].items()]
+    ce = out.get("credit_error") or {}
+    if ce.get("requests"):
+        lines.append(f"  router credit - engine reuse ({out.get('router_mode', 'events')} mode): mean |error| "
+                     f"{ce['mean_abs_tokens']} tokens, worst {ce['worst_abs_tokens']}, exact {ce['exact']}/{ce['requests']}, "
+                     f"over-credited {ce['overcredited']}, under-credited {ce['undercredited']}")
     f = out["failure"]
     if f is None:
         lines.append("PASS: every invariant held on every request")
     else:
-        lines.append(f"FAIL {f['invariant']} (cause {f['cause']}): {f['detail']}")
+        also = [n for n in f.get("failing", []) if n != f["invariant"]]
+        lines.append(f"FAIL {f['invariant']}{f' (failing with it: {chr(44).join(also)})' if also else ''} "
+                     f"(cause {f['cause']}): {f['detail']}")
+        if f.get("evidence"):
+            lines.append(f"  {f['evidence']['detail']}")
+            lines.append(f"  the recorded stream, replayed offline: {f['evidence']['replay']}")
+        if f.get("note"):
+            lines.append(f"  note: {f['note']}")
         lines.append(f"replay: kvalign e2e fuzz --replay {f['script']}")
     return "\n".join(lines)

@@ -46,6 +46,14 @@ class Cause(str, Enum):
     MEDIUM_NOT_INDEXED = "the relay maps no tier to the event's medium: those pages are indexed nowhere, silently"
     HOST_CREDIT_NOT_SERVABLE = ("router credits host-tier pages that SGLang will not load back (host-only stretch "
                                 "below its load_back_threshold): the engine re-prefills them")
+    ENGINE_EVENTS_MISSING = ("the engine reused pages its own KV events never stored in the prompt's chain (never "
+                             "stored, stored under a wrong parent or block hash, or removed): SGLang's publisher, no "
+                             "router can credit them")
+    ENGINE_EVENTS_LATE = ("the engine's KV events stored pages it reused only after the request was routed: a timing "
+                          "race shown by the recorded stream, not a key mismatch")
+    REPLICA_INDEX_DIVERGED = "router replicas would route the same prompt by indexes that hold different pages"
+    REPLICA_STATE_UNSYNCED = ("a router replica misses its peers' active-sequence events (no replica sync): its "
+                              "load view lacks their in-flight requests")
     # Multimodal prompts (kvalign.verify.mm): how an image's pages stop matching.
     MM_PAD_WIDTH = ("SGLang keys an image's tokens by pad values wider than the router's u32 token ids: Dynamo's "
                     "relay drops every event batch holding one, and the frontend's u32 pad values cannot match them")

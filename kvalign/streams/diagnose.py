@@ -29,6 +29,7 @@ import xxhash
 from kvalign.streams.capture import Batch, Cleared, Removed, capture_block_size, u64_list
 from kvalign.streams.diagnose_mm import mm_evidence
 from kvalign.model.mm_keys import pad_runs
+from kvalign.streams.engine_reuse import explain_engine_reuse, read_capture
 from kvalign.model.causes import Cause
 from kvalign.model.hashing import as_u32_tokens, block_hashes, salt_seed
 from kvalign.model.index import router_kv_hit_rate
@@ -104,6 +105,8 @@ class Diagnosis:
     #: named problems beside the first divergence (``HOST_CREDIT_NOT_SERVABLE``: the router's keys agree,
     #: its host credit is for pages SGLang will re-prefill)
     findings: list[str] = field(default_factory=list)
+    #: with ``engine_reused``: the pages the engine reused that its own stream did not hold (ENGINE_EVENTS_*)
+    engine_reuse: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -202,8 +205,15 @@ def _window(tokens: list[int], index: int, block_size: int, eagle: bool) -> tupl
     return start, end, list(tokens[start:end])
 
 
-def diagnose(capture: str, tokens: list[int], router: RouterSettings) -> Diagnosis:
-    """Compare the router's keys for ``tokens`` with what the captured engine stored."""
+def diagnose(capture: str, tokens: list[int], router: RouterSettings, *, engine_reused: int | None = None,
+             routed_at: int | None = None) -> Diagnosis:
+    """Compare the router's keys for ``tokens`` with what the captured engine stored.
+
+    ``engine_reused``: the tokens the engine reported reusing for this prompt (``cached_tokens``).
+    When its own stream did not hold those pages in the prompt's chain after the capture's first
+    ``routed_at`` batches (default: all), the cause is the engine's events
+    (:mod:`kvalign.streams.engine_reuse`): no router keying can credit pages the engine never
+    published, so no router-side cause is looked for."""
     as_u32_tokens(tokens)  # bad prompt ids fail before any work
     # a worker that stored nothing yet (fresh or cleared) still has an answer: overlap 0
     engine_b = capture_block_size(capture) or resolve_block_size([capture], router.block_size)
@@ -266,6 +276,12 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings) -> Diagnos
         d.router_block, d.engine_block = router_view(i), engine or engine_view(i)
         return d
 
+    if engine_reused is not None:
+        reuse = explain_engine_reuse(read_capture(capture), tokens, engine_reused, engine_b, eagle=engine_eagle,
+                                     routed_at=routed_at, namespace=ns_e, lora=lora_e)
+        if reuse is not None:
+            d.engine_reuse = reuse.as_json()
+            return found(reuse.first, reuse.cause, reuse.detail)
     units = "bigrams" if engine_eagle else "tokens"
     if seen.framing:
         if router_b != engine_b:

@@ -607,6 +607,33 @@ def render(results: Sequence[PairResult], props: Sequence[str] = DEFAULT_PROPERT
     return "\n".join(out)
 
 
+def _markdown_causes(r: PairResult) -> str:
+    """A pair's causes, each with the properties it was found in, then the properties that could not run."""
+    if r.verdict == "error":
+        return f"error: {one_line(r.error or 'unknown error')}".replace("|", "\\|")
+    where: dict[str, list[str]] = {}
+    for f in r.findings:
+        where.setdefault(f["cause"], [])
+        if f["property"] not in where[f["cause"]]:
+            where[f["cause"]].append(f["property"])
+    parts = [f"{cause} ({', '.join(props)})" for cause, props in where.items()]
+    na = list(dict.fromkeys(n["property"] for n in r.not_applicable))
+    return "; ".join([", ".join(parts)] * bool(parts) + ([f"n/a: {', '.join(na)}"] if na else [])) or "-"
+
+
+def render_markdown(results: Sequence[PairResult], command: str) -> str:
+    """``matrix --markdown``: a row per pair (``(shipped)`` in bold: the pair a deployment of that Dynamo
+    runs), the causes found with the properties that found them and ``n/a`` with the properties that
+    could not run (the table without ``--markdown`` says why, a line per reason), and under it the one
+    command that reproduces it."""
+    out = ["| dynamo | sglang | verdict | causes (properties) |", "|---|---|---|---|"]
+    for r in results:
+        sglang = f"**{r.sglang} (shipped)**" if r.shipped else r.sglang
+        live = f"; live: {r.live.get('verdict', '-')}" if r.live is not None else ""
+        out.append(f"| {r.dynamo} | {sglang} | {r.verdict} | {_markdown_causes(r)}{live} |")
+    return "\n".join([*out, "", f"`{command}`"])
+
+
 def exit_code(results: Sequence[PairResult]) -> int:
     """0 all aligned, 1 any misaligned (or a live scenario failed), 2 any error."""
     if any(r.verdict == "error" or (r.live or {}).get("verdict") == "error" for r in results):
@@ -667,6 +694,45 @@ def _plan_order(plan: dict[str, Any], r: PairResult) -> tuple[Any, ...]:
     if r.sglang == UNKNOWN:
         return (1, where, ())
     return (0, where, _version_key(r.sglang))
+
+
+#: The error of a planned cell that has no result file: its row in the merged table says this.
+NO_RESULT = "no result: this cell's job wrote none (it died, timed out or was cancelled before its result)"
+
+
+def planned_cells(name: str, doc: Any) -> list[dict[str, Any]]:
+    """The cells of a ``--list-cells --json`` document (``name`` is its file, for the error line)."""
+    if not isinstance(doc, list) or not all(
+            isinstance(c, dict) and all(isinstance(c.get(k), str) and c[k] for k in ("cell", "dynamo", "sglang"))
+            and c["cell"] == cell_id(c["dynamo"], c["sglang"]) for c in doc):
+        raise CellFileError(f"{name}: not a list of planned cells (write it with kvalign matrix --list-cells --json)")
+    ids = [c["cell"] for c in doc]
+    twice = sorted({c for c in ids if ids.count(c) > 1})
+    if twice:
+        raise CellFileError(f"{name}: planned cells listed twice: {', '.join(twice)}")
+    return list(doc)
+
+
+def missing_result(cell: dict[str, Any]) -> PairResult:
+    """The row of a planned cell without a result: an error, so the merged table keeps every row and exits 2."""
+    return PairResult(cell["dynamo"], cell["sglang"], "error", error=NO_RESULT, shipped=bool(cell.get("shipped")))
+
+
+def merge_planned(docs: Sequence[tuple[str, Any]], planned: Sequence[dict[str, Any]],
+                  planned_name: str) -> tuple[dict[str, Any], list[PairResult], list[str]]:
+    """:func:`merge_cells` held to the planned cells: (versions, every planned cell's row in the planned
+    order, the ids of the cells that had no result). A planned cell without a result file is an error
+    row (:data:`NO_RESULT`); a result of a cell that was not planned is a :class:`CellFileError`."""
+    versions, results = merge_cells(docs) if docs else ({}, [])
+    order = {c["cell"]: i for i, c in enumerate(planned)}
+    found = {cell_id(r.dynamo, r.sglang): r for r in results}
+    stray = [c for c in found if c not in order]
+    if stray:
+        raise CellFileError(f"{planned_name}: results for cells it does not plan: {', '.join(stray)} "
+                            "(list the cells with the options the cells ran with)")
+    missing = [c["cell"] for c in planned if c["cell"] not in found]
+    rows = [found.get(c["cell"]) or missing_result(c) for c in planned]
+    return versions, rows, missing
 
 
 def merge_cells(docs: Sequence[tuple[str, Any]]) -> tuple[dict[str, Any], list[PairResult]]:

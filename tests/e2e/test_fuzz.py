@@ -37,6 +37,21 @@ from kvalign.live.runs.fuzz.machine import FuzzResult, replay, run_fuzz
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 SCRIPTS = Path(__file__).parent / "fuzz_scripts"
 SHIPPED_SGLANG = "0.5.21"  # ai-dynamo[sglang]==1.6.1 pins it (docs/releases.md)
+ENGINE_FAULT = ["engine_matches_index", "router_credits_engine_reuse"]
+#: Each control script: every invariant its failing request breaks, in evaluation order; the first is
+#: the one the run's failure names (docs/live-fuzz.md, "Each invariant's live control").
+CONTROLS = {
+    "router-eagle-off.json": ["router_credits_engine_reuse", "router_matches_prediction"],
+    "salt-stripped.json": ["router_credits_engine_reuse", "router_matches_prediction"],
+    "lost-batch.json": ["router_matches_prediction"],
+    "unpublished-batch.json": ENGINE_FAULT,
+    "lost-removal.json": ["no_stale_credit"],
+    "routing-against-cache.json": ["best_worker_chosen"],
+    "draft-disagrees.json": ["decode_keeps_speculating"],
+    "publisher-drop-store.json": ENGINE_FAULT,
+    "publisher-wrong-parent.json": ENGINE_FAULT,
+    "publisher-wrong-hash.json": ENGINE_FAULT,
+}
 
 
 class Live:
@@ -88,7 +103,7 @@ def _live(request: pytest.FixtureRequest, name: str, opts: FuzzOptions) -> Itera
 
 @pytest.fixture(scope="class")
 def shipped(request: pytest.FixtureRequest) -> Iterator[Live]:
-    with _live(request, "shipped", FuzzOptions(sglang=SHIPPED_SGLANG)) as live:
+    with _live(request, "shipped", FuzzOptions(sglang=SHIPPED_SGLANG, publisher_faults=True)) as live:
         yield live
 
 
@@ -115,9 +130,19 @@ def generated(live: Live, seed: int = DEFAULT_SEED, examples: int = 3, steps: in
     return out
 
 
-def failed(res: FuzzResult) -> dict[str, Any]:
+def failed(res: FuzzResult, script: str) -> dict[str, Any]:
+    """The control's failure, holding the full set of invariants its failing request broke."""
     assert res.failure is not None, "the control passed: the invariant did not see the fault"
-    return res.failure.as_json()
+    f = res.failure.as_json()
+    assert f["invariant"] == CONTROLS[script][0] and f["failing"] == CONTROLS[script], f
+    return f
+
+
+def requeried_and_diagnosed(out: dict[str, Any]) -> None:
+    """Every fault a rule injected was looked at again, and every lost store was named."""
+    counts = out["counts"]
+    assert counts["evicted_requeried"] >= 1 and counts["flushed_requeried"] >= 1 and counts["lost_requeried"] >= 1, counts
+    assert counts["lost_batches_diagnosed"] == counts["dropped_batches"] >= 1 and not out["notes"], out
 
 
 # ---- Dynamo 1.6.1 x its shipped SGLang (0.5.21), aggregated ------------------------------------
@@ -129,18 +154,16 @@ class TestShippedPair:
     def test_generated_workload_on_the_shipped_pair_holds_every_invariant(self, shipped: Live) -> None:
         out = generated(shipped)
         assert out["sglang"] == SHIPPED_SGLANG and out["topology"] == "agg"
-        inv, counts = out["invariants"], out["counts"]
+        inv = out["invariants"]
         assert inv["router_credits_engine_reuse"]["checked"] >= 30 and all(v["failed"] == 0 for v in inv.values()), inv
         assert out["unattributable"] <= 0.1 * out["requests"], out
-        assert counts["evicted_requeried"] >= 1 and counts["flushed_requeried"] >= 1 and counts["lost_requeried"] >= 1, counts
-        assert counts["lost_batches_diagnosed"] == counts["dropped_batches"] >= 1 and not out["notes"], out
+        requeried_and_diagnosed(out)
         assert inv["best_worker_chosen"]["checked"] >= 1, inv
         assert inv["decode_keeps_speculating"]["checked"] >= 1, inv
 
 
     def test_lost_store_with_the_gap_check_off_fails_router_matches_prediction(self, shipped: Live) -> None:
-        f = failed(shipped.replay("lost-batch.json"))
-        assert f["invariant"] == "router_matches_prediction", f
+        failed(shipped.replay("lost-batch.json"), "lost-batch.json")
         assert shipped.replay("lost-batch.json", gap_check=True).passed  # twin: the loss is modelled
 
 
@@ -153,16 +176,15 @@ class TestShippedPair:
             assert res.driver.counts["lost_batches_diagnosed"] == 1 and res.driver.tally.hop_faulted == 1, hide
 
     def test_a_batch_lost_unpublished_fails_engine_matches_index(self, shipped: Live) -> None:
-        f = failed(shipped.replay("unpublished-batch.json"))
-        assert f["invariant"] == "engine_matches_index", f
+        f = failed(shipped.replay("unpublished-batch.json"), "unpublished-batch.json")
+        assert f["cause"] == "ENGINE_EVENTS_MISSING" and f["evidence"]["kind"] == "never_stored", f  # lost to every subscriber
         twin = copy.deepcopy(load("unpublished-batch.json"))
         twin["steps"][0]["unpublished"] = False
         res = shipped.replay_script(twin)
         assert res.passed and res.driver.tally.hop_faulted == 1, res.failure
 
     def test_lost_removal_fails_no_stale_credit(self, shipped: Live) -> None:
-        f = failed(shipped.replay("lost-removal.json"))
-        assert f["invariant"] == "no_stale_credit", f
+        failed(shipped.replay("lost-removal.json"), "lost-removal.json")
         twin = copy.deepcopy(load("lost-removal.json"))
         twin["steps"][0]["lose"] = False
         res = shipped.replay_script(twin)
@@ -171,8 +193,8 @@ class TestShippedPair:
 
 
     def test_a_hop_that_strips_cache_salt_fails_router_credits_engine_reuse_naming_tenants(self, shipped: Live) -> None:
-        f = failed(shipped.replay("salt-stripped.json"))
-        assert f["invariant"] == "router_credits_engine_reuse" and f["cause"] == "TENANTS_SHARE_KEYS", f
+        f = failed(shipped.replay("salt-stripped.json"), "salt-stripped.json")
+        assert f["cause"] == "TENANTS_SHARE_KEYS", f
         assert f["router_tokens"] == 0 and f["engine_tokens"] > 0, f
         res = shipped.replay("salt-stripped.json", strip_salt=False)  # twin: an honest hop
         assert res.passed, res.failure
@@ -180,12 +202,33 @@ class TestShippedPair:
 
 
     def test_routing_against_the_cache_view_fails_best_worker_chosen(self, shipped: Live) -> None:
-        f = failed(shipped.replay("routing-against-cache.json"))
-        assert f["invariant"] == "best_worker_chosen", f
+        failed(shipped.replay("routing-against-cache.json"), "routing-against-cache.json")
         twin = copy.deepcopy(load("routing-against-cache.json"))
         del twin["steps"][1]["pin"]
         res = shipped.replay_script(twin)
         assert res.passed and res.driver.tally.checked["best_worker_chosen"] == 1, res.failure
+
+    @pytest.mark.parametrize("script, kind", [("publisher-drop-store.json", "never_stored"),
+                                              ("publisher-wrong-parent.json", "outside_chain"),
+                                              ("publisher-wrong-hash.json", "outside_chain")])
+    def test_a_fault_in_sglangs_own_publisher_is_named_as_the_engines_events(self, shipped: Live, script: str,
+                                                                              kind: str) -> None:
+        """A fault injected into SGLang's publisher inside the real worker (a test control): the engine
+        reuses page 3, its own stream never stored it in the prompt's chain; never none or a prompt shift."""
+        res = shipped.replay(script)
+        f = failed(res, script)
+        assert f["cause"] == "ENGINE_EVENTS_MISSING" and f["evidence"]["kind"] == kind, f
+        assert f["evidence"]["pages"] == [3, 3] and f["engine_tokens"] == 64 and f["router_tokens"] == 48, f
+        assert [x["fired"] for x in res.driver.faults_fired] == [True], res.driver.faults_fired
+
+    def test_benign_reshapings_of_sglangs_stream_pass(self, shipped: Live) -> None:
+        """The same requests with the stream split (one page per batch) and merged (two batches as one):
+        the twin of the publisher-fault controls, every invariant held, both reshapings really made."""
+        res = shipped.replay("publisher-reshaped.json")
+        assert res.passed and res.driver.tally.checked["router_credits_engine_reuse"] == 3, res.failure
+        split, merge = res.driver.faults_fired
+        assert split["fired"] and split["batches_out"] == 3 and merge["fired"] and merge["batches_in"] == 2, \
+            res.driver.faults_fired
 
     def test_the_blind_clusters_scripts_pass_on_an_honest_cluster(self, shipped: Live) -> None:
         res = shipped.replay("router-eagle-off.json")  # the card says eagle: the router credits the reuse
@@ -209,6 +252,7 @@ class TestTwoPrefillOneDecode:
         assert all(v["failed"] == 0 for v in inv.values()), inv
         assert inv["router_credits_engine_reuse"]["checked"] + out["hop_faulted"] == out["requests"], out
         assert inv["decode_keeps_speculating"]["checked"] >= 1 and inv["best_worker_chosen"]["checked"] >= 1, inv
+        requeried_and_diagnosed(out)  # what the aggregated run asserts
 
 
 # ---- controls that need their own cluster --------------------------------------------------------
@@ -219,10 +263,9 @@ class TestBlindCluster:
     the shipped pair's honest cluster (TestShippedPair)."""
 
     def test_router_eagle_off_fails_router_credits_engine_reuse(self, blind: Live) -> None:
-        f = failed(blind.replay("router-eagle-off.json"))
-        assert f["invariant"] == "router_credits_engine_reuse" and f["cause"] == "ROUTER_EAGLE_OFF", f
+        f = failed(blind.replay("router-eagle-off.json"), "router-eagle-off.json")
+        assert f["cause"] == "ROUTER_EAGLE_OFF", f
         assert f["router_tokens"] == 0 and f["engine_tokens"] > 0, f
 
     def test_a_disagreeing_draft_fails_decode_keeps_speculating(self, blind: Live) -> None:
-        f = failed(blind.replay("draft-disagrees.json"))
-        assert f["invariant"] == "decode_keeps_speculating", f
+        failed(blind.replay("draft-disagrees.json"), "draft-disagrees.json")

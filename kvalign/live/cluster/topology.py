@@ -38,6 +38,7 @@ from kvalign.live.cluster.broker import broker_url
 from kvalign.live.cluster.discovery import EtcdStore, Store
 from kvalign.live.cluster.ports import LOOPBACK, PortPool
 from kvalign.live.cluster.processes import ProcessSpec
+from kvalign.live.cluster.routers import RouterSetup, frontend_process_name
 
 Role = Literal["agg", "prefill", "decode"]
 ControlPlane = Literal["file", "etcd-nats"]
@@ -158,6 +159,8 @@ class ClusterPlan:
     nats_port: int | None = None
     dynamo_dir: Path | None = None  # another Dynamo release (kvalign matrix's wheel cache), run by ``python``
     dynamo_version: str | None = None
+    routers: RouterSetup = field(default_factory=RouterSetup)  # frontend replicas (kvalign.live.cluster.routers)
+    router_http_ports: tuple[int, ...] = ()  # HTTP ports of replicas 1.. (replica 0 serves on http_port)
 
     def __post_init__(self) -> None:
         need = {"file": ("broker_xsub", "broker_xpub"), "etcd-nats": ("etcd_client", "etcd_peer", "nats_port")}
@@ -194,6 +197,17 @@ class ClusterPlan:
     @property
     def frontend_url(self) -> str:
         return f"http://{LOOPBACK}:{self.http_port}"
+
+    @property
+    def frontend_urls(self) -> list[str]:
+        """Every router replica's HTTP address, replica 0 (:attr:`frontend_url`) first."""
+        return [f"http://{LOOPBACK}:{p}" for p in (self.http_port, *self.router_http_ports)]
+
+    def all_ports(self) -> list[int]:
+        """Every loopback port the plan assigned, for callers that must keep clear of them."""
+        ports = [self.http_port, *self.router_http_ports, self.broker_xsub, self.broker_xpub, self.etcd_client,
+                 self.etcd_peer, self.nats_port, *(p for wp in self.worker_ports.values() for p in wp.all())]
+        return [p for p in ports if p is not None]
 
     def plane_env(self) -> dict[str, str]:
         """Environment every Dynamo process gets: the control plane's settings, loopback only."""
@@ -251,17 +265,23 @@ class ClusterPlan:
         """Where a subscriber on this machine reaches ``worker``'s SGLang KV-event PUB."""
         return f"tcp://{LOOPBACK}:{self.worker_ports[worker.name].kv_events}"
 
-    def frontend_spec(self) -> ProcessSpec:
-        """``python -m dynamo.frontend --router-mode kv`` on loopback, for this namespace."""
+    def frontend_spec(self, replica: int = 0) -> ProcessSpec:
+        """``python -m dynamo.frontend --router-mode kv`` on loopback, for this namespace; ``replica``
+        picks one of :attr:`routers`' replicas (its own HTTP port and router flags)."""
         min_workers = len(self.topology.by_role("decode") or self.topology.by_role("agg"))
+        port = self.http_port if replica == 0 else self.router_http_ports[replica - 1]
         return ProcessSpec(
-            "frontend",
+            frontend_process_name(replica),
             [self.python, "-m", "dynamo.frontend", "--router-mode", "kv", "--http-host", LOOPBACK,
-             "--http-port", str(self.http_port), "--namespace", self.namespace,
+             "--http-port", str(port), "--namespace", self.namespace,
              "--kv-cache-block-size", str(self.topology.page_size),
-             *(a for flag, value in self.planes.items() for a in (f"--{flag}", value))],
+             *(a for flag, value in self.planes.items() for a in (f"--{flag}", value)), *self.routers.flags(replica)],
             {**self.plane_env(), "DYN_ROUTER_MIN_INITIAL_WORKERS": str(min_workers)},
         )
+
+    def frontend_specs(self) -> list[ProcessSpec]:
+        """One :meth:`frontend_spec` per router replica."""
+        return [self.frontend_spec(i) for i in range(self.routers.count)]
 
     def infrastructure_specs(self) -> list[ProcessSpec]:
         """The control plane's own processes, started first and stopped last."""

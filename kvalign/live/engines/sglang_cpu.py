@@ -36,6 +36,7 @@ from kvalign.releases.release_env import python_for
 from kvalign.standins import sglang_cpu as sglang_cpu_standin
 from kvalign.live.cluster.lifecycle import make_plan
 from kvalign.live.engines.engine_model import TARGET_NAME, Draft, write_models
+from kvalign.live.engines.hicache import HiCache
 from kvalign.live.cluster.processes import ProcessSpec
 from kvalign.live.engines.sglang_worker import RELAY_SUBSCRIBE_ENV, ROUTER_EAGLE_ENV
 from kvalign.oracles.sglang import torch_extensions_dir
@@ -74,8 +75,11 @@ class SglangCpuWorkerKind:
     def __init__(self, draft_model: str | None, *, eagle: CpuEagle = CpuEagle(), max_total_tokens: int = 4096,
                  threads: int = 2, sglang_version: str = sglang_cpu_standin.SGLANG_VERSION,
                  sglang_dir: Path | None = None, relay_subscribe: Mapping[str, str] | None = None,
-                 sleep_on_idle: bool = True, extra_env: Mapping[str, str] | None = None) -> None:
+                 sleep_on_idle: bool = True, hicache: HiCache | None = None,
+                 extra_env: Mapping[str, str] | None = None) -> None:
         self.draft_model, self.eagle = draft_model, eagle
+        #: SGLang's host tier on the workers that cache prompts (aggregated and prefill), or None
+        self.hicache = hicache
         #: SGLang's ``--sleep-on-idle`` (0.5.19, 0.5.21, 0.5.23): without it each scheduler spins a core
         #: while it has nothing to do, so a 3-worker cluster on two cores starves the router, the
         #: harness and everything else on the machine. A fully idle scheduler then blocks in
@@ -91,6 +95,9 @@ class SglangCpuWorkerKind:
         self.sglang_version, self.sglang_dir = sglang_version, sglang_dir
         self.release = sglang_cpu_standin.SUPPORTED[sglang_version]
         self.relay_subscribe = dict(relay_subscribe or {})  # worker name -> the fuzz's lossy-hop endpoint
+        #: a test control (the fuzz's ``publisher_faults``): each publishing worker loads kvalign's
+        #: publisher-fault hook, armed through ``<dir>/<worker>.json`` (never set on the normal path)
+        self.publisher_faults_dir: Path | None = None
         self.extra_env = dict(extra_env or {})  # e.g. a stand-in switched on for this run only
 
     def _kv_ipc(self, worker: WorkerSpec, plan: ClusterPlan) -> str:
@@ -140,6 +147,8 @@ class SglangCpuWorkerKind:
                      "--disaggregation-bootstrap-port", str(ports.bootstrap)]
         if worker.role == "decode":
             argv += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+        elif self.hicache is not None:
+            argv += self.hicache.args()
         if worker.role != "prefill":
             argv += ["--decode-log-interval", "1"]
         if worker.eagle:
@@ -154,6 +163,8 @@ class SglangCpuWorkerKind:
         }
         if worker.publishes_kv_events and not self.release.kv_events_bind:
             env[sglang_cpu_standin.KV_EVENTS_IPC_ENV] = self._kv_ipc(worker, plan)
+        if worker.publishes_kv_events and self.publisher_faults_dir is not None:
+            env[sglang_cpu_standin.PUBLISHER_FAULTS_ENV] = str(self.publisher_faults_dir / f"{worker.name}.json")
         return ProcessSpec(worker.name, argv, env)
 
 
@@ -197,12 +208,17 @@ def release_dir(sglang_version: str | None) -> tuple[str, Path | None]:
 
 
 def plan_cluster(topology: Topology, run_dir: str | Path, *, draft: Draft = "agree",
-                 control_plane: ControlPlane = "file",
-                 sglang_version: str | None = None) -> tuple[ClusterPlan, SglangCpuWorkerKind]:
+                 control_plane: ControlPlane = "file", sglang_version: str | None = None,
+                 hicache: HiCache | None = None) -> tuple[ClusterPlan, SglangCpuWorkerKind]:
     """Plan a real-engine CPU run: the tiny models are built under ``run_dir/models`` (a few
     hundred KB, so every run builds its own) and served as :data:`TARGET_NAME`."""
     version, sglang_dir = release_dir(sglang_version)
+    if hicache is not None:
+        from kvalign.live.engines.hicache import problem
+
+        if (why := problem(version)) is not None:
+            raise RuntimeError(why)
     run = Path(run_dir).resolve()
     target, draft_dir = write_models(run / "models", draft)
     plan = make_plan(topology, run, str(target), model_name=TARGET_NAME, control_plane=control_plane)
-    return plan, SglangCpuWorkerKind(str(draft_dir), sglang_version=version, sglang_dir=sglang_dir)
+    return plan, SglangCpuWorkerKind(str(draft_dir), sglang_version=version, sglang_dir=sglang_dir, hicache=hicache)

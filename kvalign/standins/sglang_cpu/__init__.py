@@ -89,3 +89,7 @@ def worker_env(pythonpath: str | None = None) -> dict[str, str]:
 #: Set by the harness (releases without ``bind`` only): the IPC endpoint SGLang's KV-event PUB binds
 #: instead of connecting to the relay's address; the loopback forwarder carries it to that address.
 KV_EVENTS_IPC_ENV = "KVALIGN_KV_EVENTS_IPC"
+
+#: A test control, set only by the live fuzz's ``publisher_faults`` option: the control file through
+#: which :mod:`.publisher_faults` is armed in one worker (unset on the normal path: the hook is not loaded).
+PUBLISHER_FAULTS_ENV = "KVALIGN_PUBLISHER_FAULTS"

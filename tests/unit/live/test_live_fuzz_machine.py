@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvalign.commands.fuzz import DEFAULT_SEED, DISAGG_SEED, DISAGG_SHORT
+from kvalign.commands.fuzz import DEFAULT_SEED, DISAGG_SEED, DISAGG_SHORT, HICACHE_SEED
 from kvalign.live.runs.fuzz.driver import COUNTS, FuzzEnvironmentError, FuzzOptions
 from kvalign.live.runs.fuzz.invariants import InvariantFailed, Tally
 from kvalign.live.runs.fuzz.machine import replay, run_fuzz
@@ -147,3 +147,79 @@ def test_the_disaggregated_ci_seed_draws_every_rule_but_bursts_with_one_restart(
              report=lambda _m: None)
     drawn = Counter(s["rule"] for ex in d.all_steps for s in ex)
     assert set(drawn) == RULES - {"concurrent"} and drawn["restart"] == 1, drawn
+
+
+class HiCacheRecordingDriver(RecordingDriver):
+    def __init__(self) -> None:
+        from kvalign.live.engines.hicache import HiCache
+
+        super().__init__()
+        self.opts, self.host_evictions_in_example = FuzzOptions(hicache=HiCache()), 0
+
+    def begin_example(self) -> None:
+        super().begin_example()
+        self.host_evictions_in_example = 0
+
+
+def _host_pages_in_cap(step: dict) -> int:
+    """An offload's host-only pages inside the scheduler's cap (its tail of 0 leaves the last page out)."""
+    return step["ext"] - (step["tail"] == 0)
+
+
+def test_the_hicache_seed_draws_every_rule_but_bursts_and_host_stretches_on_both_sides_of_the_threshold() -> None:
+    d = HiCacheRecordingDriver()
+    run_fuzz(d, examples=3, steps=10, seed=HICACHE_SEED, shrink_seconds=5, script_path=Path("/nonexistent"),
+             report=lambda _m: None)
+    steps = [s for ex in d.all_steps for s in ex]
+    assert set(Counter(s["rule"] for s in steps)) == RULES - {"concurrent"} | {"offload", "evict_host"}
+    assert all(sum(s["rule"] == "restart" for s in ex) <= 1 for ex in d.all_steps)
+    offloads = [_host_pages_in_cap(s) for s in steps if s["rule"] == "offload"]
+    assert any(0 < h * 4 < 10 for h in offloads), offloads  # page 4: below SGLang's load_back_threshold
+    assert any(h * 16 >= 10 for h in offloads), offloads  # page 16: above it
+    assert all(sum(s["rule"] == "evict_host" for s in ex) <= 1 for ex in d.all_steps)
+
+
+def test_negative_control_without_hicache_no_hicache_rule_is_drawn() -> None:
+    d = RecordingDriver()
+    run_fuzz(d, examples=3, steps=10, seed=HICACHE_SEED, shrink_seconds=5, script_path=Path("/nonexistent"),
+             report=lambda _m: None)
+    assert not {s["rule"] for ex in d.all_steps for s in ex} & {"offload", "evict_host"}
+
+
+class TimingDriver(RecordingDriver):
+    """Fails once, on the first flush, as a race does (the engine's stores came after the request was
+    routed), and never again: the live replay of the same steps passes."""
+
+    def run_step(self, step: dict) -> None:
+        self.steps.append(step)
+        self.steps_run += 1
+        if step["rule"] == "flush" and not getattr(self, "failed_once", False):
+            self.failed_once = True
+            exc = InvariantFailed("engine_matches_index", "engine reused 64, its view says 48", cause="ENGINE_EVENTS_LATE")
+            exc.failing = ["engine_matches_index", "router_credits_engine_reuse"]
+            exc.evidence = {"kind": "late", "pages": [3, 3], "seq": 7,
+                            "capture": "/run/failures/request-3/engine.capture.jsonl",
+                            "replay": "kvalign diagnose --capture /run/failures/request-3/engine.capture.jsonl "
+                                      "--prompt /run/failures/request-3/prompt.json --engine-reused 64 --routed-at-batch 6"}
+            raise exc
+
+
+def test_a_failure_that_depends_on_timing_keeps_its_cause_from_the_recorded_stream(tmp_path: Path) -> None:
+    """Hypothesis cannot reproduce it (Flaky); the report still names the cause, says how it was named
+    (the stream recorded when it failed) and how to replay that stream, never a bare "flaky"."""
+    script = tmp_path / "fuzz-failure.json"
+    res = run_fuzz(TimingDriver(), examples=20, steps=10, seed=1, shrink_seconds=20, script_path=script,
+                   report=lambda _m: None)
+    f = res.failure.as_json()
+    assert f["flaky"] is True and f["cause"] == "ENGINE_EVENTS_LATE"
+    assert "did not reproduce" in f.get("note", "") and "kvalign diagnose --capture" in f["note"], f
+    assert f["evidence"]["kind"] == "late" and f["failing"] == ["engine_matches_index", "router_credits_engine_reuse"]
+    saved = json.loads(script.read_text())["failure"]
+    assert saved["evidence"]["replay"] == f["evidence"]["replay"] and saved["failing"] == f["failing"]
+
+
+def test_a_failure_reports_every_invariant_the_request_failed(tmp_path: Path) -> None:
+    d = RecordingDriver(fail_on=lambda s: s["rule"] == "flush")
+    res = run_fuzz(d, examples=20, steps=10, seed=1, shrink_seconds=10, script_path=tmp_path / "f.json",
+                   report=lambda _m: None)
+    assert res.failure.as_json()["failing"] == ["router_matches_prediction"]

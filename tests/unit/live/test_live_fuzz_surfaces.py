@@ -73,3 +73,31 @@ def test_an_unreachable_frontend_is_a_missing_surface():
     reader = MetricReader("http://127.0.0.1:9", {})
     with pytest.raises(SurfaceMissing):
         reader.events_applied(["backend"])
+
+
+def test_a_missing_prefill_counter_after_a_request_is_a_missing_surface_naming_it(frontend):
+    """A renamed or dropped counter is exit 2 naming it, never a 0 read as the engine's reuse (which
+    would fail ``router_credits_engine_reuse`` on a router that credited the pages)."""
+    url, served = frontend
+    served["text"] = FRONTEND.replace("router_kv_worker_reused_tokens_total", "router_kv_worker_reused_tokens_renamed")
+    reader = MetricReader(url, {})
+    assert reader.prefill_reused(before_first_report=True) == 0  # not exported before the first report
+    with pytest.raises(SurfaceMissing, match=r"router_kv_worker_reused_tokens_total\{phase=\"prefill\"\}"):
+        reader.prefill_reused()
+    served["text"] = FRONTEND.replace('phase="prefill"', 'phase="decode"')  # the decode phase alone: still missing
+    with pytest.raises(SurfaceMissing):
+        reader.prefill_reused()
+
+
+def test_a_missing_surface_stops_the_run_as_an_environment_error_naming_it():
+    from kvalign.live.runs.fuzz.driver import FuzzDriver, FuzzEnvironmentError
+
+    d = object.__new__(FuzzDriver)
+    d.steps, d.steps_run = [], 0
+
+    def run(_rule, _step):
+        raise SurfaceMissing("http://127.0.0.1:1/metrics exports no *router_kv_worker_reused_tokens_total")
+
+    d._run = run
+    with pytest.raises(FuzzEnvironmentError, match="surface is missing: .*router_kv_worker_reused_tokens_total"):
+        d.run_step({"rule": "request"})

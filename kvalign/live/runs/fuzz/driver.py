@@ -29,18 +29,27 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvalign.model.causes import Cause
-from kvalign.model.events import BlockRemoved, BlockStored
+from kvalign.model.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvalign.live.cluster.control import ControlError, clear_kv_blocks
-from kvalign.live.cluster.lifecycle import Cluster
+from kvalign.live.cluster.lifecycle import Cluster, with_routers
 from kvalign.live.cluster.ports import LOOPBACK, PortPool
 from kvalign.live.cluster.processes import rss_bytes, run_pids
+from kvalign.live.cluster.routers import RouterSetup
 from kvalign.live.cluster.topology import COMPONENT, RUN_MARKER_ENV, Topology
+from kvalign.live.runs.fuzz.credit_error import CreditError
+from kvalign.live.engines.hicache import HiCache
 from kvalign.live.runs.fuzz.invariants import (
-    MIN_SPEC_TOKENS, InvariantFailed, Observation, Tally, evaluate, failure_numbers, observation_json,
+    MIN_SPEC_TOKENS, InvariantFailed, Observation, Tally, evaluate, failure_numbers, lost_pages_reused,
+    observation_json,
 )
 from kvalign.live.runs.fuzz.prompts import Sent, new_tokens, resolve
+from kvalign.live.runs.fuzz.publisher_faults import HARMFUL, PublisherFaultControl
+from kvalign.live.runs.fuzz.recorded import record_engine_stream, engine_cause
 from kvalign.live.runs.fuzz.surfaces import MetricReader, SurfaceMissing
 from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews, common_blocks
+from kvalign.live.runs.fuzz import hicache as tiers_check
+from kvalign.live.runs.fuzz import hicache_rules
+from kvalign.live.runs.fuzz.tiers import TierDeliveredViews, TierWorkerViews
 from kvalign.live.wire.client import Completion, SseError, complete_tokens
 from kvalign.live.wire.lossy_hop import LossyHop
 
@@ -71,11 +80,18 @@ class FuzzOptions:
     gap_check: bool = True  # False: predict the router from the engine's stream (negative control)
     strip_salt: bool = False  # the hop removes cache_salt from stored blocks (negative control)
     hide_gaps: bool = False  # the hop renumbers batches after a loss, hiding the gap from every subscriber
+    publisher_faults: bool = False  # the workers load kvalign's publisher-fault hook (a test control; scripts arm it)
     quiet_s: float = 0.4
     settle_timeout_s: float = 8.0
     restart_grace_s: float = 2.0
     fill_prompts: int = 4
     startup_timeout_s: float = 600.0
+    routers: int = 1  # dynamo.frontend replicas (kvalign.live.runs.fuzz.replicas)
+    replica_sync: bool = True  # False: router1 runs without --router-replica-sync (routers_agree's control)
+    router_mode: Literal["events", "approx"] = "events"  # approx: --no-router-kv-events, measured not judged
+    approx_policy: Literal["ttl", "lru"] = "ttl"
+    router_ttl: float | None = None
+    hicache: HiCache | None = None  # SGLang's host tier on the publishing workers (the HiCache rules run)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -88,12 +104,28 @@ class FuzzOptions:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.draft not in ("agree", "disagree"):
             raise ValueError(f"--draft must be agree or disagree, got {self.draft!r}")
+        if not self.replica_sync and self.routers < 2:
+            raise ValueError("--no-replica-sync needs --routers 2 or more (it starts the second router without sync)")
+        if self.routers > 1 and self.router_mode == "approx":
+            raise ValueError("--routers 2+ with --router-mode approx: an approximate router's prediction has no live "
+                             "reference to hold replicas to here; run `kvalign live up --routers 2 --router-mode approx "
+                             "--scenario`, which holds them to the routing decisions")
+        self.router_setup()
+
+    def router_setup(self) -> RouterSetup:
+        """The frontends this run starts (:mod:`kvalign.live.cluster.routers`)."""
+        return RouterSetup(self.routers, self.router_mode, frozenset() if self.replica_sync else frozenset({1}),
+                           self.approx_policy, self.router_ttl)
 
     def as_json(self) -> dict[str, Any]:
         return {"engine": self.engine, "topology": self.topology, "workers": self.workers,
                 "page_size": self.page_size, "max_total_tokens": self.max_total_tokens, "sglang": self.sglang,
                 "draft": self.draft, "router_eagle": self.router_eagle, "gap_check": self.gap_check,
-                "strip_salt": self.strip_salt, "hide_gaps": self.hide_gaps}
+                "strip_salt": self.strip_salt, "hide_gaps": self.hide_gaps, "routers": self.routers,
+                "replica_sync": self.replica_sync, "router_mode": self.router_mode, "approx_policy": self.approx_policy,
+                "router_ttl": self.router_ttl, **({"publisher_faults": True} if self.publisher_faults else {}),
+                "hicache": None if self.hicache is None else {"write_policy": self.hicache.write_policy,
+                                                              "ratio": self.hicache.ratio}}
 
 
 def engine_problem(opts: FuzzOptions) -> str | None:
@@ -119,8 +151,7 @@ def fuzz_topology(opts: FuzzOptions) -> Topology:
 def _hop_ports(plan: Any, labels: list[str], *, taken: list[int] = (), what: str = "hop") -> dict[str, int]:
     """A loopback port per worker for one of the hop's PUBs, distinct from every plan port."""
     pool = PortPool()
-    taken = [*taken, plan.http_port, plan.broker_xsub, plan.broker_xpub, plan.etcd_client, plan.etcd_peer,
-             plan.nats_port, *(p for wp in plan.worker_ports.values() for p in wp.all())]
+    taken = [*taken, *plan.all_ports()]
     pool.assigned.update({f"plan.{i}": p for i, p in enumerate(taken) if p is not None})
     return {label: pool.take(f"{label}.{what}") for label in labels}
 
@@ -135,7 +166,8 @@ def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Clust
     from kvalign.live.engines.sglang_cpu import plan_cluster
 
     topo = fuzz_topology(opts)
-    plan, kind = plan_cluster(topo, run_dir, draft=opts.draft, sglang_version=opts.sglang)
+    plan, kind = plan_cluster(topo, run_dir, draft=opts.draft, sglang_version=opts.sglang, hicache=opts.hicache)
+    plan = with_routers(plan, opts.router_setup())
     publishing = [w for w in topo.workers if w.publishes_kv_events]
     labels = [w.name for w in publishing]
     downstream = _hop_ports(plan, labels)
@@ -143,6 +175,8 @@ def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Clust
     kind.max_total_tokens = opts.max_total_tokens  # the publishing workers': small, so they evict
     kind.decode_max_total_tokens = DECODE_POOL_TOKENS
     kind.relay_subscribe = {label: f"tcp://{LOOPBACK}:{port}" for label, port in downstream.items()}
+    if opts.publisher_faults:
+        kind.publisher_faults_dir = Path(run_dir) / "publisher-faults"
     upstream = {w.name: plan.kv_events_connect(w) for w in publishing}
     with LossyHop(upstream, downstream, strip_salt=opts.strip_salt, hide_gaps=opts.hide_gaps, taps=taps) as hop:
         cluster = Cluster(plan, kind, startup_timeout_s=opts.startup_timeout_s, router_view=hop.downstream,
@@ -166,27 +200,49 @@ class FuzzDriver:
     steps_run: int = 0
     unsettled: int = 0
     peak_rss_bytes: int = 0  # every process of the run, sampled after each step
+    replicas: Any = None  # FuzzReplicas with --routers 2+ (set in __post_init__)
+    credit_error: CreditError | None = None  # router tokens minus engine tokens, per request (a measurement)
 
     def __post_init__(self) -> None:
         b = self.opts.page_size
-        self.engine_views = WorkerViews(self.cluster.capture, b)
-        self.router_views = WorkerViews(self.cluster.router_capture, b)
-        self.delivered_views = DeliveredViews(self.engine_views, self.router_views, self.hop.original_seq)
+        views, delivered = (TierWorkerViews, TierDeliveredViews) if self.opts.hicache else (WorkerViews, DeliveredViews)
+        self.engine_views = views(self.cluster.capture, b)
+        self.router_views = views(self.cluster.router_capture, b)
+        self.delivered_views = delivered(self.engine_views, self.router_views, self.hop.original_seq)
         self.disagg = self.opts.topology == "disagg"
         plan = self.cluster.plan
         decode = [w.name for w in plan.topology.workers if w.role in ("decode", "agg")]
         self.metrics = MetricReader(self.cluster.frontend_url, {
             name: f"http://{LOOPBACK}:{plan.worker_ports[name].system}/metrics" for name in decode})
+        #: HiCache (``--hicache``): SGLang's per-tier reuse on each publishing worker, the router's host weight
+        self.engine_tiers = tiers_check.EngineTiers({
+            name: f"http://{LOOPBACK}:{plan.worker_ports[name].system}/metrics" for name in self.labels
+        }) if self.opts.hicache else None
+        self.host_weight = tiers_check.host_weight() if self.opts.hicache else 0.0
+        self.router_credit = tiers_check.RouterCredit(self.metrics.frontend_url)
+        self.host_requeries: list[dict[str, Any]] = []
+        self.host_evictions_in_example = 0
+        if self.opts.hicache:
+            self.counts.update(dict.fromkeys(hicache_rules.COUNTS, 0))
         self.history: list[Sent] = []
         self.served: list[str | None] = []  # the worker each history prompt ran on
         self.steps: list[dict[str, Any]] = []
         self.observed: list[dict[str, Any]] = []
         self.restarts_in_example = 0
         self.notes: list[str] = []  # what the run saw that no invariant judges (a loss diagnose did not name)
+        faults_dir = getattr(self.cluster.kind, "publisher_faults_dir", None)
+        self.publisher_faults = None if faults_dir is None else PublisherFaultControl(faults_dir)
+        self.faults_fired: list[dict[str, Any]] = []  # each armed publisher fault: request, worker, what it did
+        self._corrupted: set[str] = set()  # workers whose stream a harmful publisher fault broke this example
         # per worker: batches the router-side capture joined too late to see (ZMQ's slow joiner), taken
         # once the cluster is quiet: quiet alone first (an unreachable baseline), then what it lacks
         self._lag_base: dict[str, int] = dict.fromkeys(self.labels, 1 << 30)
         self._applied_base: float | None = None  # router-applied minus router-side events, once quiet
+        self.credit_error = CreditError(b)
+        if self.opts.routers > 1:
+            from kvalign.live.runs.fuzz.replicas import FuzzReplicas
+
+            self.replicas = FuzzReplicas(self)
         self._settle()
         self._lag_base = {}
         self._lag_base = {lab: max(v, 0) for lab, v in self._behind().items()}
@@ -227,16 +283,24 @@ class FuzzDriver:
 
     def _applied_behind(self) -> float:
         """Events the relay received that the router's index has not applied yet (0 without the counter)."""
-        if self._applied_base is None:
+        if self.replicas is not None and self.replicas.event_plane_down:
             return 0.0
+        delivered = self._delivered_events()
+        others = 0.0 if self.replicas is None else self.replicas.applied_behind(delivered, self._components())
+        if self._applied_base is None:
+            return others
         applied = self.metrics.events_applied(self._components())
-        return 0.0 if applied is None else self._delivered_events() - (applied - self._applied_base)
+        return max(others, 0.0 if applied is None else delivered - (applied - self._applied_base))
 
     def _rebase_applied(self) -> None:
         """Count from now: what the router applied before (an earlier user of the cluster, batches the
         capture joined too late for) or will never apply (a restarted worker's relay) is not waited on."""
+        if self.opts.router_mode == "approx":  # the router consumes no KV events: nothing to wait for
+            return
         applied = self.metrics.events_applied(self._components())
         self._applied_base = None if applied is None else applied - self._delivered_events()
+        if self.replicas is not None:
+            self.replicas.rebase_applied(self._delivered_events(), self._components())
 
     def _settle(self, *, after_request: bool = False) -> bool:
         """Wait until the router side has every batch the engine published (but those the hop lost
@@ -263,6 +327,8 @@ class FuzzDriver:
                 return True
             time.sleep(0.02)
         self.unsettled += 1
+        self.progress(f"settle: still not quiet after {self.opts.settle_timeout_s:g}s (behind {self._behind()}); "
+                      "counted in unsettled_waits")
         behind = self._applied_behind()
         if behind > 0:
             self.notes.append(f"the router's index had applied {behind:g} fewer KV events than its "
@@ -288,6 +354,8 @@ class FuzzDriver:
         while self._held_now(label, tokens, salt) < want:
             if time.monotonic() > deadline:
                 self.unsettled += 1
+                self.progress(f"settle: {label}'s stream shows {self._held_now(label, tokens, salt)} of the prompt's "
+                              f"{want} pages after {self.opts.settle_timeout_s:g}s; counted in unsettled_waits")
                 return
             time.sleep(0.05)
         self._settle(after_request=True)
@@ -298,8 +366,8 @@ class FuzzDriver:
     def _send(self, tokens: list[int], max_tokens: int, pin: int | None = None, salt: str | None = None) -> Completion:
         pins = {"prefill_pin": pin} if self.disagg else {"pin": pin}
         try:
-            return complete_tokens(self.cluster.frontend_url, self.cluster.model, tokens, max_tokens=max_tokens,
-                                   cache_salt=salt, **pins)
+            url = self.cluster.frontend_url if self.replicas is None else self.replicas.next_url()
+            return complete_tokens(url, self.cluster.model, tokens, max_tokens=max_tokens, cache_salt=salt, **pins)
         except (SseError, OSError) as exc:
             raise FuzzEnvironmentError(f"request of {len(tokens)} tokens failed: {exc}") from None
 
@@ -313,6 +381,10 @@ class FuzzDriver:
 
     def _best(self, tokens: list[int], marks: dict[str, int], salt: str | None) -> str | None:
         held = {lab: self._held(self.prediction_views, lab, tokens, marks[lab], salt=salt)[0] for lab in self.labels}
+        if self.opts.hicache:  # the router weighs a host block by its host_cache_hit_weight
+            held = {lab: tiers_check.weighted(self.prediction_views.residency(
+                lab, tokens, eagle=self.engine_eagle(lab), lo=marks[lab], namespace=salt)[0], self.host_weight)
+                for lab in self.labels}
         top = max(held.values(), default=0)
         leaders = [lab for lab, h in held.items() if h == top]
         return leaders[0] if top > 0 and len(leaders) == 1 else None
@@ -329,9 +401,10 @@ class FuzzDriver:
             delivered = self._held(self.delivered_views, label, tokens, deliv_m[label], salt=salt)[0]
             faulted = delivered != engine_held and any(d.label == label for d in self.hop.dropped)
         self.requests += 1
-        return Observation(self.requests, tokens, c, label, concurrent, self.opts.page_size,
+        kind = tiers_check.TierObservation if self.opts.hicache else Observation
+        return kind(self.requests, tokens, c, label, concurrent, self.opts.page_size,
                            self.engine_eagle(label) if label else True, predicted, engine_held, engine_tokens,
-                           surface, faulted, best, spec)
+                           surface, faulted, best, spec, engine_mark=eng_m.get(label, 0) if label else 0, salt=salt)
 
     def _record(self, obs: Observation) -> None:
         self.history.append(Sent(tuple(obs.tokens), tuple(obs.completion.completion_token_ids)))
@@ -339,20 +412,44 @@ class FuzzDriver:
         self.observed.append(observation_json(obs))
 
     def _check(self, obs: Observation) -> None:
-        failures = evaluate(obs, self.tally)
+        if self.credit_error is not None:
+            self.credit_error.add(obs.router_tokens, obs.engine_tokens, hop_faulted=obs.hop_faulted)
+        router_judged = self.opts.router_mode == "events"
+        failures = evaluate(obs, self.tally, router_judged=router_judged)
+        if isinstance(obs, tiers_check.TierObservation):
+            if router_judged:
+                failures += tiers_check.evaluate_tiers(obs, self.tally)
+                failures.sort(key=lambda f: tiers_check.EVALUATION_ORDER.index(f[0]))
+            hicache_rules.record(self, obs)
         if failures:
             name, detail = failures[0]
-            raise InvariantFailed(name, detail, cause=self.cause(obs.label, obs.tokens), worker=obs.label,
-                                  request=obs.request, numbers=failure_numbers(obs))
+            names = [n for n, _ in failures]
+            hicache_cause = tiers_check.cause(obs)
+            cause, evidence = (hicache_cause, None) if hicache_cause else self.cause(obs, names)
+            raise InvariantFailed(name, detail, cause=cause, worker=obs.label, request=obs.request,
+                                  numbers=failure_numbers(obs), failing=names, evidence=evidence)
 
-    def cause(self, label: str | None, tokens: list[int]) -> str:
-        """Why the router's view differs: the tenant cause when the hop delivered a stored block
-        without the ``cache_salt`` the engine published it with; else ``kvalign diagnose``'s cause
-        for ``tokens`` on ``label``'s router-side capture."""
+    def cause(self, obs: Observation, failing: list[str]) -> tuple[str, dict[str, Any] | None]:
+        """Why a request failed, and the evidence: the tenant cause when the hop delivered a stored
+        block without the ``cache_salt`` the engine published it with; the engine's own events when
+        the engine reused pages its stream did not hold in the prompt's chain at the routing mark
+        (:func:`.recorded.engine_cause`, from the stream recorded for the failure); else ``kvalign
+        diagnose``'s cause for the prompt on the worker's router-side capture."""
+        label = obs.label
         if label is not None and self._salt_lost(label):
-            return Cause.TENANTS_SHARE_KEYS.name
-        d = self.diagnose(label, tokens)
-        return "none" if d is None or d.cause is None else d.cause.name
+            return Cause.TENANTS_SHARE_KEYS.name, None
+        if label is not None and "engine_matches_index" in failing and obs.engine_tokens is not None:
+            batches, start = self.engine_views.batches(label), self.engine_views.epoch.get(label, 0)
+            if start and any(isinstance(ev, AllBlocksCleared) for ev in batches[start - 1].events):
+                start -= 1  # the example's flush: the recorded stream starts with the clear, as a cache that was emptied
+            path = record_engine_stream(Path(self.cluster.plan.run_dir) / "failures", obs.request, batches[start:],
+                                        obs.tokens)
+            found = engine_cause(path, obs.tokens, obs.engine_tokens, self.opts.page_size, eagle=obs.engine_eagle,
+                                 routed_at=obs.engine_mark - start, salt=obs.salt)
+            if found is not None:
+                return found
+        d = self.diagnose(label, obs.tokens)
+        return ("none" if d is None or d.cause is None else d.cause.name), None
 
     def _salt_lost(self, label: str) -> bool:
         def salts(views: WorkerViews) -> dict[int | None, list[str | None]]:
@@ -387,9 +484,14 @@ class FuzzDriver:
             for label in self.labels:
                 views.start_epoch(label)
         self.history, self.served, self.steps, self.observed = [], [], [], []
-        self.restarts_in_example = 0
+        self.restarts_in_example = self.host_evictions_in_example = 0
         self.hop.dropped.clear()
+        self._corrupted.clear()
         self.examples += 1
+        if self.credit_error is not None:
+            self.credit_error.begin_workload()
+        if self.replicas is not None:
+            self.replicas.begin_example()
 
     def _clear(self, labels: list[str]) -> None:
         before = {lab: self.engine_views.mark(lab) for lab in labels}
@@ -409,6 +511,8 @@ class FuzzDriver:
     def run_step(self, step: dict[str, Any]) -> None:
         """Run one step (recorded first, so a failing step is in the replay script)."""
         self.steps.append(step)
+        if self.credit_error is not None:
+            self.credit_error.note_step(step)
         self.steps_run += 1
         rule = step["rule"]
         try:
@@ -422,7 +526,8 @@ class FuzzDriver:
             pin = step.get("pin")
             self._request(resolve(step["prompt"], self.history), step["max_tokens"],
                           pin=None if pin is None else self.labels[pin % len(self.labels)], salt=step.get("salt"),
-                          judge_routing=step.get("judge_routing", False))
+                          judge_routing=step.get("judge_routing", False),
+                          fault=(step["publisher_fault"], step.get("fault_params")) if step.get("publisher_fault") else None)
         elif rule == "concurrent":
             self._concurrent([(resolve(p, self.history), mt) for p, mt in step["requests"]])
         elif rule == "flush":
@@ -436,25 +541,46 @@ class FuzzDriver:
                                lose=step.get("lose", True))
         elif rule == "restart":
             self._restart(self.labels[step["worker"] % len(self.labels)])
+        elif rule in ("restart_router", "interrupt_events") and self.replicas is None:
+            raise FuzzEnvironmentError(f"step {rule} needs router replicas (--routers 2 or more)")
+        elif rule == "restart_router":
+            try:
+                self.replicas.restart_router(step.get("router", 0))
+            except (TimeoutError, RuntimeError) as exc:
+                raise FuzzEnvironmentError(f"router restart failed: {exc}") from None
+        elif rule == "interrupt_events":
+            self.replicas.interrupt_events(step.get("worker", 0), step.get("seed", 0))
+        elif rule in hicache_rules.RULES and self.opts.hicache:
+            hicache_rules.RULES[rule](self, step)
         else:
             raise ValueError(f"unknown step rule {rule!r}")
 
     def _request(self, tokens: list[int], max_tokens: int, pin: str | None = None, salt: str | None = None,
-                 judge_routing: bool = False) -> Observation:
+                 judge_routing: bool = False, fault: tuple[str, dict[str, Any] | None] | None = None) -> Observation:
         """One request sent alone on a settled cluster, with every surface read around it.
         ``judge_routing``: a pinned request's worker is still judged as a routing decision (the
-        best-worker control: a gateway that pins against the router's cache view)."""
+        best-worker control: a gateway that pins against the router's cache view). ``fault``
+        (scripts only): a publisher fault armed inside the pinned worker (every publishing worker
+        unpinned) for this request (:mod:`.publisher_faults`)."""
         self._settle()
         marks = self._marks()
+        agree = None if self.replicas is None else self.replicas.before(tokens, salt, marks[0])
         best = self._best(tokens, marks[0], salt) if pin is None or judge_routing else None
         decode = self.metrics.decode(self.metrics.decode_urls) if max_tokens >= MIN_SPEC_TOKENS else None
-        reused_before = self.metrics.prefill_reused() if self.disagg else 0.0
+        reused_before = self.metrics.prefill_reused(before_first_report=True) if self.disagg else 0.0
+        tiers_before = self._tiers_now(required=False) if self.opts.hicache else None
         dropped_before = len(self.hop.dropped)
+        armed = self._arm(fault, [pin] if pin else self.labels)
         c = self._send(tokens, max_tokens, None if pin is None else self.cluster.workers[pin].instance_id, salt)
         self._settle(after_request=True)
         label = self._label_of(c.prefill_worker_id)
-        if label is not None and not any(d.unpublished for d in self.hop.dropped[dropped_before:]):
+        if self._fired(armed, label):
+            self._corrupted.add(label)
+        if (label is not None and not any(d.unpublished for d in self.hop.dropped[dropped_before:])
+                and label not in self._corrupted):  # a stream a publisher fault broke may never show the pages
             self._await_stored(label, tokens, salt)
+        if armed is not None:
+            self.publisher_faults.disarm(self.labels)
         if self.disagg:
             engine_tokens: int | None = round(self.metrics.prefill_reused() - reused_before)
             surface = "frontend router_kv_worker_reused_tokens_total{phase=prefill} delta"
@@ -470,23 +596,84 @@ class FuzzDriver:
         obs = self._observation(tokens, c, label, marks, concurrent=False, engine_tokens=engine_tokens,
                                 surface=surface, best=best, salt=salt, spec=spec)
         obs.stored_pages = 0 if label is None else self._held_now(label, tokens, salt)
+        if tiers_before is not None:
+            self._annotate_tiers(obs, tiers_before, marks, salt)
         self._record(obs)
         tpv = "" if spec is None else f", tokens/verify {spec.tokens_per_verify}"
-        self.progress(f"request {obs.request}: {len(tokens)} tokens -> {obs.label}, kv_hit_rate {c.kv_hit_rate} "
+        via = "" if self.replicas is None else f" via {self.replicas.last_router}"
+        self.progress(f"request {obs.request}{via}: {len(tokens)} tokens -> {obs.label}, kv_hit_rate {c.kv_hit_rate} "
                       f"({obs.router_tokens} tokens credited, router view {obs.predicted} blocks), engine reused "
                       f"{engine_tokens}{' [hop fault]' if obs.hop_faulted else ''}{tpv}")
         self._check(obs)
+        if self.replicas is not None:
+            self.replicas.after([agree], obs.request)
         return obs
+
+    def _tiers_now(self, *, required: bool) -> tuple[float, dict[str, dict[str, float] | None]]:
+        """HiCache: the router's raw credit counter and each publishing worker's per-tier reuse, now."""
+        assert self.engine_tiers is not None
+        return self.router_credit.now(required=required), self.engine_tiers.snapshots()
+
+    def _annotate_tiers(self, obs: Observation, before: tuple[float, dict[str, dict[str, float] | None]], marks: tuple,
+                        salt: str | None) -> None:
+        """Fill a HiCache request's per-tier fields: residency in both views at the routing mark, the
+        router's raw credit (its counter's delta) and the engine's split (its counter's delta)."""
+        assert isinstance(obs, tiers_check.TierObservation)
+        raw, engine = self._tiers_now(required=True)
+        obs.router_raw, obs.weight = raw - before[0], self.host_weight
+        if obs.label is None:
+            return
+        eagle = self.engine_eagle(obs.label)
+        obs.residency = self.engine_views.residency(obs.label, obs.tokens, eagle=eagle, lo=marks[2][obs.label],
+                                                    namespace=salt)[0]
+        obs.router_view = self.delivered_views.residency(obs.label, obs.tokens, eagle=eagle, lo=marks[1][obs.label],
+                                                         namespace=salt)[0]
+        assert self.engine_tiers is not None
+        obs.engine_split = self.engine_tiers.split(obs.label, before[1].get(obs.label), engine.get(obs.label),
+                                                   obs.engine_tokens)
+
+    def _arm(self, fault: tuple[str, dict[str, Any] | None] | None, labels: list[str]) -> tuple[int, str] | None:
+        """Arm a script's publisher fault on ``labels``: (its id, its name)."""
+        if fault is None:
+            return None
+        if self.publisher_faults is None:
+            raise FuzzEnvironmentError("the script arms a publisher fault, but the workers were started without the "
+                                       "publisher-fault hook (the fuzz option publisher_faults)")
+        name, params = fault
+        try:
+            return self.publisher_faults.arm(labels, name, params), name
+        except ValueError as exc:
+            raise FuzzEnvironmentError(str(exc)) from None
+
+    def _fired(self, armed: tuple[int, str] | None, label: str | None) -> bool:
+        """Whether the armed fault fired in ``label``'s worker (recorded); True for a harmful one
+        only: the request's own pages are then not waited for (the stream will never show them)."""
+        if armed is None or label is None:
+            return False
+        fault_id, name = armed
+        deadline = time.monotonic() + (self.opts.settle_timeout_s if name == "merge" else 0.0)
+        done = self.publisher_faults.fired(label, fault_id)
+        while done is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            done = self.publisher_faults.fired(label, fault_id)
+        self.faults_fired.append({"request": self.requests + 1, "worker": label, "fault": name,
+                                  **({"fired": False} if done is None else {"fired": True, **{
+                                      k: v for k, v in done.items() if k not in ("id", "fault")}})})
+        self.progress(f"publisher fault {name} on {label}: " + ("did not fire" if done is None else
+                      f"{done['batches_in']} batch(es) in, {done['batches_out']} out, {done['blocks']} blocks"))
+        return done is not None and name in HARMFUL
 
     def _concurrent(self, reqs: list[tuple[list[int], int]]) -> None:
         """A burst, judged against the state settled before it. A request whose credit a sibling
         could change — the sibling shares a page of its prompt that neither view held before the
         burst, or the burst evicted a page it held — is counted ``unattributable``, not judged."""
-        if self.disagg:
-            raise FuzzEnvironmentError("bursts cannot be checked in disaggregation: the prefill worker's reuse is "
-                                       "read per request from a counter, which a burst merges")
+        if self.disagg or self.opts.hicache:
+            raise FuzzEnvironmentError("bursts cannot be checked in disaggregation or with HiCache: the prefill "
+                                       "worker's reuse and the router's raw credit per tier are read per request "
+                                       "from counters, which a burst merges")
         self._settle()
         marks = self._marks()
+        agree = [] if self.replicas is None else [self.replicas.before(toks, None, marks[0]) for toks, _ in reqs]
         with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
             futures = [pool.submit(self._send, toks, mt) for toks, mt in reqs]
             answers = [f.result() for f in futures]
@@ -509,6 +696,8 @@ class FuzzDriver:
         self.progress(f"concurrent burst of {len(reqs)}: " + ", ".join(shown))
         for obs in checks:
             self._check(obs)
+        if self.replicas is not None:
+            self.replicas.after(agree, self.requests)
 
     def _attributable(self, label: str, tokens: list[int], siblings: list[list[int]], obs: Observation,
                       start: tuple, end: tuple) -> bool:
@@ -583,8 +772,13 @@ class FuzzDriver:
         self.progress(f"drop_batch: the hop lost {label}'s batch seq {lost[0].seq} ({lost[0].blocks} blocks) "
                       f"of request {obs.request}")
         follow = [*tokens, *self.history[-1].output, *new_tokens(len(tokens), self.opts.page_size + 1)]
-        self._request(follow, 1, pin=label)
-        self.counts["lost_requeried"] += 1
+        again = self._request(follow, 1, pin=label)
+        if lost_pages_reused(obs, again):
+            self.counts["lost_requeried"] += 1
+        else:
+            self.progress(f"drop_batch: follow-up request {again.request} did not reuse the lost pages "
+                          f"{obs.engine_held}..{obs.stored_pages - 1} (engine view {again.engine_held} pages, reused "
+                          f"{again.engine_tokens} tokens): not counted in lost_requeried")
         d = self.diagnose(label, follow)
         cause = "none" if d is None or d.cause is None else d.cause.name
         self.progress(f"drop_batch: kvalign diagnose on {label}'s router-side capture: {cause}")
@@ -628,6 +822,7 @@ class FuzzDriver:
         for views in (self.engine_views, self.router_views):
             views.start_epoch(label)
         self.hop.dropped[:] = [d for d in self.hop.dropped if d.label != label]
+        self._corrupted.discard(label)
         self.restarts_in_example += 1
         self.counts["restarts"] += 1
         self.progress(f"restart {label}: new instance {new.instance_id} after {time.monotonic() - t0:.0f}s")
@@ -635,4 +830,6 @@ class FuzzDriver:
     def finish_counts(self) -> dict[str, int]:
         """The counts, with evictions read off the engine's own stream (pages removed)."""
         removed = sum(1 for c in self.cluster.capture.snapshot() for ev in c.batch.events if isinstance(ev, BlockRemoved))
-        return {**self.counts, "evictions": removed}
+        tiered = tiers_check.tier_counts({lab: self.engine_views.batches(lab) for lab in self.labels},
+                                         self.opts.page_size) if self.opts.hicache else {}
+        return {**self.counts, "evictions": removed, **tiered}

@@ -45,8 +45,15 @@ from kvalign.live.runs.fuzz.views import credited_blocks, engine_cached_tokens, 
 from kvalign.live.wire.client import Completion
 from kvalign.live.wire.metrics import SpecDecodeWindow, accept_failures
 
-INVARIANTS = ("router_credits_engine_reuse", "router_matches_prediction", "engine_matches_index", "no_stale_credit",
-              "best_worker_chosen", "decode_keeps_speculating")
+INVARIANTS = ("router_credits_engine_reuse", "router_tiers_match_engine", "router_matches_prediction",
+              "engine_matches_index", "no_stale_credit", "best_worker_chosen", "decode_keeps_speculating",
+              "routers_agree")
+#: Invariants of some runs only (router replicas: :mod:`.replicas`), left out of a run's JSON when never checked.
+OPTIONAL = ("routers_agree",)
+#: What the router credited, judged against the engine and kvalign's views: not judged with an
+#: approximate router (``--router-mode approx`` predicts from routing decisions; measured instead).
+ROUTER_JUDGED = ("router_credits_engine_reuse", "router_tiers_match_engine", "router_matches_prediction",
+                 "no_stale_credit", "best_worker_chosen")
 
 #: Fewest generated tokens for which tokens-per-verify can tell accepted drafts from none: the first
 #: token comes from the prefill forward, and with one draft token per verify (the CPU engine) two
@@ -58,11 +65,16 @@ class InvariantFailed(AssertionError):
     """One invariant failed on one request: which, why (a cause name), and the numbers."""
 
     def __init__(self, invariant: str, detail: str, *, cause: str = "none", worker: str | None = None,
-                 request: int | None = None, numbers: dict[str, Any] | None = None) -> None:
+                 request: int | None = None, numbers: dict[str, Any] | None = None, failing: list[str] | None = None,
+                 evidence: dict[str, Any] | None = None) -> None:
         super().__init__(f"{invariant}: {detail} (cause: {cause})")
         self.invariant, self.detail, self.cause = invariant, detail, cause
         self.worker, self.request = worker, request
         self.numbers = dict(numbers or {})
+        #: every invariant the request failed, in evaluation order (``invariant`` is the first)
+        self.failing = list(failing or [invariant])
+        #: what the cause was named from (the engine's recorded stream and its replay command), if anything
+        self.evidence = evidence
 
 
 @dataclass
@@ -76,7 +88,8 @@ class Tally:
     unattributable: int = 0  # burst requests whose credit a sibling's stores or evictions could change
 
     def as_json(self) -> dict[str, dict[str, int]]:
-        return {name: {"checked": self.checked[name], "failed": self.failed[name]} for name in INVARIANTS}
+        return {name: {"checked": self.checked[name], "failed": self.failed[name]} for name in INVARIANTS
+                if name not in OPTIONAL or self.checked[name]}
 
 
 @dataclass
@@ -98,6 +111,8 @@ class Observation:
     best: str | None = None  # the unique best worker in the router view (alone-sent requests only)
     spec: SpecDecodeWindow | None = None  # the decode worker's metric window (alone-sent requests only)
     stored_pages: int = 0  # engine view's leading pages of the prompt once the request settled
+    engine_mark: int = 0  # the engine view's mark the request was routed at (its worker's batches then)
+    salt: str | None = None  # the request's cache_salt
 
     @property
     def n(self) -> int:
@@ -122,11 +137,14 @@ class Observation:
                 f"engine view {self.engine_held} pages -> {self.cached_expected()} expected")
 
 
-def evaluate(obs: Observation, tally: Tally) -> list[tuple[str, str]]:
-    """(invariant, detail) for each invariant ``obs`` breaks, in evaluation order; updates ``tally``."""
+def evaluate(obs: Observation, tally: Tally, *, router_judged: bool = True) -> list[tuple[str, str]]:
+    """(invariant, detail) for each invariant ``obs`` breaks, in evaluation order; updates ``tally``.
+    ``router_judged=False`` (an approximate router) leaves out :data:`ROUTER_JUDGED`."""
     out: list[tuple[str, str]] = []
 
     def check(name: str, ok: bool, detail: str) -> None:
+        if not router_judged and name in ROUTER_JUDGED:
+            return
         tally.checked[name] += 1
         if not ok:
             tally.failed[name] += 1
@@ -165,6 +183,17 @@ def evaluate(obs: Observation, tally: Tally) -> list[tuple[str, str]]:
         check("decode_keeps_speculating", not problems,
               f"request {obs.request} ({len(c.completion_token_ids)} tokens decoded): " + "; ".join(problems))
     return out
+
+
+def lost_pages_reused(lost: Observation, follow_up: Observation) -> bool:
+    """Whether ``follow_up`` looked at the pages the hop lost from ``lost``'s store batch: those are
+    the pages ``lost`` added to the engine view (``engine_held .. stored_pages - 1``), and the follow-up
+    counts only when its engine view held all of them and the engine reused them (a follow-up that
+    found them evicted, or reused fewer, looked at nothing the loss changed)."""
+    if follow_up.engine_tokens is None or lost.stored_pages <= lost.engine_held:
+        return False
+    return (follow_up.engine_held >= lost.stored_pages
+            and follow_up.engine_tokens >= lost.stored_pages * follow_up.block_size)
 
 
 def failure_numbers(obs: Observation) -> dict[str, Any]:

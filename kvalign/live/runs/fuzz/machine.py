@@ -37,10 +37,17 @@ class Failure:
     flaky: bool = False
     numbers: dict[str, Any] = field(default_factory=dict)  # router_tokens, engine_tokens
     note: str | None = None  # e.g. why shrinking stopped early
+    failing: list[str] = field(default_factory=list)  # every invariant the request failed, ``invariant`` first
+    evidence: dict[str, Any] | None = None  # the recorded stream the cause was named from, and its replay
 
     def as_json(self) -> dict[str, Any]:
-        return {"invariant": self.invariant, "cause": self.cause, "detail": self.detail, "script": self.script,
-                **self.numbers, **({"flaky": True} if self.flaky else {}), **({"note": self.note} if self.note else {})}
+        return {"invariant": self.invariant, "failing": self.failing or [self.invariant], "cause": self.cause,
+                "detail": self.detail, "script": self.script, **self.numbers, **({"flaky": True} if self.flaky else {}),
+                **({"note": self.note} if self.note else {}), **({"evidence": self.evidence} if self.evidence else {})}
+
+    @classmethod
+    def of(cls, exc: InvariantFailed, script: str, *, flaky: bool = False, note: str | None = None) -> "Failure":
+        return cls(exc.invariant, exc.cause, exc.detail, script, flaky, exc.numbers, note, exc.failing, exc.evidence)
 
 
 @dataclass
@@ -67,10 +74,13 @@ class FuzzResult:
             "invariants": d.tally.as_json(),
             "last_page_overcredits": d.tally.last_page_overcredits, "unattributable": d.tally.unattributable,
             "hop_faulted": d.tally.hop_faulted,
+            **({"host_requeries": d.host_requeries} if d.opts.hicache else {}),
             "failure": None if self.failure is None else self.failure.as_json(),
             "options": d.opts.as_json(), "startup_s": round(self.startup_s, 1), "seconds": round(self.seconds, 1),
             "requests_per_minute": round(60 * d.requests / self.seconds, 1) if self.seconds > 0 else None,
             "unsettled_waits": d.unsettled, "peak_rss_gib": round(d.peak_rss_bytes / 2**30, 2),
+            "router_mode": d.opts.router_mode, "credit_error": None if d.credit_error is None else d.credit_error.as_json(),
+            **({} if getattr(d, "replicas", None) is None else {"routers": d.replicas.as_json()}),
             "notes": [*self.notes, *d.notes], "run_dir": str(d.cluster.plan.run_dir),
         }
 
@@ -80,8 +90,9 @@ def write_script(path: Path, opts: FuzzOptions, steps: list[dict[str, Any]], fai
     """The replayable script: the options, the steps (with their faults) and what was seen."""
     path.write_text(json.dumps({
         "kvalign_fuzz_script": 1, "options": opts.as_json(), "steps": steps,
-        "failure": None if failure is None else {"invariant": failure.invariant, "cause": failure.cause,
-                                                 "detail": failure.detail},
+        "failure": None if failure is None else {"invariant": failure.invariant, "failing": failure.failing,
+                                                 "cause": failure.cause, "detail": failure.detail,
+                                                 **({"evidence": failure.evidence} if failure.evidence else {})},
         "observed": observed,
     }, indent=1) + "\n")
 
@@ -102,7 +113,8 @@ def machine_class(driver: FuzzDriver) -> type[RuleBasedStateMachine]:
         def request(self, prompt: dict, mt: int) -> None:
             driver.run_step({"rule": "request", "prompt": prompt, "max_tokens": mt})
 
-        @precondition(lambda self: not driver.disagg)  # prefill reuse is a counter: a burst merges it
+        # prefill reuse (disagg) and the router's raw credit per tier (HiCache) are counters: a burst merges them
+        @precondition(lambda self: not driver.disagg and not driver.opts.hicache)
         @rule(reqs=st.lists(st.tuples(specs, max_tokens()), min_size=2, max_size=3))
         def concurrent(self, reqs: list) -> None:
             driver.run_step({"rule": "concurrent", "requests": [list(r) for r in reqs]})
@@ -124,6 +136,21 @@ def machine_class(driver: FuzzDriver) -> type[RuleBasedStateMachine]:
         def restart(self, w: int) -> None:
             driver.run_step({"rule": "restart", "worker": w})
 
+        if getattr(driver, "replicas", None) is not None:  # router replicas: at most one replica fault per example
+            @precondition(lambda self: driver.replicas.faults_in_example == 0)
+            @rule(r=st.integers(0, 2**8))
+            def restart_router(self, r: int) -> None:
+                driver.run_step({"rule": "restart_router", "router": r})
+
+            @precondition(lambda self: driver.replicas.faults_in_example == 0)
+            @rule(w=worker, seed=st.integers(0, 2**16))
+            def interrupt_events(self, w: int, seed: int) -> None:
+                driver.run_step({"rule": "interrupt_events", "worker": w, "seed": seed})
+
+    if driver.opts.hicache:
+        from kvalign.live.runs.fuzz.hicache_rules import machine_class as with_hicache
+
+        return with_hicache(LiveFuzz, driver)
     return LiveFuzz
 
 
@@ -173,7 +200,8 @@ def run_fuzz(driver: FuzzDriver, *, examples: int, steps: int, seed: int | None,
             result.failure = _failure(driver, failures[-1][0], failures, script_path,
                                       note=f"shrinking stopped: {str(broken[0]).splitlines()[0]}")
         else:  # Flaky: the failure did not reproduce on replay (a race, or a live state shrinking lost)
-            result.failure = _failure(driver, failures[-1][0], failures, script_path, flaky=True)
+            result.failure = _failure(driver, failures[-1][0], failures, script_path, flaky=True,
+                                      note=_flaky_note(failures[-1][0]))
     finally:
         engine.MAX_SHRINKING_SECONDS = saved
         driver.run_step = original_step  # type: ignore[method-assign]
@@ -190,7 +218,17 @@ def _failure(driver: FuzzDriver, exc: InvariantFailed, failures: list, script_pa
     router credited 0 where the engine reused tokens."""
     exc, steps, observed = min(failures, key=lambda f: (INVARIANTS.index(f[0].invariant), len(f[1])))
     write_script(script_path, driver.opts, steps, exc, observed)
-    return Failure(exc.invariant, exc.cause, exc.detail, str(script_path), flaky, exc.numbers, note)
+    return Failure.of(exc, str(script_path), flaky=flaky, note=note)
+
+
+def _flaky_note(exc: InvariantFailed) -> str:
+    """What a failure that the live replay did not reproduce is still known by: its cause, named from
+    the stream recorded when it happened (:mod:`.recorded`), and the offline replay of that stream."""
+    if exc.evidence and exc.evidence.get("replay"):
+        return (f"replaying the steps live did not reproduce it (it depends on timing); the cause {exc.cause} is named "
+                f"from the stream recorded when it failed: {exc.evidence['replay']}")
+    return (f"replaying the steps live did not reproduce it (it depends on timing); the cause {exc.cause} was named "
+            "from the captures at the time it failed (the run dir keeps them)")
 
 
 def replay(driver: FuzzDriver, script: dict[str, Any], out_path: Path) -> FuzzResult:
@@ -204,7 +242,7 @@ def replay(driver: FuzzDriver, script: dict[str, Any], out_path: Path) -> FuzzRe
             driver.run_step(step)
     except InvariantFailed as exc:
         write_script(out_path, driver.opts, list(driver.steps), exc, list(driver.observed))
-        result.failure = Failure(exc.invariant, exc.cause, exc.detail, str(out_path), numbers=exc.numbers)
+        result.failure = Failure.of(exc, str(out_path))
     result.seconds = time.monotonic() - start
     return result
 

@@ -57,9 +57,22 @@ class MetricReader:
         except UsageError as exc:
             raise SurfaceMissing(str(exc)) from None
 
-    def prefill_reused(self) -> float:
-        """The frontend's prefill-reuse counter now (0 before any prefill worker reported)."""
-        return prefill_reused_total(self._scrape(self.frontend_url)) or 0.0
+    def prefill_reused(self, *, before_first_report: bool = False) -> float:
+        """The frontend's prefill-reuse counter now.
+
+        The frontend exports the counter once a prefill worker has reported (each prefill attempt
+        reports, 0 reused included), so it may be absent only before the request whose reuse is
+        read (``before_first_report``: read as 0). Absent after a prefill request, the prefill
+        worker's reuse cannot be read (a renamed or dropped metric): :class:`SurfaceMissing`,
+        never a 0 that would turn into a false ``router_credits_engine_reuse`` failure."""
+        total = prefill_reused_total(self._scrape(self.frontend_url))
+        if total is not None:
+            return total
+        if before_first_report:
+            return 0.0
+        raise SurfaceMissing(f"{self.frontend_url} exports no *{PREFILL_REUSED}{{phase=\"prefill\"}} after a prefill "
+                             "request: the prefill worker's reuse cannot be read (Dynamo 1.6.1's frontend counts "
+                             "engine_data.kv_cache_hit there)")
 
     def events_applied(self, components: Sequence[str]) -> float | None:
         """KV events the frontend's router index applied for ``components``, every type and status
