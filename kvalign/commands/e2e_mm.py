@@ -9,6 +9,7 @@ and neither credits an image changed by one pixel, 1 when a check fails (with th
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 import time
@@ -35,13 +36,15 @@ def register(actions: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvalign.commands.e2e import release_version
+    from kvalign.commands.matrix import VERSION
     from kvalign.live.cluster.processes import ProcessExited
     from kvalign.live.engines.sglang_cpu import engine_problem
     from kvalign.live.runs.mm import MmLiveOptions, render, run_mm
     from kvalign.live.wire.client import SseError
 
-    version = release_version(args.sglang)
+    version = args.sglang
+    if version is not None and not re.match(VERSION, version):
+        raise UsageError(f"--sglang takes one release version, got {version!r}")
     problem = engine_problem(version)
     if problem:
         raise UsageError(f"cannot run here: {problem}")

@@ -218,7 +218,7 @@ def mm_property(systems: MmSystems, make_cache: Callable[[int, bool], Any], sc: 
 def run_mm_search(systems: MmSystems, make_cache: Callable[[int, bool], Any], *, eagle: bool, examples: int,
                   seed: int | None = None, page_sizes: tuple[int, ...] | None = None) -> tuple[int, int, Mismatch | None]:
     """Search image scenarios for a mismatch (Hypothesis, shrinking to the smallest)."""
-    from kvalign.verify.check import run_search
+    from kvalign.verify.search import run_search
     from kvalign.verify.mm_strategies import MM_PAGE_SIZES, mm_scenarios
 
     strategy = mm_scenarios(eagle=eagle, page_sizes=page_sizes or MM_PAGE_SIZES)
