@@ -7,7 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-PROPERTIES = ("card", "advertised", "hash", "pages", "overlap", "ingest", "tenants", "tier", "servable", "dp")
+PROPERTIES = ("card", "advertised", "hash", "pages", "overlap", "ingest", "tenants", "tier", "servable", "dp", "mm")
+#: What ``check`` and ``matrix`` run without ``--property``: ``mm`` is opt-in, since it starts Dynamo's
+#: frontend and SGLang's multimodal processor (20-40 s on two cores) and needs both releases' multimodal paths.
+DEFAULT_PROPERTIES = tuple(p for p in PROPERTIES if p != "mm")
 MODES = ("plain", "eagle")
 #: Properties that do not run in every mode (the page size a worker registers does not depend on EAGLE's keys;
 #: no DP rank decision reads the key mode).

@@ -77,7 +77,8 @@ class SglangCpuWorkerKind:
     def __init__(self, draft_model: str | None, *, eagle: CpuEagle = CpuEagle(), max_total_tokens: int = 4096,
                  threads: int = 2, sglang_version: str = sglang_cpu_standin.SGLANG_VERSION,
                  sglang_dir: Path | None = None, relay_subscribe: Mapping[str, str] | None = None,
-                 sleep_on_idle: bool = True, hicache: HiCache | None = None) -> None:
+                 sleep_on_idle: bool = True, hicache: HiCache | None = None,
+                 extra_env: Mapping[str, str] | None = None) -> None:
         self.draft_model, self.eagle = draft_model, eagle
         #: SGLang's host tier on the workers that cache prompts (aggregated and prefill), or None
         self.hicache = hicache
@@ -103,6 +104,7 @@ class SglangCpuWorkerKind:
         #: a test control (the fuzz's ``publisher_faults``): each publishing worker loads kvalign's
         #: publisher-fault hook, armed through ``<dir>/<worker>.json`` (never set on the normal path)
         self.publisher_faults_dir: Path | None = None
+        self.extra_env = dict(extra_env or {})  # e.g. a stand-in switched on for this run only
 
     def _kv_ipc(self, worker: WorkerSpec, plan: ClusterPlan) -> str:
         """The IPC endpoint ``worker``'s SGLang binds for its events (releases without ``bind``)."""
@@ -169,6 +171,7 @@ class SglangCpuWorkerKind:
             "TORCH_EXTENSIONS_DIR": torch_extensions_dir(self.sglang_version),
             **({ROUTER_EAGLE_ENV: "off"} if forced_off else {}), **({RELAY_SUBSCRIBE_ENV: hop} if hop else {}),
             **({SERVER_INFO_ENV: str(server_info_path(plan, worker))} if recording else {}),
+            **self.extra_env,
         }
         if dp > 1:
             env["SGLANG_CPU_OMP_THREADS_BIND"] = threads_bind(dp)
