@@ -33,6 +33,9 @@ DISAGG_SEED = 17
 #: counters cannot attribute) with one restart, and an ``offload`` whose host-only stretch is below
 #: SGLang's load_back_threshold at page 4 (step 11) and above it at page 16.
 HICACHE_SEED = 262
+#: The same with router replicas (``--routers 2+``, two more rules): 3 examples of 10 steps draw
+#: every rule, ``restart_router`` and ``interrupt_events`` included, with one worker restart.
+ROUTERS_SEED = 78
 #: (seed, examples, steps) of the shorter 2 prefill + 1 decode run the per-pull-request suite takes:
 #: the same rules in 18 steps instead of 30 (fewer 5-request fills; a disaggregated request costs
 #: about 3 s here), so every fuzz test together stays within 10 minutes of CI.
@@ -57,7 +60,7 @@ def register(actions: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=10, help="most steps per example (default 10)")
     p.add_argument("--seed", type=int, default=None,
                    help=f"Hypothesis seed (default {DEFAULT_SEED}, {DISAGG_SEED} with --topology disagg, {HICACHE_SEED} with "
-                        "--hicache: fixed, and with "
+                        f"--hicache, {ROUTERS_SEED} with --routers 2+: fixed, and with "
                         "the default 3 examples x 10 steps it draws every rule; tests/unit/live/test_live_fuzz_machine.py "
                         "holds that)")
     p.add_argument("--router-eagle", choices=("on", "off"), default=None,
@@ -192,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
                 result = replay(driver, script, run_dir / "fuzz-failure.json")
             else:
                 seed = args.seed if args.seed is not None else HICACHE_SEED if opts.hicache else \
-                    DISAGG_SEED if opts.topology == "disagg" else DEFAULT_SEED
+                    DISAGG_SEED if opts.topology == "disagg" else ROUTERS_SEED if opts.routers > 1 else DEFAULT_SEED
                 result = run_fuzz(driver, examples=args.examples, steps=args.steps, seed=seed,
                                   shrink_seconds=args.shrink_seconds, script_path=run_dir / "fuzz-failure.json",
                                   report=progress)
