@@ -6,7 +6,7 @@ package (no ``__init__.py``), so Python's path for it joins every ``dynamo/`` on
 subpackage an old release lacks would import from 1.6.1, and a verdict for the old release would
 be 1.6.1's. :func:`pin` closes that: the environment's ``.pth`` calls it to give each release
 package a path of the release's directories only. :func:`foreign` is the check that it held
-(``tests/unit/releases/test_module_origins.py`` runs ``check`` in each release's environment and
+(``tests/unit/releases/test_namespaces.py`` runs ``check`` in each release's environment and
 asks it of every module that run imported).
 """
 

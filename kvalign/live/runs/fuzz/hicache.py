@@ -56,7 +56,7 @@ INVARIANT = "router_tiers_match_engine"
 #: The order a HiCache request's invariants are evaluated in (the first failure names the run's):
 #: :func:`kvalign.live.runs.fuzz.invariants.evaluate`'s, with the tier check after the credit check.
 EVALUATION_ORDER = ("engine_matches_index", "router_credits_engine_reuse", INVARIANT, "router_matches_prediction",
-                    "no_stale_credit", "best_worker_chosen", "decode_keeps_speculating")
+                    "no_stale_credit", "best_worker_chosen", "decode_keeps_speculating", "routers_agree")
 
 
 def weighted(r: Residency, weight: float) -> float:

@@ -71,7 +71,7 @@ class FuzzResult:
             "topology": d.opts.topology, "sglang": d.cluster.kind.sglang_version,
             "examples": d.examples, "steps": d.steps_run, "requests": d.requests,
             "counts": d.finish_counts(),
-            "invariants": d.tally.as_json(),
+            "invariants": d.invariants_json(),
             "last_page_overcredits": d.tally.last_page_overcredits, "unattributable": d.tally.unattributable,
             "hop_faulted": d.tally.hop_faulted,
             **({"host_requeries": d.host_requeries} if d.opts.hicache else {}),
@@ -79,6 +79,8 @@ class FuzzResult:
             "options": d.opts.as_json(), "startup_s": round(self.startup_s, 1), "seconds": round(self.seconds, 1),
             "requests_per_minute": round(60 * d.requests / self.seconds, 1) if self.seconds > 0 else None,
             "unsettled_waits": d.unsettled, "peak_rss_gib": round(d.peak_rss_bytes / 2**30, 2),
+            "router_mode": d.opts.router_mode, "credit_error": None if d.credit_error is None else d.credit_error.as_json(),
+            **({} if getattr(d, "replicas", None) is None else {"routers": d.replicas.as_json()}),
             "notes": [*self.notes, *d.notes], "run_dir": str(d.cluster.plan.run_dir),
         }
 
@@ -133,6 +135,17 @@ def machine_class(driver: FuzzDriver) -> type[RuleBasedStateMachine]:
         @rule(w=worker)
         def restart(self, w: int) -> None:
             driver.run_step({"rule": "restart", "worker": w})
+
+        if getattr(driver, "replicas", None) is not None:  # router replicas: at most one replica fault per example
+            @precondition(lambda self: driver.replicas.faults_in_example == 0)
+            @rule(r=st.integers(0, 2**8))
+            def restart_router(self, r: int) -> None:
+                driver.run_step({"rule": "restart_router", "router": r})
+
+            @precondition(lambda self: driver.replicas.faults_in_example == 0)
+            @rule(w=worker, seed=st.integers(0, 2**16))
+            def interrupt_events(self, w: int, seed: int) -> None:
+                driver.run_step({"rule": "interrupt_events", "worker": w, "seed": seed})
 
     if driver.opts.hicache:
         from kvalign.live.runs.fuzz.hicache_rules import machine_class as with_hicache
