@@ -38,8 +38,13 @@ def short_result(r: RowResult) -> str:
     return "ok"
 
 
+def variant(r: RowResult) -> str:
+    """The variant, and SGLang's KV-event format where it is not the default one (``check --event-format``)."""
+    return r.variant + (f" [{r.event_format}]" if r.event_format not in ("default", "any") else "")
+
+
 def row_name(r: RowResult) -> str:
-    return f"{r.prop}/{r.mode}/{r.variant}"
+    return f"{r.prop}/{r.mode}/{variant(r)}"
 
 
 def progress_line(r: RowResult) -> str:
@@ -59,7 +64,7 @@ def header(label: str, sglang: str, kind: str, dynamo: str, examples: int, page_
 
 def table(rows: Sequence[RowResult]) -> str:
     head = ("property", "mode", "variant", "cases", "mismatches", "result")
-    body = [(r.prop, r.mode, r.variant, str(r.cases), str(r.mismatches), short_result(r)) for r in rows]
+    body = [(r.prop, r.mode, variant(r), str(r.cases), str(r.mismatches), short_result(r)) for r in rows]
     widths = [max(len(x[i]) for x in (head, *body)) for i in range(len(head))]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, body)])

@@ -49,7 +49,7 @@ class HiCacheEngine:
     slots, ``device_tokens`` device slots in SGLang's own allocator), served by SGLang's scheduler code."""
 
     def __init__(self, page_size: int, *, eagle: bool, core: str, policy: str, host_tokens: int,
-                 device_tokens: int | None = None) -> None:
+                 device_tokens: int | None = None, dynamo_format: bool = False) -> None:
         from kvalign.standins.hicache import attach_host_tier, version_problem
         from kvalign.standins.scheduler import scheduler_context
 
@@ -64,7 +64,7 @@ class HiCacheEngine:
         self.allocator = device_allocator(page_size, self.device_tokens)
         self.pool = req_to_token_pool()
         self._o = SglangRadixCache(page_size, eagle=eagle, kind=core, allocator=self.allocator,
-                                   req_to_token_pool=self.pool)
+                                   req_to_token_pool=self.pool, dynamo_format=dynamo_format)
         self.cache = self._o._cache
         if not hasattr(self.cache, "init_hicache"):
             raise OracleUnavailable(f"SGLang {sglang_version()}'s {type(self.cache).__name__} has no init_hicache")

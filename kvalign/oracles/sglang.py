@@ -131,6 +131,11 @@ def _modules() -> types.SimpleNamespace:
     )
 
 
+def has_dynamo_format() -> bool:
+    """Whether this SGLang has ``KVEventsConfig.format = "dynamo"`` (0.5.23: ``CacheInitParams.dynamo_kv_event_format``)."""
+    return "dynamo_kv_event_format" in _modules().fields
+
+
 def server_default_kind() -> str:
     """The cache class this SGLang's server builds by default: ``unified`` or ``radix``.
 
@@ -217,6 +222,12 @@ class SglangRadixCache:
             raise OracleUnavailable(f"sglang {sglang_version()} has no unified radix cache ({m.unified_missing}); "
                                     "its server builds RadixCache: use --cache radix or the default")
         self.page_size, self.eagle, self.kind = page_size, eagle, kind
+        #: the "dynamo" KV-event format: every event hash namespaced by (extra_key, cache_salt), and the
+        #: LoRA name resolved with the adapter-id fallback (SGLang 0.5.23's ``KVEventsConfig.format``)
+        self.dynamo_format = dynamo_format
+        #: LoRA names whose requests reach the scheduler without the name (``recv_req.lora_name`` None, as
+        #: from "older IPC senders"): SGLang knows them only from the adapter table (:meth:`load_adapter`)
+        self.unnamed_requests: set[str] = set()
         self._m = m
         kw: dict[str, Any] = dict(
             disable=False, req_to_token_pool=req_to_token_pool,
@@ -272,13 +283,20 @@ class SglangRadixCache:
         if lora_name:
             lora_id = lora_id_for(lora_name)
             extra_key = (extra_key or "") + lora_id
-            if self._lora_names is not None:
+            if self._lora_names is not None:  # the scheduler's admission (_record_kv_event_lora_name)
                 req = types.SimpleNamespace(lora_id=lora_id, extra_key=extra_key)
-                self._lora_names.register(req, lora_name)
+                self._lora_names.register(req, None if lora_name in self.unnamed_requests else lora_name)
         tokens_array = array("q", [int(t) for t in tokens])
         if self._m.key_has_salt:
             return self._m.RadixKey(tokens_array, extra_key, cache_salt=salt)
         return self._m.RadixKey(tokens_array, extra_key)
+
+    def load_adapter(self, lora_name: str) -> None:
+        """SGLang's scheduler loading an adapter (``load_lora_adapter``; ``--lora-paths`` at start-up goes
+        through ``KvEventLoraNames.from_lora_refs`` to the same table): its id -> name, kept for life."""
+        if self._lora_names is None:
+            raise OracleUnavailable(f"sglang {sglang_version()} has no KV-event LoRA name table")
+        self._lora_names.register(lora_id=lora_id_for(lora_name), lora_name=lora_name)
 
     def insert(self, tokens: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None) -> int:
         """Cache a finished request's tokens; returns the prefix length that was already cached.

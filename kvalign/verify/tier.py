@@ -562,9 +562,14 @@ def hicache_events(version: str) -> str:
 
 
 def run_tier_rows(systems: Any, prop: str, modes: tuple[str, ...], variants: tuple[str, ...], examples: int,
-                  seed: int | None = None, page_size: int | None = None) -> list[Any]:
+                  seed: int | None = None, page_size: int | None = None, event_format: str = "default") -> list[Any]:
     """``check``'s rows for ``tier`` (every mode x variant) or ``servable`` (every mode, base variant),
-    at ``page_size`` or, by default, every size in :data:`TIER_PAGE_SIZES`."""
+    at ``page_size`` or, by default, every size in :data:`TIER_PAGE_SIZES`, with SGLang's events in
+    ``event_format``."""
+    import functools
+
+    from kvalign.oracles.hicache import HiCacheEngine
+
     from kvalign.verify.rows import VARIANTS, RowResult
     from kvalign.standins.hicache import version_problem
     from kvalign.oracles.sglang import sglang_version
@@ -596,7 +601,9 @@ def run_tier_rows(systems: Any, prop: str, modes: tuple[str, ...], variants: tup
                 calls, failures, found = run_tier_search(path, eagle=mode == "eagle", lora=lora, namespace=namespace,
                                                          servable=prop == "servable", examples=n, seed=seed,
                                                          page_sizes=(page_size,) if page_size else TIER_PAGE_SIZES,
-                                                         capped=capped)
+                                                         capped=capped,
+                                                         make_engine=functools.partial(
+                                                             HiCacheEngine, dynamo_format=event_format == "dynamo"))
                 row = RowResult(prop, mode, variant, calls, failures, time.perf_counter() - start)
                 if found is not None:
                     row.cause, row.cause_name, row.detail = found.cause.value, found.cause.name, found.detail
