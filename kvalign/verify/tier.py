@@ -401,9 +401,12 @@ class TierMachine(RuleBasedStateMachine):
         self._after(None)
 
     def _serve(self, tokens: list[int], tenant: tuple[str | None, str | None], step: tuple[Any, ...]) -> bool:
-        """One request through SGLang's scheduler code, judged against the router's credit for it (which
-        equals SGLang's residency here: the previous step's check held). False when SGLang deferred it."""
+        """One request through SGLang's scheduler code, judged against the router's credit for it, which
+        equals SGLang's residency of the prompt (a tier row checked every prompt after the previous step;
+        a servable row checks this one now). False when SGLang deferred it."""
         query = self._shift(tokens)
+        if self.servable:  # the router's credit is SGLang's residency, or the tier divergence is named here
+            self._check(tokens, tenant)
         tiers = self.path.path.query_tiers(self.worker.router, query, *tenant)
         admission = self.engine.serve(query, *tenant)
         self.steps.append(step)
@@ -445,6 +448,8 @@ class TierMachine(RuleBasedStateMachine):
             unsettled = self.path.settle(self.worker, self.tap)
             if unsettled is not None:
                 raise Mismatch("tier", unsettled[1], unsettled[0], self._example())
+        if self.servable:  # a servable row checks each admitted prompt's residency instead (_serve)
+            return
         tenants_seen = list(dict.fromkeys(t for _, t in self.prompts))
         queries = list(dict.fromkeys((tuple(t), ten) for t, ten in self.prompts))
         if self.prompts:
