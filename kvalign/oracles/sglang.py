@@ -85,8 +85,9 @@ def _seed_host_transfer_ops() -> None:
     sys.modules["sgl_kernel"], sys.modules["sgl_kernel.kvcacheio"] = package, kvcacheio
 
 
+@cache
 def _modules() -> types.SimpleNamespace:
-    """Import SGLang's cache classes once, behind the torchvision shim.
+    """Import SGLang's cache classes once, behind the torchvision shim (cached: every cache built asks).
 
     PyPI torchvision is a CUDA build; its two op-registration modules fail beside torch+cpu
     ("operator torchvision::nms does not exist"). Pre-seeding them lets the rest import.
@@ -208,7 +209,10 @@ class SglangRadixCache:
     (force the Python core where selectable) or ``"radix"``. :attr:`kind` is the class actually built.
     """
 
-    def __init__(self, page_size: int, *, eagle: bool, kind: str = "default", dynamo_format: bool = False):
+    def __init__(self, page_size: int, *, eagle: bool, kind: str = "default", dynamo_format: bool = False,
+                 allocator: Any = None, req_to_token_pool: Any = None):
+        """``allocator`` / ``req_to_token_pool``: SGLang's own pools, for a cache that a scheduler drives
+        (:mod:`kvalign.oracles.admission`); by default the cache only hands slot ids back."""
         if kind not in KINDS:
             raise ValueError(f"unknown SGLang cache kind {kind!r}; expected one of {KINDS}")
         m = _modules()
@@ -226,7 +230,8 @@ class SglangRadixCache:
         self.unnamed_requests: set[str] = set()
         self._m = m
         kw: dict[str, Any] = dict(
-            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=_CpuAllocator(),
+            disable=False, req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=_CpuAllocator() if allocator is None else allocator,
             page_size=page_size, is_eagle=eagle, enable_kv_cache_events=True,
         )
         if dynamo_format:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kvalign.live.cluster.processes import ProcessSpec
@@ -212,16 +212,38 @@ def relay_via(endpoint: str) -> None:
     """Make ``dynamo.sglang``'s KV-event relay subscribe to ``endpoint`` (a loopback hop) instead
     of the endpoint SGLang binds; SGLang itself still publishes where its config says.
 
+    ``endpoint`` may also be a JSON object mapping each endpoint the relay would subscribe to (one
+    per data-parallel rank, SGLang's port + rank) to its hop: every rank then goes through its own
+    hop, and a rank the map does not name stops the worker (a rank the hop bypasses would drop
+    nothing).
+
     The relay derives its SUB address with ``publisher.format_zmq_endpoint`` (1.6.1); only that
     name in ``dynamo.sglang.publisher`` is replaced, so SGLang's processes are untouched. Fails
     loudly if Dynamo renamed it: a hop the relay bypasses would drop nothing.
     """
     import dynamo.sglang.publisher as publisher
 
-    if not callable(getattr(publisher, "format_zmq_endpoint", None)):
+    original = getattr(publisher, "format_zmq_endpoint", None)
+    if not callable(original):
         raise SystemExit("kvalign: cannot route KV events through the hop: dynamo.sglang.publisher has no "
                          "format_zmq_endpoint (Dynamo changed how its relay finds SGLang's publisher)")
-    publisher.format_zmq_endpoint = lambda endpoint_template, ip_address: endpoint
+    publisher.format_zmq_endpoint = subscribe_via(original, endpoint)
+
+
+def subscribe_via(original: Callable[[str, str], str], endpoint: str) -> Callable[[str, str], str]:
+    """The replacement for ``format_zmq_endpoint`` (``original``): every subscription to ``endpoint``,
+    or, for a JSON map, each one to the hop its own address maps to (:func:`relay_via`)."""
+    if not endpoint.lstrip().startswith("{"):
+        return lambda endpoint_template, ip_address: endpoint
+    hops = json.loads(endpoint)
+
+    def via_hop(endpoint_template: str, ip_address: str) -> str:
+        own = original(endpoint_template, ip_address)
+        if own not in hops:
+            raise SystemExit(f"kvalign: the relay subscribes to {own}, which no hop serves ({sorted(hops)})")
+        return hops[own]
+
+    return via_hop
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -146,6 +146,7 @@ def test_check_json_report(capsys, router_hasher, sglang_available):
         (["check", "--router-hash", "kvalign.model.hashing:nope"], "has no callable 'nope'"),
         (["check", "--examples", "0"], "--examples must be >= 1"),
         (["check", "--ingest-examples", "0"], "--ingest-examples must be >= 1"),
+        (["check", "--dp-examples", "0"], "--dp-examples must be >= 1"),
         (["check", "--property", "prefill"], "invalid choice: 'prefill'"),
         (["check", "--cache", "bogus"], "invalid choice: 'bogus'"),
         (["check", "--page-size", "0"], "--page-size: must be >= 1, got 0"),
