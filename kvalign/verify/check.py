@@ -190,7 +190,8 @@ def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make
     rows: list[RowResult] = []
 
     def emit(row: RowResult) -> None:
-        row.event_format = event_format if row.prop in EVENT_PROPERTIES else "any"
+        row.event_format = (event_format if row.prop in EVENT_PROPERTIES
+                            else "default" if row.prop in DEFAULT_FORMAT_PROPERTIES else "any")
         _capability_note(hasher, row)
         rows.append(row)
         if progress:
