@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from kvalign.model.causes import Cause
 from kvalign.oracles.base import OracleUnavailable, RouterHasher
-from kvalign.verify.rows import DEFAULT_PROPERTIES, EVENT_PROPERTIES, MODES, VARIANTS, RowResult
+from kvalign.verify.rows import DEFAULT_FORMAT_PROPERTIES, DEFAULT_PROPERTIES, EVENT_PROPERTIES, MODES, VARIANTS, RowResult
 from kvalign.verify.properties import Mismatch, card_property, hash_property, ingest_property, overlap_property, pages_property
 from kvalign.verify.search import run_search  # noqa: F401 - re-exported: check's engine, as before
 from kvalign.verify.strategies import hash_cases, ingest_scenarios, scenarios
