@@ -78,6 +78,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--live", action="store_true",
                    help="also run the seed scenario (kvalign e2e run --engine sglang-cpu) per pair, one at a time, "
                         f"as column {LIVE_COLUMN!r} (real CPU engines: ~3 min and ~6 GiB per pair)")
+    p.add_argument("--event-format", choices=("default", "both"), default="both",
+                   help="both (default): each pair's check also runs SGLang's \"dynamo\" KV-event format where the "
+                        "release has it (a format:dynamo column); default: SGLang's default format only")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     out.add_argument("--markdown", action="store_true",
@@ -114,7 +117,7 @@ def _plan(args: argparse.Namespace) -> dict[str, object]:
     (``properties`` only when ``--property`` narrowed the run)."""
     plan = {"dynamo": _versions(args.dynamo, "--dynamo"), "sglang": _versions(args.sglang, "--sglang"),
             "shipped": bool(args.shipped), "examples": args.examples, "ingest_examples": args.ingest_examples,
-            "live": bool(args.live)}
+            "live": bool(args.live), "event_format": args.event_format}
     if args.props:
         plan["properties"] = _props(args)
     return plan
@@ -242,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
               + (f" — {one_line(r.error)}" if r.error else ""), file=err, flush=True)
 
     results = run_matrix(pairs, examples=args.examples, ingest_examples=args.ingest_examples, jobs=args.jobs,
-                         props=args.props, progress=progress, log=log)
+                         props=args.props, progress=progress, log=log, event_format=args.event_format)
     if args.live:  # one at a time: each starts three real engine processes
         for i, r in enumerate(results, 1):
             r.live = run_live(r.dynamo, r.sglang, log=log)
@@ -275,7 +278,7 @@ def _run_cell(args: argparse.Namespace, cell: tuple[str, str], pairs: list, unkn
         if pair is None:
             raise UsageError(f"cell {args.cell} is not in this matrix (--list-cells with the same options lists its cells)")
         results = run_matrix([pair], examples=args.examples, ingest_examples=args.ingest_examples, jobs=1,
-                             props=args.props, log=log)
+                             props=args.props, log=log, event_format=args.event_format)
         if args.live:
             results[0].live = run_live(dynamo, sglang, log=log)
     r = results[0]

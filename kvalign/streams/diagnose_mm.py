@@ -34,15 +34,17 @@ class MmEvidence:
     common: int = 0
 
 
-def _tokens(ev: Stored) -> list[int]:
-    """The event's raw token sequence (pairs flattened as Dynamo's relay flattens them)."""
+def _tokens(ev: Stored) -> list[int] | None:
+    """The event's raw token sequence (pairs flattened as Dynamo's relay flattens them), or None for
+    a token list that is neither ids nor id pairs (a hostile capture: the replay counts it malformed)."""
     if ev.tok is not None:
         toks = list(ev.tok)
-        if toks and isinstance(toks[0], list):
-            return [int(p[0]) for p in toks] + [int(toks[-1][1])]
-        return [int(t) for t in toks]
-    raw = [int.from_bytes(ev.t[i:i + 4], "little") for i in range(0, len(ev.t), 4)]
-    return raw
+        if toks and all(isinstance(p, list) and len(p) == 2 and all(type(t) is int for t in p) for p in toks):
+            return [p[0] for p in toks] + [toks[-1][1]]
+        if all(type(t) is int for t in toks):
+            return toks
+        return None
+    return [int.from_bytes(ev.t[i:i + 4], "little") for i in range(0, len(ev.t), 4)]
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -65,9 +67,11 @@ def mm_evidence(capture: str, prompt: list[int], block_size: int) -> MmEvidence 
     with CaptureReader(capture) as reader:
         for batch in reader.batches():
             stored = [ev for ev in batch.ev or [] if isinstance(ev, Stored)]
-            wide_in_batch = [t for ev in stored if ev.tok is not None for t in wide_tokens(_tokens(ev))]
+            wide_in_batch = [t for ev in stored if ev.tok is not None for t in wide_tokens(_tokens(ev) or [])]
             for ev in stored:
                 raw = _tokens(ev)
+                if raw is None:
+                    continue
                 prefix = chains.get(ev.p, []) if ev.p is not None else []
                 pairs = 1 if ev.pairs else 0
                 for i, h in enumerate(u64_list(ev.h)):
