@@ -45,7 +45,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="fake-cpu: SGLang radix cache, no model (default); sglang-cpu: real dynamo.sglang on CPU")
         q.add_argument("--draft", choices=("agree", "disagree"), default="agree",
                        help="sglang-cpu: EAGLE3 draft that the target accepts, or never accepts (negative control)")
-        q.add_argument("--workers", type=int, default=2, help="aggregated workers (ignored with --prefill)")
+        q.add_argument("--workers", type=int, default=None,
+                       help="aggregated workers (ignored with --prefill; default 2, 1 with --dp-size)")
+        q.add_argument("--dp-size", type=int, default=1, metavar="N",
+                       help="with --engine sglang-cpu: SGLang's --dp-size on each aggregated worker (N schedulers, KV "
+                            "caches and KV-event streams, registered as ranks [0, N) of one Dynamo worker)")
         q.add_argument("--prefill", type=int, default=0, help="prefill workers (disaggregated topology)")
         q.add_argument("--decode", type=int, default=1, help="decode workers with --prefill")
         q.add_argument("--eagle", action=argparse.BooleanOptionalAction, default=True,
@@ -111,10 +115,19 @@ def _topology(args: argparse.Namespace) -> Topology:
     if args.prefill:
         if args.prefill < 1 or args.decode < 1:
             raise UsageError("a disaggregated topology needs --prefill >= 1 and --decode >= 1")
+        if args.dp_size != 1:
+            raise UsageError("--dp-size runs aggregated workers only (not with --prefill)")
         return Topology.disaggregated(args.prefill, args.decode, eagle=args.eagle, register_eagle=reg, page_size=args.page_size)
+    if args.dp_size < 1:
+        raise UsageError(f"--dp-size must be >= 1, got {args.dp_size}")
+    if args.dp_size > 1 and args.engine != "sglang-cpu":
+        raise UsageError("--dp-size needs --engine sglang-cpu (the fake workers have one KV cache each)")
+    if args.workers is None:
+        args.workers = 2 if args.dp_size == 1 else 1
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
-    return Topology.aggregated(args.workers, eagle=args.eagle, register_eagle=reg, page_size=args.page_size)
+    return Topology.aggregated(args.workers, eagle=args.eagle, register_eagle=reg, page_size=args.page_size,
+                               dp_size=args.dp_size)
 
 
 def _plan(args: argparse.Namespace) -> tuple[ClusterPlan, WorkerKind]:
@@ -163,8 +176,11 @@ def _up(args: argparse.Namespace, plan: ClusterPlan, kind: WorkerKind) -> int:
             for i, url in enumerate(plan.frontend_urls[1:], start=1):
                 print(f"router{i}   {url}  (frontend{i}; {' '.join(plan.routers.flags(i)) or 'no extra flags'})")
             for name, h in cluster.workers.items():
+                n = plan.worker_ports[name].kv_ranks
+                events = h.kv_events_endpoint if n == 1 or not h.kv_events_endpoint else ", ".join(
+                    f"rank {r} {plan.kv_events_connect(h.spec, r)}" for r in range(n))
                 print(f"{name:<9} role={h.spec.role:<7} instance_id={h.instance_id} enable_eagle={h.enable_eagle} "
-                      f"kv_events={h.kv_events_endpoint}")
+                      f"kv_events={events}")
             sys.stdout.flush()
             if not args.scenario:
                 _hold(args.hold)

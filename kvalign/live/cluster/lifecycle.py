@@ -31,6 +31,7 @@ from kvalign.live.cluster import discovery
 from kvalign.live.wire.capture import EventCapture
 from kvalign.live.wire.client import wait_ready
 from kvalign.releases.release_env import python_for
+from kvalign.live.cluster import ranks
 from kvalign.live.cluster.model_dir import MODEL_NAME, write_model_dir
 from kvalign.live.cluster.discovery import EtcdStore
 from kvalign.live.cluster.ports import LOOPBACK, PortPool
@@ -68,7 +69,7 @@ def make_plan(
         dynamo_version=dynamo_version, python=python_for([dynamo_dir]) if dynamo_dir else sys.executable, **control,
     )
     for w in topology.workers:
-        plan.worker_ports[w.name] = WorkerPorts.allocate(pool, w.name)
+        plan.worker_ports[w.name] = WorkerPorts.allocate(pool, w.name, kv_ranks=topology.dp_size if w.role == "agg" else 1)
     return plan
 
 
@@ -161,8 +162,7 @@ class Cluster:
             self.group.start(self.kind.command(w, self.plan))
         for w in self.plan.topology.workers:
             self.workers[w.name] = self._await_registration(w, deadline)
-        endpoints = self.engine_view if self.engine_view is not None else {
-            name: h.kv_events_endpoint for name, h in self.workers.items() if h.kv_events_endpoint}
+        endpoints = self.engine_view if self.engine_view is not None else ranks.endpoints(self.plan)
         self.capture = EventCapture(endpoints, capture_dir=self.plan.run_dir / "captures")
         if self.router_view is not None:
             self.router_capture = EventCapture(self.router_view, capture_dir=self.plan.run_dir / "captures" / "router")

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from dataclasses import astuple, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -83,10 +83,21 @@ class Topology:
 
     workers: tuple[WorkerSpec, ...]
     page_size: int = 16
+    #: SGLang's ``--dp-size`` of every aggregated worker: that many schedulers, KV caches and KV-event
+    #: streams per worker (ports ``kv_events + rank``), one Dynamo worker routed by (instance, dp_rank)
+    dp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.dp_size > 1 and self.disaggregated_mode:
+            raise ValueError("--dp-size runs aggregated workers only (the disaggregated fake transfer is not "
+                             "checked across data-parallel ranks)")
 
     @classmethod
-    def aggregated(cls, n: int, *, eagle: bool, register_eagle: bool | None = None, page_size: int = 16) -> "Topology":
-        return cls(tuple(WorkerSpec(f"worker{i}", "agg", eagle, register_eagle) for i in range(n)), page_size)
+    def aggregated(cls, n: int, *, eagle: bool, register_eagle: bool | None = None, page_size: int = 16,
+                   dp_size: int = 1) -> "Topology":
+        return cls(tuple(WorkerSpec(f"worker{i}", "agg", eagle, register_eagle) for i in range(n)), page_size, dp_size)
 
     @classmethod
     def disaggregated(
@@ -116,18 +127,21 @@ class WorkerPorts:
     """
 
     rpc: int
-    kv_events: int
+    kv_events: int  # rank 0's; a data-parallel worker's rank r publishes on kv_events + r
     system: int
     bootstrap: int
     nccl: int
+    kv_ranks: int = 1  # how many consecutive KV-event ports from kv_events (SGLang's --dp-size)
 
     @classmethod
-    def allocate(cls, pool: PortPool, name: str) -> "WorkerPorts":
-        return cls(*(pool.take(f"{name}.{f.name}") for f in fields(cls)))
+    def allocate(cls, pool: PortPool, name: str, *, kv_ranks: int = 1) -> "WorkerPorts":
+        ports = {f.name: (pool.take_range(f"{name}.{f.name}", kv_ranks) if f.name == "kv_events"
+                          else pool.take(f"{name}.{f.name}")) for f in fields(cls) if f.name != "kv_ranks"}
+        return cls(**ports, kv_ranks=kv_ranks)
 
     def all(self) -> tuple[int, ...]:
         """Every port of the worker, for callers that must keep clear of them."""
-        return astuple(self)
+        return (self.rpc, *range(self.kv_events, self.kv_events + self.kv_ranks), self.system, self.bootstrap, self.nccl)
 
 
 def response_stream_host(dynamo_version: str | None) -> str:
@@ -261,9 +275,13 @@ class ClusterPlan:
             config["bind"] = True
         return json.dumps(config)
 
-    def kv_events_connect(self, worker: WorkerSpec) -> str:
-        """Where a subscriber on this machine reaches ``worker``'s SGLang KV-event PUB."""
-        return f"tcp://{LOOPBACK}:{self.worker_ports[worker.name].kv_events}"
+    def kv_events_connect(self, worker: WorkerSpec, rank: int = 0) -> str:
+        """Where a subscriber on this machine reaches ``worker``'s SGLang KV-event PUB (data-parallel
+        rank ``rank``'s: SGLang offsets the configured port by the rank)."""
+        ports = self.worker_ports[worker.name]
+        if not 0 <= rank < ports.kv_ranks:
+            raise ValueError(f"{worker.name} has {ports.kv_ranks} KV-event rank(s), not rank {rank}")
+        return f"tcp://{LOOPBACK}:{ports.kv_events + rank}"
 
     def frontend_spec(self, replica: int = 0) -> ProcessSpec:
         """``python -m dynamo.frontend --router-mode kv`` on loopback, for this namespace; ``replica``

@@ -71,7 +71,7 @@ class FuzzResult:
             "topology": d.opts.topology, "sglang": d.cluster.kind.sglang_version,
             "examples": d.examples, "steps": d.steps_run, "requests": d.requests,
             "counts": d.finish_counts(),
-            "invariants": d.tally.as_json(),
+            "invariants": d.invariants_json(),
             "last_page_overcredits": d.tally.last_page_overcredits, "unattributable": d.tally.unattributable,
             "hop_faulted": d.tally.hop_faulted,
             **({"host_requeries": d.host_requeries} if d.opts.hicache else {}),
