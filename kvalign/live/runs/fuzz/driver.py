@@ -637,7 +637,7 @@ class FuzzDriver:
         spec = None
         if decode is not None and label is not None and len(c.completion_token_ids) >= MIN_SPEC_TOKENS:
             d = self.decode_label(label)
-            spec = self.metrics.spec(decode[d], d)
+            spec = self.metrics.spec(decode[d], d) if self.dp is None else self.dp.spec(decode[d], d, label)
         obs = self._observation(tokens, c, label, marks, concurrent=False, engine_tokens=engine_tokens,
                                 surface=surface, best=best, salt=salt, spec=spec)
         obs.stored_pages = 0 if label is None else self._held_now(label, tokens, salt)
