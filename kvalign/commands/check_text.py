@@ -32,13 +32,19 @@ def short_result(r: RowResult) -> str:
     """A row's ``result`` cell: ``ok``, ``skipped``, or ``MISALIGNED: CAUSE_NAME`` (explained under the table)."""
     if r.skipped:
         return "skipped"
+    apart = "".join(f"; {e['cases']} {name} apart" for name, e in (r.scoped or {}).items())
     if not r.ok:
-        return f"MISALIGNED: {r.cause_name or 'UNKNOWN'}"
-    return "ok"
+        return f"MISALIGNED: {r.cause_name or 'UNKNOWN'}{apart}"
+    return "ok" + apart
+
+
+def variant(r: RowResult) -> str:
+    """The variant, and SGLang's KV-event format where it is not the default one (``check --event-format``)."""
+    return r.variant + (f" [{r.event_format}]" if r.event_format not in ("default", "any") else "")
 
 
 def row_name(r: RowResult) -> str:
-    return f"{r.prop}/{r.mode}/{r.variant}"
+    return f"{r.prop}/{r.mode}/{variant(r)}"
 
 
 def progress_line(r: RowResult) -> str:
@@ -58,7 +64,7 @@ def header(label: str, sglang: str, kind: str, dynamo: str, examples: int, page_
 
 def table(rows: Sequence[RowResult]) -> str:
     head = ("property", "mode", "variant", "cases", "mismatches", "result")
-    body = [(r.prop, r.mode, r.variant, str(r.cases), str(r.mismatches), short_result(r)) for r in rows]
+    body = [(r.prop, r.mode, variant(r), str(r.cases), str(r.mismatches), short_result(r)) for r in rows]
     widths = [max(len(x[i]) for x in (head, *body)) for i in range(len(head))]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, body)])
@@ -84,6 +90,10 @@ def explanations(rows: Sequence[RowResult], page_size: int | None = None) -> str
                 fit(f"  scope: {scope}"),
                 fit(f"  counterexample ({row_name(first)})" + (f": {first.detail}" if first.detail else "")),
                 fit(f"    shrunk: {first.counterexample}", indent="  ")]
+        if first.admission:
+            out.append(fit("    admitted request, as SGLang's scheduler reports it: "
+                           + ", ".join(f"{k} {v}" for k, v in first.admission.items()), indent="  "))
+    out += _scoped(rows)
     skipped: dict[str, list[RowResult]] = {}
     for r in rows:
         if r.skipped:
@@ -95,6 +105,32 @@ def explanations(rows: Sequence[RowResult], page_size: int | None = None) -> str
     return "\n".join(out)
 
 
+def _scoped(rows: Sequence[RowResult]) -> list[str]:
+    """Each cause counted apart from the mismatches once: what it is, how many cases, where it occurs."""
+    out: list[str] = []
+    by_name: dict[str, list[RowResult]] = {}
+    for r in rows:
+        for name in r.scoped or {}:
+            by_name.setdefault(name, []).append(r)
+    for name, group in by_name.items():
+        first = group[0].scoped[name]
+        n = sum(r.scoped[name]["cases"] for r in group)
+        out += ["", fit(f"{name} (counted apart, not a mismatch): {first['cause']}"),
+                fit(f"  {n} cases in rows: {_names(group)}"),
+                fit(f"  occurs {first['condition']}"),
+                fit(f"  first case ({row_name(group[0])}): {first['detail']}")]
+    return out
+
+
+def apart(rows: Sequence[RowResult]) -> dict[str, int]:
+    """Cases per cause counted apart from the mismatches (they never fail a row)."""
+    totals: dict[str, int] = {}
+    for r in rows:
+        for name, e in (r.scoped or {}).items():
+            totals[name] = totals.get(name, 0) + e["cases"]
+    return totals
+
+
 def verdict(rows: Sequence[RowResult], seconds: float) -> str:
     """The last lines: the verdict, then the configurations a cause is confined to (a reader deciding
     whether *their* deployment is affected needs that before the per-row details)."""
@@ -102,4 +138,5 @@ def verdict(rows: Sequence[RowResult], seconds: float) -> str:
     line = (f"{'ALIGNED' if aligned else 'MISALIGNED'}: {sum(r.cases for r in rows)} cases in {seconds:.1f}s, "
             f"{sum(not r.ok for r in rows)} of {len(rows)} rows mismatched")
     conditions = dict.fromkeys((r.cause_name, r.condition) for r in rows if not r.ok and r.condition)
-    return "\n".join([fit(line), *(fit(f"  {name} holds {condition}") for name, condition in conditions)])
+    return "\n".join([fit(line), *(fit(f"  {name} holds {condition}") for name, condition in conditions),
+                      *(fit(f"  {name} counted apart in {n} cases (not a misalignment)") for name, n in apart(rows).items())])

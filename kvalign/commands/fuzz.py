@@ -33,6 +33,9 @@ DISAGG_SEED = 17
 #: counters cannot attribute) with one restart, and an ``offload`` whose host-only stretch is below
 #: SGLang's load_back_threshold at page 4 (step 11) and above it at page 16.
 HICACHE_SEED = 262
+#: The same with router replicas (``--routers 2+``, two more rules): 3 examples of 10 steps draw
+#: every rule, ``restart_router`` and ``interrupt_events`` included, with one worker restart.
+ROUTERS_SEED = 78
 #: (seed, examples, steps) of the shorter 2 prefill + 1 decode run the per-pull-request suite takes:
 #: the same rules in 18 steps instead of 30 (fewer 5-request fills; a disaggregated request costs
 #: about 3 s here), so every fuzz test together stays within 10 minutes of CI.
@@ -57,7 +60,7 @@ def register(actions: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=10, help="most steps per example (default 10)")
     p.add_argument("--seed", type=int, default=None,
                    help=f"Hypothesis seed (default {DEFAULT_SEED}, {DISAGG_SEED} with --topology disagg, {HICACHE_SEED} with "
-                        "--hicache: fixed, and with "
+                        f"--hicache, {ROUTERS_SEED} with --routers 2+: fixed, and with "
                         "the default 3 examples x 10 steps it draws every rule; tests/unit/live/test_live_fuzz_machine.py "
                         "holds that)")
     p.add_argument("--router-eagle", choices=("on", "off"), default=None,
@@ -72,6 +75,8 @@ def register(actions: argparse._SubParsersAction) -> None:
     p.add_argument("--hide-gaps", dest="hide_gaps", action="store_const", const=True, default=None,
                    help="negative control: after a lost batch the hop renumbers later batches, so no sequence gap "
                         "is visible (kvalign diagnose must still name the loss); meant for --replay scripts that drop a batch")
+    p.add_argument("--event-format", choices=("default", "dynamo"), default=None,
+                   help="SGLang's KV-event format (--kv-events-config format; dynamo: SGLang 0.5.23+); default: default")
     p.add_argument("--workers", type=int, default=None,
                    help="aggregated workers, or prefill workers with --topology disagg (default 2; 1 with --dp-size)")
     p.add_argument("--dp-size", type=int, default=None, metavar="N",
@@ -135,6 +140,7 @@ def _options(args: argparse.Namespace, script: dict[str, Any] | None) -> FuzzOpt
             sglang=args.sglang or given.get("sglang"), draft=args.draft or given.get("draft", "agree"),
             page_size=args.page_size if args.page_size is not None else int(given.get("page_size", 16)),
             hicache=hicache_option.hicache_from(args, given.get("hicache")),
+            event_format=args.event_format or given.get("event_format", "default"),
             max_total_tokens=int(given.get("max_total_tokens", args.max_total_tokens)),
             router_eagle=args.router_eagle == "on" if args.router_eagle else bool(given.get("router_eagle", True)),
             gap_check=args.gap_check if args.gap_check is not None else bool(given.get("gap_check", True)),
@@ -171,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
                 if opts.dp_size > 1 else ""))
     progress(f"kvalign e2e fuzz: {what} on {shape} {opts.engine} EAGLE3 workers"
              f"{f' (SGLang {opts.sglang})' if opts.sglang else ''}, page {opts.page_size}, "
-             f"KV pool {opts.max_total_tokens} tokens" + ("" if opts.router_eagle else " [NEGATIVE CONTROL: router eagle off]")
+             f"KV pool {opts.max_total_tokens} tokens"
+             + (f", SGLang's {opts.event_format} KV-event format" if opts.event_format != "default" else "") + ("" if opts.router_eagle else " [NEGATIVE CONTROL: router eagle off]")
              + ("" if opts.gap_check else " [NEGATIVE CONTROL: gap check off]")
              + (" [NEGATIVE CONTROL: the hop strips cache_salt]" if opts.strip_salt else "")
              + (" [NEGATIVE CONTROL: disagreeing draft]" if opts.draft == "disagree" else "")
@@ -181,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
              + (" [NEGATIVE CONTROL: publisher-fault hook loaded in the workers]" if opts.publisher_faults else "")
              + (f", {opts.hicache.describe()}" if opts.hicache else "")
              + (" [NEGATIVE CONTROL: only rank 0 publishes]" if opts.rank0_only else "") + f"; run dir {run_dir}")
+    from kvalign.live.runs.advertised import advertised_rows
     from kvalign.live.runs.fuzz.machine import replay, run_fuzz
 
     try:
@@ -193,23 +201,29 @@ def run(args: argparse.Namespace) -> int:
                 result = replay(driver, script, run_dir / "fuzz-failure.json")
             else:
                 seed = args.seed if args.seed is not None else HICACHE_SEED if opts.hicache else \
-                    DISAGG_SEED if opts.topology == "disagg" else DEFAULT_SEED
+                    DISAGG_SEED if opts.topology == "disagg" else ROUTERS_SEED if opts.routers > 1 else DEFAULT_SEED
                 result = run_fuzz(driver, examples=args.examples, steps=args.steps, seed=seed,
                                   shrink_seconds=args.shrink_seconds, script_path=run_dir / "fuzz-failure.json",
                                   report=progress)
             result.startup_s = startup_s
             out = result.as_json()
+            rows = advertised_rows(cluster)  # each worker's block sizes, live (the events of the whole run)
+            out["event_format"], out["advertised"] = opts.event_format, [r.as_json() for r in rows]
+            bad = next((r for r in rows if not r.ok), None)
+            if bad is not None and out["failure"] is None:
+                out["verdict"] = "fail"
+                out["failure"] = {"invariant": "advertised_block_size", "cause": bad.cause, "detail": bad.detail}
     except (ProcessExited, TimeoutError, FuzzEnvironmentError, RuntimeError) as exc:
         raise UsageError(f"{str(exc).splitlines()[0]} (logs kept under {run_dir / 'logs'})") from None
     if args.json:
         print(json.dumps(out, indent=1))
     else:
         print(render(out))
-    if result.passed and not args.keep_logs:
+    if out["verdict"] == "pass" and not args.keep_logs:
         shutil.rmtree(run_dir, ignore_errors=True)
     else:
         progress(f"logs and captures kept under {run_dir}")
-    return 0 if result.passed else 1
+    return 0 if out["verdict"] == "pass" else 1
 
 
 def render(out: dict[str, Any]) -> str:
@@ -220,6 +234,7 @@ def render(out: dict[str, Any]) -> str:
               + ("".join(f"; {rank} checked {r['checked']}, failed {r['failed']}, credited {r['credited_requests']}"
                          for rank, r in v["by_rank"].items()) if "by_rank" in v else "")
               for name, v in out["invariants"].items()]
+    lines += [f"  advertised {r['worker']}: {'ok' if r['ok'] else r['cause']}: {r['detail']}" for r in out.get("advertised", [])]
     ce = out.get("credit_error") or {}
     if ce.get("requests"):
         lines.append(f"  router credit - engine reuse ({out.get('router_mode', 'events')} mode): mean |error| "
@@ -237,5 +252,6 @@ def render(out: dict[str, Any]) -> str:
             lines.append(f"  the recorded stream, replayed offline: {f['evidence']['replay']}")
         if f.get("note"):
             lines.append(f"  note: {f['note']}")
-        lines.append(f"replay: kvalign e2e fuzz --replay {f['script']}")
+        if f.get("script"):
+            lines.append(f"replay: kvalign e2e fuzz --replay {f['script']}")
     return "\n".join(lines)

@@ -25,7 +25,7 @@ import sys
 import time
 
 from kvalign.releases import local_build
-from kvalign.verify.rows import PROPERTIES
+from kvalign.verify.rows import DEFAULT_PROPERTIES, PROPERTIES
 from kvalign.errors import UsageError
 from kvalign.verify.matrix import (DEFAULT_SGLANG, LIVE_COLUMN, UNKNOWN, CellFileError, MatrixError, PairResult, cache_root,
                                    cell_document, default_dynamo_versions, exit_code, list_cells, merge_cells,
@@ -78,6 +78,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--live", action="store_true",
                    help="also run the seed scenario (kvalign e2e run --engine sglang-cpu) per pair, one at a time, "
                         f"as column {LIVE_COLUMN!r} (real CPU engines: ~3 min and ~6 GiB per pair)")
+    p.add_argument("--event-format", choices=("default", "both"), default="both",
+                   help="both (default): each pair's check also runs SGLang's \"dynamo\" KV-event format where the "
+                        "release has it (a format:dynamo column); default: SGLang's default format only")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     out.add_argument("--markdown", action="store_true",
@@ -114,7 +117,7 @@ def _plan(args: argparse.Namespace) -> dict[str, object]:
     (``properties`` only when ``--property`` narrowed the run)."""
     plan = {"dynamo": _versions(args.dynamo, "--dynamo"), "sglang": _versions(args.sglang, "--sglang"),
             "shipped": bool(args.shipped), "examples": args.examples, "ingest_examples": args.ingest_examples,
-            "live": bool(args.live)}
+            "live": bool(args.live), "event_format": args.event_format}
     if args.props:
         plan["properties"] = _props(args)
     return plan
@@ -122,7 +125,7 @@ def _plan(args: argparse.Namespace) -> dict[str, object]:
 
 def _props(args: argparse.Namespace) -> list[str]:
     """The properties a run checks, in the table's column order."""
-    return [p for p in PROPERTIES if not args.props or p in args.props]
+    return [p for p in PROPERTIES if p in args.props] if args.props else list(DEFAULT_PROPERTIES)
 
 
 def _read_json(name: str, what: str) -> object:
@@ -150,7 +153,7 @@ def _merge(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     # merge_cells checked that every cell has this one; with none merged, no plan is known
     plan = docs[0][1]["cell"]["plan"] if docs else {}
-    _print(results, versions, as_json=args.json, props=plan.get("properties") or list(PROPERTIES),
+    _print(results, versions, as_json=args.json, props=plan.get("properties") or list(DEFAULT_PROPERTIES),
            markdown=plan if args.markdown else None)
     err = console()
     print(f"kvalign matrix: merged {len(results) - len(missing)} cells ({sum(r.verdict == 'aligned' for r in results)} "
@@ -242,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
               + (f" — {one_line(r.error)}" if r.error else ""), file=err, flush=True)
 
     results = run_matrix(pairs, examples=args.examples, ingest_examples=args.ingest_examples, jobs=args.jobs,
-                         props=args.props, progress=progress, log=log)
+                         props=args.props, progress=progress, log=log, event_format=args.event_format)
     if args.live:  # one at a time: each starts three real engine processes
         for i, r in enumerate(results, 1):
             r.live = run_live(r.dynamo, r.sglang, log=log)
@@ -275,7 +278,7 @@ def _run_cell(args: argparse.Namespace, cell: tuple[str, str], pairs: list, unkn
         if pair is None:
             raise UsageError(f"cell {args.cell} is not in this matrix (--list-cells with the same options lists its cells)")
         results = run_matrix([pair], examples=args.examples, ingest_examples=args.ingest_examples, jobs=1,
-                             props=args.props, log=log)
+                             props=args.props, log=log, event_format=args.event_format)
         if args.live:
             results[0].live = run_live(dynamo, sglang, log=log)
     r = results[0]

@@ -46,6 +46,15 @@ class Cause(str, Enum):
     MEDIUM_NOT_INDEXED = "the relay maps no tier to the event's medium: those pages are indexed nowhere, silently"
     HOST_CREDIT_NOT_SERVABLE = ("router credits host-tier pages that SGLang will not load back (host-only stretch "
                                 "below its load_back_threshold): the engine re-prefills them")
+    LAST_PAGE_CAPPED = ("router credits the page holding the prompt's last token, which SGLang's scheduler never "
+                        "matches (it caps a match at input_len - 1 tokens): the engine computes that page again")
+    REGISTERED_BLOCK_SIZE = ("Dynamo registers a block size other than the one SGLang's KV events carry (a page size "
+                             "SGLang set after Dynamo read it): the relay drops every page, the router's hit rate is 0")
+    ADVERTISED_BLOCK_SIZE = "SGLang's /server_info advertises a KV-event block_size its events do not carry"
+    TENANT_HASH_COLLISION = ("SGLang publishes one block hash for two tenants' pages (LoRA / cache_salt): the router "
+                             "keeps one entry for both, and removing either removes both")
+    PARENT_OUTSIDE_NAMESPACE = "a page's parent hash is another tenant's page: the router attaches it below the wrong tenant"
+    LORA_NAME_MISMATCH = "SGLang publishes a LoRA page under another name than the one the request carries"
     DP_RANK_UNPUBLISHED = ("a data-parallel rank's scheduler publishes no KV events (only rank 0 publishes): the "
                            "router never indexes that rank's cache")
     DP_RANK_TAG = ("a data-parallel rank's batches carry another rank's attn_dp_rank: Dynamo drops them as disagreeing "
@@ -65,6 +74,18 @@ class Cause(str, Enum):
     REPLICA_INDEX_DIVERGED = "router replicas would route the same prompt by indexes that hold different pages"
     REPLICA_STATE_UNSYNCED = ("a router replica misses its peers' active-sequence events (no replica sync): its "
                               "load view lacks their in-flight requests")
+    # Multimodal prompts (kvalign.verify.mm): how an image's pages stop matching.
+    MM_PAD_WIDTH = ("SGLang keys an image's tokens by pad values wider than the router's u32 token ids: Dynamo's "
+                    "relay drops every event batch holding one, and the frontend's u32 pad values cannot match them")
+    MM_PAD_VALUES = "the frontend fills an image's tokens with other pad values than SGLang does for the same image hash"
+    MM_HASH_NOT_FORWARDED = ("the worker did not pass the frontend's image hash to SGLang, which hashed the pixels "
+                             "itself: its pad values differ from the router's")
+    MM_ROUTING_SKIPPED = ("the frontend built no multimodal routing sequence: the router hashed the prompt with one "
+                          "placeholder per image, SGLang keyed the expanded image")
+    MM_PLACEHOLDER_COUNT = "the frontend expands an image to another number of placeholder tokens than SGLang's processor"
+    MM_EAGLE_WINDOW = ("EAGLE: the router's B+1-token window of the page ending where an image starts differs from "
+                       "SGLang's bigram page, which reaches one token into the image")
+    MM_IMAGE_REUSED = "a changed image was credited: its pad values did not change with its pixels"
     UNKNOWN = "unclassified hash difference"
 
 

@@ -27,6 +27,8 @@ from typing import Any
 import xxhash
 
 from kvalign.streams.capture import Batch, Cleared, Removed, capture_block_size, u64_list
+from kvalign.streams.diagnose_mm import mm_evidence
+from kvalign.model.mm_keys import pad_runs
 from kvalign.streams.engine_reuse import explain_engine_reuse, read_capture
 from kvalign.model.causes import Cause
 from kvalign.model.hashing import as_u32_tokens, block_hashes, salt_seed
@@ -34,7 +36,7 @@ from kvalign.model.index import router_kv_hit_rate
 from kvalign.model.relay import RELAY_TIERS
 from kvalign.streams.replay import WorkerReplay, replay_capture, resolve_block_size
 from kvalign.streams.replay_index import ReplayIndex, StoredPages, chain_nodes
-from kvalign.model.sglang_keys import engine_block_hashes
+from kvalign.model.sglang_keys import engine_block_hashes, matchable_pages
 
 WORKER = 1
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -256,7 +258,9 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings, *, engine_
         notes=_capture_notes(rep), capture_stats=_capture_stats(rep),
     )
 
-    d.findings += _host_credit_not_servable(seen, [by_node.get(n) for n in path_e[:ever]], engine_b, engine_eagle)
+    matchable = matchable_pages(len(tokens), engine_b, eagle=engine_eagle)  # SGLang's scheduler cap
+    d.findings += _host_credit_not_servable(seen, [by_node.get(n) for n in path_e[:min(ever, matchable)]], engine_b,
+                                            engine_eagle)
 
     def router_view(i: int) -> BlockView:
         s, e, toks = _window(tokens, i, router_b, router_eagle)
@@ -326,6 +330,11 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings, *, engine_
         return found(i, Cause.EVICTED,
                      f"the engine stored block {i} (SGLang hash {_signed(page.ext)}, seq {page.seq}) and then "
                      f"evicted it ({when}); the router correctly stops crediting at block {i}")
+    mm = mm_evidence(capture, tokens, engine_b) if rep.malformed or pad_runs(tokens) else None
+    if mm is not None and mm.cause is not None:  # pages of the prompt the relay could not have indexed
+        held = min(mm.common - (1 if engine_eagle else 0), len(tokens)) // engine_b  # the engine holds them
+        d.engine.update(overlap=held, holds=held, ever_stored=held, kv_hit_rate=rate(held, engine_b))
+        return found(i, mm.cause, mm.detail)
     gap = _gap_evidence(seen, tokens, h_e, path_e, by_node, i, rep, engine_b, engine_eagle, ns_e)
     if isinstance(gap, _Gap):
         view = engine_view(i)
@@ -350,6 +359,8 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings, *, engine_
                      f"[{start}, {start + engine_b + engine_eagle}) instead of [{(page.depth - 1) * engine_b}, "
                      f"{(page.depth - 1) * engine_b + engine_b + engine_eagle}), and every page boundary differs",
                      _shifted_view(seen, tokens, i, k_engine, engine_b, engine_eagle))
+    if mm is not None:
+        d.notes.append(mm.detail)
     d.detail = (f"router and engine agree: the engine never stored block {i} of this prompt "
                 f"({overlap_r}/{len(h_r)} blocks cached)")
     if gap:  # lost batches after the last credited block, but nothing shows what they stored
@@ -362,7 +373,8 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings, *, engine_
 
 def _host_credit_not_servable(seen: _PromptPages, chain: list[PageSeen | None], b: int, eagle: bool) -> list[str]:
     """HOST_CREDIT_NOT_SERVABLE for this prompt, when it applies: past the pages the engine holds on
-    device, a stretch it holds on host only, too short for SGLang to load back. Dynamo's router credits
+    device, a stretch it holds on host only, too short for SGLang to load back, inside the pages SGLang's
+    scheduler matches (``chain`` stops at its cap: a page past it is computed again whatever its tier). Dynamo's router credits
     each of those blocks (host weight 0.75 by default); SGLang re-prefills them."""
     tiers = [seen.tiers.get(p.ext, set()) if p else set() for p in chain]
     device = next((i for i, t in enumerate(tiers) if "device" not in t), len(tiers))

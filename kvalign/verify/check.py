@@ -19,55 +19,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from hypothesis.errors import FlakyFailure
 
 from kvalign.model.causes import Cause
 from kvalign.oracles.base import OracleUnavailable, RouterHasher
-from kvalign.verify.rows import MODES, PROPERTIES, VARIANTS, RowResult
+from kvalign.verify.rows import DEFAULT_FORMAT_PROPERTIES, DEFAULT_PROPERTIES, EVENT_PROPERTIES, MODES, VARIANTS, RowResult
 from kvalign.verify.properties import Mismatch, card_property, hash_property, ingest_property, overlap_property, pages_property
+from kvalign.verify.search import run_search  # noqa: F401 - re-exported: check's engine, as before
 from kvalign.verify.strategies import hash_cases, ingest_scenarios, scenarios
-
-def run_search(body: Callable[[Any], None], strategy: st.SearchStrategy[Any], examples: int, *, seed: int | None = None) -> tuple[int, int, Mismatch | None]:
-    """Search ``strategy`` for an input on which ``body`` raises :class:`Mismatch`.
-
-    Returns (cases run, failing cases seen, shrunk mismatch or None). Any other exception is a
-    bug in the harness or an oracle and propagates.
-    """
-    calls = failures = 0
-
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
-              suppress_health_check=list(HealthCheck), report_multiple_bugs=False, print_blob=False,
-              phases=(Phase.explicit, Phase.generate, Phase.shrink))
-    @given(strategy)
-    def search(value: Any) -> None:
-        nonlocal calls, failures
-        calls += 1
-        try:
-            body(value)
-        except Mismatch:
-            failures += 1
-            raise
-
-    if seed is not None:
-        from hypothesis import seed as hseed
-
-        search = hseed(seed)(search)
-    try:
-        search()
-    except Mismatch as found:
-        return calls, failures, found
-    except FlakyFailure as flaky:
-        # A mismatch that did not recur when Hypothesis replayed its example (1.3.1's in-process relay
-        # drops some batches and not others) is still a mismatch the real path produced: report it as
-        # found, saying it is intermittent, instead of crashing the row. Anything else propagates.
-        first = next((e for e in flaky.exceptions if isinstance(e, Mismatch)), None)
-        if first is None:
-            raise
-        first.detail += " (intermittent: the same example passed when replayed)"
-        return calls, failures, first
-    return calls, failures, None
 
 
 @dataclass
@@ -114,6 +73,12 @@ def property_body(prop: str, hasher: RouterHasher, make_cache: Callable[[int, bo
         assert systems is not None
         path = systems.router_path()
         return lambda isc: ingest_property(path, hasher, make_cache, isc)
+    if prop == "tenants":
+        from kvalign.verify.tenants import tenants_property
+
+        assert systems is not None
+        tenant_path = systems.router_path()
+        return lambda sc: tenants_property(tenant_path, make_cache, sc)
     if prop == "hash":
         return lambda case: hash_property(hasher, case)
     if prop == "pages":
@@ -128,6 +93,12 @@ def strategy_for(prop: str, mode: str, variant: str, page_size: int | None = Non
     None draws every size the property's strategy draws."""
     lora, namespace = VARIANTS[variant]
     eagle = mode == "eagle"
+    if prop == "tenants":
+        from kvalign.verify.tenants import tenant_scenarios
+
+        if page_size:
+            return tenant_scenarios(eagle=eagle, lora=lora, namespace=namespace, page_sizes=(page_size,))
+        return tenant_scenarios(eagle=eagle, lora=lora, namespace=namespace)
     if prop == "ingest":
         if page_size:
             return ingest_scenarios(eagle=eagle, lora=lora, namespace=namespace, page_sizes=(page_size,))
@@ -205,17 +176,22 @@ def name_set_note(missed: list[str], registered: int) -> str:
 
 
 def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make_index: Callable[[], Any], *,
-              examples: int, props: tuple[str, ...] = PROPERTIES, modes: tuple[str, ...] = MODES,
+              examples: int, props: tuple[str, ...] = DEFAULT_PROPERTIES, modes: tuple[str, ...] = MODES,
               variants: tuple[str, ...] = tuple(VARIANTS), seed: int | None = None,
               progress: Callable[[RowResult], None] | None = None, systems: Systems | None = None,
               ingest_examples: int = 25, tier_examples: int | None = None, page_size: int | None = None,
-              dp_examples: int | None = None) -> list[RowResult]:
+              event_format: str = "default", dp_examples: int | None = None,
+              mm_examples: int | None = None) -> list[RowResult]:
     """Run every requested property x mode x variant and return one row each; ``page_size`` pins the
-    page size of every generated case (None: every size the strategies draw)."""
+    page size of every generated case (None: every size the strategies draw). ``event_format``: the
+    KV-event format ``make_cache``'s caches publish in (and the tier rows'), carried by every row of a
+    property that reads events; the others say "any"."""
     systems = systems or Systems(hasher, make_cache, make_index)
     rows: list[RowResult] = []
 
     def emit(row: RowResult) -> None:
+        row.event_format = (event_format if row.prop in EVENT_PROPERTIES
+                            else "default" if row.prop in DEFAULT_FORMAT_PROPERTIES else "any")
         _capability_note(hasher, row)
         rows.append(row)
         if progress:
@@ -227,6 +203,12 @@ def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make
                 for row in run_card(systems, modes):
                     emit(row)
                 continue
+            if prop == "advertised":
+                from kvalign.verify.advertised import run_advertised_rows
+
+                for row in run_advertised_rows(modes, page_size):
+                    emit(row)
+                continue
             if prop == "dp":
                 from kvalign.verify.dp import DP_EXAMPLES, run_dp_rows
 
@@ -234,11 +216,18 @@ def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make
                                        seed=seed, page_size=page_size):
                     emit(row)
                 continue
+            if prop == "mm":
+                from kvalign.verify.mm import MM_EXAMPLES, run_mm_rows
+
+                for row in run_mm_rows(systems, modes, min(examples, mm_examples or MM_EXAMPLES), seed,
+                                       page_size=page_size):
+                    emit(row)
+                continue
             if prop in ("tier", "servable"):
                 from kvalign.verify.tier import TIER_EXAMPLES, run_tier_rows
 
                 for row in run_tier_rows(systems, prop, modes, variants, min(examples, tier_examples or TIER_EXAMPLES), seed,
-                                         page_size=page_size):
+                                         page_size=page_size, event_format=event_format):
                     emit(row)
                 continue
             try:
@@ -249,9 +238,11 @@ def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make
                         emit(RowResult(prop, mode, variant, 0, 1, 0.0, Cause.PATH_UNAVAILABLE.value,
                                        Cause.PATH_UNAVAILABLE.name, str(exc)))
                 continue
-            n = min(examples, ingest_examples) if prop == "ingest" else examples
+            n = min(examples, ingest_examples) if prop in ("ingest", "tenants") else examples
             for mode in modes:
                 for variant in variants:
+                    if prop == "tenants" and variant == "base":  # one tenant: nothing to keep apart
+                        continue
                     start = time.perf_counter()
                     calls, failures, found = run_search(body, strategy_for(prop, mode, variant, page_size), n, seed=seed)
                     row = RowResult(prop, mode, variant, calls, failures, time.perf_counter() - start)

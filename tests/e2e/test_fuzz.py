@@ -33,6 +33,7 @@ from conftest import OUT_ROOT, sglang_cpu_missing
 from kvalign.commands.fuzz import DEFAULT_SEED, DISAGG_SEED, DISAGG_SHORT
 from kvalign.live.cluster.ranks import split_label
 from kvalign.live.runs.fuzz.driver import FuzzDriver, FuzzOptions, fuzz_cluster
+from kvalign.live.runs.advertised import advertised_rows
 from kvalign.live.runs.fuzz.machine import FuzzResult, replay, run_fuzz
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
@@ -117,6 +118,15 @@ def disagg(request: pytest.FixtureRequest) -> Iterator[Live]:
 
 
 @pytest.fixture(scope="class")
+def dynamo_format(request: pytest.FixtureRequest) -> Iterator[Live]:
+    if not (os.environ.get("KVALIGN_NIGHTLY") or os.environ.get("HYPOTHESIS_PROFILE") == "nightly"):
+        pytest.skip("SGLang's dynamo KV-event format on its own cluster: nightly only (KVALIGN_NIGHTLY=1); "
+                    "check --event-format both covers it in every run")
+    with _live(request, "dynamo-format", FuzzOptions(event_format="dynamo", page_size=8)) as live:
+        yield live
+
+
+@pytest.fixture(scope="class")
 def data_parallel(request: pytest.FixtureRequest) -> Iterator[Live]:
     with _live(request, "dp", FuzzOptions(workers=1, dp_size=2)) as live:
         yield live
@@ -134,8 +144,12 @@ def generated(live: Live, seed: int = DEFAULT_SEED, examples: int = 3, steps: in
                    seed=seed, shrink_seconds=60, script_path=live.run_dir / "fuzz-failure.json",
                    report=lambda m: print(m, file=live.log, flush=True))
     out = res.as_json()
+    out["advertised"] = [r.as_json() for r in advertised_rows(live.cluster)]
     (OUT_ROOT / f"{live.run_dir.name}.json").write_text(json.dumps(out, indent=1) + "\n")  # the run's figures, kept
     assert res.passed, f"{out['failure']} (progress: {live.run_dir / 'progress.log'})"
+    # every publishing worker registered, advertised (SGLang's /server_info) and published its page size
+    assert all(r["ok"] for r in out["advertised"]) and any(r["checked"] for r in out["advertised"]), out["advertised"]
+    assert {r["registered"] for r in out["advertised"]} == {live.opts.page_size}, out["advertised"]
     return out
 
 
@@ -262,6 +276,25 @@ class TestTwoPrefillOneDecode:
         assert inv["router_credits_engine_reuse"]["checked"] + out["hop_faulted"] == out["requests"], out
         assert inv["decode_keeps_speculating"]["checked"] >= 1 and inv["best_worker_chosen"]["checked"] >= 1, inv
         requeried_and_diagnosed(out)  # what the aggregated run asserts
+
+
+# ---- SGLang's "dynamo" KV-event format, at another page size --------------------------------------
+
+
+class TestDynamoEventFormat:
+    """``--kv-events-config '{"format": "dynamo"}'`` at page 8: the same invariants, the live block sizes at
+    a second page size, and a salted tenant through namespaced hashes (``check --event-format dynamo``: ok)."""
+
+    def test_generated_workload_in_the_dynamo_format_holds_every_invariant(self, dynamo_format: Live) -> None:
+        out = generated(dynamo_format, examples=2)
+        assert all(v["failed"] == 0 for v in out["invariants"].values()), out["invariants"]
+        assert {r["advertised"] for r in out["advertised"]} == {8} and {tuple(r["emitted"]) for r in out["advertised"]} == {(8,)}
+
+    def test_a_salted_tenant_is_credited_and_a_salt_stripping_hop_is_named(self, dynamo_format: Live) -> None:
+        res = dynamo_format.replay("salt-stripped.json", strip_salt=False)
+        assert res.passed and res.driver.tally.checked["router_credits_engine_reuse"] == 2, res.failure
+        f = failed(dynamo_format.replay("salt-stripped.json"))
+        assert f["invariant"] == "router_credits_engine_reuse" and f["cause"] == "TENANTS_SHARE_KEYS", f
 
 
 # ---- controls that need their own cluster --------------------------------------------------------

@@ -26,6 +26,7 @@ Settings and why (sglang-cpu-engine.md):
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Mapping
@@ -39,7 +40,7 @@ from kvalign.live.engines.dp_workers import dp_args, dp_problem, threads_bind
 from kvalign.live.engines.engine_model import TARGET_NAME, Draft, write_models
 from kvalign.live.engines.hicache import HiCache
 from kvalign.live.cluster.processes import ProcessSpec
-from kvalign.live.engines.sglang_worker import RELAY_SUBSCRIBE_ENV, ROUTER_EAGLE_ENV
+from kvalign.live.engines.sglang_worker import RELAY_SUBSCRIBE_ENV, ROUTER_EAGLE_ENV, SERVER_INFO_ENV
 from kvalign.oracles.sglang import torch_extensions_dir
 from kvalign.live.cluster.topology import ClusterPlan, ControlPlane, Topology, WorkerSpec
 
@@ -76,7 +77,8 @@ class SglangCpuWorkerKind:
     def __init__(self, draft_model: str | None, *, eagle: CpuEagle = CpuEagle(), max_total_tokens: int = 4096,
                  threads: int = 2, sglang_version: str = sglang_cpu_standin.SGLANG_VERSION,
                  sglang_dir: Path | None = None, relay_subscribe: Mapping[str, str] | None = None,
-                 sleep_on_idle: bool = True, hicache: HiCache | None = None) -> None:
+                 sleep_on_idle: bool = True, hicache: HiCache | None = None,
+                 extra_env: Mapping[str, str] | None = None) -> None:
         self.draft_model, self.eagle = draft_model, eagle
         #: SGLang's host tier on the workers that cache prompts (aggregated and prefill), or None
         self.hicache = hicache
@@ -95,9 +97,14 @@ class SglangCpuWorkerKind:
         self.sglang_version, self.sglang_dir = sglang_version, sglang_dir
         self.release = sglang_cpu_standin.SUPPORTED[sglang_version]
         self.relay_subscribe = dict(relay_subscribe or {})  # worker name -> the fuzz's lossy-hop endpoint
+        #: SGLang's KV-event format (``--kv-events-config``'s ``format``; "dynamo" from SGLang 0.5.23)
+        self.event_format = "default"
+        #: publishing workers record SGLang's /server_info KV-event descriptor (:func:`server_info_path`)
+        self.record_server_info = False
         #: a test control (the fuzz's ``publisher_faults``): each publishing worker loads kvalign's
         #: publisher-fault hook, armed through ``<dir>/<worker>.json`` (never set on the normal path)
         self.publisher_faults_dir: Path | None = None
+        self.extra_env = dict(extra_env or {})  # e.g. a stand-in switched on for this run only
 
     def _kv_ipc(self, worker: WorkerSpec, plan: ClusterPlan) -> str:
         """The IPC endpoint ``worker``'s SGLang binds for its events (releases without ``bind``)."""
@@ -130,7 +137,8 @@ class SglangCpuWorkerKind:
         attention = dp > 1 and plan.topology.dp_attention  # one TP group: its ranks share one --nccl-port
         forced_off = worker.eagle and worker.register_eagle is False
         hop = self.relay_subscribe.get(worker.name)
-        wrapped = forced_off or hop is not None
+        recording = self.record_server_info and worker.publishes_kv_events
+        wrapped = forced_off or hop is not None or recording
         entry = ["-m", "kvalign.live.engines.sglang_worker"] if wrapped else ["-m", "dynamo.sglang"]
         argv = [
             self._python(plan), *entry, "--model-path", plan.model_path, "--served-model-name", plan.model_name,
@@ -142,7 +150,10 @@ class SglangCpuWorkerKind:
             *(["--sleep-on-idle"] if self.sleep_on_idle else []), *dp_args(dp, attention),
         ]
         if worker.publishes_kv_events:
-            argv += ["--kv-events-config", plan.kv_events_config(worker, bind=self.release.kv_events_bind)]
+            config = plan.kv_events_config(worker, bind=self.release.kv_events_bind)
+            if self.event_format != "default":
+                config = json.dumps({**json.loads(config), "format": self.event_format})
+            argv += ["--kv-events-config", config]
         if worker.role != "agg":
             argv += ["--disaggregation-mode", worker.role, "--disaggregation-transfer-backend", "fake",
                      "--disaggregation-bootstrap-port", str(ports.bootstrap)]
@@ -160,6 +171,8 @@ class SglangCpuWorkerKind:
             "OMP_NUM_THREADS": str(self.threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "TORCH_EXTENSIONS_DIR": torch_extensions_dir(self.sglang_version),
             **({ROUTER_EAGLE_ENV: "off"} if forced_off else {}), **({RELAY_SUBSCRIBE_ENV: hop} if hop else {}),
+            **({SERVER_INFO_ENV: str(server_info_path(plan, worker))} if recording else {}),
+            **self.extra_env,
         }
         if dp > 1:
             env["SGLANG_CPU_OMP_THREADS_BIND"] = threads_bind(dp)
@@ -168,6 +181,13 @@ class SglangCpuWorkerKind:
         if worker.publishes_kv_events and self.publisher_faults_dir is not None:
             env[sglang_cpu_standin.PUBLISHER_FAULTS_ENV] = str(self.publisher_faults_dir / f"{worker.name}.json")
         return ProcessSpec(worker.name, argv, env)
+
+
+def server_info_path(plan: ClusterPlan, worker: WorkerSpec) -> Path:
+    """Where ``worker`` records SGLang's ``/server_info`` KV-event descriptor (``KVALIGN_SERVER_INFO``)."""
+    path = plan.run_dir / "kv" / f"{worker.name}.server-info.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 #: Longest ``ipc://`` socket path (Linux ``sun_path`` is 108 bytes with the terminator).

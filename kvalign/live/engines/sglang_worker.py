@@ -172,6 +172,40 @@ def force_router_eagle_off() -> None:
 
 #: Where ``dynamo.sglang``'s relay subscribes instead of SGLang's own PUB (the fuzz's lossy hop).
 RELAY_SUBSCRIBE_ENV = "KVALIGN_RELAY_SUBSCRIBE"
+#: A file the worker writes SGLang's own ``/server_info`` KV-event descriptor to, once its engine resolved.
+SERVER_INFO_ENV = "KVALIGN_SERVER_INFO"
+
+
+def record_server_info(path: str) -> None:
+    """Write, once ``sgl.Engine`` has resolved its arguments, what SGLang's HTTP ``/server_info`` would
+    advertise for this worker's KV events (``describe_kv_events_publisher``, the ``kv_events`` block of
+    ``build_server_info``) and its resolved page size, to ``path`` (JSON).
+
+    ``dynamo.sglang`` serves no SGLang HTTP server, so the descriptor is computed in the worker by
+    SGLang's own function on the engine's own ``server_args``: ``init_llm`` hands them to
+    ``Config.use_resolved_server_args`` right after the engine starts, and that one method is wrapped
+    (it still runs). Fails loudly if Dynamo renamed it."""
+    import dynamo.sglang.args as args_mod
+
+    config = getattr(args_mod, "Config", None)
+    original = getattr(config, "use_resolved_server_args", None)
+    if not callable(original):
+        raise SystemExit("kvalign: cannot record SGLang's /server_info descriptor: dynamo.sglang.args.Config has no "
+                         "use_resolved_server_args (Dynamo changed where it reads the engine's arguments)")
+
+    def use_resolved_server_args(self: object, server_args: object) -> object:
+        from sglang.srt.arg_groups.overrides import resolving_view
+        from sglang.srt.runtime_context import describe_kv_events_publisher
+
+        info = {"kv_events": describe_kv_events_publisher(server_args),
+                "page_size": int(resolving_view(server_args).page_size)}
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(info, fh)
+        os.replace(tmp, path)
+        return original(self, server_args)
+
+    config.use_resolved_server_args = use_resolved_server_args
 
 
 def relay_via(endpoint: str) -> None:
@@ -214,13 +248,16 @@ def subscribe_via(original: Callable[[str, str], str], endpoint: str) -> Callabl
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m kvalign.live.engines.sglang_worker ARGS``: ``python -m dynamo.sglang ARGS`` with the
-    router-facing ``enable_eagle`` forced off (the negative control, ``KVALIGN_ROUTER_EAGLE=off``)
-    and/or the relay subscribed through a loopback hop (``KVALIGN_RELAY_SUBSCRIBE``)."""
+    router-facing ``enable_eagle`` forced off (the negative control, ``KVALIGN_ROUTER_EAGLE=off``),
+    the relay subscribed through a loopback hop (``KVALIGN_RELAY_SUBSCRIBE``) and/or SGLang's
+    ``/server_info`` KV-event descriptor recorded (``KVALIGN_SERVER_INFO``)."""
     os.environ.setdefault("PYTHONHASHSEED", "0")  # as dynamo.sglang.__main__, for SGLang's children
     if not router_eagle_from(os.environ.get(ROUTER_EAGLE_ENV)):
         force_router_eagle_off()
     if os.environ.get(RELAY_SUBSCRIBE_ENV):
         relay_via(os.environ[RELAY_SUBSCRIBE_ENV])
+    if os.environ.get(SERVER_INFO_ENV):
+        record_server_info(os.environ[SERVER_INFO_ENV])
     from dynamo.sglang.main import main as dynamo_main
 
     sys.argv = ["dynamo.sglang", *(sys.argv[1:] if argv is None else argv)]

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvalign.standins import hicache_cpu
 from kvalign.standins.hicache_cpu import patches as hicache_patches
+from kvalign.standins import sglang_scalar_pads
 from kvalign.standins.sglang_cpu import SUPPORTED, patches, publisher_faults, version_problem
 
 #: module -> patches to run once it has executed, in every supported release (each release's own
@@ -98,4 +99,7 @@ def install() -> None:
         if os.environ.get(publisher_faults.FAULTS_ENV):  # a test control, never set on the normal path
             module = "sglang.srt.disaggregation.kv_events"
             table[module] = (*table.get(module, ()), publisher_faults.install)
+        if os.environ.get(sglang_scalar_pads.ENABLE_ENV) == "1":  # the live multimodal control: 0.5.21's pad rule
+            module = "sglang.srt.managers.schedule_batch"
+            table[module] = (*table.get(module, ()), sglang_scalar_pads.install_in_module)
         sys.meta_path.insert(0, _PatchOnImport(table))

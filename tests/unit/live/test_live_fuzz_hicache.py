@@ -131,3 +131,26 @@ def test_the_load_back_threshold_is_the_one_sglangs_init_hicache_sets():
     for policy in ("write_through", "write_back"):
         engine = HiCacheEngine(B, eagle=True, core=available_cores()[0], policy=policy, host_tokens=64)
         assert engine.load_back_threshold == LOAD_BACK_THRESHOLD
+
+
+def test_a_worker_that_reused_tokens_but_exports_no_tier_counter_is_a_missing_surface():
+    from kvalign.live.runs.fuzz.hicache import EngineTiers
+    from kvalign.live.runs.fuzz.surfaces import SurfaceMissing
+
+    tiers = EngineTiers({"worker0": "http://127.0.0.1:1/metrics"})
+    assert tiers.split("worker0", None, None, 0) == (0, 0)  # nothing counted yet, nothing reused: no sample is right
+    assert tiers.split("worker0", {"device": 8.0}, {"device": 16.0, "host": 12.0}, 20) == (8, 12)
+    with pytest.raises(SurfaceMissing, match="exports no sglang:cached_tokens_total after reusing 8 tokens"):
+        tiers.split("worker0", None, None, 8)
+
+
+def test_the_raw_credit_counter_sums_the_publishing_phases_not_the_decode_hop():
+    from kvalign.live.runs.fuzz.hicache import selected_tokens
+    from kvalign.live.wire.metrics import MetricsSnapshot, Sample
+
+    name = "dynamo_component_router_kv_selected_cached_prefix_tokens_total"
+    snap = MetricsSnapshot([Sample(name, (("phase", "prefill"), ("worker_id", "a")), 20.0),
+                            Sample(name, (("phase", "aggregated"), ("worker_id", "b")), 4.0),
+                            Sample(name, (("phase", "decode"), ("worker_id", "c")), 99.0)])
+    assert selected_tokens(snap) == 24.0
+    assert selected_tokens(MetricsSnapshot([])) is None

@@ -32,7 +32,8 @@ PINS = {"1.6.1": "0.5.21", "1.0.2": "0.5.9"}
 FINDING = {"property": "ingest", "mode": "eagle", "variant": "lora", "cause": "LORA_NOT_IN_EVENTS", "detail": "d"}
 
 
-def _fake_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, props=None, log=None) -> PairResult:
+def _fake_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, props=None, log=None,
+               event_format: str = "both") -> PairResult:
     if props and "ingest" not in props:  # a run narrowed to other properties cannot see the ingest finding
         return PairResult(dynamo, sglang, "aligned", seconds=1.0)
     if sglang == "0.5.19":

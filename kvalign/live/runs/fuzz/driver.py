@@ -58,6 +58,8 @@ from kvalign.live.wire.lossy_hop import LossyHop
 ENGINES = ("sglang-cpu", "fake-cpu", "sglang-gpu")
 TOPOLOGIES = ("agg", "disagg")
 FLUSH_SEEDS = 2**40  # the flush rule's prompts: clear of every other rule's seeds, so no worker shares their pages
+#: The first SGLang release with ``KVEventsConfig.format`` ("dynamo"), read in the 0.5.21 and 0.5.23 wheels.
+DYNAMO_FORMAT_SINCE = (0, 5, 23)
 DECODE_POOL_TOKENS = 4096  # the decode worker's pool in disaggregation (see SglangCpuWorkerKind)
 COUNTS = ("evictions", "flushes", "dropped_batches", "restarts", "concurrent_requests", "evicted_requeried",
           "flushed_requeried", "lost_requeried", "lost_batches_diagnosed")
@@ -82,6 +84,7 @@ class FuzzOptions:
     gap_check: bool = True  # False: predict the router from the engine's stream (negative control)
     strip_salt: bool = False  # the hop removes cache_salt from stored blocks (negative control)
     hide_gaps: bool = False  # the hop renumbers batches after a loss, hiding the gap from every subscriber
+    event_format: str = "default"  # SGLang's KV-event format ("dynamo": --kv-events-config format, SGLang 0.5.23+)
     publisher_faults: bool = False  # the workers load kvalign's publisher-fault hook (a test control; scripts arm it)
     quiet_s: float = 0.4
     settle_timeout_s: float = 8.0
@@ -117,6 +120,8 @@ class FuzzOptions:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.draft not in ("agree", "disagree"):
             raise ValueError(f"--draft must be agree or disagree, got {self.draft!r}")
+        if self.event_format not in ("default", "dynamo"):
+            raise ValueError(f"--event-format must be default or dynamo, got {self.event_format!r}")
         if not self.replica_sync and self.routers < 2:
             raise ValueError("--no-replica-sync needs --routers 2 or more (it starts the second router without sync)")
         if self.routers > 1 and self.router_mode == "approx":
@@ -139,6 +144,7 @@ class FuzzOptions:
                 "router_ttl": self.router_ttl, **({"publisher_faults": True} if self.publisher_faults else {}),
                 "hicache": None if self.hicache is None else {"write_policy": self.hicache.write_policy,
                                                               "ratio": self.hicache.ratio},
+                "event_format": self.event_format,
                 **({"dp_size": self.dp_size} if self.dp_size > 1 else {}),
                 **({"dp_attention": True} if self.dp_attention else {}),
                 **({"rank0_only": True} if self.rank0_only else {})}
@@ -154,7 +160,15 @@ def engine_problem(opts: FuzzOptions) -> str | None:
                 "speculative decoder; the fuzz needs the real engine: run --engine sglang-cpu")
     from kvalign.live.engines.sglang_cpu import engine_problem as cpu_problem
 
-    return cpu_problem(opts.sglang)
+    problem = cpu_problem(opts.sglang)
+    if problem is None and opts.event_format == "dynamo":
+        from kvalign.verify.matrix import installed
+
+        version = opts.sglang or installed("sglang") or ""
+        if tuple(int(x) for x in version.split(".")[:3] if x.isdigit()) < DYNAMO_FORMAT_SINCE:
+            return (f"SGLang {version} has no \"dynamo\" KV-event format (--kv-events-config format arrived in "
+                    f"{'.'.join(map(str, DYNAMO_FORMAT_SINCE))})")
+    return problem
 
 
 def fuzz_topology(opts: FuzzOptions) -> Topology:
@@ -192,6 +206,7 @@ def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Clust
     kind.max_total_tokens = opts.max_total_tokens  # the publishing workers': small, so they evict
     kind.decode_max_total_tokens = DECODE_POOL_TOKENS
     kind.relay_subscribe = relay_subscriptions(plan, downstream)
+    kind.event_format, kind.record_server_info = opts.event_format, True
     if opts.publisher_faults:
         kind.publisher_faults_dir = Path(run_dir) / "publisher-faults"
     upstream = {label: plan.kv_events_connect(w, rank) for label, (w, rank) in sources.items()}

@@ -19,7 +19,7 @@ pool: pressure prompts of a third of the device pool, at most ``4 * (1 + ratio)`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
@@ -28,11 +28,24 @@ from kvalign.live.runs.fuzz.hicache import COUNTS, LOAD_BACK_THRESHOLD, TierObse
 from kvalign.live.runs.fuzz.prompts import MAX_PROMPT, new_tokens
 from kvalign.live.runs.fuzz.tiers import Residency
 
-#: The fuzz's driver (:class:`kvalign.live.runs.fuzz.driver.FuzzDriver`), which imports these rules:
-#: named, not imported, so the two modules form no import cycle.
-FuzzDriver = Any
-
 PRESSURE_SEEDS = 2**41  # clear of every other rule's seeds
+
+
+class FuzzDriver(Protocol):
+    """What the rules use of :class:`kvalign.live.runs.fuzz.driver.FuzzDriver` (named here, not
+    imported: the driver dispatches to these rules)."""
+
+    opts: Any
+    labels: list[str]
+    counts: dict[str, int]
+    engine_views: Any
+    host_requeries: list[dict[str, Any]]
+    host_evictions_in_example: int
+
+    def progress(self, msg: str) -> None: ...
+    def engine_eagle(self, label: str) -> bool: ...
+    def _request(self, tokens: list[int], max_tokens: int, pin: str | None = None) -> Any: ...
+    def run_step(self, step: dict[str, Any]) -> None: ...
 
 
 def pressure_length(driver: FuzzDriver) -> int:

@@ -155,8 +155,12 @@ class FuzzReplicas:
         """Wait (bounded) until every replica agrees with the router view on the probes; a replica
         that does not is a ``routers_agree`` failure."""
         d = self.driver
+        probes = self._probes()
+        if not probes:
+            d.progress(f"{fault}: no prompt of this example is held by one worker alone yet; the next requests judge it")
+            return
         worst = 0.0
-        for tokens, salt, held in self._probes():
+        for tokens, salt, held in probes:
             got, waited = self.reader.await_agreement(tokens, held, BOUND_S, cache_salt=salt)
             worst = max(worst, waited)
             verdict = judge_choices(got, held, self._names())
@@ -166,7 +170,7 @@ class FuzzReplicas:
                 raise InvariantFailed("routers_agree", f"{BOUND_S:g}s after {fault}: {verdict}",
                                       cause=Cause.REPLICA_INDEX_DIVERGED.name)
         self.converge[fault].append(round(worst, 2))
-        d.progress(f"{fault}: every replica agreed with kvalign's router view after {worst:.1f}s")
+        d.progress(f"{fault}: every replica agreed with kvalign's router view on {len(probes)} prompt(s) after {worst:.1f}s")
 
     def restart_router(self, replica: int) -> None:
         d = self.driver
