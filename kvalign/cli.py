@@ -79,7 +79,9 @@ def _run(args: argparse.Namespace, *, until_exit: bool) -> int:
             raise
         raise UsageError(f"{_one_line(exc)} (runtime logs: {log.path})") from None
     if code != EXIT_OK and log.path is not None:
-        print(f"kvalign: Dynamo and SGLang runtime logs: {log.path}", file=console(), flush=True)
+        line = f"kvalign: Dynamo and SGLang runtime logs: {log.path}"  # the path on a line of its own past 100 columns
+        print(line if len(line) <= 100 else f"kvalign: Dynamo and SGLang runtime logs:\n  {log.path}", file=console(),
+              flush=True)
     return code
 
 

@@ -110,6 +110,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytes
     """Cases, CPU and markers ride on the teardown report's ``user_properties``: measured in the
     process that ran the test (an xdist worker too), read wherever the report is logged."""
     report = yield
+    if report.skipped:
+        from gpu_skip import fail_if_required, gpus_needed
+
+        fail_if_required(report, gpus_needed(item))
     if report.when == "teardown" and item.nodeid in _STARTED:
         cases, cpu = _STARTED.pop(item.nodeid)
         marks = sorted({m.name for m in item.iter_markers() if m.name not in _IGNORED_MARKS})

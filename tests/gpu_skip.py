@@ -36,3 +36,20 @@ def skip_reason(needed: int, check_prereqs: Callable | None = None, models: tupl
     if len(pre.gpus) >= needed:
         return None
     return f"{pre.skip_reason} (whether dynamo.sglang imports is checked only where the GPUs are)"
+
+
+#: Set on a runner that has the GPUs (the nightly's self-hosted GPU job): there a skipped GPU test is a
+#: failure, so a job whose tests all skipped (a CPU torch, a missing model) cannot pass vacuously.
+REQUIRE_ENV = "KVALIGN_REQUIRE_GPU"
+
+
+def fail_if_required(report: pytest.TestReport, needed: int, env: dict[str, str] | None = None) -> None:
+    """Turn a GPU test's skip into a failure naming the skip's reason when ``KVALIGN_REQUIRE_GPU=1``."""
+    import os
+
+    env = dict(os.environ) if env is None else env
+    if not (needed and report.skipped and env.get(REQUIRE_ENV) == "1"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = f"{REQUIRE_ENV}=1 (a runner with the GPUs), but this GPU test skipped: {reason}"

@@ -15,9 +15,10 @@ import sys
 import time
 from dataclasses import asdict
 
-from kvalign.verify.check import run_check
-from kvalign.verify.rows import MODES, PROPERTIES, VARIANTS, RowResult
+from kvalign.commands import check_text
 from kvalign.commands.options import positive_int
+from kvalign.verify.check import run_check
+from kvalign.verify.rows import EVENT_FORMATS, EVENT_PROPERTIES, MODES, PROPERTIES, VARIANTS, RowResult
 from kvalign.errors import UsageError
 from kvalign.oracles.sglang import KINDS
 from kvalign.runtime_log import console
@@ -39,35 +40,31 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cap on generated cases per ingest row (each runs the real relay and router; default 25)")
     p.add_argument("--tier-examples", type=int, default=None,
                    help="cap on generated state-machine runs per tier / servable row (default 12)")
+    p.add_argument("--dp-examples", type=int, default=None,
+                   help="cap on generated cases per dp row (each caches on every rank and routes; default 20)")
     p.add_argument("--page-size", type=positive_int, default=None, metavar="N",
                    help="run every property at this page (block) size only, e.g. your deployment's; "
                         "default: every size the strategies draw")
+    p.add_argument("--event-format", choices=(*EVENT_FORMATS, "both"), default="default",
+                   help="SGLang's KV-event format (--kv-events-config '{\"format\": ...}') the event-reading "
+                        "properties run with: default (what dynamo.sglang runs), dynamo (SGLang 0.5.23+), or both "
+                        "(dynamo where this SGLang has it)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: derandomized, reproducible)")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     p.set_defaults(run=run)
 
 
-def _result(r: RowResult) -> str:
-    if r.skipped:
-        return f"skipped: {r.skipped}"
-    if not r.ok:
-        return f"MISALIGNED: {r.cause}" + (f" ({r.condition})" if r.condition else "")
-    return "ok"
+def no_dynamo_format(version: str) -> str:
+    return (f"SGLang {version} has no \"dynamo\" KV-event format (KVEventsConfig.format arrived in 0.5.23; "
+            "CacheInitParams has no dynamo_kv_event_format)")
 
 
-def _confined(rows: list[RowResult]) -> str:
-    """The verdict line's note on causes that hold only in some configurations: a reader deciding
-    whether *their* deployment is affected needs that before the per-row details."""
-    conditions = dict.fromkeys((r.cause_name, r.condition) for r in rows if not r.ok and r.condition)
-    return "".join(f"; {name} holds {condition}" for name, condition in conditions)
-
-
-def _table(rows: list[RowResult]) -> str:
-    head = ("property", "mode", "variant", "cases", "mismatches", "result")
-    body = [(r.prop, r.mode, r.variant, str(r.cases), str(r.mismatches), _result(r)) for r in rows]
-    widths = [max(len(x[i]) for x in (head, *body)) for i in range(len(head))]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, body)])
+def formats_to_run(asked: str, has_dynamo: bool, version: str) -> tuple[str, ...]:
+    """The event formats a check runs: ``both`` is the default format, then dynamo (rows ``skipped`` with
+    the reason where the release has no such format); ``dynamo`` asked of such a release is a usage error."""
+    if asked == "dynamo" and not has_dynamo:
+        raise UsageError(f"--event-format dynamo: {no_dynamo_format(version)}")
+    return EVENT_FORMATS if asked == "both" else (asked,)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,43 +74,49 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--ingest-examples must be >= 1, got {args.ingest_examples}")
     if args.tier_examples is not None and args.tier_examples < 1:
         raise UsageError(f"--tier-examples must be >= 1, got {args.tier_examples}")
+    if args.dp_examples is not None and args.dp_examples < 1:
+        raise UsageError(f"--dp-examples must be >= 1, got {args.dp_examples}")
     from kvalign.oracles.dynamo import DynamoRadixTree, dynamo_version, load_router_hasher
-    from kvalign.oracles.sglang import SglangRadixCache, sglang_version
+    from kvalign.oracles.sglang import SglangRadixCache, has_dynamo_format, sglang_version
 
     hasher = load_router_hasher(args.router_hash)
     versions = {**installed_versions(), "sglang": sglang_version(), "ai-dynamo-runtime": dynamo_version()}
     # import and build once: fail fast with an install hint, and name the class "default" resolves to
     kind = SglangRadixCache(1, eagle=False, kind=args.cache).kind
-    make_cache = lambda p, eagle: SglangRadixCache(p, eagle=eagle, kind=kind)  # noqa: E731
+    formats = formats_to_run(args.event_format, has_dynamo_format(), versions["sglang"])
     label = args.router_hash or "dynamo._core.compute_block_hash_for_seq"
     if not args.json:
-        pages = f"page size {args.page_size}" if args.page_size else "every page size"
-        print(f"kvalign check: router hasher {label}; SGLang {versions['sglang']} ({kind} cache); "
-              f"Dynamo RadixTree {versions['ai-dynamo-runtime']}; {args.examples} examples per row; {pages}", flush=True)
+        print(check_text.header(label, versions["sglang"], kind, versions["ai-dynamo-runtime"], args.examples,
+                                args.page_size), flush=True)
     start = time.perf_counter()
-    progress = None if args.json else lambda r: print(f"  {r.prop}/{r.mode}/{r.variant}: "
-                                                      f"{_result(r)} ({r.cases} cases, {r.seconds:.1f}s)",
-                                                      file=console(), flush=True)
-    rows = run_check(hasher, make_cache, DynamoRadixTree, examples=args.examples,
-                     props=tuple(args.props or PROPERTIES), modes=tuple(args.modes or MODES),
-                     variants=tuple(VARIANTS), seed=args.seed, progress=progress,
-                     ingest_examples=args.ingest_examples, tier_examples=args.tier_examples, page_size=args.page_size)
+    progress = None if args.json else lambda r: print(check_text.progress_line(r), file=console(), flush=True)
+    props = tuple(args.props or PROPERTIES)
+    rows: list[RowResult] = []
+    for i, fmt in enumerate(formats):
+        # a property that reads no events runs once, with the first format; the others once per format
+        todo = props if i == 0 else tuple(p for p in props if p in EVENT_PROPERTIES)
+        if fmt == "dynamo" and not has_dynamo_format():
+            rows += [RowResult(p, m, "base", skipped=no_dynamo_format(versions["sglang"]), event_format="dynamo")
+                     for p in todo for m in tuple(args.modes or MODES)]
+            continue
+        make_cache = lambda p, eagle, dyn=fmt == "dynamo": SglangRadixCache(p, eagle=eagle, kind=kind, dynamo_format=dyn)  # noqa: E731
+        rows += run_check(hasher, make_cache, DynamoRadixTree, examples=args.examples,
+                          props=todo, modes=tuple(args.modes or MODES),
+                          variants=tuple(VARIANTS), seed=args.seed, progress=progress,
+                          ingest_examples=args.ingest_examples, tier_examples=args.tier_examples,
+                          page_size=args.page_size, event_format=fmt,
+                          dp_examples=args.dp_examples)
     aligned = all(r.ok for r in rows)
     if args.json:
         json.dump({"aligned": aligned, "router_hasher": label, "cache": kind, "page_size": args.page_size,
-                   "versions": versions,
+                   "event_formats": list(formats), "versions": versions,
                    "seconds": round(time.perf_counter() - start, 2), "rows": [asdict(r) for r in rows]},
                   sys.stdout, default=str, ensure_ascii=False)
         sys.stdout.write("\n")
-    else:
-        print(_table(rows))
-        for r in rows:
-            if not r.ok:
-                where = f"\n  holds {r.condition}" if r.condition else ""
-                print(f"\n{r.prop} / {r.mode} / {r.variant}: {r.detail}\n  cause: {r.cause}{where}\n"
-                      f"  shrunk counterexample: {r.counterexample}")
-        total = sum(r.cases for r in rows)
-        verdict = "ALIGNED" if aligned else "MISALIGNED"
-        print(f"\n{verdict}: {total} cases in {time.perf_counter() - start:.1f}s, "
-              f"{sum(not r.ok for r in rows)} of {len(rows)} rows mismatched{_confined(rows)}")
+    else:  # the table in 100 columns, each cause explained once under it (kvalign/commands/check_text.py)
+        print(check_text.table(rows))
+        below = check_text.explanations(rows, args.page_size)
+        if below:
+            print(below)
+        print("\n" + check_text.verdict(rows, time.perf_counter() - start))
     return 0 if aligned else 1

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvalign.commands import fuzz
+from kvalign.commands import fuzz, hicache_option
 from kvalign.errors import UsageError
 from kvalign.live.runs import disagg_eagle
 from kvalign.live.cluster.lifecycle import Cluster, plan_specs
@@ -83,6 +83,7 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control-plane", choices=CONTROL_PLANES, default="file",
                    help="file: file discovery + zmq events, no service (default); etcd-nats: start etcd + "
                         "nats-server on loopback, etcd discovery + NATS events")
+    hicache_option.add(p)
 
 
 def options(args: argparse.Namespace) -> E2eOptions:
@@ -108,6 +109,7 @@ def _options(args: argparse.Namespace, eagle: bool, engine: str) -> E2eOptions:
         mem_fraction_static=args.mem_fraction_static, context_length=args.context_length or None,
         cuda_graph=args.cuda_graph, startup_timeout_s=args.startup_timeout, control_plane=args.control_plane,
         sglang=release_version(args.sglang), dynamo=release_version(args.dynamo, "--dynamo"),
+        hicache=hicache_option.hicache_from(args),
     )
 
 

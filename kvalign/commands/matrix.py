@@ -9,7 +9,12 @@ installed or checked, or the index cannot be read).
 
 Cells, for a CI job matrix: ``--list-cells`` prints the pairs a run with the same options would
 check, ``--cell DYNAMO:SGLANG`` checks exactly one of them as the run does, and ``--merge FILE...``
-prints the table (or with ``--json`` the report) of one run over the cells' pairs.
+prints the table (or with ``--json`` the report) of one run over the cells' pairs. With ``--cells``
+(the ``--list-cells --json`` output) the merge is held to the plan: a planned cell without a result
+is an error row, named on stderr, and the exit is 2, so a dead cell job cannot shorten the table.
+
+``--markdown`` prints the compact table the README carries (a row per pair, the causes found), with
+the command that reproduces it under it.
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ from kvalign.releases import local_build
 from kvalign.verify.rows import PROPERTIES
 from kvalign.errors import UsageError
 from kvalign.verify.matrix import (DEFAULT_SGLANG, LIVE_COLUMN, UNKNOWN, CellFileError, MatrixError, PairResult, cache_root,
-                            cell_document, default_dynamo_versions, exit_code, list_cells, merge_cells, one_line,
-                            plan_pairs, render, report_json, run_live, run_matrix, shipped_sglang, unknown_result)
+                                   cell_document, default_dynamo_versions, exit_code, list_cells, merge_cells,
+                                   merge_planned, one_line, plan_pairs, planned_cells, render, render_markdown,
+                                   report_json, run_live, run_matrix, shipped_sglang, unknown_result)
 from kvalign.runtime_log import console
 from kvalign.releases.versions import installed_versions
 
 VERSION = rf"^\d+(\.\d+)*(\.post\d+)?({local_build.LABEL})?$"
+#: ``--examples`` / ``--ingest-examples`` defaults (a reproducing command leaves them out)
+EXAMPLES, INGEST_EXAMPLES = 100, 20
 
 
 def _versions(text: str | None, flag: str) -> list[str] | None:
@@ -61,15 +69,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="add each Dynamo release's own SGLang (the ai-dynamo[sglang] pin in its wheel metadata); "
                         "alone, check only those pairs")
     p.add_argument("--jobs", type=int, default=2, help="pairs checked at once (default 2)")
-    p.add_argument("--examples", type=int, default=100, help="check --examples per pair (default 100)")
-    p.add_argument("--ingest-examples", type=int, default=20, help="check --ingest-examples per pair (default 20)")
+    p.add_argument("--examples", type=int, default=EXAMPLES, help=f"check --examples per pair (default {EXAMPLES})")
+    p.add_argument("--ingest-examples", type=int, default=INGEST_EXAMPLES,
+                   help=f"check --ingest-examples per pair (default {INGEST_EXAMPLES})")
     p.add_argument("--property", dest="props", action="append", choices=PROPERTIES,
                    help="only these properties (check --property per pair; the table shows only their columns). "
                         "E.g. --property card for a dynamo.sglang change: the card row alone decides it")
     p.add_argument("--live", action="store_true",
                    help="also run the seed scenario (kvalign e2e run --engine sglang-cpu) per pair, one at a time, "
                         f"as column {LIVE_COLUMN!r} (real CPU engines: ~3 min and ~6 GiB per pair)")
-    p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    p.add_argument("--event-format", choices=("default", "both"), default="both",
+                   help="both (default): each pair's check also runs SGLang's \"dynamo\" KV-event format where the "
+                        "release has it (a format:dynamo column); default: SGLang's default format only")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    out.add_argument("--markdown", action="store_true",
+                     help="print a Markdown table, a row per pair with the causes found, and under it the command "
+                          "that reproduces it (as the README shows)")
     cells = p.add_mutually_exclusive_group()
     cells.add_argument("--list-cells", action="store_true",
                        help="print the cells (release pairs) this run would check, one DYNAMO:SGLANG a line; with "
@@ -77,8 +93,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     cells.add_argument("--cell", metavar="DYNAMO:SGLANG", default=None,
                        help="check only this cell of the matrix the other options describe, as the whole run would; "
                             "--json adds what --merge needs")
-    cells.add_argument("--merge", metavar="CELL.json", nargs="+", default=None,
-                       help="print the table (--json: the report) of one run over these --cell --json files")
+    cells.add_argument("--merge", metavar="CELL.json", nargs="*", default=None,
+                       help="print the table (--json: the report) of one run over these --cell --json files "
+                            "(they may also follow the other options)")
+    p.add_argument("--cells", metavar="CELLS.json", default=None,
+                   help="with --merge: the planned cells (--list-cells --json); a planned cell without a result "
+                        "is an error row, named on stderr, and the exit is 2")
+    p.add_argument("results", metavar="RESULT.json", nargs="*", help="with --merge: the cells' --cell --json files")
     p.set_defaults(run=run)
 
 
@@ -96,7 +117,7 @@ def _plan(args: argparse.Namespace) -> dict[str, object]:
     (``properties`` only when ``--property`` narrowed the run)."""
     plan = {"dynamo": _versions(args.dynamo, "--dynamo"), "sglang": _versions(args.sglang, "--sglang"),
             "shipped": bool(args.shipped), "examples": args.examples, "ingest_examples": args.ingest_examples,
-            "live": bool(args.live)}
+            "live": bool(args.live), "event_format": args.event_format}
     if args.props:
         plan["properties"] = _props(args)
     return plan
@@ -107,40 +128,74 @@ def _props(args: argparse.Namespace) -> list[str]:
     return [p for p in PROPERTIES if not args.props or p in args.props]
 
 
-def _merge(args: argparse.Namespace) -> int:
-    docs = []
-    for name in args.merge:
-        try:
-            with open(name, encoding="utf-8") as fh:
-                text = fh.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UsageError(f"cannot read cell file {name}: {getattr(exc, 'strerror', None) or exc}") from None
-        try:
-            docs.append((name, json.loads(text)))
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"{name}: malformed cell: not JSON ({exc.msg} at line {exc.lineno})") from None
+def _read_json(name: str, what: str) -> object:
     try:
-        versions, results = merge_cells(docs)
+        with open(name, encoding="utf-8") as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read {what} file {name}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{name}: malformed {what}: not JSON ({exc.msg} at line {exc.lineno})") from None
+
+
+def _merge(args: argparse.Namespace) -> int:
+    docs = [(name, _read_json(name, "cell")) for name in [*args.merge, *args.results]]
+    missing: list[str] = []
+    try:
+        if args.cells is not None:
+            planned = planned_cells(args.cells, _read_json(args.cells, "planned cells"))
+            versions, results, missing = merge_planned(docs, planned, args.cells)
+        else:
+            versions, results = merge_cells(docs)
     except CellFileError as exc:
         raise UsageError(str(exc)) from None
-    plan = docs[0][1]["cell"]["plan"]  # merge_cells checked that every cell has this one
-    _print(results, versions, as_json=args.json, props=plan.get("properties") or list(PROPERTIES))
-    print(f"kvalign matrix: merged {len(results)} cells ({sum(r.verdict == 'aligned' for r in results)} aligned, "
-          f"{sum(r.verdict == 'misaligned' for r in results)} misaligned, "
-          f"{sum(r.verdict == 'error' for r in results)} error)", file=console(), flush=True)
+    # merge_cells checked that every cell has this one; with none merged, no plan is known
+    plan = docs[0][1]["cell"]["plan"] if docs else {}
+    _print(results, versions, as_json=args.json, props=plan.get("properties") or list(PROPERTIES),
+           markdown=plan if args.markdown else None)
+    err = console()
+    print(f"kvalign matrix: merged {len(results) - len(missing)} cells ({sum(r.verdict == 'aligned' for r in results)} "
+          f"aligned, {sum(r.verdict == 'misaligned' for r in results)} misaligned, "
+          f"{sum(r.verdict == 'error' for r in results) - len(missing)} error)", file=err, flush=True)
+    if missing:
+        print(f"kvalign matrix: error: {len(missing)} of {len(results)} planned cells have no result: "
+              f"{', '.join(missing)}", file=err, flush=True)
     return exit_code(results)
 
 
+def reproduce(plan: dict) -> str:
+    """The one ``kvalign matrix`` command whose run gives the rows of ``plan`` as a Markdown table."""
+    argv = ["kvalign", "matrix"]
+    for flag, key in (("--dynamo", "dynamo"), ("--sglang", "sglang")):
+        if plan.get(key):
+            argv += [flag, ",".join(plan[key])]
+    argv += ["--shipped"] if plan.get("shipped") else []
+    argv += ["--examples", str(plan["examples"])] if plan.get("examples", EXAMPLES) != EXAMPLES else []
+    if plan.get("ingest_examples", INGEST_EXAMPLES) != INGEST_EXAMPLES:
+        argv += ["--ingest-examples", str(plan["ingest_examples"])]
+    argv += [a for p in plan.get("properties") or () for a in ("--property", p)]
+    argv += ["--live"] if plan.get("live") else []
+    return " ".join([*argv, "--markdown"])
+
+
 def _print(results: list[PairResult], versions: dict, *, as_json: bool, props: list[str],
-           doc: dict | None = None) -> None:
+           doc: dict | None = None, markdown: dict | None = None) -> None:
     if as_json:
         json.dump(doc or report_json(results, versions, props), sys.stdout, ensure_ascii=False)
         sys.stdout.write("\n")
+    elif markdown is not None:
+        print(render_markdown(results, reproduce(markdown)))
     else:
         print(render(results, props))
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.merge is None and (args.results or args.cells is not None):
+        raise UsageError("RESULT.json files and --cells go with --merge")
+    if args.markdown and (args.list_cells or args.cell is not None):
+        raise UsageError("--markdown prints the table of a whole run: it goes with a run or --merge")
     if args.merge is not None:
         if args.live:
             raise UsageError("--merge takes the cells as they ran; --live belongs to --cell")
@@ -190,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
               + (f" — {one_line(r.error)}" if r.error else ""), file=err, flush=True)
 
     results = run_matrix(pairs, examples=args.examples, ingest_examples=args.ingest_examples, jobs=args.jobs,
-                         props=args.props, progress=progress, log=log)
+                         props=args.props, progress=progress, log=log, event_format=args.event_format)
     if args.live:  # one at a time: each starts three real engine processes
         for i, r in enumerate(results, 1):
             r.live = run_live(r.dynamo, r.sglang, log=log)
@@ -198,7 +253,8 @@ def run(args: argparse.Namespace) -> int:
                   f"in {r.live['seconds']:.0f}s — {r.live['detail']}", file=err, flush=True)
     results += [unknown_result(d, why) for d, why in unknown.items()]
     wall = time.perf_counter() - start
-    _print(results, installed_versions(), as_json=args.json, props=_props(args))
+    _print(results, installed_versions(), as_json=args.json, props=_props(args),
+           markdown=plan if args.markdown else None)
     print(f"kvalign matrix: {len(results)} pairs in {wall:.0f}s wall "
           f"({sum(r.verdict == 'aligned' for r in results)} aligned, "
           f"{sum(r.verdict == 'misaligned' for r in results)} misaligned, "
@@ -222,7 +278,7 @@ def _run_cell(args: argparse.Namespace, cell: tuple[str, str], pairs: list, unkn
         if pair is None:
             raise UsageError(f"cell {args.cell} is not in this matrix (--list-cells with the same options lists its cells)")
         results = run_matrix([pair], examples=args.examples, ingest_examples=args.ingest_examples, jobs=1,
-                             props=args.props, log=log)
+                             props=args.props, log=log, event_format=args.event_format)
         if args.live:
             results[0].live = run_live(dynamo, sglang, log=log)
     r = results[0]

@@ -46,11 +46,34 @@ class Cause(str, Enum):
     MEDIUM_NOT_INDEXED = "the relay maps no tier to the event's medium: those pages are indexed nowhere, silently"
     HOST_CREDIT_NOT_SERVABLE = ("router credits host-tier pages that SGLang will not load back (host-only stretch "
                                 "below its load_back_threshold): the engine re-prefills them")
+    LAST_PAGE_CAPPED = ("router credits the page holding the prompt's last token, which SGLang's scheduler never "
+                        "matches (it caps a match at input_len - 1 tokens): the engine computes that page again")
+    REGISTERED_BLOCK_SIZE = ("Dynamo registers a block size other than the one SGLang's KV events carry (a page size "
+                             "SGLang set after Dynamo read it): the relay drops every page, the router's hit rate is 0")
+    ADVERTISED_BLOCK_SIZE = "SGLang's /server_info advertises a KV-event block_size its events do not carry"
+    TENANT_HASH_COLLISION = ("SGLang publishes one block hash for two tenants' pages (LoRA / cache_salt): the router "
+                             "keeps one entry for both, and removing either removes both")
+    PARENT_OUTSIDE_NAMESPACE = "a page's parent hash is another tenant's page: the router attaches it below the wrong tenant"
+    LORA_NAME_MISMATCH = "SGLang publishes a LoRA page under another name than the one the request carries"
+    DP_RANK_UNPUBLISHED = ("a data-parallel rank's scheduler publishes no KV events (only rank 0 publishes): the "
+                           "router never indexes that rank's cache")
+    DP_RANK_TAG = ("a data-parallel rank's batches carry another rank's attn_dp_rank: Dynamo drops them as disagreeing "
+                   "with their source, so that rank's cache is never indexed")
+    DP_RANK_UNSUBSCRIBED = ("a data-parallel rank is registered for routing but its KV events are never subscribed: the "
+                            "router routes to a rank it never indexed")
+    DP_RANK_UNREGISTERED = ("SGLang runs a data-parallel rank that the worker's card does not register: the router never "
+                            "routes to it")
+    DP_RANK_MISATTRIBUTED = "a block stored by one data-parallel rank is credited to another rank"
+    DP_ROUTED_ELSEWHERE = ("the router sends the request to another data-parallel rank than the one its overlap scored "
+                           "(or with another rank's credit)")
     ENGINE_EVENTS_MISSING = ("the engine reused pages its own KV events never stored in the prompt's chain (never "
                              "stored, stored under a wrong parent or block hash, or removed): SGLang's publisher, no "
                              "router can credit them")
     ENGINE_EVENTS_LATE = ("the engine's KV events stored pages it reused only after the request was routed: a timing "
                           "race shown by the recorded stream, not a key mismatch")
+    REPLICA_INDEX_DIVERGED = "router replicas would route the same prompt by indexes that hold different pages"
+    REPLICA_STATE_UNSYNCED = ("a router replica misses its peers' active-sequence events (no replica sync): its "
+                              "load view lacks their in-flight requests")
     UNKNOWN = "unclassified hash difference"
 
 

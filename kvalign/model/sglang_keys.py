@@ -31,6 +31,17 @@ def page_count(n_tokens: int, page_size: int, *, eagle: bool = False) -> int:
     return units // page_size
 
 
+def matchable_pages(n_tokens: int, page_size: int, *, eagle: bool = False) -> int:
+    """The most leading pages SGLang's scheduler matches of an ``n_tokens`` prompt (no logprobs asked).
+
+    ``Req._compute_max_prefix_len`` (``managers/schedule_batch.py``) caps a match at ``input_len - 1``
+    raw tokens, so the page holding the last token is computed again; under EAGLE those ``N - 1`` raw
+    tokens key ``N - 2`` bigrams. For offline readers of a capture (``diagnose``), which run no
+    scheduler; held equal to SGLang's own cap by tests/unit/model/test_sglang_keys_cap.py.
+    """
+    return page_count(max(n_tokens - 1, 0), page_size, eagle=eagle)
+
+
 def page_windows(tokens: TokenInput, page_size: int, *, eagle: bool = False) -> list[tuple[int, ...]]:
     """Raw token window of every full page SGLang stores for ``tokens`` (P or P+1 tokens)."""
     toks = as_u32_tokens(tokens).tolist()

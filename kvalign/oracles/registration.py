@@ -130,3 +130,84 @@ def load_registration() -> Registration:
         return getattr(card, "enable_eagle", None) if hasattr(type(card), "enable_eagle") or hasattr(card, "enable_eagle") else None
 
     return Registration(f"dynamo.sglang.register.{name}", derive)
+
+
+#: ``dynamo.sglang.register``'s function that registers an LLM worker's model card (newest first).
+BLOCK_SIZE_FUNCTIONS = ("_register_model_with_runtime_config",)
+#: SGLang ``--disaggregation-mode`` -> the ``WorkerType`` member ``dynamo.sglang``'s init code registers with.
+WORKER_TYPES = {"null": "Aggregated", "prefill": "Prefill", "decode": "Decode"}
+
+
+class LaunchRefused(Exception):
+    """``dynamo.sglang`` refuses to start with this configuration (its own launch checks)."""
+
+
+@dataclass
+class BlockSizeRegistration:
+    """The installed ``dynamo.sglang``'s block sizes for a worker: the card's and the relay's.
+
+    ``derive(server_args, role)`` runs what ``init_llm`` runs once ``sgl.Engine`` has resolved its
+    arguments: ``Config.use_resolved_server_args(engine.server_args)`` (which also re-runs Dynamo's
+    DCP launch checks, so a configuration Dynamo refuses raises ``ValueError``), then the
+    registration function with those arguments. Its ``register_model`` call (the Rust binding that
+    publishes the card) is replaced for the call by one that records its keyword arguments; the
+    card's ``kv_cache_block_size`` is what it was given. The relay's block size is
+    ``capacity.kv_event_block_size`` on the same arguments, as ``publisher.py`` builds each
+    ``KvEventPublisher``. ``before_overrides=True`` skips the resolution step, handing the raw
+    launch arguments to the same code: the negative control (a registration that reads the page
+    size before SGLang's overrides).
+    """
+
+    function: str
+    derive: Callable[..., tuple[int, int]]
+
+
+def load_block_size_registration() -> BlockSizeRegistration:
+    """The installed ``dynamo.sglang`` registration path of the card's block size, or :class:`OracleUnavailable`."""
+    from kvalign.oracles.sglang import _modules
+
+    _modules()
+    try:
+        register = importlib.import_module("dynamo.sglang.register")
+        args_mod = importlib.import_module("dynamo.sglang.args")
+        capacity = importlib.import_module("dynamo.sglang.capacity")
+        from dynamo.llm import WorkerType
+    except Exception as exc:  # an import chain this long fails in many ways; report the root
+        raise OracleUnavailable(f"dynamo.sglang.register does not import here ({type(exc).__name__}: {exc})") from None
+    name = next((n for n in BLOCK_SIZE_FUNCTIONS if callable(getattr(register, n, None))), None)
+    missing = [what for what, ok in (
+        (f"register.{'/'.join(BLOCK_SIZE_FUNCTIONS)}", name is not None),
+        ("capacity.kv_event_block_size", callable(getattr(capacity, "kv_event_block_size", None))),
+        ("args.Config.use_resolved_server_args", callable(getattr(getattr(args_mod, "Config", None), "use_resolved_server_args", None))),
+    ) if not ok]
+    if missing:
+        raise OracleUnavailable(f"this dynamo.sglang has no {', '.join(missing)}: kvalign reads the registered block "
+                                "size through them (Dynamo 1.5 and later)")
+    fn = getattr(register, name)
+    dynamo_defaults = _dynamo_defaults(args_mod)
+
+    def derive(server_args: Any, role: str, *, before_overrides: bool = False) -> tuple[int, int]:
+        config = args_mod.Config(server_args, dynamo_defaults)
+        try:
+            view = server_args if before_overrides else config.use_resolved_server_args(server_args)
+        except ValueError as exc:  # Dynamo's launch checks refuse the configuration: the worker exits
+            raise LaunchRefused(str(exc)) from None
+        recorded: dict[str, Any] = {}
+
+        async def register_model(*_args: Any, **kwargs: Any) -> None:
+            recorded.update(kwargs)
+
+        dynamo_args = _Args(dynamo_defaults, use_kv_events=True, enable_multimodal=False)
+        original = register.register_model
+        register.register_model = register_model
+        logging.disable(logging.WARNING)
+        try:
+            ok = asyncio.run(fn(None, None, view, dynamo_args, worker_type=getattr(WorkerType, WORKER_TYPES[role])))
+        finally:
+            register.register_model = original
+            logging.disable(logging.NOTSET)
+        if not ok or "kv_cache_block_size" not in recorded:
+            raise OracleUnavailable(f"dynamo.sglang.register.{name} registered no card")
+        return int(recorded["kv_cache_block_size"]), int(capacity.kv_event_block_size(view))
+
+    return BlockSizeRegistration(f"dynamo.sglang.register.{name}", derive)

@@ -85,8 +85,9 @@ def _seed_host_transfer_ops() -> None:
     sys.modules["sgl_kernel"], sys.modules["sgl_kernel.kvcacheio"] = package, kvcacheio
 
 
+@cache
 def _modules() -> types.SimpleNamespace:
-    """Import SGLang's cache classes once, behind the torchvision shim.
+    """Import SGLang's cache classes once, behind the torchvision shim (cached: every cache built asks).
 
     PyPI torchvision is a CUDA build; its two op-registration modules fail beside torch+cpu
     ("operator torchvision::nms does not exist"). Pre-seeding them lets the rest import.
@@ -128,6 +129,11 @@ def _modules() -> types.SimpleNamespace:
         ComponentType=component_type, UnifiedRadixCache=unified, unified_missing=unified_missing, fields=fields,
         key_has_salt="cache_salt" in inspect.signature(RadixKey.__init__).parameters,
     )
+
+
+def has_dynamo_format() -> bool:
+    """Whether this SGLang has ``KVEventsConfig.format = "dynamo"`` (0.5.23: ``CacheInitParams.dynamo_kv_event_format``)."""
+    return "dynamo_kv_event_format" in _modules().fields
 
 
 def server_default_kind() -> str:
@@ -203,7 +209,10 @@ class SglangRadixCache:
     (force the Python core where selectable) or ``"radix"``. :attr:`kind` is the class actually built.
     """
 
-    def __init__(self, page_size: int, *, eagle: bool, kind: str = "default", dynamo_format: bool = False):
+    def __init__(self, page_size: int, *, eagle: bool, kind: str = "default", dynamo_format: bool = False,
+                 allocator: Any = None, req_to_token_pool: Any = None):
+        """``allocator`` / ``req_to_token_pool``: SGLang's own pools, for a cache that a scheduler drives
+        (:mod:`kvalign.oracles.admission`); by default the cache only hands slot ids back."""
         if kind not in KINDS:
             raise ValueError(f"unknown SGLang cache kind {kind!r}; expected one of {KINDS}")
         m = _modules()
@@ -213,9 +222,16 @@ class SglangRadixCache:
             raise OracleUnavailable(f"sglang {sglang_version()} has no unified radix cache ({m.unified_missing}); "
                                     "its server builds RadixCache: use --cache radix or the default")
         self.page_size, self.eagle, self.kind = page_size, eagle, kind
+        #: the "dynamo" KV-event format: every event hash namespaced by (extra_key, cache_salt), and the
+        #: LoRA name resolved with the adapter-id fallback (SGLang 0.5.23's ``KVEventsConfig.format``)
+        self.dynamo_format = dynamo_format
+        #: LoRA names whose requests reach the scheduler without the name (``recv_req.lora_name`` None, as
+        #: from "older IPC senders"): SGLang knows them only from the adapter table (:meth:`load_adapter`)
+        self.unnamed_requests: set[str] = set()
         self._m = m
         kw: dict[str, Any] = dict(
-            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=_CpuAllocator(),
+            disable=False, req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=_CpuAllocator() if allocator is None else allocator,
             page_size=page_size, is_eagle=eagle, enable_kv_cache_events=True,
         )
         if dynamo_format:
@@ -267,13 +283,20 @@ class SglangRadixCache:
         if lora_name:
             lora_id = lora_id_for(lora_name)
             extra_key = (extra_key or "") + lora_id
-            if self._lora_names is not None:
+            if self._lora_names is not None:  # the scheduler's admission (_record_kv_event_lora_name)
                 req = types.SimpleNamespace(lora_id=lora_id, extra_key=extra_key)
-                self._lora_names.register(req, lora_name)
+                self._lora_names.register(req, None if lora_name in self.unnamed_requests else lora_name)
         tokens_array = array("q", [int(t) for t in tokens])
         if self._m.key_has_salt:
             return self._m.RadixKey(tokens_array, extra_key, cache_salt=salt)
         return self._m.RadixKey(tokens_array, extra_key)
+
+    def load_adapter(self, lora_name: str) -> None:
+        """SGLang's scheduler loading an adapter (``load_lora_adapter``; ``--lora-paths`` at start-up goes
+        through ``KvEventLoraNames.from_lora_refs`` to the same table): its id -> name, kept for life."""
+        if self._lora_names is None:
+            raise OracleUnavailable(f"sglang {sglang_version()} has no KV-event LoRA name table")
+        self._lora_names.register(lora_id=lora_id_for(lora_name), lora_name=lora_name)
 
     def insert(self, tokens: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None) -> int:
         """Cache a finished request's tokens; returns the prefix length that was already cached.

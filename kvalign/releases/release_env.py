@@ -32,9 +32,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvalign.releases.namespaces import namespace_portions
+
 INSTALLERS = ("uv", "pip")
 #: Bumped when an environment must be built differently: an older one is rebuilt, not trusted.
-ENV_SCHEME = 1
+#: 2: release namespace packages pinned to the release's directories.
+ENV_SCHEME = 2
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -112,11 +115,17 @@ def base_site_dirs() -> list[str]:
 
 
 def pth_text(dirs: Sequence[Path]) -> str:
-    """The ``.pth`` of an environment for ``dirs``: releases, this kvalign, then the base environment.
+    """The ``.pth`` of an environment for ``dirs``: releases, this kvalign, then the base environment,
+    then the pin of each namespace package a release provides (``dynamo``) to that release's directories.
 
-    The base goes through ``site.addsitedir`` so its own ``.pth`` files (editable installs) apply."""
+    The base goes through ``site.addsitedir`` so its own ``.pth`` files (editable installs) apply. The
+    pin (:mod:`kvalign.releases.namespaces`) comes last: without it ``dynamo``'s path would join the
+    base environment's ``dynamo/``, and a subpackage an old release lacks would import from there."""
     lines = [str(d) for d in dirs] + [str(ROOT)]
     lines += [f"import site; site.addsitedir({d!r})" for d in base_site_dirs()]
+    portions = namespace_portions(dirs)
+    if portions:
+        lines.append(f"import kvalign.releases.namespaces as n; n.pin({portions!r})")
     return "\n".join(lines) + "\n"
 
 

@@ -13,16 +13,19 @@ which sets ``write_through_threshold``, ``is_write_back`` and ``load_back_thresh
 write policy. What stands in:
 
 * :class:`StubTransferController` replaces ``HybridCacheController``: ``write`` allocates host slot
-  ids from a counting :class:`StubHostPool` and queues an already-finished ack; ``load`` hands out
-  fresh device slot ids and queues an already-finished ack. No KV bytes exist or move, so a
-  transfer never fails or lags: the stand-in says nothing about transfer timing.
+  ids from a counting :class:`StubHostPool` and queues an already-finished ack; ``load`` allocates
+  the device slots from the cache's own device allocator (SGLang's ``PagedTokenToKVPoolAllocator``,
+  bounded, so a load can find it full as ``HybridCacheController.load`` can) and queues an
+  already-finished ack. No KV bytes exist or move, so a transfer never fails or lags: the stand-in
+  says nothing about transfer timing.
 * ``attach_hybrid_pool_to_unified_cache`` (which builds the host pools and the controller from a
   real KV pool, ``torch.cuda`` pinned memory and ``sgl_kernel.kvcacheio`` ops) is replaced, for
   the duration of ``init_hicache`` only, by one that attaches the stubs, as its
   ``_apply_stack_result`` would.
-* ``init_hicache`` reads the server's config through ``runtime_context.get_memory()`` /
-  ``get_observability()``; for that one call they answer the HiCache settings of a server started
-  with ``--enable-hierarchical-cache --hicache-write-policy POLICY`` (no storage backend).
+
+``init_hicache`` reads the server's config (``get_memory()`` / ``get_observability()``) from the
+context it runs in: SGLang's own config bags for ``--enable-hierarchical-cache --hicache-write-policy
+POLICY`` (:func:`kvalign.standins.scheduler.scheduler_context`).
 
 Why not the real controller: every host IO backend calls ``sgl_kernel.kvcacheio`` CUDA ops with no
 torch fallback (``mem_cache/pool_host/mha.py``), and the host pool pins memory through
@@ -114,7 +117,7 @@ class StubTransferController:
     pp_prefetch_command_group = None
     transfer_layer_id_max = 0
 
-    def __init__(self, write_policy: str, host_tokens: int) -> None:
+    def __init__(self, write_policy: str, host_tokens: int, device_allocator: Any) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}; expected one of {WRITE_POLICIES}")
         self.write_policy = write_policy
@@ -124,7 +127,7 @@ class StubTransferController:
             available_size=self.host.available_size, free=self.host.free, clear=self.host.clear)
         self.ack_write_queue: list[_Ack] = []
         self.ack_load_queue: list[_Ack] = []
-        self._device = itertools.count(1 << 40)  # device slot ids for loaded KV, apart from the cache's own
+        self.device_allocator = device_allocator
         self.loads: list[int] = []  # tokens per load the cache asked for (what it decided to load back)
 
     def write(self, device_indices: Any, priority: Any = None, node_id: int = -1, extra_pools: Any = None,
@@ -135,11 +138,13 @@ class StubTransferController:
         return host
 
     def load(self, host_indices: Any, priority: Any = None, node_id: int = -1, extra_pools: Any = None, **_: Any) -> Any:
-        import torch
-
+        """``HybridCacheController.load``: device slots from the device allocator, None when it is full."""
+        device_indices = self.device_allocator.alloc(len(host_indices))
+        if device_indices is None:
+            return None
         self.loads.append(len(host_indices))
         self.ack_load_queue.append(_Ack([node_id]))
-        return torch.tensor([next(self._device) for _ in range(len(host_indices))], dtype=torch.int64)
+        return device_indices
 
     def start_writing(self) -> None:
         pass
@@ -173,58 +178,34 @@ class _HostPoolGroup:
         pass
 
 
-class _DeviceAllocator:
-    """The device KV allocator as the cache sees it with HiCache on: never short of room (device
-    pressure is modelled by explicit evictions), frees are no-ops (slot ids only)."""
-
-    device = "cpu"
-
-    def available_size(self) -> int:
-        return 1 << 30
-
-    def free(self, *_: Any, **__: Any) -> None:
-        pass
-
-    def free_segment(self, *_: Any, **__: Any) -> None:
-        pass
-
-    def free_segments(self, *_: Any, **__: Any) -> None:
-        pass
-
-
 @contextmanager
-def _server_config(write_policy: str, controller: StubTransferController) -> Iterator[None]:
+def _stub_pools(controller: StubTransferController) -> Iterator[None]:
     import sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler as assembler
-    import sglang.srt.mem_cache.unified_radix_cache as urc
-
-    memory = types.SimpleNamespace(hicache_host_memory_mode="cache", hicache_storage_backend=None,
-                                   hicache_write_policy=write_policy, hicache_storage_prefetch_policy="best_effort",
-                                   hicache_storage_backend_extra_config=None)
-    observability = types.SimpleNamespace(extra_metric_labels=None)
 
     def attach(cache: Any, *_: Any, **__: Any) -> None:  # _apply_stack_result's two assignments
         cache.host_pool_group = _HostPoolGroup(controller.host)
         cache.cache_controller = controller
 
-    saved = (urc.get_memory, urc.get_observability, assembler.attach_hybrid_pool_to_unified_cache)
-    urc.get_memory, urc.get_observability = (lambda: memory), (lambda: observability)
+    saved = assembler.attach_hybrid_pool_to_unified_cache
     assembler.attach_hybrid_pool_to_unified_cache = attach
     try:
         yield
     finally:
-        urc.get_memory, urc.get_observability, assembler.attach_hybrid_pool_to_unified_cache = saved
+        assembler.attach_hybrid_pool_to_unified_cache = saved
 
 
 def attach_host_tier(cache: Any, write_policy: str, host_tokens: int, sglang_version: str) -> StubTransferController:
-    """Turn the host tier of a real ``UnifiedRadixCache`` on through its own ``init_hicache``."""
+    """Turn the host tier of a real ``UnifiedRadixCache`` on through its own ``init_hicache``.
+
+    Call it inside the scheduler's context (``use_context(scheduler_context(...))``); the cache's
+    ``token_to_kv_pool_allocator`` is the device allocator that loads allocate from."""
     problem = version_problem(sglang_version)
     if problem:
         raise OracleUnavailable(problem)
-    controller = StubTransferController(write_policy, host_tokens)
-    cache.token_to_kv_pool_allocator = _DeviceAllocator()
+    controller = StubTransferController(write_policy, host_tokens, cache.token_to_kv_pool_allocator)
     if not hasattr(cache, "metrics_collector"):
         cache.metrics_collector = None
-    with _server_config(write_policy, controller):
+    with _stub_pools(controller):
         cache.init_hicache(types.SimpleNamespace(file_storage_path=None), None)
     atexit.unregister(cache.shutdown)  # init_hicache registers it for the storage backend there is none of
     return controller

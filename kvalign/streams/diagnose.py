@@ -34,7 +34,7 @@ from kvalign.model.index import router_kv_hit_rate
 from kvalign.model.relay import RELAY_TIERS
 from kvalign.streams.replay import WorkerReplay, replay_capture, resolve_block_size
 from kvalign.streams.replay_index import ReplayIndex, StoredPages, chain_nodes
-from kvalign.model.sglang_keys import engine_block_hashes
+from kvalign.model.sglang_keys import engine_block_hashes, matchable_pages
 
 WORKER = 1
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -256,7 +256,9 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings, *, engine_
         notes=_capture_notes(rep), capture_stats=_capture_stats(rep),
     )
 
-    d.findings += _host_credit_not_servable(seen, [by_node.get(n) for n in path_e[:ever]], engine_b, engine_eagle)
+    matchable = matchable_pages(len(tokens), engine_b, eagle=engine_eagle)  # SGLang's scheduler cap
+    d.findings += _host_credit_not_servable(seen, [by_node.get(n) for n in path_e[:min(ever, matchable)]], engine_b,
+                                            engine_eagle)
 
     def router_view(i: int) -> BlockView:
         s, e, toks = _window(tokens, i, router_b, router_eagle)
@@ -362,7 +364,8 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings, *, engine_
 
 def _host_credit_not_servable(seen: _PromptPages, chain: list[PageSeen | None], b: int, eagle: bool) -> list[str]:
     """HOST_CREDIT_NOT_SERVABLE for this prompt, when it applies: past the pages the engine holds on
-    device, a stretch it holds on host only, too short for SGLang to load back. Dynamo's router credits
+    device, a stretch it holds on host only, too short for SGLang to load back, inside the pages SGLang's
+    scheduler matches (``chain`` stops at its cap: a page past it is computed again whatever its tier). Dynamo's router credits
     each of those blocks (host weight 0.75 by default); SGLang re-prefills them."""
     tiers = [seen.tiers.get(p.ext, set()) if p else set() for p in chain]
     device = next((i for i, t in enumerate(tiers) if "device" not in t), len(tiers))

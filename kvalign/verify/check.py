@@ -25,7 +25,7 @@ from hypothesis.errors import FlakyFailure
 
 from kvalign.model.causes import Cause
 from kvalign.oracles.base import OracleUnavailable, RouterHasher
-from kvalign.verify.rows import MODES, PROPERTIES, VARIANTS, RowResult
+from kvalign.verify.rows import EVENT_PROPERTIES, MODES, PROPERTIES, VARIANTS, RowResult
 from kvalign.verify.properties import Mismatch, card_property, hash_property, ingest_property, overlap_property, pages_property
 from kvalign.verify.strategies import hash_cases, ingest_scenarios, scenarios
 
@@ -114,6 +114,12 @@ def property_body(prop: str, hasher: RouterHasher, make_cache: Callable[[int, bo
         assert systems is not None
         path = systems.router_path()
         return lambda isc: ingest_property(path, hasher, make_cache, isc)
+    if prop == "tenants":
+        from kvalign.verify.tenants import tenants_property
+
+        assert systems is not None
+        tenant_path = systems.router_path()
+        return lambda sc: tenants_property(tenant_path, make_cache, sc)
     if prop == "hash":
         return lambda case: hash_property(hasher, case)
     if prop == "pages":
@@ -128,6 +134,12 @@ def strategy_for(prop: str, mode: str, variant: str, page_size: int | None = Non
     None draws every size the property's strategy draws."""
     lora, namespace = VARIANTS[variant]
     eagle = mode == "eagle"
+    if prop == "tenants":
+        from kvalign.verify.tenants import tenant_scenarios
+
+        if page_size:
+            return tenant_scenarios(eagle=eagle, lora=lora, namespace=namespace, page_sizes=(page_size,))
+        return tenant_scenarios(eagle=eagle, lora=lora, namespace=namespace)
     if prop == "ingest":
         if page_size:
             return ingest_scenarios(eagle=eagle, lora=lora, namespace=namespace, page_sizes=(page_size,))
@@ -208,13 +220,17 @@ def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make
               examples: int, props: tuple[str, ...] = PROPERTIES, modes: tuple[str, ...] = MODES,
               variants: tuple[str, ...] = tuple(VARIANTS), seed: int | None = None,
               progress: Callable[[RowResult], None] | None = None, systems: Systems | None = None,
-              ingest_examples: int = 25, tier_examples: int | None = None, page_size: int | None = None) -> list[RowResult]:
+              ingest_examples: int = 25, tier_examples: int | None = None, page_size: int | None = None,
+              event_format: str = "default", dp_examples: int | None = None) -> list[RowResult]:
     """Run every requested property x mode x variant and return one row each; ``page_size`` pins the
-    page size of every generated case (None: every size the strategies draw)."""
+    page size of every generated case (None: every size the strategies draw). ``event_format``: the
+    KV-event format ``make_cache``'s caches publish in (and the tier rows'), carried by every row of a
+    property that reads events; the others say "any"."""
     systems = systems or Systems(hasher, make_cache, make_index)
     rows: list[RowResult] = []
 
     def emit(row: RowResult) -> None:
+        row.event_format = event_format if row.prop in EVENT_PROPERTIES else "any"
         _capability_note(hasher, row)
         rows.append(row)
         if progress:
@@ -226,11 +242,24 @@ def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make
                 for row in run_card(systems, modes):
                     emit(row)
                 continue
+            if prop == "advertised":
+                from kvalign.verify.advertised import run_advertised_rows
+
+                for row in run_advertised_rows(modes, page_size):
+                    emit(row)
+                continue
+            if prop == "dp":
+                from kvalign.verify.dp import DP_EXAMPLES, run_dp_rows
+
+                for row in run_dp_rows(systems.router_path, modes, min(examples, dp_examples or DP_EXAMPLES), run_search,
+                                       seed=seed, page_size=page_size):
+                    emit(row)
+                continue
             if prop in ("tier", "servable"):
                 from kvalign.verify.tier import TIER_EXAMPLES, run_tier_rows
 
                 for row in run_tier_rows(systems, prop, modes, variants, min(examples, tier_examples or TIER_EXAMPLES), seed,
-                                         page_size=page_size):
+                                         page_size=page_size, event_format=event_format):
                     emit(row)
                 continue
             try:
@@ -241,9 +270,11 @@ def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make
                         emit(RowResult(prop, mode, variant, 0, 1, 0.0, Cause.PATH_UNAVAILABLE.value,
                                        Cause.PATH_UNAVAILABLE.name, str(exc)))
                 continue
-            n = min(examples, ingest_examples) if prop == "ingest" else examples
+            n = min(examples, ingest_examples) if prop in ("ingest", "tenants") else examples
             for mode in modes:
                 for variant in variants:
+                    if prop == "tenants" and variant == "base":  # one tenant: nothing to keep apart
+                        continue
                     start = time.perf_counter()
                     calls, failures, found = run_search(body, strategy_for(prop, mode, variant, page_size), n, seed=seed)
                     row = RowResult(prop, mode, variant, calls, failures, time.perf_counter() - start)

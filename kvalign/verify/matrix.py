@@ -38,7 +38,7 @@ from packaging.version import InvalidVersion, Version
 from kvalign.releases import local_build
 from kvalign.oracles.router_path import STUCK_EXIT_S, STUCK_MARK
 from kvalign.releases.release_env import ReleaseEnvError, cache_root, child_env, install, locked, python_for
-from kvalign.verify.rows import MODES, PROPERTIES
+from kvalign.verify.rows import EVENT_PROPERTIES, MODES, PROPERTIES, PROPERTY_MODES
 from kvalign.runtime_log import log_dir
 
 DYNAMO_PACKAGES = ("ai-dynamo-runtime", "ai-dynamo")
@@ -60,6 +60,8 @@ PAIR_TIMEOUT_S = 600
 LIVE_TIMEOUT_S = 900
 #: The live scenario's column.
 LIVE_COLUMN = "live:disagg-eagle"
+#: The column of the rows run with SGLang's "dynamo" KV-event format (``check --event-format both``).
+FORMAT_COLUMN = "format:dynamo"
 
 
 class MatrixError(RuntimeError):
@@ -279,12 +281,17 @@ class PairResult:
     live: dict[str, Any] | None = None  # --live: the seed scenario on real CPU engines (see run_live)
     #: rows the pair's check could not run (a property this release cannot support), each with why: ``n/a``
     not_applicable: list[dict[str, str]] = field(default_factory=list)
+    #: the KV-event formats the pair's check ran (its ``event_formats``); findings and n/a rows of the
+    #: "dynamo" format say so in their ``event_format`` key
+    event_formats: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         row: dict[str, Any] = {"dynamo": self.dynamo, "sglang": self.sglang, "shipped": self.shipped,
                                "verdict": self.verdict, "findings": self.findings}
         if self.not_applicable:
             row["not_applicable"] = self.not_applicable
+        if self.event_formats:
+            row["event_formats"] = self.event_formats
         if self.verdict == "error":
             row["error"] = one_line(self.error or "unknown error")
         if self.live is not None:
@@ -366,15 +373,21 @@ def _stuck_log(pid: int) -> Path | None:
     return None
 
 
+def _format_key(row: dict[str, Any]) -> dict[str, str]:
+    """``{"event_format": "dynamo"}`` for a row of SGLang's dynamo event format, else nothing (the
+    default format's rows keep the keys they always had)."""
+    return {"event_format": "dynamo"} if row.get("event_format") == "dynamo" else {}
+
+
 def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, props: Sequence[str] | None = None,
-             log: Callable[[str], None] = lambda _m: None) -> PairResult:
+             log: Callable[[str], None] = lambda _m: None, event_format: str = "both") -> PairResult:
     """Install (if needed) and check one pair in a subprocess (only ``props`` when given)."""
     start = time.perf_counter()
     try:
         python, env = pair_env(ensure_release("dynamo", dynamo, log=log), ensure_release("sglang", sglang, log=log), sglang)
     except (MatrixError, ReleaseEnvError, subprocess.TimeoutExpired, OSError) as exc:
         return PairResult(dynamo, sglang, "error", error=str(exc), seconds=time.perf_counter() - start)
-    cmd = [python, "-m", "kvalign", "check", "--json", "--examples", str(examples),
+    cmd = [python, "-m", "kvalign", "check", "--json", "--examples", str(examples), "--event-format", event_format,
            "--ingest-examples", str(ingest_examples), *(a for p in props or () for a in ("--property", p))]
     try:
         try:
@@ -401,11 +414,12 @@ def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, p
         return PairResult(dynamo, sglang, "error", seconds=seconds,
                           error=f"check exited {res.returncode} without a JSON report" + (f": {err[-1]}" if err else ""))
     findings = [{"property": r["prop"], "mode": r["mode"], "variant": r["variant"], "cause": r["cause_name"] or "UNKNOWN",
-                 "detail": r["detail"] or ""} for r in report["rows"] if r["mismatches"]]
-    not_applicable = [{"property": r["prop"], "mode": r["mode"], "variant": r["variant"], "reason": r["skipped"]}
-                      for r in report["rows"] if r.get("skipped")]
+                 "detail": r["detail"] or "", **_format_key(r)} for r in report["rows"] if r["mismatches"]]
+    not_applicable = [{"property": r["prop"], "mode": r["mode"], "variant": r["variant"], "reason": r["skipped"],
+                       **_format_key(r)} for r in report["rows"] if r.get("skipped")]
     verdict = "aligned" if report["aligned"] else "misaligned"
-    return PairResult(dynamo, sglang, verdict, findings, seconds=seconds, not_applicable=not_applicable)
+    return PairResult(dynamo, sglang, verdict, findings, seconds=seconds, not_applicable=not_applicable,
+                      event_formats=list(report.get("event_formats") or []))
 
 
 @dataclass(frozen=True)
@@ -450,7 +464,7 @@ def plan_pairs(dynamo: Sequence[str], sglang: Sequence[str], *, shipped: bool,
 
 def run_matrix(pairs: Sequence[Pair], *, examples: int, ingest_examples: int, jobs: int = 1,
                props: Sequence[str] | None = None, progress: Callable[[PairResult, int, int], None] | None = None,
-               log: Callable[[str], None] = lambda _m: None) -> list[PairResult]:
+               log: Callable[[str], None] = lambda _m: None, event_format: str = "both") -> list[PairResult]:
     """Every pair, ``jobs`` at a time; results in the order given, progress as pairs finish."""
     # Install every release first, one at a time (pip and the disk are the bottleneck, not the CPU).
     for kind, versions in (("dynamo", [p.dynamo for p in pairs]), ("sglang", [p.sglang for p in pairs])):
@@ -462,7 +476,7 @@ def run_matrix(pairs: Sequence[Pair], *, examples: int, ingest_examples: int, jo
     results: dict[Pair, PairResult] = {}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = {pool.submit(run_pair, p.dynamo, p.sglang, examples=examples, ingest_examples=ingest_examples,
-                               props=props, log=log): p for p in pairs}
+                               props=props, log=log, event_format=event_format): p for p in pairs}
         for fut in as_completed(futures):
             pair = futures[fut]
             results[pair] = fut.result()
@@ -529,21 +543,42 @@ def _cell(findings: Sequence[dict[str, str]], not_applicable: Sequence[dict[str,
     return ", ".join(parts) if parts else "ok"
 
 
-def table(results: Sequence[PairResult], props: Sequence[str] = PROPERTIES, modes: Sequence[str] = MODES) -> str:
-    """One row per pair, one column per property x mode; a cell is ``ok`` or the causes found.
+def _dynamo_format_cell(r: PairResult, props: Sequence[str]) -> str:
+    """The dynamo-format column: ``-`` where the check did not run it (or no property that reads
+    events), ``n/a`` where this SGLang has no such format, else ``ok`` or the causes of its rows."""
+    if "dynamo" not in r.event_formats or not set(props) & set(EVENT_PROPERTIES):
+        return "-"
+    findings = [f for f in r.findings if f.get("event_format") == "dynamo"]
+    not_applicable = [n for n in r.not_applicable if n.get("event_format") == "dynamo"]
+    if not_applicable and not findings and all("KV-event format" in n["reason"] for n in not_applicable):
+        return "n/a"
+    return _cell(findings, not_applicable)
 
-    A pair whose SGLang is the one its Dynamo release pins says ``(shipped)`` after the version;
-    with ``--live`` rows, a last column gives the live scenario's verdict."""
+
+def table(results: Sequence[PairResult], props: Sequence[str] = PROPERTIES, modes: Sequence[str] = MODES) -> str:
+    """One row per pair, one column per property x mode (the modes a property runs in); a cell is ``ok``
+    or the causes found, in SGLang's default event format.
+
+    A pair whose SGLang is the one its Dynamo release pins says ``(shipped)`` after the version; where
+    a check ran SGLang's "dynamo" event format too, a column gives those rows' causes (``n/a`` where
+    the release has no such format); with ``--live`` rows, a last column gives the live scenario's verdict."""
     live = any(r.live is not None for r in results)
-    head = ["dynamo", "sglang", "verdict", *[f"{p}:{m}" for p in props for m in modes], *([LIVE_COLUMN] if live else [])]
+    fmt = any("dynamo" in r.event_formats for r in results)
+    columns = [(p, m) for p in props for m in modes if m in PROPERTY_MODES.get(p, modes)]
+    head = ["dynamo", "sglang", "verdict", *[f"{p}:{m}" for p, m in columns], *([FORMAT_COLUMN] if fmt else []),
+            *([LIVE_COLUMN] if live else [])]
     body = []
     for r in results:
+        default = [f for f in r.findings if f.get("event_format") != "dynamo"]
+        default_na = [n for n in r.not_applicable if n.get("event_format") != "dynamo"]
         if r.verdict == "error":
             cells = ["error"] * (len(head) - 3 - live)
         else:
-            cells = [_cell([f for f in r.findings if f["property"] == p and f["mode"] == m],
-                           [n for n in r.not_applicable if n["property"] == p and n["mode"] == m])
-                     for p in props for m in modes]
+            cells = [_cell([f for f in default if f["property"] == p and f["mode"] == m],
+                           [n for n in default_na if n["property"] == p and n["mode"] == m])
+                     for p, m in columns]
+            if fmt:
+                cells.append(_dynamo_format_cell(r, props))
         if live:
             cells.append((r.live or {}).get("verdict", "-"))
         body.append([r.dynamo, r.sglang + (" (shipped)" if r.shipped else ""), r.verdict, *cells])
@@ -561,6 +596,8 @@ UNKNOWN = "unknown"
 VERDICTS = ("aligned", "misaligned", "error")
 FINDING_KEYS = ("property", "mode", "variant", "cause", "detail")
 NOT_APPLICABLE_KEYS = ("property", "mode", "variant", "reason")
+#: A key findings and n/a rows carry only when they are rows of SGLang's "dynamo" event format.
+OPTIONAL_KEYS = ("event_format",)
 
 
 class CellFileError(ValueError):
@@ -607,6 +644,33 @@ def render(results: Sequence[PairResult], props: Sequence[str] = PROPERTIES) -> 
     return "\n".join(out)
 
 
+def _markdown_causes(r: PairResult) -> str:
+    """A pair's causes, each with the properties it was found in, then the properties that could not run."""
+    if r.verdict == "error":
+        return f"error: {one_line(r.error or 'unknown error')}".replace("|", "\\|")
+    where: dict[str, list[str]] = {}
+    for f in r.findings:
+        where.setdefault(f["cause"], [])
+        if f["property"] not in where[f["cause"]]:
+            where[f["cause"]].append(f["property"])
+    parts = [f"{cause} ({', '.join(props)})" for cause, props in where.items()]
+    na = list(dict.fromkeys(n["property"] for n in r.not_applicable))
+    return "; ".join([", ".join(parts)] * bool(parts) + ([f"n/a: {', '.join(na)}"] if na else [])) or "-"
+
+
+def render_markdown(results: Sequence[PairResult], command: str) -> str:
+    """``matrix --markdown``: a row per pair (``(shipped)`` in bold: the pair a deployment of that Dynamo
+    runs), the causes found with the properties that found them and ``n/a`` with the properties that
+    could not run (the table without ``--markdown`` says why, a line per reason), and under it the one
+    command that reproduces it."""
+    out = ["| dynamo | sglang | verdict | causes (properties) |", "|---|---|---|---|"]
+    for r in results:
+        sglang = f"**{r.sglang} (shipped)**" if r.shipped else r.sglang
+        live = f"; live: {r.live.get('verdict', '-')}" if r.live is not None else ""
+        out.append(f"| {r.dynamo} | {sglang} | {r.verdict} | {_markdown_causes(r)}{live} |")
+    return "\n".join([*out, "", f"`{command}`"])
+
+
 def exit_code(results: Sequence[PairResult]) -> int:
     """0 all aligned, 1 any misaligned (or a live scenario failed), 2 any error."""
     if any(r.verdict == "error" or (r.live or {}).get("verdict") == "error" for r in results):
@@ -637,7 +701,8 @@ def result_from_row(row: Any) -> PairResult:
         raise ValueError("row has no 'shipped' true/false")
     findings = row.get("findings")
     if not isinstance(findings, list) or not all(
-            isinstance(f, dict) and set(f) == set(FINDING_KEYS) and all(isinstance(v, str) for v in f.values())
+            isinstance(f, dict) and set(FINDING_KEYS) <= set(f) <= {*FINDING_KEYS, *OPTIONAL_KEYS}
+            and all(isinstance(v, str) for v in f.values())
             for f in findings):
         raise ValueError(f"row 'findings' is not a list of {{{', '.join(FINDING_KEYS)}}} string objects")
     if (row["verdict"] == "error") != isinstance(row.get("error"), str):
@@ -647,16 +712,21 @@ def result_from_row(row: Any) -> PairResult:
         raise ValueError("row 'live' is not an object with a 'verdict'")
     not_applicable = row.get("not_applicable", [])
     well_formed = isinstance(not_applicable, list) and all(
-        isinstance(n, dict) and set(n) == set(NOT_APPLICABLE_KEYS) and all(isinstance(v, str) for v in n.values())
+        isinstance(n, dict) and set(NOT_APPLICABLE_KEYS) <= set(n) <= {*NOT_APPLICABLE_KEYS, *OPTIONAL_KEYS}
+        and all(isinstance(v, str) for v in n.values())
         for n in not_applicable)
     if not well_formed or ("not_applicable" in row and not not_applicable):  # a run prints the key only when non-empty
         raise ValueError(f"row 'not_applicable' is not a non-empty list of {{{', '.join(NOT_APPLICABLE_KEYS)}}} "
                          "string objects")
-    extra = set(row) - {"dynamo", "sglang", "shipped", "verdict", "findings", "not_applicable", "error", "live"}
+    formats = row.get("event_formats", [])
+    if not isinstance(formats, list) or not all(isinstance(f, str) for f in formats):
+        raise ValueError("row 'event_formats' is not a list of strings")
+    extra = set(row) - {"dynamo", "sglang", "shipped", "verdict", "findings", "not_applicable", "error", "live",
+                        "event_formats"}
     if extra:
         raise ValueError(f"row has unknown keys {sorted(extra)}")
     return PairResult(row["dynamo"], row["sglang"], row["verdict"], list(findings), error=row.get("error"),
-                      shipped=row["shipped"], live=live, not_applicable=list(not_applicable))
+                      shipped=row["shipped"], live=live, not_applicable=list(not_applicable), event_formats=list(formats))
 
 
 def _plan_order(plan: dict[str, Any], r: PairResult) -> tuple[Any, ...]:
@@ -667,6 +737,45 @@ def _plan_order(plan: dict[str, Any], r: PairResult) -> tuple[Any, ...]:
     if r.sglang == UNKNOWN:
         return (1, where, ())
     return (0, where, _version_key(r.sglang))
+
+
+#: The error of a planned cell that has no result file: its row in the merged table says this.
+NO_RESULT = "no result: this cell's job wrote none (it died, timed out or was cancelled before its result)"
+
+
+def planned_cells(name: str, doc: Any) -> list[dict[str, Any]]:
+    """The cells of a ``--list-cells --json`` document (``name`` is its file, for the error line)."""
+    if not isinstance(doc, list) or not all(
+            isinstance(c, dict) and all(isinstance(c.get(k), str) and c[k] for k in ("cell", "dynamo", "sglang"))
+            and c["cell"] == cell_id(c["dynamo"], c["sglang"]) for c in doc):
+        raise CellFileError(f"{name}: not a list of planned cells (write it with kvalign matrix --list-cells --json)")
+    ids = [c["cell"] for c in doc]
+    twice = sorted({c for c in ids if ids.count(c) > 1})
+    if twice:
+        raise CellFileError(f"{name}: planned cells listed twice: {', '.join(twice)}")
+    return list(doc)
+
+
+def missing_result(cell: dict[str, Any]) -> PairResult:
+    """The row of a planned cell without a result: an error, so the merged table keeps every row and exits 2."""
+    return PairResult(cell["dynamo"], cell["sglang"], "error", error=NO_RESULT, shipped=bool(cell.get("shipped")))
+
+
+def merge_planned(docs: Sequence[tuple[str, Any]], planned: Sequence[dict[str, Any]],
+                  planned_name: str) -> tuple[dict[str, Any], list[PairResult], list[str]]:
+    """:func:`merge_cells` held to the planned cells: (versions, every planned cell's row in the planned
+    order, the ids of the cells that had no result). A planned cell without a result file is an error
+    row (:data:`NO_RESULT`); a result of a cell that was not planned is a :class:`CellFileError`."""
+    versions, results = merge_cells(docs) if docs else ({}, [])
+    order = {c["cell"]: i for i, c in enumerate(planned)}
+    found = {cell_id(r.dynamo, r.sglang): r for r in results}
+    stray = [c for c in found if c not in order]
+    if stray:
+        raise CellFileError(f"{planned_name}: results for cells it does not plan: {', '.join(stray)} "
+                            "(list the cells with the options the cells ran with)")
+    missing = [c["cell"] for c in planned if c["cell"] not in found]
+    rows = [found.get(c["cell"]) or missing_result(c) for c in planned]
+    return versions, rows, missing
 
 
 def merge_cells(docs: Sequence[tuple[str, Any]]) -> tuple[dict[str, Any], list[PairResult]]:

@@ -81,11 +81,12 @@ def hash_property(hasher: RouterHasher, case: HashCase) -> None:
 
 
 def _expected_engine_hashes(tokens: list[int], p: int, eagle: bool, lora: str | None, ns: str | None,
-                            lora_named: bool = True, salted: bool = True) -> list[int]:
+                            lora_named: bool = True, salted: bool = True, dynamo_format: bool = False) -> list[int]:
     """SGLang's event hashes for a request's pages; ``salted=False``: a release (0.5.9, 0.5.14) whose
-    event hashes chain the tokens alone, whatever the request's ``cache_salt``."""
+    event hashes chain the tokens alone, whatever the request's ``cache_salt``; ``dynamo_format``:
+    SGLang's "dynamo" event format, every hash namespaced by (extra_key, cache_salt)."""
     extra_key = lora_id_for(lora) if lora else None
-    namespace = event_namespace(extra_key, ns, lora_registered=bool(lora) and lora_named, dynamo_format=False)
+    namespace = event_namespace(extra_key, ns, lora_registered=bool(lora) and lora_named, dynamo_format=dynamo_format)
     return engine_block_hashes(tokens, p, eagle=eagle, cache_salt=(ns or None) if salted else None, namespace=namespace)
 
 
@@ -104,7 +105,8 @@ def pages_property(hasher: RouterHasher, make_cache: CacheFactory, sc: Scenario)
         reference = block_hashes(tokens, p, eagle=eagle, lora_name=lora, cache_namespace=ns)
         lora_named = getattr(cache, "names_lora_in_events", True)
         salted = getattr(cache, "salts_event_hashes", True)
-        position = {h: k for k, h in enumerate(_expected_engine_hashes(tokens, p, eagle, lora, ns, lora_named, salted))}
+        fmt = getattr(cache, "dynamo_format", False)
+        position = {h: k for k, h in enumerate(_expected_engine_hashes(tokens, p, eagle, lora, ns, lora_named, salted, fmt))}
         for ev in cache.take_events():
             if not isinstance(ev, BlockStored):
                 continue

@@ -70,9 +70,13 @@ ANCHORS: dict[Cause, tuple[Anchor, ...]] = {
         Anchor("sglang", "srt/mem_cache/unified_radix_cache.py", "if (kv_tokens < max(1, self.load_back_threshold)",
                "_load_back_transfers declines a host-only stretch shorter than the threshold; the request re-prefills "
                "those tokens instead of loading them back"),
+        Anchor("sglang", "srt/managers/schedule_batch.py", "max_prefix_len = input_len - 1",
+               "the scheduler matches at most input_len - 1 tokens of a prompt (logprob_start_len lowers it): the "
+               "counterexample's host-only stretch lies inside that cap, so the cap does not explain the re-prefill"),
         Anchor("sglang", "srt/managers/schedule_policy.py", "loaded = self.tree_cache.init_load_back(",
-               "the scheduler calls init_load_back with no mem_quota, so the threshold is the only decline here (the "
-               "memory budget defers the request with NO_TOKEN instead)"),
+               "the scheduler calls init_load_back with no mem_quota: the threshold is the decline a router could model "
+               "(a device pool that stays short after SGLang's eviction on allocation declines too; the prefill budget "
+               "defers such a request with NO_TOKEN first)"),
         Anchor("sglang", "srt/disaggregation/kv_events.py", 'CPU = "CPU_PINNED"',
                "every host copy is published as its own BlockStored with medium CPU_PINNED: the router learns that a "
                "page is on host, never whether SGLang would load it back"),
@@ -267,8 +271,9 @@ def replay_ingest(isc: Any, hasher: Any) -> dict[str, Any]:
 
 #: Causes only the HiCache state machine finds (kvalign.verify.tier): searched there, replayed step by step.
 TIER_CAUSES = frozenset({Cause.HOST_CREDIT_NOT_SERVABLE})
-#: Page sizes the report's servable search draws: below SGLang's load_back_threshold, where the finding holds.
-SERVABLE_REPORT_PAGE_SIZES = (2, 4)
+#: Page sizes the report's servable search draws: below SGLang's load_back_threshold, where the finding holds
+#: (4: a page a deployment uses; the report adds the page-4 case with a device prefix, worked_cases).
+SERVABLE_REPORT_PAGE_SIZES = (4,)
 
 
 def search_servable(modes: Sequence[str], examples: int) -> tuple[Any, str, str, str]:
@@ -296,9 +301,10 @@ def _engine_for(example: dict[str, Any]) -> Any:
     from kvalign.oracles.hicache import HiCacheEngine, available_cores
 
     host = 1 << 20 if example["host_tokens"] == "unbounded" else int(example["host_tokens"])
+    device = example.get("device_tokens", "unbounded")
     for kind in available_cores():
         engine = HiCacheEngine(example["page_size"], eagle=example["eagle"], core=kind, policy=example["policy"],
-                               host_tokens=host)
+                               host_tokens=host, device_tokens=None if device == "unbounded" else int(device))
         if engine.core == example["core"]:
             return engine
     raise RuntimeError(f"this SGLang has no tree core {example['core']!r}")
@@ -310,6 +316,7 @@ def replay_servable(example: dict[str, Any]) -> dict[str, Any]:
     import msgpack
 
     from kvalign.oracles.router_path import RouterPath
+    from kvalign.verify.servable import judge
     from kvalign.verify.tier import TierPath, tenant_kwargs
 
     frames: list[list[bytes]] = []
@@ -330,8 +337,20 @@ def replay_servable(example: dict[str, Any]) -> dict[str, Any]:
         start, table, outcome = len(frames), [], None
         for i, step in enumerate(steps):
             kind = step[0]
-            if kind == "cache":
-                engine.insert(shift(list(step[1])), *step[2])
+            if kind in ("cache", "admit"):  # a request served by SGLang's scheduler code
+                query = shift(list(step[1]))
+                tiers = tp.path.query_tiers(worker.router, query, *step[2])
+                best = tp.path.call(worker.router.best_worker, query, **tenant_kwargs(tuple(step[2])))
+                admission = engine.serve(query, *step[2])
+                if i == len(steps) - 1:
+                    j = judge(admission, tiers, engine.page_size, eagle=engine.eagle,
+                              threshold=engine.load_back_threshold, best_worker_overlap=best[2])
+                    if j.cause is not Cause.HOST_CREDIT_NOT_SERVABLE:
+                        raise RuntimeError(f"the replay did not reproduce HOST_CREDIT_NOT_SERVABLE: {j.detail}")
+                    outcome = {"admission": admission.as_dict(), "router_tiers": tiers, "best_worker_overlap": best[2],
+                               "load_back_threshold": engine.load_back_threshold, "host_in_cap": j.host_in_cap,
+                               "capped_blocks": j.capped_blocks}
+                    break
                 if "+transfers_done" in step:
                     engine.transfers_done()
             elif kind == "transfers_done":
@@ -342,16 +361,6 @@ def replay_servable(example: dict[str, Any]) -> dict[str, Any]:
                 engine.evict_host(step[1] * engine.page_size)
             elif kind == "flush":
                 engine.reset()
-            elif kind == "admit":
-                query = shift(list(step[1]))
-                tiers = tp.path.query_tiers(worker.router, query, *step[2])
-                best = tp.path.call(worker.router.best_worker, query, **tenant_kwargs(tuple(step[2])))
-                host, loaded = engine.admit(query, *step[2])
-                if i == len(steps) - 1:
-                    outcome = {"host_only_units": host, "loaded_back": loaded, "router_tiers": tiers,
-                               "best_worker_overlap": best[2], "load_back_threshold": engine.load_back_threshold}
-                    break
-                engine.insert(query, *step[2])
             events = engine.take_raw_events()
             if events:
                 worker.publisher.publish(events)
@@ -375,7 +384,8 @@ def replay_servable(example: dict[str, Any]) -> dict[str, Any]:
         if outcome is None:
             raise RuntimeError("the example does not end in an admitted request")
         return {"token_offset": base, "prompt": prompt, "steps": table, "wire": wire, "outcome": outcome,
-                "engine": {"page_size": engine.page_size, "core": engine.core, "policy": engine.policy}}
+                "engine": {"page_size": engine.page_size, "core": engine.core, "policy": engine.policy,
+                           "eagle": engine.eagle, "device_tokens": example.get("device_tokens", "unbounded")}}
     finally:
         tp.close()
         tp.path.close()
@@ -400,7 +410,11 @@ def collect(cause: Cause, modes: Sequence[str], examples: int) -> dict[str, Any]
         out["replay"] = replay_ingest(found.example, hasher)
     if prop == "servable":
         out["condition"] = found.condition
+        out["admission"] = getattr(found, "admission", None)
         out["tier_replay"] = replay_servable(found.example)
+        from kvalign.verify.servable_sequence import worked_cases
+
+        out["worked_cases"] = worked_cases()
     return out
 
 
@@ -458,6 +472,8 @@ def render(data: dict[str, Any], command: str) -> str:
     tier = data.get("tier_replay")
     if tier:
         out += _render_tier_replay(tier, data.get("condition"))
+    if data.get("worked_cases"):
+        out += _render_worked_cases(data["worked_cases"])
     anchors = data.get("anchors") or []
     out += ["## Source lines responsible", ""]
     if not anchors:
@@ -489,13 +505,20 @@ def _render_tier_replay(tier: dict[str, Any], condition: str | None) -> list[str
     for i, row in enumerate(tier["steps"], 1):
         out.append(f"| {i} | `{json.dumps(row['step'])}` | {', '.join(row['events']) or '-'} | {row['engine_device']} | "
                    f"{row['engine_host']} | {row['router_device']} | {row['router_host']} |")
-    t = o["router_tiers"]
+    t, a = o["router_tiers"], o["admission"]
+    unit = "bigram" if e.get("eagle") else "token"
     out += ["", "## The admitted request", "",
             f"- The router credits {t['device_blocks']} device + {t['host_pinned_extension_blocks']} host block(s) "
             f"(`get_overlap_scores`); `best_worker` answers overlap {o['best_worker_overlap']}.",
-            f"- SGLang matches {o['host_only_units']} host-only slot(s) past the device prefix, below its "
-            f"`load_back_threshold` ({o['load_back_threshold']}), and loads back {o['loaded_back']}: the request "
-            "re-prefills them.", ""]
+            f"- SGLang's scheduler, as it admits the request (`Req.init_next_round_input`, `PrefillAdder.add_one_req`): "
+            f"a {a['prompt_tokens']}-token prompt, of which it matches at most {a['max_prefix_tokens']} tokens "
+            "(`Req._compute_max_prefix_len`: input_len - 1); it matches "
+            f"{a['device_tokens']} {unit}(s) on device and {a['host_only_tokens']} on host only past them, so "
+            f"prompt_tokens - 1 = {a['prompt_tokens'] - 1} >= device_tokens + host_only_tokens = "
+            f"{a['device_tokens'] + a['host_only_tokens']}: the cap does not explain it.",
+            f"- The host-only stretch ({a['host_only_tokens']} {unit}s, {o['host_in_cap']} credited block(s)) is below "
+            f"its `load_back_threshold` ({o['load_back_threshold']}): `init_load_back` loads back {a['loaded_tokens']} "
+            f"and the request re-prefills them; SGLang reports cached_tokens {a['cached_tokens']}.", ""]
     if condition:
         out += [f"This holds {condition}.", ""]
     out += ["## Event bytes on the wire, as decoded", ""]
@@ -504,6 +527,24 @@ def _render_tier_replay(tier: dict[str, Any], condition: str | None) -> list[str
                 _fence("\n".join(w["frames_hex"])), "", "decoded (msgpack):", "",
                 _fence(json.dumps(w["decoded"], ensure_ascii=False), "json"), ""]
     return out
+
+
+def _render_worked_cases(cases: list[dict[str, Any]]) -> list[str]:
+    """The same finding in a case with pages on device before the host-only stretch, on every tree core and mode."""
+    out = ["## The same at page 4, with a device prefix, on both tree cores, plain and EAGLE", "",
+           "Steps (`kvalign.verify.servable_sequence.worked_case`, each request served by SGLang's own scheduler code): 8 tokens "
+           "then 16 tokens cached (the second extends the first; under EAGLE one token more each), device pressure "
+           "evicts the 8-token leaf to host, then a 21-token prompt (22 under EAGLE) extending the second arrives.", "",
+           "| mode | tree core | prompt_tokens | SGLang's cap | device_tokens | host_only_tokens | loaded_tokens | "
+           "cached_tokens | router device + host blocks | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cases:
+        a = c["admission"]
+        out.append(f"| {c['mode']} | {c['core']} | {a['prompt_tokens']} | {a['max_prefix_tokens']} | {a['device_tokens']} | "
+                   f"{a['host_only_tokens']} | {a['loaded_tokens']} | {a['cached_tokens']} | {c['router_device']} + "
+                   f"{c['router_host']} | {c['cause'] or 'served as credited'} |")
+    return out + ["", "In each, prompt_tokens - 1 >= device_tokens + host_only_tokens (the scheduler's cap does not "
+                  "reach the host-only stretch) and loaded_tokens < host_only_tokens: SGLang re-prefills the 8 slots "
+                  "the router credits as 2 host blocks.", ""]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,8 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-PROPERTIES = ("card", "hash", "pages", "overlap", "ingest", "tier", "servable")
+PROPERTIES = ("card", "advertised", "hash", "pages", "overlap", "ingest", "tenants", "tier", "servable", "dp")
 MODES = ("plain", "eagle")
+#: Properties that do not run in every mode (the page size a worker registers does not depend on EAGLE's keys;
+#: no DP rank decision reads the key mode).
+PROPERTY_MODES = {"advertised": ("plain",), "dp": ("plain",)}
+#: SGLang's KV-event formats (``KVEventsConfig.format``; "dynamo" from 0.5.23), and the properties whose rows
+#: read SGLang's events (run once per format); the others carry ``event_format`` "any".
+EVENT_FORMATS = ("default", "dynamo")
+EVENT_PROPERTIES = ("pages", "overlap", "ingest", "tier", "servable", "tenants")
 VARIANTS = {"base": (False, False), "lora": (True, False), "namespace": (False, True), "lora+namespace": (True, True)}
 
 
@@ -30,6 +37,13 @@ class RowResult:
     condition: str | None = None
     #: why the row did not run at all (kvalign's own stand-in does not cover this release); the row stays ok
     skipped: str | None = None
+    #: the admitted request of a HiCache row's shrunk counterexample, as SGLang's scheduler reports it
+    #: (prompt_tokens, device_tokens, host_only_tokens, loaded_tokens, ...), or None
+    admission: dict[str, Any] | None = None
+    #: causes counted apart from the mismatches (never failing the row): name -> cases, cause, condition, example
+    scoped: dict[str, Any] | None = None
+    #: SGLang's KV-event format the row's events were published in ("any": the property reads no events)
+    event_format: str = "default"
 
     @property
     def ok(self) -> bool:

@@ -1,10 +1,13 @@
 """The ``tier`` and ``servable`` properties: the router's device / host tiers against SGLang's HiCache.
 
 A Hypothesis state machine drives SGLang's real ``UnifiedRadixCache`` with its host tier on
-(:class:`~kvalign.oracles.hicache.HiCacheEngine`: a write policy and a tree core drawn per example;
-the transfer path is :mod:`kvalign.standins.hicache`). Its steps are what one worker's scheduler
-does: cache a request, commit finished transfers (write-through backups), evict device pages,
-evict host pages, admit a request (load-back of a host-only stretch), and flush the cache. After
+(:class:`~kvalign.oracles.hicache.HiCacheEngine`: a write policy, a tree core and the sizes of the
+device and host pools drawn per example; the transfer path is :mod:`kvalign.standins.hicache`). Its
+steps are what one worker sees: a request served by SGLang's own scheduler code (capped match,
+prefill admission with its load-back decision, prefill allocation, with SGLang's eviction on
+allocation when the device pool runs out, and the finished prompt cached), finished transfers
+committed (write-through backups), device pages evicted by outside pressure, host pages evicted, and
+a cache flush. After
 every step, SGLang's events go through the same path as ``ingest`` (SGLang's real
 ``ZmqEventPublisher`` -> Dynamo's real worker relay -> event plane -> a real ``KvRouter``,
 :class:`~kvalign.oracles.router_path.RouterPath`), and for every prompt in the tree, under every
@@ -15,11 +18,13 @@ tenant seen:
 * router ``disk_extension_blocks`` == 0 (SGLang's host tier is the only one beyond device): with
   the two above, nothing is credited that the engine holds nowhere.
 
-``servable`` adds, on every admitted request: where the router credits host blocks, SGLang loads
-them back. When SGLang declines (a host-only stretch shorter than its ``load_back_threshold``, read
-from the cache that SGLang's own ``init_hicache`` configured), the finding is
-``HOST_CREDIT_NOT_SERVABLE``, a mismatch confined to HiCache and page sizes below that threshold (the
-row and ``check``'s verdict line say so; docs/check.md#servable).
+``servable`` adds, on every admitted request (:func:`kvalign.verify.servable.judge`): where the
+router credits host blocks inside the prefix SGLang's scheduler matches (at most ``input_len - 1``
+tokens), SGLang loads them back. When SGLang declines (a host-only stretch shorter than its
+``load_back_threshold``, read from the cache that SGLang's own ``init_hicache`` configured), the
+finding is ``HOST_CREDIT_NOT_SERVABLE``, a mismatch confined to HiCache and page sizes below that
+threshold (the row and ``check``'s verdict line say so; docs/check.md#servable). A credited block
+past the cap is ``LAST_PAGE_CAPPED``, counted apart on every tier and servable row, never a mismatch.
 
 The verdict compares only the two real systems' answers. kvalign's bookkeeping of which tier each
 engine block should be in (from SGLang's own event objects) and a tap on the relay's ZMQ input are
@@ -45,6 +50,7 @@ from kvalign.model.hashing import U64_MASK
 from kvalign.oracles.base import OracleUnavailable
 from kvalign.verify.properties import Mismatch
 from kvalign.model.relay import RELAY_TIERS
+from kvalign.verify.servable import judge, last_page_condition
 from kvalign.verify.strategies import tenants
 
 #: Page sizes the tier machine draws: two below SGLang 0.5.23's load_back_threshold (10 tokens) and
@@ -52,6 +58,11 @@ from kvalign.verify.strategies import tenants
 TIER_PAGE_SIZES = (2, 4, 16)
 #: "Evict every unlocked device page" (more than any example caches).
 EVICT_ALL_PAGES = 64
+#: Device pool sizes drawn per example, in pages (0: larger than any example fills). The smallest
+#: still admits the longest first request; below a request's need, SGLang defers it (NO_TOKEN).
+DEVICE_PAGES = (4, 8)
+#: First tokens of the pressure requests (the prompts draw 0..3; an example's token range is 16 wide).
+PRESSURE_TOKENS = range(4, 16)
 #: Steps per example (each one publishes, waits for the router, and checks every prompt).
 STEPS = 8
 #: How long to wait for one published step to be indexed.
@@ -145,7 +156,7 @@ class TierPath:
             if time.monotonic() - sent_at > 0.5:
                 worker.publisher.publish(sentinels)
                 sent_at = time.monotonic()
-            time.sleep(0.003)
+            time.sleep(0.001)
             got = [self.path.query_tiers(worker.router, tokens, None, None)[key] >= 1 for tokens, key in queries]
             if all(got):
                 tap.drain()
@@ -251,10 +262,14 @@ class TierMachine(RuleBasedStateMachine):
 
     def __init__(self, path: TierPath, eagle: bool, lora: bool, namespace: bool, servable: bool,
                  make_engine: Callable[..., Any], cores: tuple[str, ...], failures: list[Any],
-                 page_sizes: tuple[int, ...] = TIER_PAGE_SIZES) -> None:
+                 page_sizes: tuple[int, ...] = TIER_PAGE_SIZES, capped: list[Any] | None = None) -> None:
         super().__init__()
         self.page_sizes = page_sizes
         self.failures = failures
+        #: [examples with a LAST_PAGE_CAPPED request, the first such example, its judgement] (counted apart)
+        self.capped = capped if capped is not None else [0, None, None]
+        self._capped_seen = False
+        self.pressure = 0
         self.path, self.eagle, self.servable, self.make_engine = path, eagle, servable, make_engine
         self.tenant = tenants(lora=lora, namespace=namespace)
         self.cores = cores
@@ -266,17 +281,21 @@ class TierMachine(RuleBasedStateMachine):
     # -- set-up -----------------------------------------------------------------------------
     @initialize(p=st.integers(0, len(TIER_PAGE_SIZES) - 1), core=st.integers(0, 1),
                 policy=st.sampled_from(("write_through", "write_through_selective", "write_back")),
-                host_pages=st.one_of(st.just(0), st.integers(1, 6)), data=st.data())
+                host_pages=st.one_of(st.just(0), st.integers(1, 6)),
+                device_pages=st.one_of(st.just(0), st.integers(*DEVICE_PAGES)), data=st.data())
     @_counted
-    def start(self, p: int, core: int, policy: str, host_pages: int, data: st.DataObject) -> None:
+    def start(self, p: int, core: int, policy: str, host_pages: int, device_pages: int, data: st.DataObject) -> None:
         """A fresh worker with HiCache on, and its first finished request."""
         core_name = self.cores[core % len(self.cores)]
         p = self.page_sizes[p % len(self.page_sizes)]
         host_tokens = host_pages * p if host_pages else 1 << 20
+        device_tokens = device_pages * p if device_pages else None
         self.config = {"page_size": p, "eagle": self.eagle, "core": core_name, "policy": policy,
-                       "host_tokens": host_tokens if host_pages else "unbounded"}
+                       "host_tokens": host_tokens if host_pages else "unbounded",
+                       "device_tokens": device_tokens or "unbounded"}
         try:
-            self.engine = self.make_engine(p, eagle=self.eagle, core=core_name, policy=policy, host_tokens=host_tokens)
+            self.engine = self.make_engine(p, eagle=self.eagle, core=core_name, policy=policy, host_tokens=host_tokens,
+                                           device_tokens=device_tokens)
         except OracleUnavailable as exc:
             raise Mismatch("tier", str(exc), Cause.PATH_UNAVAILABLE, self.config) from None
         self.worker, self.tap = self.path.worker(p, self.eagle)
@@ -308,11 +327,13 @@ class TierMachine(RuleBasedStateMachine):
         tokens = prefix + data.draw(st.lists(st.integers(0, 3), min_size=least, max_size=3 * p + self.eagle), label="new")
         tenant = data.draw(st.one_of(st.just(self.prompts[0][1]), self.tenant) if self.prompts else self.tenant, label="tenant")
         poll = data.draw(st.booleans(), label="poll")
-        self.engine.insert(self._shift(tokens), *tenant)
+        step = ("cache", tokens, tenant) + (("+transfers_done",) if poll else ())
+        admitted = self._serve(tokens, tenant, step)
         if poll:
             self.engine.transfers_done()
-        self.prompts.append((tokens, tenant))
-        self._after(("cache", tokens, tenant) + (("+transfers_done",) if poll else ()))
+        if admitted:
+            self.prompts.append((tokens, tenant))
+        self._after(None)
 
     @rule()
     @_counted
@@ -332,11 +353,35 @@ class TierMachine(RuleBasedStateMachine):
         self.engine.evict_host(pages * self.engine.page_size)
         self._after(("evict_host", pages))
 
+    def _pressure_room(self) -> int:
+        """Tokens a request can take beyond the free device room and still be admitted (SGLang's prefill
+        budget counts evictable pages as room: extend + 1 output + a page's overhead); 0 when unbounded."""
+        if self.engine is None or self.config.get("device_tokens") == "unbounded":
+            return 0
+        return max(0, self.engine.evictable_tokens() - 1)
+
+    @precondition(lambda self: self._pressure_room() > 0)
+    @rule(data=st.data())
+    @_counted
+    def pressure_request(self, data: st.DataObject) -> None:
+        """Another user's request, longer than the free device room: SGLang's allocator runs out and SGLang
+        evicts on allocation (``evict_from_tree_cache`` / ``evict_for_alloc``) to admit it."""
+        self.pressure += 1
+        p = self.engine.page_size
+        over = data.draw(st.integers(1, self._pressure_room()), label="over")
+        n = max(1, self.engine.available_tokens() - p + over)
+        tokens = [PRESSURE_TOKENS[(self.pressure - 1) % len(PRESSURE_TOKENS)]] * n  # shares no prompt's first token
+        tenant = (None, None)
+        if self._serve(tokens, tenant, ("cache", tokens, tenant)):
+            self.prompts.append((tokens, tenant))
+        self._after(None)
+
     @precondition(lambda self: bool(self.prompts))
     @rule(data=st.data())
     @_counted
     def admit_request(self, data: st.DataObject) -> None:
-        """A request for a cached prompt arrives: SGLang loads its host-only stretch back, or declines."""
+        """A request for a cached prompt (and maybe a few tokens more) arrives: SGLang's scheduler admits
+        it, loading its host-only stretch back or declining to."""
         self._admit(data)
 
     @precondition(lambda self: bool(self.prompts))
@@ -350,21 +395,36 @@ class TierMachine(RuleBasedStateMachine):
         self._admit(data)
 
     def _admit(self, data: st.DataObject) -> None:
-        tokens, tenant = data.draw(st.sampled_from(self.prompts), label="prompt")
-        query = self._shift(tokens)
-        credited = self.path.path.query_tiers(self.worker.router, query, *tenant)["host_pinned_extension_blocks"]
-        host, loaded = self.engine.admit(query, *tenant)
-        self.steps.append(("admit", tokens, tenant))
-        if self.servable and credited and loaded < host:
-            p, threshold = self.engine.page_size, self.engine.load_back_threshold
-            best = self.path.path.call(self.worker.router.best_worker, query, **tenant_kwargs(tenant))
-            raise Mismatch("servable", (
-                f"page size {p}: the prompt's host-only stretch is {host} {'bigram' if self.eagle else 'token'}s, below "
-                f"SGLang's load_back_threshold ({threshold}), so SGLang loaded {loaded} back and re-prefills it; the "
-                f"router credits {credited} host block(s) for it (best_worker overlap {best[2]}, with host weight "
-                f"0.75)"), Cause.HOST_CREDIT_NOT_SERVABLE, self._example(), condition=servable_condition(threshold))
-        self.engine.insert(query, *tenant)  # the request finishes and is cached
+        prompt, tenant = data.draw(st.sampled_from(self.prompts), label="prompt")
+        tokens = prompt + data.draw(st.lists(st.integers(0, 3), max_size=self.engine.page_size + 1), label="more")
+        self._serve(tokens, tenant, ("admit", tokens, tenant))
         self._after(None)
+
+    def _serve(self, tokens: list[int], tenant: tuple[str | None, str | None], step: tuple[Any, ...]) -> bool:
+        """One request through SGLang's scheduler code, judged against the router's credit for it (which
+        equals SGLang's residency here: the previous step's check held). False when SGLang deferred it."""
+        query = self._shift(tokens)
+        tiers = self.path.path.query_tiers(self.worker.router, query, *tenant)
+        admission = self.engine.serve(query, *tenant)
+        self.steps.append(step)
+        if not admission.admitted:
+            return False
+        threshold = self.engine.load_back_threshold
+        j = judge(admission, tiers, self.engine.page_size, eagle=self.eagle, threshold=threshold)
+        if j.capped_blocks and not self._capped_seen:
+            self._capped_seen = True
+            self.capped[0] += 1
+            if self.capped[1] is None:
+                self.capped[1], self.capped[2] = self._example(), j
+        if self.servable and j.cause is Cause.HOST_CREDIT_NOT_SERVABLE:
+            best = self.path.path.call(self.worker.router.best_worker, query, **tenant_kwargs(tenant))
+            j = judge(admission, tiers, self.engine.page_size, eagle=self.eagle, threshold=threshold,
+                      best_worker_overlap=best[2])
+            exc = Mismatch("servable", j.detail, Cause.HOST_CREDIT_NOT_SERVABLE, self._example(),
+                           condition=servable_condition(threshold))
+            exc.admission = admission.as_dict()
+            raise exc
+        return True
 
     @precondition(lambda self: len(self.steps) >= 6)
     @rule()
@@ -378,13 +438,13 @@ class TierMachine(RuleBasedStateMachine):
         if step is not None:
             self.steps.append(step)
         events = self.engine.take_raw_events()
-        if events:
+        if events:  # nothing published: nothing for the router to apply, and the check below still runs
             for ev in events:
                 self.expected.apply(ev)
             self.worker.publisher.publish(events)
-        unsettled = self.path.settle(self.worker, self.tap)
-        if unsettled is not None:
-            raise Mismatch("tier", unsettled[1], unsettled[0], self._example())
+            unsettled = self.path.settle(self.worker, self.tap)
+            if unsettled is not None:
+                raise Mismatch("tier", unsettled[1], unsettled[0], self._example())
         tenants_seen = list(dict.fromkeys(t for _, t in self.prompts))
         queries = list(dict.fromkeys((tuple(t), ten) for t, ten in self.prompts))
         if self.prompts:
@@ -417,6 +477,15 @@ def servable_condition(threshold: int) -> str:
             f"--page-size {threshold} or more does not show it")
 
 
+def scoped_entry(capped: list[Any]) -> dict[str, Any]:
+    """A row's LAST_PAGE_CAPPED entry, counted apart from its mismatches: how many examples had such a
+    request, where it occurs, and the first one seen (unshrunk) with its admission."""
+    _n, example, j = capped
+    return {"cases": capped[0], "cause": Cause.LAST_PAGE_CAPPED.value, "condition": last_page_condition(),
+            "detail": j.detail, "example": example, "admission": j.admission.as_dict(),
+            "router_blocks": {"device": j.router_device, "host": j.router_host, "past_cap": j.capped_blocks}}
+
+
 def tenant_kwargs(tenant: tuple[str | None, str | None]) -> dict[str, str]:
     """The router's keyword arguments for a tenant (an older binding lacks them, so absent ones are left out)."""
     kw = {}
@@ -429,10 +498,13 @@ def tenant_kwargs(tenant: tuple[str | None, str | None]) -> dict[str, str]:
 
 def run_tier_search(path: TierPath, *, eagle: bool, lora: bool, namespace: bool, servable: bool, examples: int,
                     seed: int | None = None, make_engine: Callable[..., Any] | None = None,
-                    page_sizes: tuple[int, ...] = TIER_PAGE_SIZES, shrink: bool = True) -> tuple[int, int, Mismatch | None]:
+                    page_sizes: tuple[int, ...] = TIER_PAGE_SIZES, shrink: bool = True,
+                    capped: list[Any] | None = None) -> tuple[int, int, Mismatch | None]:
     """Run the state machine ``examples`` times: (examples run, failing examples seen, shrunk mismatch).
 
-    ``shrink=False`` stops at the first failing example (the negative controls only need its cause)."""
+    ``shrink=False`` stops at the first failing example (the negative controls only need its cause).
+    ``capped`` (``[0, None, None]``) collects the LAST_PAGE_CAPPED cases, counted apart: examples with
+    such a request, the first such example and its :class:`~kvalign.verify.servable.Judgement`."""
     from kvalign.oracles.hicache import HiCacheEngine, available_cores
 
     make = make_engine or HiCacheEngine
@@ -442,7 +514,7 @@ def run_tier_search(path: TierPath, *, eagle: bool, lora: bool, namespace: bool,
     def factory() -> TierMachine:
         nonlocal calls
         calls += 1
-        return TierMachine(path, eagle, lora, namespace, servable, make, cores, failures, page_sizes)
+        return TierMachine(path, eagle, lora, namespace, servable, make, cores, failures, page_sizes, capped)
 
     cfg = settings(max_examples=examples, stateful_step_count=STEPS, deadline=None, database=None,
                    derandomize=seed is None, suppress_health_check=list(HealthCheck), report_multiple_bugs=False,
@@ -488,9 +560,14 @@ def hicache_events(version: str) -> str:
 
 
 def run_tier_rows(systems: Any, prop: str, modes: tuple[str, ...], variants: tuple[str, ...], examples: int,
-                  seed: int | None = None, page_size: int | None = None) -> list[Any]:
+                  seed: int | None = None, page_size: int | None = None, event_format: str = "default") -> list[Any]:
     """``check``'s rows for ``tier`` (every mode x variant) or ``servable`` (every mode, base variant),
-    at ``page_size`` or, by default, every size in :data:`TIER_PAGE_SIZES`."""
+    at ``page_size`` or, by default, every size in :data:`TIER_PAGE_SIZES`, with SGLang's events in
+    ``event_format``."""
+    import functools
+
+    from kvalign.oracles.hicache import HiCacheEngine
+
     from kvalign.verify.rows import VARIANTS, RowResult
     from kvalign.standins.hicache import version_problem
     from kvalign.oracles.sglang import sglang_version
@@ -518,13 +595,20 @@ def run_tier_rows(systems: Any, prop: str, modes: tuple[str, ...], variants: tup
                 lora, namespace = VARIANTS[variant]
                 start = time.perf_counter()
                 n = examples * SERVABLE_FACTOR if prop == "servable" else examples
+                capped: list[Any] = [0, None, None]
                 calls, failures, found = run_tier_search(path, eagle=mode == "eagle", lora=lora, namespace=namespace,
                                                          servable=prop == "servable", examples=n, seed=seed,
-                                                         page_sizes=(page_size,) if page_size else TIER_PAGE_SIZES)
+                                                         page_sizes=(page_size,) if page_size else TIER_PAGE_SIZES,
+                                                         capped=capped,
+                                                         make_engine=functools.partial(
+                                                             HiCacheEngine, dynamo_format=event_format == "dynamo"))
                 row = RowResult(prop, mode, variant, calls, failures, time.perf_counter() - start)
                 if found is not None:
                     row.cause, row.cause_name, row.detail = found.cause.value, found.cause.name, found.detail
                     row.counterexample, row.condition = found.example, found.condition
+                    row.admission = getattr(found, "admission", None)
+                if capped[0]:
+                    row.scoped = {Cause.LAST_PAGE_CAPPED.name: scoped_entry(capped)}
                 rows.append(row)
     finally:
         path.close()

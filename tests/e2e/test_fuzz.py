@@ -31,7 +31,9 @@ import pytest
 
 from conftest import OUT_ROOT, sglang_cpu_missing
 from kvalign.commands.fuzz import DEFAULT_SEED, DISAGG_SEED, DISAGG_SHORT
+from kvalign.live.cluster.ranks import split_label
 from kvalign.live.runs.fuzz.driver import FuzzDriver, FuzzOptions, fuzz_cluster
+from kvalign.live.runs.advertised import advertised_rows
 from kvalign.live.runs.fuzz.machine import FuzzResult, replay, run_fuzz
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
@@ -51,6 +53,7 @@ CONTROLS = {
     "publisher-drop-store.json": ENGINE_FAULT,
     "publisher-wrong-parent.json": ENGINE_FAULT,
     "publisher-wrong-hash.json": ENGINE_FAULT,
+    "dp-rank0-only.json": ENGINE_FAULT,
 }
 
 
@@ -64,6 +67,7 @@ class Live:
     def driver(self, **changes: Any) -> FuzzDriver:
         opts = FuzzOptions(**{**self.opts.__dict__, **changes})
         self.hop.strip_salt, self.hop.hide_gaps = opts.strip_salt, opts.hide_gaps
+        self.hop.silenced = {lab for lab in self.hop.downstream if split_label(lab)[1]} if opts.rank0_only else set()
         return FuzzDriver(self.cluster, self.hop, opts, lambda m: print(m, file=self.log, flush=True))
 
     def replay(self, name: str, **changes: Any) -> FuzzResult:
@@ -71,7 +75,7 @@ class Live:
         return self.replay_script(script, **changes)
 
     def replay_script(self, script: dict[str, Any], **changes: Any) -> FuzzResult:
-        keys = ("gap_check", "strip_salt", "hide_gaps")
+        keys = ("gap_check", "strip_salt", "hide_gaps", "rank0_only")
         given = {k: v for k, v in script["options"].items() if k in keys}
         return replay(self.driver(**{**given, **changes}), script, self.run_dir / "replayed.json")
 
@@ -114,6 +118,21 @@ def disagg(request: pytest.FixtureRequest) -> Iterator[Live]:
 
 
 @pytest.fixture(scope="class")
+def dynamo_format(request: pytest.FixtureRequest) -> Iterator[Live]:
+    if not (os.environ.get("KVALIGN_NIGHTLY") or os.environ.get("HYPOTHESIS_PROFILE") == "nightly"):
+        pytest.skip("SGLang's dynamo KV-event format on its own cluster: nightly only (KVALIGN_NIGHTLY=1); "
+                    "check --event-format both covers it in every run")
+    with _live(request, "dynamo-format", FuzzOptions(event_format="dynamo", page_size=8)) as live:
+        yield live
+
+
+@pytest.fixture(scope="class")
+def data_parallel(request: pytest.FixtureRequest) -> Iterator[Live]:
+    with _live(request, "dp", FuzzOptions(workers=1, dp_size=2)) as live:
+        yield live
+
+
+@pytest.fixture(scope="class")
 def blind(request: pytest.FixtureRequest) -> Iterator[Live]:
     with _live(request, "blind", FuzzOptions(router_eagle=False, draft="disagree")) as live:
         yield live
@@ -125,8 +144,12 @@ def generated(live: Live, seed: int = DEFAULT_SEED, examples: int = 3, steps: in
                    seed=seed, shrink_seconds=60, script_path=live.run_dir / "fuzz-failure.json",
                    report=lambda m: print(m, file=live.log, flush=True))
     out = res.as_json()
+    out["advertised"] = [r.as_json() for r in advertised_rows(live.cluster)]
     (OUT_ROOT / f"{live.run_dir.name}.json").write_text(json.dumps(out, indent=1) + "\n")  # the run's figures, kept
     assert res.passed, f"{out['failure']} (progress: {live.run_dir / 'progress.log'})"
+    # every publishing worker registered, advertised (SGLang's /server_info) and published its page size
+    assert all(r["ok"] for r in out["advertised"]) and any(r["checked"] for r in out["advertised"]), out["advertised"]
+    assert {r["registered"] for r in out["advertised"]} == {live.opts.page_size}, out["advertised"]
     return out
 
 
@@ -256,6 +279,25 @@ class TestTwoPrefillOneDecode:
         requeried_and_diagnosed(out)  # what the aggregated run asserts
 
 
+# ---- SGLang's "dynamo" KV-event format, at another page size --------------------------------------
+
+
+class TestDynamoEventFormat:
+    """``--kv-events-config '{"format": "dynamo"}'`` at page 8: the same invariants, the live block sizes at
+    a second page size, and a salted tenant through namespaced hashes (``check --event-format dynamo``: ok)."""
+
+    def test_generated_workload_in_the_dynamo_format_holds_every_invariant(self, dynamo_format: Live) -> None:
+        out = generated(dynamo_format, examples=2)
+        assert all(v["failed"] == 0 for v in out["invariants"].values()), out["invariants"]
+        assert {r["advertised"] for r in out["advertised"]} == {8} and {tuple(r["emitted"]) for r in out["advertised"]} == {(8,)}
+
+    def test_a_salted_tenant_is_credited_and_a_salt_stripping_hop_is_named(self, dynamo_format: Live) -> None:
+        res = dynamo_format.replay("salt-stripped.json", strip_salt=False)
+        assert res.passed and res.driver.tally.checked["router_credits_engine_reuse"] == 2, res.failure
+        f = failed(dynamo_format.replay("salt-stripped.json"))
+        assert f["invariant"] == "router_credits_engine_reuse" and f["cause"] == "TENANTS_SHARE_KEYS", f
+
+
 # ---- controls that need their own cluster --------------------------------------------------------
 
 
@@ -270,3 +312,28 @@ class TestBlindCluster:
 
     def test_a_disagreeing_draft_fails_decode_keeps_speculating(self, blind: Live) -> None:
         failed(blind.replay("draft-disagrees.json"), "draft-disagrees.json")
+
+
+# ---- one worker, two data-parallel ranks ----------------------------------------------------------
+
+
+class TestDataParallel:
+    """One worker with ``--dp-size 2``: two schedulers, two KV caches, two event streams, and the
+    router choosing (worker, rank). Each rank's credit must be its own reuse; with every rank but 0
+    silent (what SGLang did before each rank published), the rank-1 request fails naming that rank."""
+
+    def test_each_rank_is_credited_with_what_it_reused_and_served_what_it_was_routed(self, data_parallel: Live) -> None:
+        res = data_parallel.replay("dp-two-ranks.json")
+        out = res.as_json()
+        assert res.passed, out["failure"]
+        ranks, inv = out["counts"]["requests_by_rank"], out["invariants"]
+        assert set(ranks) == {"worker0.dp0", "worker0.dp1"} and min(ranks.values()) >= 2, ranks
+        by_rank = inv["router_credits_engine_reuse"]["by_rank"]
+        # both ranks' events indexed: the router credited a request on each, and it equalled that rank's reuse
+        assert all(v["checked"] >= 2 and v["failed"] == 0 and v["credited_requests"] >= 1 for v in by_rank.values()), by_rank
+        assert inv["routed_rank_served"]["checked"] >= 4 and inv["routed_rank_served"]["failed"] == 0, inv
+
+    def test_only_rank_0_publishing_fails_naming_rank_1(self, data_parallel: Live) -> None:
+        f = failed(data_parallel.replay("dp-rank0-only.json"), "dp-rank0-only.json")
+        assert f["cause"] == "DP_RANK_UNPUBLISHED" and f["rank"] == "worker0.dp1", f
+        assert f["router_tokens"] == 0 and f["engine_tokens"] > 0, f

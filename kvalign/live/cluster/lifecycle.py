@@ -17,6 +17,7 @@ processes are stopped last, after every Dynamo process (they are ``infrastructur
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import socket
 import sys
@@ -30,10 +31,12 @@ from kvalign.live.cluster import discovery
 from kvalign.live.wire.capture import EventCapture
 from kvalign.live.wire.client import wait_ready
 from kvalign.releases.release_env import python_for
+from kvalign.live.cluster import ranks
 from kvalign.live.cluster.model_dir import MODEL_NAME, write_model_dir
 from kvalign.live.cluster.discovery import EtcdStore
 from kvalign.live.cluster.ports import LOOPBACK, PortPool
 from kvalign.live.cluster.processes import ProcessGroup, ProcessSpec
+from kvalign.live.cluster.routers import RouterSetup, frontend_process_name
 from kvalign.live.cluster.topology import ClusterPlan, ControlPlane, Topology, WorkerKind, WorkerPorts, WorkerSpec
 
 
@@ -66,14 +69,23 @@ def make_plan(
         dynamo_version=dynamo_version, python=python_for([dynamo_dir]) if dynamo_dir else sys.executable, **control,
     )
     for w in topology.workers:
-        plan.worker_ports[w.name] = WorkerPorts.allocate(pool, w.name)
+        plan.worker_ports[w.name] = WorkerPorts.allocate(pool, w.name, kv_ranks=topology.dp_size if w.role == "agg" else 1)
     return plan
+
+
+def with_routers(plan: ClusterPlan, setup: RouterSetup) -> ClusterPlan:
+    """``plan`` with ``setup``'s routers (:mod:`kvalign.live.cluster.routers`): one more loopback HTTP
+    port per extra frontend replica, clear of every port the plan already uses."""
+    pool = PortPool()
+    pool.assigned.update({f"plan.{i}": p for i, p in enumerate(plan.all_ports())})
+    extra = tuple(pool.take(f"{frontend_process_name(i)}.http") for i in range(1, setup.count))
+    return dataclasses.replace(plan, routers=setup, router_http_ports=extra)
 
 
 def plan_specs(plan: ClusterPlan, kind: WorkerKind) -> list[ProcessSpec]:
     """Every process of the plan in start order (a dry run prints these)."""
     return [*plan.infrastructure_specs(), *kind.support_specs(plan), *(kind.command(w, plan) for w in plan.topology.workers),
-            plan.frontend_spec()]
+            *plan.frontend_specs()]
 
 
 def nats_ready(port: int, host: str = LOOPBACK, timeout_s: float = 1.0) -> bool:
@@ -150,14 +162,14 @@ class Cluster:
             self.group.start(self.kind.command(w, self.plan))
         for w in self.plan.topology.workers:
             self.workers[w.name] = self._await_registration(w, deadline)
-        endpoints = self.engine_view if self.engine_view is not None else {
-            name: h.kv_events_endpoint for name, h in self.workers.items() if h.kv_events_endpoint}
+        endpoints = self.engine_view if self.engine_view is not None else ranks.endpoints(self.plan)
         self.capture = EventCapture(endpoints, capture_dir=self.plan.run_dir / "captures")
         if self.router_view is not None:
             self.router_capture = EventCapture(self.router_view, capture_dir=self.plan.run_dir / "captures" / "router")
-        self.group.start(self.plan.frontend_spec())
-        self.ready_s = wait_ready(self.frontend_url, self.model, timeout_s=max(1.0, deadline - time.monotonic()),
-                                  alive=self.group.check_alive)
+        for spec in self.plan.frontend_specs():
+            self.group.start(spec)
+        self.ready_s = sum(wait_ready(url, self.model, timeout_s=max(1.0, deadline - time.monotonic()),
+                                      alive=self.group.check_alive) for url in self.plan.frontend_urls)
 
     def _await_control_plane(self, deadline: float) -> None:
         """Dynamo retries etcd/NATS at start-up, but a worker that outlives its retry budget dies
@@ -191,6 +203,43 @@ class Cluster:
             time.sleep(0.2)
         self.workers[name] = handle
         return handle
+
+    def restart_router(self, replica: int, timeout_s: float | None = None, *, routers: RouterSetup | None = None) -> float:
+        """Stop router replica ``replica`` (its frontend process) and start it again on the same
+        port; returns the seconds until it served the model again. What its router knew is gone:
+        on start it rebuilds the prefix state from the workers' local indexers (Dynamo 1.6.1).
+        ``routers``: the replicas' setup from now on (a replica restarted with other flags, e.g.
+        without replica sync); the same count of replicas."""
+        if routers is not None:
+            if routers.count != self.plan.routers.count:
+                raise ValueError(f"a restart keeps {self.plan.routers.count} routers, not {routers.count}")
+            self.plan = dataclasses.replace(self.plan, routers=routers)
+        self.group.stop_one(self.plan.frontend_spec(replica).name)
+        spec = self.plan.frontend_spec(replica)
+        self.group.start(spec)
+        return wait_ready(self.plan.frontend_urls[replica], self.model,
+                          timeout_s=timeout_s or self.startup_timeout_s, alive=self.group.check_alive)
+
+    def interrupt_event_plane(self) -> None:
+        """Stop the event plane's own process (the ZMQ broker, or nats-server): every KV event and
+        every replica-sync event published until :meth:`resume_event_plane` reaches no router."""
+        self.group.stop_one(self._event_plane_spec().name)
+
+    def resume_event_plane(self) -> None:
+        """Start the event plane again on the same ports; Dynamo's publishers and subscribers
+        reconnect by themselves."""
+        spec = self._event_plane_spec()
+        self.group.start(spec)
+        if spec.name == "nats":
+            deadline = time.monotonic() + self.startup_timeout_s
+            while not nats_ready(self.plan.nats_port):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nats-server did not serve again within {self.startup_timeout_s:.0f}s")
+                time.sleep(0.1)
+
+    def _event_plane_spec(self) -> ProcessSpec:
+        name = "nats" if self.plan.control_plane == "etcd-nats" else "broker"
+        return next(s for s in self.plan.infrastructure_specs() if s.name == name)
 
     def _await_registration(self, w: WorkerSpec, deadline: float, *, replacing: int | None = None) -> WorkerHandle:
         ports = self.plan.worker_ports[w.name]

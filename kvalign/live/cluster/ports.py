@@ -58,3 +58,22 @@ class PortPool:
                 raise RuntimeError(f"no free port in {lo}-{hi} on {self.host} for {name!r}")
             self.assigned[name] = port
         return self.assigned[name]
+
+    def take_range(self, name: str, n: int) -> int:
+        """The first of ``n`` consecutive free ports for ``name`` (SGLang's data-parallel ranks publish
+        on ``base + rank``); ``base + 1 ..`` are assigned as ``name.1`` .. so no other name gets them."""
+        if n == 1:
+            return self.take(name)
+        if name not in self.assigned:
+            used = set(self.assigned.values())
+            lo, hi = self.range
+            for _ in range(200):
+                base = self._rng.randint(lo, hi - n + 1)
+                span = range(base, base + n)
+                if not used.intersection(span) and all(is_free(p, self.host) for p in span):
+                    break
+            else:
+                raise RuntimeError(f"no {n} consecutive free ports in {lo}-{hi} on {self.host} for {name!r}")
+            self.assigned[name] = base
+            self.assigned.update({f"{name}.{i}": base + i for i in range(1, n)})
+        return self.assigned[name]

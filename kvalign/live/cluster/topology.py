@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from dataclasses import astuple, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -38,6 +38,7 @@ from kvalign.live.cluster.broker import broker_url
 from kvalign.live.cluster.discovery import EtcdStore, Store
 from kvalign.live.cluster.ports import LOOPBACK, PortPool
 from kvalign.live.cluster.processes import ProcessSpec
+from kvalign.live.cluster.routers import RouterSetup, frontend_process_name
 
 Role = Literal["agg", "prefill", "decode"]
 ControlPlane = Literal["file", "etcd-nats"]
@@ -82,10 +83,21 @@ class Topology:
 
     workers: tuple[WorkerSpec, ...]
     page_size: int = 16
+    #: SGLang's ``--dp-size`` of every aggregated worker: that many schedulers, KV caches and KV-event
+    #: streams per worker (ports ``kv_events + rank``), one Dynamo worker routed by (instance, dp_rank)
+    dp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.dp_size > 1 and self.disaggregated_mode:
+            raise ValueError("--dp-size runs aggregated workers only (the disaggregated fake transfer is not "
+                             "checked across data-parallel ranks)")
 
     @classmethod
-    def aggregated(cls, n: int, *, eagle: bool, register_eagle: bool | None = None, page_size: int = 16) -> "Topology":
-        return cls(tuple(WorkerSpec(f"worker{i}", "agg", eagle, register_eagle) for i in range(n)), page_size)
+    def aggregated(cls, n: int, *, eagle: bool, register_eagle: bool | None = None, page_size: int = 16,
+                   dp_size: int = 1) -> "Topology":
+        return cls(tuple(WorkerSpec(f"worker{i}", "agg", eagle, register_eagle) for i in range(n)), page_size, dp_size)
 
     @classmethod
     def disaggregated(
@@ -115,18 +127,21 @@ class WorkerPorts:
     """
 
     rpc: int
-    kv_events: int
+    kv_events: int  # rank 0's; a data-parallel worker's rank r publishes on kv_events + r
     system: int
     bootstrap: int
     nccl: int
+    kv_ranks: int = 1  # how many consecutive KV-event ports from kv_events (SGLang's --dp-size)
 
     @classmethod
-    def allocate(cls, pool: PortPool, name: str) -> "WorkerPorts":
-        return cls(*(pool.take(f"{name}.{f.name}") for f in fields(cls)))
+    def allocate(cls, pool: PortPool, name: str, *, kv_ranks: int = 1) -> "WorkerPorts":
+        ports = {f.name: (pool.take_range(f"{name}.{f.name}", kv_ranks) if f.name == "kv_events"
+                          else pool.take(f"{name}.{f.name}")) for f in fields(cls) if f.name != "kv_ranks"}
+        return cls(**ports, kv_ranks=kv_ranks)
 
     def all(self) -> tuple[int, ...]:
         """Every port of the worker, for callers that must keep clear of them."""
-        return astuple(self)
+        return (self.rpc, *range(self.kv_events, self.kv_events + self.kv_ranks), self.system, self.bootstrap, self.nccl)
 
 
 def response_stream_host(dynamo_version: str | None) -> str:
@@ -158,6 +173,8 @@ class ClusterPlan:
     nats_port: int | None = None
     dynamo_dir: Path | None = None  # another Dynamo release (kvalign matrix's wheel cache), run by ``python``
     dynamo_version: str | None = None
+    routers: RouterSetup = field(default_factory=RouterSetup)  # frontend replicas (kvalign.live.cluster.routers)
+    router_http_ports: tuple[int, ...] = ()  # HTTP ports of replicas 1.. (replica 0 serves on http_port)
 
     def __post_init__(self) -> None:
         need = {"file": ("broker_xsub", "broker_xpub"), "etcd-nats": ("etcd_client", "etcd_peer", "nats_port")}
@@ -194,6 +211,17 @@ class ClusterPlan:
     @property
     def frontend_url(self) -> str:
         return f"http://{LOOPBACK}:{self.http_port}"
+
+    @property
+    def frontend_urls(self) -> list[str]:
+        """Every router replica's HTTP address, replica 0 (:attr:`frontend_url`) first."""
+        return [f"http://{LOOPBACK}:{p}" for p in (self.http_port, *self.router_http_ports)]
+
+    def all_ports(self) -> list[int]:
+        """Every loopback port the plan assigned, for callers that must keep clear of them."""
+        ports = [self.http_port, *self.router_http_ports, self.broker_xsub, self.broker_xpub, self.etcd_client,
+                 self.etcd_peer, self.nats_port, *(p for wp in self.worker_ports.values() for p in wp.all())]
+        return [p for p in ports if p is not None]
 
     def plane_env(self) -> dict[str, str]:
         """Environment every Dynamo process gets: the control plane's settings, loopback only."""
@@ -247,21 +275,31 @@ class ClusterPlan:
             config["bind"] = True
         return json.dumps(config)
 
-    def kv_events_connect(self, worker: WorkerSpec) -> str:
-        """Where a subscriber on this machine reaches ``worker``'s SGLang KV-event PUB."""
-        return f"tcp://{LOOPBACK}:{self.worker_ports[worker.name].kv_events}"
+    def kv_events_connect(self, worker: WorkerSpec, rank: int = 0) -> str:
+        """Where a subscriber on this machine reaches ``worker``'s SGLang KV-event PUB (data-parallel
+        rank ``rank``'s: SGLang offsets the configured port by the rank)."""
+        ports = self.worker_ports[worker.name]
+        if not 0 <= rank < ports.kv_ranks:
+            raise ValueError(f"{worker.name} has {ports.kv_ranks} KV-event rank(s), not rank {rank}")
+        return f"tcp://{LOOPBACK}:{ports.kv_events + rank}"
 
-    def frontend_spec(self) -> ProcessSpec:
-        """``python -m dynamo.frontend --router-mode kv`` on loopback, for this namespace."""
+    def frontend_spec(self, replica: int = 0) -> ProcessSpec:
+        """``python -m dynamo.frontend --router-mode kv`` on loopback, for this namespace; ``replica``
+        picks one of :attr:`routers`' replicas (its own HTTP port and router flags)."""
         min_workers = len(self.topology.by_role("decode") or self.topology.by_role("agg"))
+        port = self.http_port if replica == 0 else self.router_http_ports[replica - 1]
         return ProcessSpec(
-            "frontend",
+            frontend_process_name(replica),
             [self.python, "-m", "dynamo.frontend", "--router-mode", "kv", "--http-host", LOOPBACK,
-             "--http-port", str(self.http_port), "--namespace", self.namespace,
+             "--http-port", str(port), "--namespace", self.namespace,
              "--kv-cache-block-size", str(self.topology.page_size),
-             *(a for flag, value in self.planes.items() for a in (f"--{flag}", value))],
+             *(a for flag, value in self.planes.items() for a in (f"--{flag}", value)), *self.routers.flags(replica)],
             {**self.plane_env(), "DYN_ROUTER_MIN_INITIAL_WORKERS": str(min_workers)},
         )
+
+    def frontend_specs(self) -> list[ProcessSpec]:
+        """One :meth:`frontend_spec` per router replica."""
+        return [self.frontend_spec(i) for i in range(self.routers.count)]
 
     def infrastructure_specs(self) -> list[ProcessSpec]:
         """The control plane's own processes, started first and stopped last."""

@@ -82,6 +82,8 @@ def _only_cpu_engine_options(name: str, opts: RunOptions) -> None:
         raise ValueError(f"--sglang picks the real CPU engine's SGLang release: it needs --engine sglang-cpu, not {name}")
     if opts.draft != "agree":
         raise ValueError("--draft disagree builds the tiny CPU draft: it needs --engine sglang-cpu")
+    if opts.hicache is not None:
+        raise ValueError(f"--hicache runs SGLang's host tier on the real CPU engine: it needs --engine sglang-cpu, not {name}")
 
 
 def _cpu_topology(opts: RunOptions) -> Topology:
@@ -145,15 +147,16 @@ class SglangCpuEngine:
 
     def describe(self, opts: RunOptions) -> str:
         release = f" {opts.sglang} (wheel cache)" if opts.sglang else ""
+        tier = "" if opts.hicache is None else f", {opts.hicache.describe()} on the prefill workers"
         return (f"{opts.prefill} prefill + {opts.decode} decode real SGLang{release} CPU workers, EAGLE3 "
-                f"(tiny Llama, {opts.draft}ing draft)")
+                f"(tiny Llama, {opts.draft}ing draft){tier}")
 
     def model_lines(self, opts: RunOptions, plan: ClusterPlan) -> list[str]:
         return [f"models: tiny Llama target + {opts.draft}ing EAGLE3 draft, built offline under RUN_DIR/models"]
 
     def plan(self, topology: Topology, run_dir: str | Path, opts: RunOptions) -> tuple[ClusterPlan, WorkerKind]:
         return sglang_cpu_worker.plan_cluster(topology, run_dir, draft=opts.draft, control_plane=opts.control_plane,
-                                              sglang_version=opts.sglang)
+                                              sglang_version=opts.sglang, hicache=opts.hicache)
 
     def prerequisites(self, opts: RunOptions, *, import_check: bool = True) -> Prereqs | None:
         problem = sglang_cpu_worker.engine_problem(opts.sglang)

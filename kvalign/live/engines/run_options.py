@@ -11,6 +11,7 @@ from typing import Protocol
 
 from kvalign.live.cluster.topology import ControlPlane
 from kvalign.live.engines.engine_model import Draft
+from kvalign.live.engines.hicache import HiCache
 
 
 class RunOptions(Protocol):
@@ -46,3 +47,5 @@ class RunOptions(Protocol):
     def sglang(self) -> str | None: ...
     @property
     def dynamo(self) -> str | None: ...
+    @property
+    def hicache(self) -> HiCache | None: ...

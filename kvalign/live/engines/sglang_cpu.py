@@ -26,6 +26,7 @@ Settings and why (sglang-cpu-engine.md):
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Mapping
@@ -35,9 +36,11 @@ from pathlib import Path
 from kvalign.releases.release_env import python_for
 from kvalign.standins import sglang_cpu as sglang_cpu_standin
 from kvalign.live.cluster.lifecycle import make_plan
+from kvalign.live.engines.dp_workers import dp_args, dp_problem, threads_bind
 from kvalign.live.engines.engine_model import TARGET_NAME, Draft, write_models
+from kvalign.live.engines.hicache import HiCache
 from kvalign.live.cluster.processes import ProcessSpec
-from kvalign.live.engines.sglang_worker import RELAY_SUBSCRIBE_ENV, ROUTER_EAGLE_ENV
+from kvalign.live.engines.sglang_worker import RELAY_SUBSCRIBE_ENV, ROUTER_EAGLE_ENV, SERVER_INFO_ENV
 from kvalign.oracles.sglang import torch_extensions_dir
 from kvalign.live.cluster.topology import ClusterPlan, ControlPlane, Topology, WorkerSpec
 
@@ -74,8 +77,10 @@ class SglangCpuWorkerKind:
     def __init__(self, draft_model: str | None, *, eagle: CpuEagle = CpuEagle(), max_total_tokens: int = 4096,
                  threads: int = 2, sglang_version: str = sglang_cpu_standin.SGLANG_VERSION,
                  sglang_dir: Path | None = None, relay_subscribe: Mapping[str, str] | None = None,
-                 sleep_on_idle: bool = True) -> None:
+                 sleep_on_idle: bool = True, hicache: HiCache | None = None) -> None:
         self.draft_model, self.eagle = draft_model, eagle
+        #: SGLang's host tier on the workers that cache prompts (aggregated and prefill), or None
+        self.hicache = hicache
         #: SGLang's ``--sleep-on-idle`` (0.5.19, 0.5.21, 0.5.23): without it each scheduler spins a core
         #: while it has nothing to do, so a 3-worker cluster on two cores starves the router, the
         #: harness and everything else on the machine. A fully idle scheduler then blocks in
@@ -91,6 +96,10 @@ class SglangCpuWorkerKind:
         self.sglang_version, self.sglang_dir = sglang_version, sglang_dir
         self.release = sglang_cpu_standin.SUPPORTED[sglang_version]
         self.relay_subscribe = dict(relay_subscribe or {})  # worker name -> the fuzz's lossy-hop endpoint
+        #: SGLang's KV-event format (``--kv-events-config``'s ``format``; "dynamo" from SGLang 0.5.23)
+        self.event_format = "default"
+        #: publishing workers record SGLang's /server_info KV-event descriptor (:func:`server_info_path`)
+        self.record_server_info = False
         #: a test control (the fuzz's ``publisher_faults``): each publishing worker loads kvalign's
         #: publisher-fault hook, armed through ``<dir>/<worker>.json`` (never set on the normal path)
         self.publisher_faults_dir: Path | None = None
@@ -122,9 +131,11 @@ class SglangCpuWorkerKind:
         if worker.eagle and not self.draft_model:
             raise ValueError(f"{worker.name} runs EAGLE3 but no draft model was given")
         ports = plan.worker_ports[worker.name]
+        dp = ports.kv_ranks  # data-parallel ranks (kvalign.live.engines.dp_workers)
         forced_off = worker.eagle and worker.register_eagle is False
         hop = self.relay_subscribe.get(worker.name)
-        wrapped = forced_off or hop is not None
+        recording = self.record_server_info and worker.publishes_kv_events
+        wrapped = forced_off or hop is not None or recording
         entry = ["-m", "kvalign.live.engines.sglang_worker"] if wrapped else ["-m", "dynamo.sglang"]
         argv = [
             self._python(plan), *entry, "--model-path", plan.model_path, "--served-model-name", plan.model_name,
@@ -132,16 +143,21 @@ class SglangCpuWorkerKind:
             "--disable-overlap-schedule", "--page-size", str(plan.topology.page_size),
             "--max-total-tokens", str(self.decode_max_total_tokens if worker.role == "decode" and self.decode_max_total_tokens
                                      else self.max_total_tokens), "--host", "127.0.0.1", "--enable-metrics",
-            "--nccl-port", str(ports.nccl),
-            *(["--sleep-on-idle"] if self.sleep_on_idle else []),
+            *(["--nccl-port", str(ports.nccl)] if dp == 1 else []),
+            *(["--sleep-on-idle"] if self.sleep_on_idle else []), *dp_args(dp),
         ]
         if worker.publishes_kv_events:
-            argv += ["--kv-events-config", plan.kv_events_config(worker, bind=self.release.kv_events_bind)]
+            config = plan.kv_events_config(worker, bind=self.release.kv_events_bind)
+            if self.event_format != "default":
+                config = json.dumps({**json.loads(config), "format": self.event_format})
+            argv += ["--kv-events-config", config]
         if worker.role != "agg":
             argv += ["--disaggregation-mode", worker.role, "--disaggregation-transfer-backend", "fake",
                      "--disaggregation-bootstrap-port", str(ports.bootstrap)]
         if worker.role == "decode":
             argv += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+        elif self.hicache is not None:
+            argv += self.hicache.args()
         if worker.role != "prefill":
             argv += ["--decode-log-interval", "1"]
         if worker.eagle:
@@ -152,12 +168,22 @@ class SglangCpuWorkerKind:
             "OMP_NUM_THREADS": str(self.threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "TORCH_EXTENSIONS_DIR": torch_extensions_dir(self.sglang_version),
             **({ROUTER_EAGLE_ENV: "off"} if forced_off else {}), **({RELAY_SUBSCRIBE_ENV: hop} if hop else {}),
+            **({SERVER_INFO_ENV: str(server_info_path(plan, worker))} if recording else {}),
         }
+        if dp > 1:
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = threads_bind(dp)
         if worker.publishes_kv_events and not self.release.kv_events_bind:
             env[sglang_cpu_standin.KV_EVENTS_IPC_ENV] = self._kv_ipc(worker, plan)
         if worker.publishes_kv_events and self.publisher_faults_dir is not None:
             env[sglang_cpu_standin.PUBLISHER_FAULTS_ENV] = str(self.publisher_faults_dir / f"{worker.name}.json")
         return ProcessSpec(worker.name, argv, env)
+
+
+def server_info_path(plan: ClusterPlan, worker: WorkerSpec) -> Path:
+    """Where ``worker`` records SGLang's ``/server_info`` KV-event descriptor (``KVALIGN_SERVER_INFO``)."""
+    path = plan.run_dir / "kv" / f"{worker.name}.server-info.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 #: Longest ``ipc://`` socket path (Linux ``sun_path`` is 108 bytes with the terminator).
@@ -200,12 +226,19 @@ def release_dir(sglang_version: str | None) -> tuple[str, Path | None]:
 
 
 def plan_cluster(topology: Topology, run_dir: str | Path, *, draft: Draft = "agree",
-                 control_plane: ControlPlane = "file",
-                 sglang_version: str | None = None) -> tuple[ClusterPlan, SglangCpuWorkerKind]:
+                 control_plane: ControlPlane = "file", sglang_version: str | None = None,
+                 hicache: HiCache | None = None) -> tuple[ClusterPlan, SglangCpuWorkerKind]:
     """Plan a real-engine CPU run: the tiny models are built under ``run_dir/models`` (a few
     hundred KB, so every run builds its own) and served as :data:`TARGET_NAME`."""
     version, sglang_dir = release_dir(sglang_version)
+    if hicache is not None:
+        from kvalign.live.engines.hicache import problem
+
+        if (why := problem(version)) is not None:
+            raise RuntimeError(why)
+    if (why := dp_problem(version, topology.dp_size)) is not None:
+        raise RuntimeError(why)
     run = Path(run_dir).resolve()
     target, draft_dir = write_models(run / "models", draft)
     plan = make_plan(topology, run, str(target), model_name=TARGET_NAME, control_plane=control_plane)
-    return plan, SglangCpuWorkerKind(str(draft_dir), sglang_version=version, sglang_dir=sglang_dir)
+    return plan, SglangCpuWorkerKind(str(draft_dir), sglang_version=version, sglang_dir=sglang_dir, hicache=hicache)

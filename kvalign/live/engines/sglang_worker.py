@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kvalign.live.cluster.processes import ProcessSpec
@@ -172,11 +172,50 @@ def force_router_eagle_off() -> None:
 
 #: Where ``dynamo.sglang``'s relay subscribes instead of SGLang's own PUB (the fuzz's lossy hop).
 RELAY_SUBSCRIBE_ENV = "KVALIGN_RELAY_SUBSCRIBE"
+#: A file the worker writes SGLang's own ``/server_info`` KV-event descriptor to, once its engine resolved.
+SERVER_INFO_ENV = "KVALIGN_SERVER_INFO"
+
+
+def record_server_info(path: str) -> None:
+    """Write, once ``sgl.Engine`` has resolved its arguments, what SGLang's HTTP ``/server_info`` would
+    advertise for this worker's KV events (``describe_kv_events_publisher``, the ``kv_events`` block of
+    ``build_server_info``) and its resolved page size, to ``path`` (JSON).
+
+    ``dynamo.sglang`` serves no SGLang HTTP server, so the descriptor is computed in the worker by
+    SGLang's own function on the engine's own ``server_args``: ``init_llm`` hands them to
+    ``Config.use_resolved_server_args`` right after the engine starts, and that one method is wrapped
+    (it still runs). Fails loudly if Dynamo renamed it."""
+    import dynamo.sglang.args as args_mod
+
+    config = getattr(args_mod, "Config", None)
+    original = getattr(config, "use_resolved_server_args", None)
+    if not callable(original):
+        raise SystemExit("kvalign: cannot record SGLang's /server_info descriptor: dynamo.sglang.args.Config has no "
+                         "use_resolved_server_args (Dynamo changed where it reads the engine's arguments)")
+
+    def use_resolved_server_args(self: object, server_args: object) -> object:
+        from sglang.srt.arg_groups.overrides import resolving_view
+        from sglang.srt.runtime_context import describe_kv_events_publisher
+
+        info = {"kv_events": describe_kv_events_publisher(server_args),
+                "page_size": int(resolving_view(server_args).page_size)}
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(info, fh)
+        os.replace(tmp, path)
+        return original(self, server_args)
+
+    config.use_resolved_server_args = use_resolved_server_args
 
 
 def relay_via(endpoint: str) -> None:
     """Make ``dynamo.sglang``'s KV-event relay subscribe to ``endpoint`` (a loopback hop) instead
     of the endpoint SGLang binds; SGLang itself still publishes where its config says.
+
+    ``endpoint`` may also be a JSON object mapping each endpoint the relay would subscribe to (one
+    per data-parallel rank, SGLang's port + rank) to its hop: every rank then goes through its own
+    hop, and a rank the map does not name stops the worker (a rank the hop bypasses would drop
+    nothing).
 
     The relay derives its SUB address with ``publisher.format_zmq_endpoint`` (1.6.1); only that
     name in ``dynamo.sglang.publisher`` is replaced, so SGLang's processes are untouched. Fails
@@ -184,21 +223,41 @@ def relay_via(endpoint: str) -> None:
     """
     import dynamo.sglang.publisher as publisher
 
-    if not callable(getattr(publisher, "format_zmq_endpoint", None)):
+    original = getattr(publisher, "format_zmq_endpoint", None)
+    if not callable(original):
         raise SystemExit("kvalign: cannot route KV events through the hop: dynamo.sglang.publisher has no "
                          "format_zmq_endpoint (Dynamo changed how its relay finds SGLang's publisher)")
-    publisher.format_zmq_endpoint = lambda endpoint_template, ip_address: endpoint
+    publisher.format_zmq_endpoint = subscribe_via(original, endpoint)
+
+
+def subscribe_via(original: Callable[[str, str], str], endpoint: str) -> Callable[[str, str], str]:
+    """The replacement for ``format_zmq_endpoint`` (``original``): every subscription to ``endpoint``,
+    or, for a JSON map, each one to the hop its own address maps to (:func:`relay_via`)."""
+    if not endpoint.lstrip().startswith("{"):
+        return lambda endpoint_template, ip_address: endpoint
+    hops = json.loads(endpoint)
+
+    def via_hop(endpoint_template: str, ip_address: str) -> str:
+        own = original(endpoint_template, ip_address)
+        if own not in hops:
+            raise SystemExit(f"kvalign: the relay subscribes to {own}, which no hop serves ({sorted(hops)})")
+        return hops[own]
+
+    return via_hop
 
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m kvalign.live.engines.sglang_worker ARGS``: ``python -m dynamo.sglang ARGS`` with the
-    router-facing ``enable_eagle`` forced off (the negative control, ``KVALIGN_ROUTER_EAGLE=off``)
-    and/or the relay subscribed through a loopback hop (``KVALIGN_RELAY_SUBSCRIBE``)."""
+    router-facing ``enable_eagle`` forced off (the negative control, ``KVALIGN_ROUTER_EAGLE=off``),
+    the relay subscribed through a loopback hop (``KVALIGN_RELAY_SUBSCRIBE``) and/or SGLang's
+    ``/server_info`` KV-event descriptor recorded (``KVALIGN_SERVER_INFO``)."""
     os.environ.setdefault("PYTHONHASHSEED", "0")  # as dynamo.sglang.__main__, for SGLang's children
     if not router_eagle_from(os.environ.get(ROUTER_EAGLE_ENV)):
         force_router_eagle_off()
     if os.environ.get(RELAY_SUBSCRIBE_ENV):
         relay_via(os.environ[RELAY_SUBSCRIBE_ENV])
+    if os.environ.get(SERVER_INFO_ENV):
+        record_server_info(os.environ[SERVER_INFO_ENV])
     from dynamo.sglang.main import main as dynamo_main
 
     sys.argv = ["dynamo.sglang", *(sys.argv[1:] if argv is None else argv)]

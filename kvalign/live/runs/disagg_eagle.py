@@ -36,6 +36,7 @@ from typing import Any
 
 from kvalign.live.runs import scenario
 from kvalign.live.engines.engine_model import Draft
+from kvalign.live.engines.hicache import HiCache
 from kvalign.live.engines.kinds import ENGINE_KINDS, EngineKind, EngineName
 from kvalign.live.engines.gpu import Prereqs
 from kvalign.live.wire.metrics import (
@@ -79,6 +80,7 @@ class E2eOptions:
     control_plane: ControlPlane = "file"
     sglang: str | None = None  # sglang-cpu: the SGLang release the workers run (None: the environment's)
     dynamo: str | None = None  # fake-cpu: the Dynamo release every process runs (None: the environment's)
+    hicache: HiCache | None = None  # sglang-cpu: SGLang's host tier on the prefill workers
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

@@ -24,6 +24,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from kvalign.live.cluster import ranks
 from kvalign.model.hashing import block_hashes
 from kvalign.model.index import router_kv_hit_rate
 from kvalign.live.wire.client import ChatResult, stream_chat
@@ -60,7 +61,7 @@ class RequestRecord:
     index: int
     tokens: list[int]
     router_eagle: bool
-    predicted_overlap: dict[int, int]  # worker id -> leading blocks kvalign's index holds
+    predicted_overlap: dict[tuple[int, int], int]  # (worker id, dp rank) -> leading blocks kvalign's index holds
     result: ChatResult
     block_size: int = 16
 
@@ -70,13 +71,18 @@ class RequestRecord:
         return self.result.prefill_worker_id
 
     @property
+    def source(self) -> tuple[int | None, int]:
+        """(worker, data-parallel rank) the router chose: one KV cache (rank 0 without ``--dp-size``)."""
+        return self.result.prefill_worker_id, self.result.prefill_dp_rank or 0
+
+    @property
     def isl_blocks(self) -> int:
         return math.ceil(len(self.tokens) / self.block_size)
 
     @property
     def predicted(self) -> float | None:
-        w = self.worker
-        return None if w is None else router_kv_hit_rate(self.predicted_overlap.get(w, 0), len(self.tokens), self.block_size)
+        return None if self.worker is None else router_kv_hit_rate(self.predicted_overlap.get(self.source, 0),
+                                                                    len(self.tokens), self.block_size)
 
     @property
     def observed(self) -> float | None:
@@ -87,8 +93,9 @@ class RequestRecord:
         return {
             "request": self.index + 1, "prompt_tokens": len(self.tokens), "isl_blocks": self.isl_blocks,
             "prefill_worker": self.result.prefill_worker_id, "decode_worker": self.result.decode_worker_id,
+            **({"prefill_dp_rank": self.result.prefill_dp_rank} if self.result.prefill_dp_rank else {}),
             "kv_hit_rate": self.observed, "predicted": self.predicted,
-            "predicted_overlap_blocks": self.predicted_overlap.get(self.worker or -1, 0),
+            "predicted_overlap_blocks": self.predicted_overlap.get(self.source, 0),
             "ttft_ms": t.get("ttft_ms"), "total_time_ms": t.get("total_time_ms"),
         }
 
@@ -104,8 +111,9 @@ def run_prefix_extension(cluster: Any, n: int = 4, *, max_tokens: int = 8, pause
     """
     b = cluster.plan.topology.page_size
     publishing = {name: h for name, h in cluster.workers.items() if h.kv_events_endpoint}
-    ids = {name: h.instance_id for name, h in publishing.items()}
-    label_of = {h.instance_id: name for name, h in publishing.items()}
+    # one index per KV cache: (instance, dp rank) of every source (kvalign.live.cluster.ranks)
+    ids = {label: (cluster.workers[w.name].instance_id, rank) for label, (w, rank) in ranks.sources(cluster.plan).items()}
+    label_of = {key: label for label, key in ids.items()}
     records = []
     for i, content in enumerate(prefix_prompts(n)):
         tokens = prompt_tokens(cluster.plan.model_path, content)
@@ -115,7 +123,7 @@ def run_prefix_extension(cluster: Any, n: int = 4, *, max_tokens: int = 8, pause
         before = {name: cluster.capture.count(name) for name in ids}
         result = stream_chat(cluster.frontend_url, cluster.model, content, max_tokens=max_tokens)
         records.append(RequestRecord(i, tokens, router_eagle, overlap, result, b))
-        label = label_of.get(result.prefill_worker_id)
+        label = label_of.get(records[-1].source)
         if label is not None:
             cluster.capture.wait_for(lambda snap, lbl=label: sum(c.label == lbl for c in snap) > before[lbl], event_wait_s)
         time.sleep(pause_s)
@@ -131,7 +139,8 @@ def table(records: list[RequestRecord]) -> str:
     for r in records:
         row = r.row()
         fmt = lambda v: "None" if v is None else f"{v:.4f}"  # noqa: E731
-        lines.append(f"{row['request']:>3} {row['prompt_tokens']:>6} {row['isl_blocks']:>6} {str(row['prefill_worker']):>20} "
+        worker = f"{row['prefill_worker']}" + (f"/dp{row['prefill_dp_rank']}" if row.get("prefill_dp_rank") else "")
+        lines.append(f"{row['request']:>3} {row['prompt_tokens']:>6} {row['isl_blocks']:>6} {worker:>20} "
                      f"{str(row['decode_worker']):>20} {fmt(row['kv_hit_rate']):>11} {fmt(row['predicted']):>9}")
     return "\n".join(lines)
 
@@ -163,13 +172,14 @@ def check_prompt_tokens(records: list[RequestRecord]) -> None:
 
 
 def check_same_worker(records: list[RequestRecord]) -> int:
-    """Requests 2..N went to request 1's (prefill) worker; returns it."""
+    """Requests 2..N went to request 1's (prefill) worker, and to its data-parallel rank; returns the worker."""
     first = records[0].worker
     if first is None:
         raise _fail("request 1: no nvext.worker_id.prefill_worker_id in the response", records)
-    others = [r for r in records[1:] if r.worker != first]
+    others = [r for r in records[1:] if r.source != records[0].source]
     if others:
-        raise _fail(f"requests {[r.index + 1 for r in others]} left request 1's worker {first}", records)
+        where = f"worker {first}" + (f" rank {records[0].source[1]}" if any(r.source[1] for r in records) else "")
+        raise _fail(f"requests {[r.index + 1 for r in others]} left request 1's {where}", records)
     return first
 
 
@@ -233,7 +243,7 @@ def _diagnose_on(cluster: Any, record: RequestRecord, label: str) -> LiveDiagnos
     from kvalign.streams.diagnose import RouterSettings
     from kvalign.streams.diagnose import diagnose as run_diagnose
 
-    handle = cluster.workers[label]
+    handle = cluster.workers[ranks.split_label(label)[0]]
     path = cluster.capture.capture_path(label)
     if path is None:
         raise ValueError(f"no kvalign capture was recorded for {label}")
@@ -280,13 +290,13 @@ def diagnose(cluster: Any, record: RequestRecord, worker: int | None = None) -> 
     the prompt — the cache the router should have seen (blind routing scatters requests, so the
     serving worker may hold nothing).
     """
-    labels = [n for n, h in cluster.workers.items()
-              if h.kv_events_endpoint and cluster.capture.capture_path(n) and cluster.capture.count(n)]
+    key = {label: (cluster.workers[w.name].instance_id, rank) for label, (w, rank) in ranks.sources(cluster.plan).items()}
+    labels = [n for n in key if cluster.capture.capture_path(n) and cluster.capture.count(n)]
     if worker is not None:
-        labels = [n for n in labels if cluster.workers[n].instance_id == worker]
+        labels = [n for n in labels if key[n][0] == worker]
         if not labels:
             raise ValueError(f"request {record.index + 1}: worker {worker} has no captured events")
-    served = [n for n in labels if cluster.workers[n].instance_id == record.worker]
+    served = [n for n in labels if key[n] == record.source]
     found = [_diagnose_on(cluster, record, n) for n in served + [n for n in labels if n not in served]]
     if not found:
         raise ValueError("no worker published any KV event to diagnose against")

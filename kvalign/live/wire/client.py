@@ -180,6 +180,9 @@ class Completion:
     decode_worker_id: int | None
     kv_hit_rate: float | None  # the router's prediction at the first hop
     timing: dict[str, Any] = field(default_factory=dict)
+    #: the data-parallel rank the router chose on that worker (``nvext.worker_id.prefill_dp_rank``)
+    prefill_dp_rank: int | None = None
+    decode_dp_rank: int | None = None
 
 
 def _int_or_none(v: Any, what: str) -> int | None:
@@ -216,18 +219,21 @@ def parse_completion(body: Any) -> Completion:
         decode_worker_id=_int_or_none(wid.get("decode_worker_id"), "nvext.worker_id.decode_worker_id"),
         kv_hit_rate=None if rate is None else float(rate),
         timing=timing,
+        prefill_dp_rank=_int_or_none(wid.get("prefill_dp_rank"), "nvext.worker_id.prefill_dp_rank"),
+        decode_dp_rank=_int_or_none(wid.get("decode_dp_rank"), "nvext.worker_id.decode_dp_rank"),
     )
 
 
 def complete_tokens(base_url: str, model: str, tokens: Sequence[int], *, max_tokens: int,
                     pin: int | None = None, prefill_pin: int | None = None, cache_salt: str | None = None,
-                    timeout_s: float = 120.0) -> Completion:
+                    dp_rank: int | None = None, timeout_s: float = 120.0) -> Completion:
     """POST one greedy completion whose prompt is ``tokens`` (ids, no template: the router, the
     engine and kvalign then hash exactly the same sequence). ``pin``: an instance id the request
     must run on (``nvext.backend_instance_id``), instead of the router's choice; ``prefill_pin``: in
     disaggregation, the prefill instance (``nvext.prefill_worker_id``: ``backend_instance_id`` names
     the decode worker there, and a prefill id is rejected as invalid); ``cache_salt``:
-    the tenant (``nvext.cache_salt``), which keys the engine's pages and the router's hashes."""
+    the tenant (``nvext.cache_salt``), which keys the engine's pages and the router's hashes;
+    ``dp_rank``: with ``pin``, the data-parallel rank of that worker (``nvext.dp_rank``)."""
     nvext: dict[str, Any] = {"extra_fields": list(COMPLETION_FIELDS)}
     if pin is not None:
         nvext["backend_instance_id"] = pin
@@ -235,6 +241,8 @@ def complete_tokens(base_url: str, model: str, tokens: Sequence[int], *, max_tok
         nvext["prefill_worker_id"] = prefill_pin
     if cache_salt:
         nvext["cache_salt"] = cache_salt
+    if dp_rank is not None:
+        nvext["dp_rank"] = dp_rank
     payload = {
         "model": model, "prompt": list(tokens), "max_tokens": max_tokens, "temperature": 0.0, "stream": False,
         "nvext": nvext,

@@ -104,6 +104,10 @@ class LossyHop:
         self._shift: dict[str, int] = {}  # per worker: batches lost so far while hiding gaps
         self._originals: dict[tuple[str, int], int] = {}  # (worker, delivered seq) -> engine seq
         self._armed: tuple[str, str | None, bool] | None = None  # (kind, worker label or None, unpublished)
+        #: labels whose every batch the hop swallows for every subscriber, the taps included: a source that
+        #: publishes nothing (the fuzz's --only-rank0-publishes control); counted in :attr:`silenced_batches`
+        self.silenced: set[str] = set()
+        self.silenced_batches: dict[str, int] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvalign-lossy-hop", daemon=True)
@@ -173,6 +177,9 @@ class LossyHop:
             for sock, _ in poller.poll(50):
                 label = self._subs[sock]
                 frames = sock.recv_multipart()
+                if label in self.silenced:
+                    self.silenced_batches[label] = self.silenced_batches.get(label, 0) + 1
+                    continue
                 dropped = self._should_drop(label, frames)
                 if label in self._taps and not (dropped and dropped.unpublished):
                     self._taps[label].send_multipart(frames)

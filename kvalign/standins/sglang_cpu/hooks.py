@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+from kvalign.standins import hicache_cpu
+from kvalign.standins.hicache_cpu import patches as hicache_patches
 from kvalign.standins.sglang_cpu import SUPPORTED, patches, publisher_faults, version_problem
 
 #: module -> patches to run once it has executed, in every supported release (each release's own
@@ -25,6 +27,12 @@ PATCHES: dict[str, tuple[Callable[[], None], ...]] = {
     "sglang.srt.arg_groups.pd_disaggregation_hook": (patches.fake_transfer_prefill_check,),
     "sglang.srt.managers.disagg_service": (patches.fake_transfer_bootstrap,),
     "sglang.srt.disaggregation.decode": (patches.fake_transfer_decode,),
+}
+
+#: HiCache's host pool on CPU (:mod:`kvalign.standins.hicache_cpu`), for the releases it supports.
+HICACHE_PATCHES: dict[str, tuple[Callable[[], None], ...]] = {
+    "sglang.srt.mem_cache.pool_host.common": (hicache_patches.host_register_on_cpu,),
+    "sglang.srt.mem_cache.pool_host.mha": (hicache_patches.kvcacheio_on_cpu,),
 }
 
 
@@ -42,8 +50,10 @@ class _Loader(importlib.abc.Loader):
 
 
 def release_patches(version: str) -> dict[str, tuple[Callable[[], None], ...]]:
-    """The common patches plus ``version``'s own."""
+    """The common patches plus ``version``'s own (HiCache's where :mod:`.hicache_cpu` supports it)."""
     table = dict(PATCHES)
+    if hicache_cpu.version_problem(version) is None:
+        table.update(HICACHE_PATCHES)
     for module, name in SUPPORTED[version].patches:
         table[module] = (*table.get(module, ()), getattr(patches, name))
     return table

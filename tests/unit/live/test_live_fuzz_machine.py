@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvalign.commands.fuzz import DEFAULT_SEED, DISAGG_SEED, DISAGG_SHORT
+from kvalign.commands.fuzz import DEFAULT_SEED, DISAGG_SEED, DISAGG_SHORT, HICACHE_SEED
 from kvalign.live.runs.fuzz.driver import COUNTS, FuzzEnvironmentError, FuzzOptions
 from kvalign.live.runs.fuzz.invariants import InvariantFailed, Tally
 from kvalign.live.runs.fuzz.machine import replay, run_fuzz
@@ -147,6 +147,43 @@ def test_the_disaggregated_ci_seed_draws_every_rule_but_bursts_with_one_restart(
              report=lambda _m: None)
     drawn = Counter(s["rule"] for ex in d.all_steps for s in ex)
     assert set(drawn) == RULES - {"concurrent"} and drawn["restart"] == 1, drawn
+
+
+class HiCacheRecordingDriver(RecordingDriver):
+    def __init__(self) -> None:
+        from kvalign.live.engines.hicache import HiCache
+
+        super().__init__()
+        self.opts, self.host_evictions_in_example = FuzzOptions(hicache=HiCache()), 0
+
+    def begin_example(self) -> None:
+        super().begin_example()
+        self.host_evictions_in_example = 0
+
+
+def _host_pages_in_cap(step: dict) -> int:
+    """An offload's host-only pages inside the scheduler's cap (its tail of 0 leaves the last page out)."""
+    return step["ext"] - (step["tail"] == 0)
+
+
+def test_the_hicache_seed_draws_every_rule_but_bursts_and_host_stretches_on_both_sides_of_the_threshold() -> None:
+    d = HiCacheRecordingDriver()
+    run_fuzz(d, examples=3, steps=10, seed=HICACHE_SEED, shrink_seconds=5, script_path=Path("/nonexistent"),
+             report=lambda _m: None)
+    steps = [s for ex in d.all_steps for s in ex]
+    assert set(Counter(s["rule"] for s in steps)) == RULES - {"concurrent"} | {"offload", "evict_host"}
+    assert all(sum(s["rule"] == "restart" for s in ex) <= 1 for ex in d.all_steps)
+    offloads = [_host_pages_in_cap(s) for s in steps if s["rule"] == "offload"]
+    assert any(0 < h * 4 < 10 for h in offloads), offloads  # page 4: below SGLang's load_back_threshold
+    assert any(h * 16 >= 10 for h in offloads), offloads  # page 16: above it
+    assert all(sum(s["rule"] == "evict_host" for s in ex) <= 1 for ex in d.all_steps)
+
+
+def test_negative_control_without_hicache_no_hicache_rule_is_drawn() -> None:
+    d = RecordingDriver()
+    run_fuzz(d, examples=3, steps=10, seed=HICACHE_SEED, shrink_seconds=5, script_path=Path("/nonexistent"),
+             report=lambda _m: None)
+    assert not {s["rule"] for ex in d.all_steps for s in ex} & {"offload", "evict_host"}
 
 
 class TimingDriver(RecordingDriver):

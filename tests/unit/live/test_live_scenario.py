@@ -9,11 +9,12 @@ from kvalign.live.wire.client import ChatResult
 from kvalign.live.runs.scenario import RequestRecord
 
 
-def _rec(i, n_tokens, worker, observed, overlap, decode=None, prompt_tokens=None):
+def _rec(i, n_tokens, worker, observed, overlap, decode=None, prompt_tokens=None, rank=None):
     res = ChatResult(prefill_worker_id=worker, decode_worker_id=decode if decode is not None else worker,
                      timing={"ttft_ms": 2.0, "total_time_ms": 5.0, "kv_hit_rate": observed},
-                     usage={"prompt_tokens": n_tokens if prompt_tokens is None else prompt_tokens}, done=True)
-    return RequestRecord(i, list(range(n_tokens)), True, {worker: overlap} if overlap else {}, res, 16)
+                     usage={"prompt_tokens": n_tokens if prompt_tokens is None else prompt_tokens}, done=True,
+                     prefill_dp_rank=rank)
+    return RequestRecord(i, list(range(n_tokens)), True, {(worker, rank or 0): overlap} if overlap else {}, res, 16)
 
 
 # The live eagle run at B=16: 21/39/57/75 tokens, overlap 0/1/2/3 -> 0, 1/3, 1/2, 3/5.
@@ -63,3 +64,14 @@ def test_missing_fields_fail_instead_of_passing():
                        (scenario.check_prompt_tokens, "no usage.prompt_tokens"), (scenario.check_prediction, "missing kv_hit_rate")):
         with pytest.raises(AssertionError, match=msg):
             check([bare])
+
+
+def test_data_parallel_records_are_predicted_and_held_to_one_rank():
+    """With --dp-size the router's choice is (worker, rank): the prediction is that rank's overlap, and
+    a request sent to the worker's other rank left request 1's cache."""
+    ranked = [_rec(0, 21, 5, 0.0, 0, rank=1), _rec(1, 39, 5, 1 / 3, 1, rank=1)]
+    scenario.check_prediction(ranked)
+    assert scenario.check_same_worker(ranked) == 5 and "5/dp1" in scenario.table(ranked)
+    moved = [*ranked, _rec(2, 57, 5, 0.0, 0, rank=0)]
+    with pytest.raises(AssertionError, match=r"requests \[3\] left request 1's worker 5 rank 1"):
+        scenario.check_same_worker(moved)

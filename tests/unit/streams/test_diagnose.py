@@ -286,7 +286,7 @@ def _hicache_capture(tmp_path, publisher, prompt: list[int], name: str) -> str:
     engine = HiCacheEngine(B, eagle=False, core="unified", policy="write_through", host_tokens=1 << 20)
     engine.take_raw_events()
     with captured(tmp_path, publisher, name=name) as stream:
-        engine.insert(prompt)
+        engine.serve(prompt)  # a request served by SGLang's scheduler code: its whole pages are cached
         engine.transfers_done()
         stream.publish(engine.take_raw_events())
         engine.evict(len(prompt))
@@ -296,16 +296,25 @@ def _hicache_capture(tmp_path, publisher, prompt: list[int], name: str) -> str:
 
 
 def test_host_credit_below_sglangs_load_back_threshold_is_named(tmp_path, sglang_publisher, capsys):
-    """Two host-only pages of 4 = 8 tokens < 10: SGLang declines the load-back; diagnose names the finding
-    and exits 1. Three pages = 12 tokens: SGLang loads them back, no finding (the control)."""
+    """Two host-only pages of 4 = 8 tokens < 10, asked for by a 9-token prompt (SGLang's scheduler matches
+    8): SGLang declines the load-back; diagnose names the finding and exits 1. Three pages = 12 tokens:
+    SGLang loads them back, no finding (the control)."""
     short = _hicache_capture(tmp_path, sglang_publisher, PROMPT[:8], "short.jsonl")
-    d = diagnose(short, PROMPT[:8], RouterSettings())
+    d = diagnose(short, PROMPT[:9], RouterSettings())
     assert len(d.findings) == 1 and d.findings[0].startswith("HOST_CREDIT_NOT_SERVABLE: the engine holds blocks 0..1")
     assert "8 tokens, below SGLang's load_back_threshold (10)" in d.findings[0]
-    assert main(["diagnose", "--capture", short, "--prompt", _prompt_file(tmp_path, PROMPT[:8])]) == 1
+    assert main(["diagnose", "--capture", short, "--prompt", _prompt_file(tmp_path, PROMPT[:9])]) == 1
     assert "finding: HOST_CREDIT_NOT_SERVABLE: " in capsys.readouterr().out
     long = _hicache_capture(tmp_path, sglang_publisher, PROMPT[:12], "long.jsonl")
-    assert diagnose(long, PROMPT[:12], RouterSettings()).findings == []
+    assert diagnose(long, PROMPT[:13], RouterSettings()).findings == []
+
+
+def test_host_credit_stops_at_sglangs_prompt_cap(tmp_path, sglang_publisher):
+    """The 8-token prompt itself: SGLang's scheduler matches at most 7 tokens, so only block 0 (4 tokens) is
+    inside the cap; block 1 is computed again whatever its tier and is not part of the finding."""
+    short = _hicache_capture(tmp_path, sglang_publisher, PROMPT[:8], "short.jsonl")
+    (finding,) = diagnose(short, PROMPT[:8], RouterSettings()).findings
+    assert finding.startswith("HOST_CREDIT_NOT_SERVABLE: the engine holds block 0 of") and "4 tokens" in finding
 
 
 def _prompt_file(tmp_path, tokens: list[int]) -> str:

@@ -151,9 +151,9 @@ def test_blocks_held_per_tier_and_unmapped_media_from_real_hicache_events(sglang
     kv = sglang_events_module()
     engine = HiCacheEngine(B, eagle=False, core="unified", policy="write_through", host_tokens=1 << 20)
     engine.take_raw_events()
-    engine.insert(list(range(1, 13)))  # 3 pages on device
+    engine.serve(list(range(1, 13)))  # 3 pages on device
     engine.transfers_done()  # backed up: the same 3 pages on host
-    engine.insert(list(range(50, 58)))  # 2 more pages, device only (not polled)
+    engine.serve(list(range(50, 58)))  # 2 more pages, device only (not polled)
     stored = engine.take_raw_events()
     engine.evict(3 * B)  # the least recent 3 device pages go; their host copies stay
     evicted = engine.take_raw_events()

@@ -40,3 +40,23 @@ def test_with_enough_gpus_the_test_runs_its_own_full_check(monkeypatch):
     assert skip_reason(2, models=("/nonexistent/m", "/nonexistent/d")).startswith("needs 2 NVIDIA GPUs, 1 visible")
     assert skip_reason(1, models=("/nonexistent/m", "/nonexistent/d")) is None
     assert skip_reason(0) is None
+
+
+def _skipped(reason: str) -> "pytest.TestReport":
+    import pytest
+
+    return pytest.TestReport("t.py::test_gpu", ("t.py", 1, "test_gpu"), {}, "skipped", ("t.py", 1, f"Skipped: {reason}"),
+                             "setup")
+
+
+def test_on_a_runner_that_must_have_gpus_a_skipped_gpu_test_fails_with_its_reason():
+    from gpu_skip import REQUIRE_ENV, fail_if_required
+
+    report = _skipped("needs 2 NVIDIA GPUs, none visible")
+    fail_if_required(report, 2, {REQUIRE_ENV: "1"})
+    assert report.failed and "needs 2 NVIDIA GPUs, none visible" in str(report.longrepr)
+    # elsewhere (CI on CPU, a developer's machine) the skip stays a skip, and a test needing no GPU is never touched
+    for needed, env in ((2, {}), (2, {REQUIRE_ENV: "0"}), (0, {REQUIRE_ENV: "1"})):
+        report = _skipped("x")
+        fail_if_required(report, needed, env)
+        assert report.skipped

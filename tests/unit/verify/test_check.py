@@ -25,9 +25,14 @@ def run_cli(capsys, *argv: str, stdin: str | None = None, monkeypatch=None) -> t
 
 
 #: The only lines `kvalign check` may write to stderr on an aligned pair: one progress line per row.
-PROGRESS = re.compile(r"^  (card|hash|pages|overlap|ingest|tier|servable)/(plain|eagle)/[a-z+]+: "
-                      r"(ok|MISALIGNED: router credits host-tier pages .* \(only with HiCache on and page sizes below "
-                      r"SGLang's load_back_threshold \(10 tokens\).*\)) \(\d+ cases, \d+\.\ds\)$")
+PROGRESS = re.compile(r"^  (card|advertised|hash|pages|overlap|ingest|tenants|tier|servable)/(plain|eagle)/[a-z_+]+: "
+                      r"(ok|skipped|MISALIGNED: HOST_CREDIT_NOT_SERVABLE) \(\d+ cases, \d+\.\ds\)$")
+#: The widest line `kvalign check` prints (kvalign/commands/check_text.py), on stdout and stderr alike.
+WIDTH = 100
+
+
+def wide_lines(*texts: str) -> list[str]:
+    return [ln for text in texts for ln in text.splitlines() if len(ln) > WIDTH]
 
 
 @pytest.mark.slow  # the whole check as a user runs it; each property's negative control stays in the fast tier
@@ -43,29 +48,47 @@ def test_check_real_pair_is_aligned_but_for_small_hicache_pages_and_quiet(router
     rc, out = res.returncode, res.stdout
     # every page size the strategies draw: the servable rows find HOST_CREDIT_NOT_SERVABLE at page 2 or 4
     assert rc == 1, out + res.stderr[-2000:]
-    verdict = out.splitlines()[-1]
-    assert verdict.startswith("MISALIGNED: ") and "2 of 44 rows mismatched" in verdict
-    assert "; HOST_CREDIT_NOT_SERVABLE holds only with HiCache on and page sizes below" in verdict
-    # card x 2 modes + (hash, pages, overlap, ingest, tier) x 2 modes x 4 variants: ok; servable x 2 modes: not
-    assert out.count(" ok") == 42
-    assert [ln.split()[0] for ln in out.splitlines() if "  MISALIGNED: " in ln] == ["servable", "servable"]
+    verdict = next(i for i, ln in enumerate(out.splitlines()) if ln.startswith(("ALIGNED: ", "MISALIGNED: ")))
+    verdict = " ".join(ln.strip() for ln in out.splitlines()[verdict:])
+    assert verdict.startswith("MISALIGNED: ") and "2 of 60 rows mismatched" in verdict
+    assert "HOST_CREDIT_NOT_SERVABLE holds only with HiCache on and page sizes below" in verdict
+    # card x 2 modes + advertised (9 rows, plain; its "other" row is skipped: the dLLM override) + (hash, pages,
+    # overlap, ingest, tier) x 2 modes x 4 variants + tenants x 2 modes x 3 variants: ok; servable x 2 modes: not
+    assert out.count(" ok\n") == 57 and "skipped advertised/plain/other: overrides.py's _dllm_page_size" in out
+    assert [ln.split()[0] for ln in out.splitlines() if ln.endswith("  MISALIGNED: HOST_CREDIT_NOT_SERVABLE")] == [
+        "servable", "servable"]
     assert [ln.split()[0] for ln in out.splitlines() if ln.endswith(" ok")].count("ingest") == 8
+    # the cause explained once, under the table, with its scope and counterexample; every line fits 100 columns
+    assert out.count("\nHOST_CREDIT_NOT_SERVABLE: router credits host-tier pages") == 1
+    assert "  rows: servable/plain/base, servable/eagle/base" in out and "  scope: holds only with HiCache on" in out
+    assert "  counterexample (servable/plain/base): page size " in out and "    shrunk: {'page_size': " in out
+    assert wide_lines(out, res.stderr) == []
+    # README.md's excerpt of `kvalign check` is this output (numbers aside: it ran with 200 examples;
+    # the tier and servable rows draw at most 12 runs either way, so their lines are the same)
+    import readme_excerpts
+
+    assert readme_excerpts.missing(".venv/bin/kvalign check", out) == []
     # quiet: stderr holds kvalign's progress lines only; the runtimes' own lines are in the kept log
-    # (and, as on any failing run, one line naming the log the runtimes wrote to)
-    *lines, log_line = res.stderr.splitlines()
-    assert log_line.startswith("kvalign: Dynamo and SGLang runtime logs: "), res.stderr
-    assert len(lines) == 44 and all(PROGRESS.match(ln) for ln in lines), res.stderr
+    # (and, as on any failing run, the line naming the log the runtimes wrote to, its path apart when long)
+    lines = res.stderr.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("kvalign: Dynamo and SGLang runtime logs:"))
+    assert at >= len(lines) - 2, res.stderr
+    lines = lines[:at]
+    assert len(lines) == 60 and all(PROGRESS.match(ln) for ln in lines), res.stderr
     assert all(log.name.startswith("check-") and log.stat().st_size for log in tmp_path.iterdir())
 
 
 def test_check_catches_router_that_ignores_is_eagle(capsys, router_hasher, sglang_available):
-    rc, out, _ = run_cli(capsys, "check", "--examples", "15", "--router-hash", "kvalign.verify.misaligned:ignore_eagle",
+    rc, out, err = run_cli(capsys, "check", "--examples", "15", "--router-hash", "kvalign.verify.misaligned:ignore_eagle",
                          "--property", "hash", "--property", "pages", "--property", "overlap")
     assert rc == 1
-    assert "MISALIGNED: router eagle off vs engine bigram keys" in out
-    assert "shrunk counterexample:" in out
     rows = [line.split() for line in out.splitlines() if line.startswith(("hash ", "pages ", "overlap "))]
     assert {r[1] for r in rows if "MISALIGNED:" in r} == {"eagle"}  # plain mode is genuinely aligned
+    assert {r[-1] for r in rows if "MISALIGNED:" in r} == {"ROUTER_EAGLE_OFF"}  # the short name in the table
+    # the cause once under the table, with the rows, scope and shrunk counterexample; no line past 100 columns
+    assert out.count("\nROUTER_EAGLE_OFF: router eagle off vs engine bigram keys\n") == 1
+    assert "  scope: these rows, at every page size the strategies draw" in out and "    shrunk: {" in out
+    assert wide_lines(out, err) == []
 
 
 def test_page_size_pins_every_generated_case(capsys, router_hasher, sglang_available):
@@ -77,6 +100,31 @@ def test_page_size_pins_every_generated_case(capsys, router_hasher, sglang_avail
     assert rc == 1 and report["page_size"] == 3
     assert [r["counterexample"]["block_size"] for r in report["rows"]] == [3] * 4
     assert {r["cause_name"] for r in report["rows"]} == {"ROUTER_EAGLE_OFF"}
+
+
+def test_event_format_both_runs_event_properties_per_format(capsys, router_hasher, sglang_available):
+    """``--event-format both``: every row says its format; a property that reads events has rows in both,
+    one that does not (hash) runs once as "any"; the dynamo rows say so in the table too."""
+    rc, out, _ = run_cli(capsys, "check", "--examples", "5", "--json", "--event-format", "both", "--property", "hash",
+                         "--property", "pages", "--mode", "plain")
+    report = json.loads(out)
+    assert rc == 0 and report["event_formats"] == ["default", "dynamo"]
+    by = {(r["prop"], r["event_format"]) for r in report["rows"]}
+    assert by == {("hash", "any"), ("pages", "default"), ("pages", "dynamo")}
+    assert all(r["mismatches"] == 0 for r in report["rows"])
+    rc, out, _ = run_cli(capsys, "check", "--examples", "5", "--event-format", "dynamo", "--property", "pages",
+                         "--mode", "plain")
+    assert rc == 0 and "pages     plain  lora [dynamo]" in out
+
+
+def test_a_release_without_the_dynamo_format_is_said():
+    from kvalign.commands.check import formats_to_run
+    from kvalign.errors import UsageError
+
+    assert formats_to_run("both", True, "0.5.23") == ("default", "dynamo")
+    assert formats_to_run("both", False, "0.5.21") == ("default", "dynamo")  # its dynamo rows: skipped, with why
+    with pytest.raises(UsageError, match="SGLang 0.5.21 has no \"dynamo\" KV-event format"):
+        formats_to_run("dynamo", False, "0.5.21")
 
 
 def test_check_json_report(capsys, router_hasher, sglang_available):
@@ -98,6 +146,7 @@ def test_check_json_report(capsys, router_hasher, sglang_available):
         (["check", "--router-hash", "kvalign.model.hashing:nope"], "has no callable 'nope'"),
         (["check", "--examples", "0"], "--examples must be >= 1"),
         (["check", "--ingest-examples", "0"], "--ingest-examples must be >= 1"),
+        (["check", "--dp-examples", "0"], "--dp-examples must be >= 1"),
         (["check", "--property", "prefill"], "invalid choice: 'prefill'"),
         (["check", "--cache", "bogus"], "invalid choice: 'bogus'"),
         (["check", "--page-size", "0"], "--page-size: must be >= 1, got 0"),

@@ -118,11 +118,16 @@ def test_unknown_medium_is_medium_not_indexed(tier_paths, eagle, everywhere):
 
 
 def test_servable_finds_host_credit_below_sglangs_load_back_threshold(tier_paths):
-    """Page 2: a host-only stretch of 1-4 pages is 2-8 tokens, under SGLang's threshold; the router credits it."""
+    """Page 2: a host-only stretch of 1-4 pages inside the prefix SGLang's scheduler matches is 2-8 tokens,
+    under SGLang's threshold; the router credits it. The admitted request is as SGLang's scheduler
+    reports it, and the cap cannot explain it."""
     calls, failures, found = _search(tier_paths(), eagle=False, servable=True, examples=15, page_sizes=(2,))
     assert found is not None and found.cause.name == "HOST_CREDIT_NOT_SERVABLE", found and found.detail
     assert "load_back_threshold (10)" in found.detail and found.example["page_size"] == 2
     assert found.condition.startswith("only with HiCache on and page sizes below SGLang's load_back_threshold (10 tokens)")
+    a = found.admission
+    assert a["admitted"] and a["prompt_tokens"] - 1 >= a["device_tokens"] + a["host_only_tokens"]
+    assert 0 < a["host_only_tokens"] < 10 and a["loaded_tokens"] < a["host_only_tokens"]
 
 
 def test_servable_holds_at_a_page_of_the_threshold_or_more(tier_paths):
@@ -208,7 +213,8 @@ def _init_hicache_literal(name: str) -> Any:
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
 def test_standin_runs_sglangs_own_hicache_set_up_and_events(sglang_available, core, policy):
     """The stand-in turns the tier on through SGLang's init_hicache (its thresholds, not kvalign's), and
-    the tier emits the events the issue lists per write policy, on both tree cores."""
+    the tier emits the events the issue lists per write policy, on both tree cores, for requests served
+    by SGLang's scheduler code."""
     from kvalign.standins.hicache import version_problem
     from kvalign.oracles.hicache import HiCacheEngine, available_cores
 
@@ -226,24 +232,29 @@ def test_standin_runs_sglangs_own_hicache_set_up_and_events(sglang_available, co
 
     prompt = list(range(1, 9))  # two pages
     e.take_raw_events()
-    e.insert(prompt)
+    e.serve(prompt)
     e.transfers_done()
     first = events()
-    e.insert(prompt)  # the second hit: write_through_selective backs up now
+    assert e.serve(prompt).device_tokens == 4  # the second hit (write_through_selective backs up now), capped at 7 tokens
     e.transfers_done()
     second = events()
     e.evict(8)
     evicted = events()
     assert first[0] == ("BlockStored", "GPU", 2)
     backed = (first + second)[1:]
-    if policy == "write_back":
-        assert backed == [] and evicted == [("BlockStored", "CPU_PINNED", 2), ("BlockRemoved", "GPU", 2)]
+    if policy == "write_back":  # the second request split the node at its capped match: one page each
+        assert backed == [] and evicted == [("BlockStored", "CPU_PINNED", 1), ("BlockRemoved", "GPU", 1)] * 2
     else:
         assert backed == [("BlockStored", "CPU_PINNED", 2)] and evicted == [("BlockRemoved", "GPU", 2)]
     assert e.residency(prompt).device == 0 and e.residency(prompt).host == 2
-    assert e.admit(prompt) == (8, 0)  # 8 tokens < 10: SGLang declines the load-back
+    a = e.serve(prompt + [9])  # 9 tokens: the scheduler matches 8 = the two host-only pages
+    assert (a.device_tokens, a.host_only_tokens, a.loaded_tokens) == (0, 8, 0)  # 8 tokens < 10: SGLang declines
+    assert events() == [("BlockStored", "GPU", 2)]  # ... and re-prefills them
+    e.evict(8)
+    events()
+    assert e.residency(prompt).host == 2
     e.evict_host(8)
-    assert events() == [("BlockRemoved", "CPU_PINNED", 2)]
+    assert ("BlockRemoved", "CPU_PINNED", 2) in events() and e.residency(prompt).host == 0
 
 
 @pytest.mark.slow  # two `kvalign check` processes through the real router path: 40-90 s
@@ -276,6 +287,8 @@ def test_check_page_size_decides_the_servable_verdict(sglang_available, tmp_path
     assert rc == 1 and small["aligned"] is False and small["page_size"] == 4
     assert row["cause_name"] == "HOST_CREDIT_NOT_SERVABLE" and row["mismatches"] > 0
     assert row["condition"].startswith("only with HiCache on and page sizes below SGLang's load_back_threshold (10")
-    assert row["counterexample"]["page_size"] == 4 and row["counterexample"]["steps"][-1][0] == "admit"
+    assert row["counterexample"]["page_size"] == 4 and row["counterexample"]["steps"][-1][0] in ("admit", "cache")
+    a = row["admission"]  # the admitted request, as SGLang's scheduler reports it: the cap cannot explain it
+    assert a["prompt_tokens"] - 1 >= a["device_tokens"] + a["host_only_tokens"] and a["loaded_tokens"] < a["host_only_tokens"]
     rc, large = check(16)
     assert rc == 0 and large["aligned"] is True and large["rows"][0]["mismatches"] == 0

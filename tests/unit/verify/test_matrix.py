@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from kvalign.verify.rows import MODES, PROPERTIES
+from kvalign.verify.rows import MODES, PROPERTIES, PROPERTY_MODES
 from kvalign.verify import matrix
 from kvalign.cli import main
 from kvalign.verify.matrix import (MatrixError, Pair, PairEnv, PairResult, cache_root,
@@ -51,7 +51,8 @@ def test_table_has_a_row_per_pair_and_a_cell_per_property_and_mode():
     lines = table(rows).splitlines()
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     assert head[:3] == ["dynamo", "sglang", "verdict"] and "ingest:eagle" in head and "card:plain" in head
-    assert len(head) == 3 + len(PROPERTIES) * len(MODES) and len(lines) == 2 + 3
+    assert len(head) == 3 + sum(len(PROPERTY_MODES.get(p, MODES)) for p in PROPERTIES) and len(lines) == 2 + 3
+    assert "advertised:plain" in head and "advertised:eagle" not in head  # a page size does not depend on EAGLE
     cells = {h: c.strip() for h, c in zip(head, lines[3].strip("|").split("|"))}
     assert cells["ingest:eagle"] == "EVENTS_DROPPED" and cells["hash:plain"] == "NAMESPACE_DROPPED"
     assert cells["card:plain"] == "ok" and cells["verdict"] == "misaligned"
@@ -254,16 +255,17 @@ def test_uninstallable_release_is_an_error_row_exit_2(tmp_path):
 def test_older_dynamo_release_against_the_installed_sglang(sglang_available):
     """(1.0.2's runtime can deadlock inside a check; the matrix runs such a pair once more.)"""
     argv = ("matrix", "--dynamo", OLD_DYNAMO, "--sglang", sglang_available, "--json", "--examples", "40",
-            "--ingest-examples", "12")
+            "--ingest-examples", "12", "--event-format", "default")
     res = _kvalign(*argv)
     (row,) = json.loads(res.stdout)["rows"]
     if row["verdict"] == "error" and "cannot install" in res.stderr:
         pytest.skip(f"ai-dynamo {OLD_DYNAMO} cannot be installed here: {res.stderr.strip().splitlines()[-1]}")
     assert res.returncode == 1, res.stderr
-    assert set(row) <= {"dynamo", "sglang", "shipped", "verdict", "findings", "not_applicable"}
-    assert row["verdict"] == "misaligned"
-    # the tier rows: run where the release's router answers per tier, else n/a with the reason
-    assert all(n["property"] in ("tier", "servable") and n["reason"] for n in row.get("not_applicable", []))
+    assert set(row) <= {"dynamo", "sglang", "shipped", "verdict", "findings", "not_applicable", "event_formats"}
+    assert row["verdict"] == "misaligned" and row["event_formats"] == ["default"]
+    # the tier rows: run where the release's router answers per tier, else n/a with the reason; 1.0.2's
+    # dynamo.sglang has no registration function kvalign reads the block size through (advertised: n/a)
+    assert all(n["property"] in ("tier", "servable", "advertised") and n["reason"] for n in row.get("not_applicable", []))
     assert all(set(f) == {"property", "mode", "variant", "cause", "detail"} for f in row["findings"])
     found = {(f["property"], f["mode"], f["cause"]) for f in row["findings"]}
     # the 1.0.x binding has no is_eagle / cache_namespace (adapter -> named causes, not a crash)
@@ -295,6 +297,27 @@ def test_default_release_matrix(request):
     assert all(n["reason"] for r in rows for n in r.get("not_applicable", []))
     pinned = next(r for r in rows if (r["dynamo"], r["sglang"]) == ("1.6.1", "0.5.23"))
     assert pinned["verdict"] == "aligned", pinned
+
+
+def test_the_dynamo_event_format_has_a_column_of_its_own():
+    """A check run with --event-format both: its dynamo rows fill format:dynamo (never a property column);
+    a release without the format is n/a there; a run without it shows no such column."""
+    dyn = {"property": "tenants", "mode": "plain", "variant": "lora", "cause": "LORA_NOT_IN_EVENTS", "detail": "x",
+           "event_format": "dynamo"}
+    na = {"property": "pages", "mode": "plain", "variant": "base", "event_format": "dynamo",
+          "reason": "SGLang 0.5.21 has no \"dynamo\" KV-event format (...)"}
+    rows = [PairResult("1.6.1", "0.5.23", "misaligned", [dyn], event_formats=["default", "dynamo"]),
+            PairResult("1.6.1", "0.5.21", "aligned", [], not_applicable=[na], event_formats=["default", "dynamo"]),
+            PairResult("1.6.1", "0.5.19", "aligned", [], event_formats=["default"])]
+    lines = table(rows).splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    cells = [{h: c.strip() for h, c in zip(head, line.strip("|").split("|"))} for line in lines[2:]]
+    assert [c["format:dynamo"] for c in cells] == ["LORA_NOT_IN_EVENTS", "n/a", "-"]
+    assert cells[0]["tenants:plain"] == "ok" and cells[1]["pages:plain"] == "ok"
+    assert "format:dynamo" not in table(rows[2:]).splitlines()[0]
+    row = rows[0].as_json()
+    assert row["event_formats"] == ["default", "dynamo"] and row["findings"][0]["event_format"] == "dynamo"
+    assert result_from_row(row) == rows[0]
 
 
 def test_a_row_a_release_cannot_run_is_n_a_with_its_reason_never_ok():

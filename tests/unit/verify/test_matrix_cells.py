@@ -32,7 +32,8 @@ PINS = {"1.6.1": "0.5.21", "1.0.2": "0.5.9"}
 FINDING = {"property": "ingest", "mode": "eagle", "variant": "lora", "cause": "LORA_NOT_IN_EVENTS", "detail": "d"}
 
 
-def _fake_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, props=None, log=None) -> PairResult:
+def _fake_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, props=None, log=None,
+               event_format: str = "both") -> PairResult:
     if props and "ingest" not in props:  # a run narrowed to other properties cannot see the ingest finding
         return PairResult(dynamo, sglang, "aligned", seconds=1.0)
     if sglang == "0.5.19":
@@ -133,6 +134,76 @@ def test_property_narrows_every_pair_its_columns_and_its_cells(stubbed, capsys, 
     whole = _cells_one_by_one(capsys, tmp_path / "whole", options)
     code, _, err = _run(capsys, "--merge", narrowed[0], whole[1])  # two different cells, two plans
     assert code == 2 and "mismatched cell" in err  # a narrowed cell never merges into a whole run
+
+
+def _planned(capsys, tmp_path: Path, options: list[str]) -> str:
+    code, out, _ = _run(capsys, *options, "--list-cells", "--json")
+    assert code == 0
+    return _write(tmp_path, "cells.json", out)
+
+
+def test_merge_held_to_the_planned_cells_names_every_missing_cell_and_exits_2(stubbed, capsys, tmp_path):
+    """A dead cell job leaves no result: with --cells the merged table still has its row (an error),
+    the last stderr line names every missing cell, and the exit is 2, never 0 or 1 with a row short."""
+    options = ["--dynamo", "1.6.1", "--sglang", "0.5.23,0.5.19", "--shipped", "--examples", "1",
+               "--ingest-examples", "1"]
+    cells = _planned(capsys, tmp_path, options)
+    files = _cells_one_by_one(capsys, tmp_path, options)  # 1.6.1:0.5.19, :0.5.21 (shipped), :0.5.23, reversed
+    code, whole, _ = _run(capsys, *options)
+    # every planned cell has its result: exactly the one run's table and exit, whatever the argument order
+    for argv in (["--merge", "--cells", cells, *files], ["--merge", *files, "--cells", cells]):
+        assert _run(capsys, *argv)[:2] == (code, whole) and code == 1
+    # two of the three results lost (the shipped 0.5.21 and 0.5.23): named, in the table as errors, exit 2
+    kept = [f for f in files if json.loads(Path(f).read_text())["cell"]["cell"] == "1.6.1:0.5.19"]
+    code, out, err = _run(capsys, "--merge", "--cells", cells, *kept)
+    assert code == 2, err
+    assert err.strip().splitlines()[-1] == ("kvalign matrix: error: 2 of 3 planned cells have no result: "
+                                             "1.6.1:0.5.21, 1.6.1:0.5.23")
+    rows = {ln.split("|")[2].strip(): ln.split("|")[3].strip() for ln in out.splitlines()[2:5]}
+    assert rows == {"0.5.19": "misaligned", "0.5.21 (shipped)": "error", "0.5.23": "error"}, out
+    assert out.count(f"error: {matrix.NO_RESULT}") == 2
+    code, out, _ = _run(capsys, "--merge", "--cells", cells, *kept, "--json")
+    verdicts = [(r["sglang"], r["verdict"]) for r in json.loads(out)["rows"]]
+    assert code == 2 and verdicts == [("0.5.19", "misaligned"), ("0.5.21", "error"), ("0.5.23", "error")]
+    # no result at all: every planned cell named
+    code, out, err = _run(capsys, "--merge", "--cells", cells)
+    assert code == 2 and "3 of 3 planned cells have no result: 1.6.1:0.5.19, 1.6.1:0.5.21, 1.6.1:0.5.23" in err
+    # without --cells the same two files merge quietly as a run over their pairs (why the nightly passes --cells)
+    assert _run(capsys, "--merge", *kept)[0] == 1
+
+
+def test_merge_refuses_a_result_the_plan_does_not_have_and_a_bad_plan(stubbed, capsys, tmp_path):
+    cells = _planned(capsys, tmp_path, ["--dynamo", "1.6.1", "--sglang", "0.5.23", "--examples", "1",
+                                        "--ingest-examples", "1"])
+    stray = _write(tmp_path, "stray.json", _cell_doc(sglang="0.5.19", plan__ingest_examples=1))
+    for argv, message in (
+            (["--merge", "--cells", cells, stray], "cells.json: results for cells it does not plan: 1.6.1:0.5.19"),
+            (["--merge", "--cells", _write(tmp_path, "run.json", {"rows": []}), stray],
+             "run.json: not a list of planned cells (write it with kvalign matrix --list-cells --json)"),
+            (["--merge", "--cells", str(tmp_path / "none.json"), stray], "cannot read planned cells file"),
+            (["--cells", cells, stray], "RESULT.json files and --cells go with --merge"),
+            (["--dynamo", "1.6.1", "--list-cells", "--markdown"], "--markdown prints the table of a whole run")):
+        code, out, err = _run(capsys, *argv)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err, (argv, err)
+
+
+def test_markdown_is_one_run_s_rows_and_the_command_that_reproduces_them(stubbed, capsys, tmp_path):
+    options = ["--dynamo", "1.6.1,1.3.1", "--sglang", "0.5.19", "--shipped", "--examples", "1"]
+    code, out, _ = _run(capsys, *options, "--markdown")
+    lines = out.strip().splitlines()
+    assert code == 2 and lines[:2] == ["| dynamo | sglang | verdict | causes (properties) |", "|---|---|---|---|"]
+    assert lines[2:5] == ["| 1.6.1 | 0.5.19 | misaligned | LORA_NOT_IN_EVENTS (ingest) |",
+                          "| 1.6.1 | **0.5.21 (shipped)** | aligned | - |",
+                          "| 1.3.1 | 0.5.19 | misaligned | LORA_NOT_IN_EVENTS (ingest) |"]
+    assert lines[5].startswith("| 1.3.1 | **unknown (shipped)** | error | error: shipped SGLang unknown")
+    command = lines[-1]
+    assert command == ("`kvalign matrix --dynamo 1.6.1,1.3.1 --sglang 0.5.19 --shipped --examples 1 "
+                       "--markdown`")
+    # the printed command gives the same table (the command is part of it)
+    assert _run(capsys, *command.strip("`").split()[2:])[:2] == (code, out)
+    # merged cells print the same Markdown as the run, command included
+    files = _cells_one_by_one(capsys, tmp_path, options)
+    assert _run(capsys, "--merge", *files, "--markdown")[:2] == (code, out)
 
 
 def test_a_cell_outside_the_matrix_is_refused(stubbed, capsys):
@@ -243,11 +314,26 @@ def test_the_workflow_fans_out_the_cells_and_merges_them():
     text = WORKFLOW.read_text()
     for piece in ("kvalign matrix $MATRIX_OPTIONS --list-cells --json", "fromJSON(needs.list-cells.outputs.cells)",
                   '--cell "$CELL" --json > cell.json', "actions/upload-artifact", "actions/download-artifact",
-                  "kvalign matrix --merge cells/*/cell.json", "HYPOTHESIS_PROFILE: nightly",
+                  'kvalign matrix --merge --cells planned/cells.json "${results[@]}"', "HYPOTHESIS_PROFILE: nightly",
                   ".venv/bin/python -m pytest -p pytest_split.plugin --splits 4 --group \"$GROUP\"",
                   "--durations-path tests/durations.json"):
         assert piece in text, piece
-    assert text.count("run: ./scripts/setup.sh") == 4  # every job sets up as a user does
+    assert text.count("run: ./scripts/setup.sh") == 4  # every CPU job sets up as a user does
+
+
+def test_the_workflow_uploads_every_cell_result_and_runs_the_gpu_tests_on_a_named_runner():
+    import re
+
+    jobs = re.split(r"\n  (?=[a-z-]+:\n)", WORKFLOW.read_text())  # one piece per job (actionlint checks the YAML)
+    cell = next(j for j in jobs if j.startswith("cell:"))
+    upload = cell[cell.index("actions/upload-artifact"):]
+    assert "if: ${{ always() }}" in upload.split("- ")[0] and "path: cell.json" in upload
+    merge = next(j for j in jobs if j.startswith("merge:"))
+    assert "--cells planned/cells.json" in merge and merge.count("--cells planned/cells.json") == 3
+    gpu = next(j for j in jobs if j.startswith("gpu:"))
+    assert "runs-on: ${{ fromJSON(github.event.inputs.gpu_runner_labels || vars.KVALIGN_GPU_RUNNER_LABELS) }}" in gpu
+    assert 'pytest -m "gpu_1 or gpu_2"' in gpu and 'KVALIGN_REQUIRE_GPU: "1"' in gpu
+    assert "This job has never run" in gpu
 
 
 @pytest.mark.slow

@@ -81,6 +81,7 @@ def test_host_credit_anchors_are_found_in_the_installed_pair(sglang_available):
     where = {(f["path"], f["function"]) for f in found}
     assert ("srt/mem_cache/unified_radix_cache.py", "UnifiedRadixCache.init_hicache") in where
     assert ("srt/mem_cache/unified_radix_cache.py", "UnifiedRadixCache._load_back_transfers") in where
+    assert ("srt/managers/schedule_batch.py", "Req._compute_max_prefix_len") in where
     assert ("_core.pyi", "KvRouterConfig.__init__") in where
 
 
@@ -109,6 +110,7 @@ def test_host_credit_report_on_the_installed_pair_installs_nothing(tmp_path, sgl
     assert "BlockStored[CPU_PINNED" in steps and "BlockRemoved[GPU" in steps
     admitted = text.split("## The admitted request")[1].split("##")[0]
     assert "load_back_threshold` (10)" in admitted and "loads back 0" in admitted
+    assert "the cap does not explain it" in admitted and "PrefillAdder.add_one_req" in admitted
     assert '"medium": "CPU_PINNED"' in text.split("## Event bytes on the wire")[1]
     assert "unified_radix_cache.py`:576 in `UnifiedRadixCache.init_hicache`" in text
     assert "kvalign report HOST_CREDIT_NOT_SERVABLE --dynamo 1.6.1 --sglang 0.5.23" in text

@@ -31,10 +31,15 @@ from typing import Any, Literal
 from kvalign.model.causes import Cause
 from kvalign.model.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvalign.live.cluster.control import ControlError, clear_kv_blocks
-from kvalign.live.cluster.lifecycle import Cluster
+from kvalign.live.cluster import ranks
+from kvalign.live.cluster.lifecycle import Cluster, with_routers
 from kvalign.live.cluster.ports import LOOPBACK, PortPool
 from kvalign.live.cluster.processes import rss_bytes, run_pids
+from kvalign.live.cluster.routers import RouterSetup
 from kvalign.live.cluster.topology import COMPONENT, RUN_MARKER_ENV, Topology
+from kvalign.live.runs.fuzz.credit_error import CreditError
+from kvalign.live.runs.fuzz.dp_ranks import DpRanks, relay_subscriptions
+from kvalign.live.engines.hicache import HiCache
 from kvalign.live.runs.fuzz.invariants import (
     MIN_SPEC_TOKENS, InvariantFailed, Observation, Tally, evaluate, failure_numbers, lost_pages_reused,
     observation_json,
@@ -44,12 +49,17 @@ from kvalign.live.runs.fuzz.publisher_faults import HARMFUL, PublisherFaultContr
 from kvalign.live.runs.fuzz.recorded import record_engine_stream, engine_cause
 from kvalign.live.runs.fuzz.surfaces import MetricReader, SurfaceMissing, applied_units
 from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews, common_blocks
+from kvalign.live.runs.fuzz import hicache as tiers_check
+from kvalign.live.runs.fuzz import hicache_rules
+from kvalign.live.runs.fuzz.tiers import TierDeliveredViews, TierWorkerViews
 from kvalign.live.wire.client import Completion, SseError, complete_tokens
 from kvalign.live.wire.lossy_hop import LossyHop
 
 ENGINES = ("sglang-cpu", "fake-cpu", "sglang-gpu")
 TOPOLOGIES = ("agg", "disagg")
 FLUSH_SEEDS = 2**40  # the flush rule's prompts: clear of every other rule's seeds, so no worker shares their pages
+#: The first SGLang release with ``KVEventsConfig.format`` ("dynamo"), read in the 0.5.21 and 0.5.23 wheels.
+DYNAMO_FORMAT_SINCE = (0, 5, 23)
 DECODE_POOL_TOKENS = 4096  # the decode worker's pool in disaggregation (see SglangCpuWorkerKind)
 COUNTS = ("evictions", "flushes", "dropped_batches", "restarts", "concurrent_requests", "evicted_requeried",
           "flushed_requeried", "lost_requeried", "lost_batches_diagnosed")
@@ -74,31 +84,66 @@ class FuzzOptions:
     gap_check: bool = True  # False: predict the router from the engine's stream (negative control)
     strip_salt: bool = False  # the hop removes cache_salt from stored blocks (negative control)
     hide_gaps: bool = False  # the hop renumbers batches after a loss, hiding the gap from every subscriber
+    event_format: str = "default"  # SGLang's KV-event format ("dynamo": --kv-events-config format, SGLang 0.5.23+)
     publisher_faults: bool = False  # the workers load kvalign's publisher-fault hook (a test control; scripts arm it)
     quiet_s: float = 0.4
     settle_timeout_s: float = 8.0
     restart_grace_s: float = 2.0
     fill_prompts: int = 4
     startup_timeout_s: float = 600.0
+    routers: int = 1  # dynamo.frontend replicas (kvalign.live.runs.fuzz.replicas)
+    replica_sync: bool = True  # False: router1 runs without --router-replica-sync (routers_agree's control)
+    router_mode: Literal["events", "approx"] = "events"  # approx: --no-router-kv-events, measured not judged
+    approx_policy: Literal["ttl", "lru"] = "ttl"
+    router_ttl: float | None = None
+    hicache: HiCache | None = None  # SGLang's host tier on the publishing workers (the HiCache rules run)
+    dp_size: int = 1  # SGLang's --dp-size of each aggregated worker: one source per rank (.dp_ranks)
+    rank0_only: bool = False  # negative control: every rank but 0 is silent at its hop (only rank 0 publishes)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"--topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
-        if self.workers < 2:
-            raise ValueError(f"the fuzz needs at least 2 workers (routing has a choice), got {self.workers}")
+        if self.workers < 1 or self.workers * self.dp_size < 2:
+            raise ValueError(f"the fuzz needs at least 2 workers or data-parallel ranks (routing has a choice), got "
+                             f"{self.workers} worker(s) x {self.dp_size} rank(s)")
+        if self.dp_size > 1 and (self.topology == "disagg" or self.hicache is not None or self.routers > 1
+                                 or self.publisher_faults):
+            raise ValueError("--dp-size runs aggregated workers behind one router, without --hicache or publisher faults")
+        if self.rank0_only and self.dp_size < 2:
+            raise ValueError("--only-rank0-publishes needs --dp-size 2 or more")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.draft not in ("agree", "disagree"):
             raise ValueError(f"--draft must be agree or disagree, got {self.draft!r}")
+        if self.event_format not in ("default", "dynamo"):
+            raise ValueError(f"--event-format must be default or dynamo, got {self.event_format!r}")
+        if not self.replica_sync and self.routers < 2:
+            raise ValueError("--no-replica-sync needs --routers 2 or more (it starts the second router without sync)")
+        if self.routers > 1 and self.router_mode == "approx":
+            raise ValueError("--routers 2+ with --router-mode approx: an approximate router's prediction has no live "
+                             "reference to hold replicas to here; run `kvalign live up --routers 2 --router-mode approx "
+                             "--scenario`, which holds them to the routing decisions")
+        self.router_setup()
+
+    def router_setup(self) -> RouterSetup:
+        """The frontends this run starts (:mod:`kvalign.live.cluster.routers`)."""
+        return RouterSetup(self.routers, self.router_mode, frozenset() if self.replica_sync else frozenset({1}),
+                           self.approx_policy, self.router_ttl)
 
     def as_json(self) -> dict[str, Any]:
         return {"engine": self.engine, "topology": self.topology, "workers": self.workers,
                 "page_size": self.page_size, "max_total_tokens": self.max_total_tokens, "sglang": self.sglang,
                 "draft": self.draft, "router_eagle": self.router_eagle, "gap_check": self.gap_check,
-                "strip_salt": self.strip_salt, "hide_gaps": self.hide_gaps,
-                **({"publisher_faults": True} if self.publisher_faults else {})}
+                "strip_salt": self.strip_salt, "hide_gaps": self.hide_gaps, "routers": self.routers,
+                "replica_sync": self.replica_sync, "router_mode": self.router_mode, "approx_policy": self.approx_policy,
+                "router_ttl": self.router_ttl, **({"publisher_faults": True} if self.publisher_faults else {}),
+                "hicache": None if self.hicache is None else {"write_policy": self.hicache.write_policy,
+                                                              "ratio": self.hicache.ratio},
+                "event_format": self.event_format,
+                **({"dp_size": self.dp_size} if self.dp_size > 1 else {}),
+                **({"rank0_only": True} if self.rank0_only else {})}
 
 
 def engine_problem(opts: FuzzOptions) -> str | None:
@@ -111,21 +156,29 @@ def engine_problem(opts: FuzzOptions) -> str | None:
                 "speculative decoder; the fuzz needs the real engine: run --engine sglang-cpu")
     from kvalign.live.engines.sglang_cpu import engine_problem as cpu_problem
 
-    return cpu_problem(opts.sglang)
+    problem = cpu_problem(opts.sglang)
+    if problem is None and opts.event_format == "dynamo":
+        from kvalign.verify.matrix import installed
+
+        version = opts.sglang or installed("sglang") or ""
+        if tuple(int(x) for x in version.split(".")[:3] if x.isdigit()) < DYNAMO_FORMAT_SINCE:
+            return (f"SGLang {version} has no \"dynamo\" KV-event format (--kv-events-config format arrived in "
+                    f"{'.'.join(map(str, DYNAMO_FORMAT_SINCE))})")
+    return problem
 
 
 def fuzz_topology(opts: FuzzOptions) -> Topology:
     register = None if opts.router_eagle else False
     if opts.topology == "disagg":
         return Topology.disaggregated(opts.workers, 1, eagle=True, register_eagle=register, page_size=opts.page_size)
-    return Topology.aggregated(opts.workers, eagle=True, register_eagle=register, page_size=opts.page_size)
+    return Topology.aggregated(opts.workers, eagle=True, register_eagle=register, page_size=opts.page_size,
+                               dp_size=opts.dp_size)
 
 
 def _hop_ports(plan: Any, labels: list[str], *, taken: list[int] = (), what: str = "hop") -> dict[str, int]:
     """A loopback port per worker for one of the hop's PUBs, distinct from every plan port."""
     pool = PortPool()
-    taken = [*taken, plan.http_port, plan.broker_xsub, plan.broker_xpub, plan.etcd_client, plan.etcd_peer,
-             plan.nats_port, *(p for wp in plan.worker_ports.values() for p in wp.all())]
+    taken = [*taken, *plan.all_ports()]
     pool.assigned.update({f"plan.{i}": p for i, p in enumerate(taken) if p is not None})
     return {label: pool.take(f"{label}.{what}") for label in labels}
 
@@ -140,18 +193,22 @@ def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Clust
     from kvalign.live.engines.sglang_cpu import plan_cluster
 
     topo = fuzz_topology(opts)
-    plan, kind = plan_cluster(topo, run_dir, draft=opts.draft, sglang_version=opts.sglang)
-    publishing = [w for w in topo.workers if w.publishes_kv_events]
-    labels = [w.name for w in publishing]
+    plan, kind = plan_cluster(topo, run_dir, draft=opts.draft, sglang_version=opts.sglang, hicache=opts.hicache)
+    plan = with_routers(plan, opts.router_setup())
+    sources = ranks.sources(plan)  # one per publishing worker, or per rank of a data-parallel one
+    labels = list(sources)
     downstream = _hop_ports(plan, labels)
     taps = _hop_ports(plan, labels, taken=list(downstream.values()), what="tap")
     kind.max_total_tokens = opts.max_total_tokens  # the publishing workers': small, so they evict
     kind.decode_max_total_tokens = DECODE_POOL_TOKENS
-    kind.relay_subscribe = {label: f"tcp://{LOOPBACK}:{port}" for label, port in downstream.items()}
+    kind.relay_subscribe = relay_subscriptions(plan, downstream)
+    kind.event_format, kind.record_server_info = opts.event_format, True
     if opts.publisher_faults:
         kind.publisher_faults_dir = Path(run_dir) / "publisher-faults"
-    upstream = {w.name: plan.kv_events_connect(w) for w in publishing}
+    upstream = {label: plan.kv_events_connect(w, rank) for label, (w, rank) in sources.items()}
     with LossyHop(upstream, downstream, strip_salt=opts.strip_salt, hide_gaps=opts.hide_gaps, taps=taps) as hop:
+        if opts.rank0_only:
+            hop.silenced = {label for label, (_w, rank) in sources.items() if rank != 0}
         cluster = Cluster(plan, kind, startup_timeout_s=opts.startup_timeout_s, router_view=hop.downstream,
                           engine_view=hop.taps)
         with cluster:
@@ -173,17 +230,31 @@ class FuzzDriver:
     steps_run: int = 0
     unsettled: int = 0
     peak_rss_bytes: int = 0  # every process of the run, sampled after each step
+    replicas: Any = None  # FuzzReplicas with --routers 2+ (set in __post_init__)
+    credit_error: CreditError | None = None  # router tokens minus engine tokens, per request (a measurement)
+    dp: DpRanks | None = None  # the per-rank checks and figures with --dp-size (set in __post_init__)
 
     def __post_init__(self) -> None:
         b = self.opts.page_size
-        self.engine_views = WorkerViews(self.cluster.capture, b)
-        self.router_views = WorkerViews(self.cluster.router_capture, b)
-        self.delivered_views = DeliveredViews(self.engine_views, self.router_views, self.hop.original_seq)
+        views, delivered = (TierWorkerViews, TierDeliveredViews) if self.opts.hicache else (WorkerViews, DeliveredViews)
+        self.engine_views = views(self.cluster.capture, b)
+        self.router_views = views(self.cluster.router_capture, b)
+        self.delivered_views = delivered(self.engine_views, self.router_views, self.hop.original_seq)
         self.disagg = self.opts.topology == "disagg"
         plan = self.cluster.plan
         decode = [w.name for w in plan.topology.workers if w.role in ("decode", "agg")]
         self.metrics = MetricReader(self.cluster.frontend_url, {
             name: f"http://{LOOPBACK}:{plan.worker_ports[name].system}/metrics" for name in decode})
+        #: HiCache (``--hicache``): SGLang's per-tier reuse on each publishing worker, the router's host weight
+        self.engine_tiers = tiers_check.EngineTiers({
+            name: f"http://{LOOPBACK}:{plan.worker_ports[name].system}/metrics" for name in self.labels
+        }) if self.opts.hicache else None
+        self.host_weight = tiers_check.host_weight() if self.opts.hicache else 0.0
+        self.router_credit = tiers_check.RouterCredit(self.metrics.frontend_url)
+        self.host_requeries: list[dict[str, Any]] = []
+        self.host_evictions_in_example = 0
+        if self.opts.hicache:
+            self.counts.update(dict.fromkeys(hicache_rules.COUNTS, 0))
         self.history: list[Sent] = []
         self.served: list[str | None] = []  # the worker each history prompt ran on
         self.steps: list[dict[str, Any]] = []
@@ -198,6 +269,12 @@ class FuzzDriver:
         # once the cluster is quiet: quiet alone first (an unreachable baseline), then what it lacks
         self._lag_base: dict[str, int] = dict.fromkeys(self.labels, 1 << 30)
         self._applied_base: float | None = None  # router-applied minus router-side events, once quiet
+        self.credit_error = CreditError(b)
+        self.dp = DpRanks(self) if self.opts.dp_size > 1 else None
+        if self.opts.routers > 1:
+            from kvalign.live.runs.fuzz.replicas import FuzzReplicas
+
+            self.replicas = FuzzReplicas(self)
         self._settle()
         self._lag_base = {}
         self._lag_base = {lab: max(v, 0) for lab, v in self._behind().items()}
@@ -207,8 +284,13 @@ class FuzzDriver:
 
     @property
     def labels(self) -> list[str]:
-        """The workers the router routes prefill to (and whose events it indexes)."""
-        return [n for n, h in self.cluster.workers.items() if h.spec.publishes_kv_events]
+        """The workers the router routes prefill to (and whose events it indexes): one per rank of a
+        data-parallel worker (:mod:`kvalign.live.cluster.ranks`)."""
+        return list(ranks.sources(self.cluster.plan))
+
+    def _handle(self, label: str) -> Any:
+        """The worker (its handle) a source label belongs to."""
+        return self.cluster.workers[ranks.split_label(label)[0]]
 
     @property
     def prediction_views(self) -> WorkerViews | DeliveredViews:
@@ -216,10 +298,11 @@ class FuzzDriver:
         return self.delivered_views if self.opts.gap_check else self.engine_views
 
     def engine_eagle(self, label: str) -> bool:
-        return self.cluster.workers[label].spec.eagle
+        return self._handle(label).spec.eagle
 
     def decode_label(self, label: str) -> str:
-        return next(n for n, h in self.cluster.workers.items() if h.spec.role == "decode") if self.disagg else label
+        return next(n for n, h in self.cluster.workers.items() if h.spec.role == "decode") if self.disagg else \
+            ranks.split_label(label)[0]
 
     def _behind(self) -> dict[str, int]:
         """Per worker, engine batches the router side has not received yet (beyond the batches the
@@ -229,7 +312,7 @@ class FuzzDriver:
                 - self._lag_base.get(lab, 0) for lab in self.labels}
 
     def _components(self) -> list[str]:
-        return sorted({COMPONENT[self.cluster.workers[lab].spec.role] for lab in self.labels})
+        return sorted({COMPONENT[self._handle(lab).spec.role] for lab in self.labels})
 
     def _delivered_events(self) -> int:
         """KV events the router side received from the publishing workers (what the relay got), in the
@@ -239,16 +322,24 @@ class FuzzDriver:
 
     def _applied_behind(self) -> float:
         """Events the relay received that the router's index has not applied yet (0 without the counter)."""
-        if self._applied_base is None:
+        if self.replicas is not None and self.replicas.event_plane_down:
             return 0.0
+        delivered = self._delivered_events()
+        others = 0.0 if self.replicas is None else self.replicas.applied_behind(delivered, self._components())
+        if self._applied_base is None:
+            return others
         applied = self.metrics.events_applied(self._components())
-        return 0.0 if applied is None else self._delivered_events() - (applied - self._applied_base)
+        return max(others, 0.0 if applied is None else delivered - (applied - self._applied_base))
 
     def _rebase_applied(self) -> None:
         """Count from now: what the router applied before (an earlier user of the cluster, batches the
         capture joined too late for) or will never apply (a restarted worker's relay) is not waited on."""
+        if self.opts.router_mode == "approx":  # the router consumes no KV events: nothing to wait for
+            return
         applied = self.metrics.events_applied(self._components())
         self._applied_base = None if applied is None else applied - self._delivered_events()
+        if self.replicas is not None:
+            self.replicas.rebase_applied(self._delivered_events(), self._components())
 
     def _settle(self, *, after_request: bool = False) -> bool:
         """Wait until the router side has every batch the engine published (but those the hop lost
@@ -308,14 +399,23 @@ class FuzzDriver:
             time.sleep(0.05)
         self._settle(after_request=True)
 
-    def _label_of(self, instance_id: int | None) -> str | None:
-        return next((n for n, h in self.cluster.workers.items() if h.instance_id == instance_id), None)
+    def _label_of(self, c: Completion) -> str | None:
+        """The source the router chose: the worker ``prefill_worker_id`` names, at ``prefill_dp_rank``."""
+        name = next((n for n, h in self.cluster.workers.items() if h.instance_id == c.prefill_worker_id), None)
+        if name is None:
+            return None
+        n = self.cluster.plan.worker_ports[name].kv_ranks
+        return ranks.source_label(name, c.prefill_dp_rank or 0, n) if n > 1 else name
 
-    def _send(self, tokens: list[int], max_tokens: int, pin: int | None = None, salt: str | None = None) -> Completion:
-        pins = {"prefill_pin": pin} if self.disagg else {"pin": pin}
+    def _send(self, tokens: list[int], max_tokens: int, pin: str | None = None, salt: str | None = None) -> Completion:
+        """``pin``: the source label the request must run on (a worker, and its rank when it has several)."""
+        instance = None if pin is None else self._handle(pin).instance_id
+        pins: dict[str, Any] = {"prefill_pin": instance} if self.disagg else {"pin": instance}
+        if pin is not None and ranks.split_label(pin)[1] is not None:
+            pins["dp_rank"] = ranks.split_label(pin)[1]
         try:
-            return complete_tokens(self.cluster.frontend_url, self.cluster.model, tokens, max_tokens=max_tokens,
-                                   cache_salt=salt, **pins)
+            url = self.cluster.frontend_url if self.replicas is None else self.replicas.next_url()
+            return complete_tokens(url, self.cluster.model, tokens, max_tokens=max_tokens, cache_salt=salt, **pins)
         except (SseError, OSError) as exc:
             raise FuzzEnvironmentError(f"request of {len(tokens)} tokens failed: {exc}") from None
 
@@ -329,6 +429,10 @@ class FuzzDriver:
 
     def _best(self, tokens: list[int], marks: dict[str, int], salt: str | None) -> str | None:
         held = {lab: self._held(self.prediction_views, lab, tokens, marks[lab], salt=salt)[0] for lab in self.labels}
+        if self.opts.hicache:  # the router weighs a host block by its host_cache_hit_weight
+            held = {lab: tiers_check.weighted(self.prediction_views.residency(
+                lab, tokens, eagle=self.engine_eagle(lab), lo=marks[lab], namespace=salt)[0], self.host_weight)
+                for lab in self.labels}
         top = max(held.values(), default=0)
         leaders = [lab for lab, h in held.items() if h == top]
         return leaders[0] if top > 0 and len(leaders) == 1 else None
@@ -345,7 +449,8 @@ class FuzzDriver:
             delivered = self._held(self.delivered_views, label, tokens, deliv_m[label], salt=salt)[0]
             faulted = delivered != engine_held and any(d.label == label for d in self.hop.dropped)
         self.requests += 1
-        return Observation(self.requests, tokens, c, label, concurrent, self.opts.page_size,
+        kind = tiers_check.TierObservation if self.opts.hicache else Observation
+        return kind(self.requests, tokens, c, label, concurrent, self.opts.page_size,
                            self.engine_eagle(label) if label else True, predicted, engine_held, engine_tokens,
                            surface, faulted, best, spec, engine_mark=eng_m.get(label, 0) if label else 0, salt=salt)
 
@@ -355,13 +460,27 @@ class FuzzDriver:
         self.observed.append(observation_json(obs))
 
     def _check(self, obs: Observation) -> None:
-        failures = evaluate(obs, self.tally)
+        if self.credit_error is not None:
+            self.credit_error.add(obs.router_tokens, obs.engine_tokens, hop_faulted=obs.hop_faulted)
+        router_judged = self.opts.router_mode == "events"
+        credit_before = (self.tally.checked["router_credits_engine_reuse"], self.tally.failed["router_credits_engine_reuse"])
+        failures = evaluate(obs, self.tally, router_judged=router_judged)
+        if self.dp is not None:
+            failures = self.dp.judge(obs, failures, credit_before)
+        if isinstance(obs, tiers_check.TierObservation):
+            if router_judged:
+                failures += tiers_check.evaluate_tiers(obs, self.tally)
+                failures.sort(key=lambda f: tiers_check.EVALUATION_ORDER.index(f[0]))
+            hicache_rules.record(self, obs)
         if failures:
             name, detail = failures[0]
             names = [n for n, _ in failures]
-            cause, evidence = self.cause(obs, names)
+            hicache_cause = tiers_check.cause(obs)
+            rank_cause = None if self.dp is None else self.dp.cause(obs.label)
+            cause, evidence = (hicache_cause or rank_cause, None) if hicache_cause or rank_cause else self.cause(obs, names)
+            numbers = {**failure_numbers(obs), **({"rank": obs.label} if self.dp is not None else {})}
             raise InvariantFailed(name, detail, cause=cause, worker=obs.label, request=obs.request,
-                                  numbers=failure_numbers(obs), failing=names, evidence=evidence)
+                                  numbers=numbers, failing=names, evidence=evidence)
 
     def cause(self, obs: Observation, failing: list[str]) -> tuple[str, dict[str, Any] | None]:
         """Why a request failed, and the evidence: the tenant cause when the hop delivered a stored
@@ -401,7 +520,7 @@ class FuzzDriver:
         path = self.cluster.router_capture.capture_path(label)
         if path is None or not Path(path).exists():
             return None
-        eagle = "on" if self.cluster.workers[label].enable_eagle else "off"
+        eagle = "on" if self._handle(label).enable_eagle else "off"
         try:
             return diagnose(path, tokens, RouterSettings(block_size=self.opts.page_size, eagle=eagle))
         except Exception:  # noqa: BLE001 - a failure report must still come out, without a cause
@@ -418,29 +537,38 @@ class FuzzDriver:
             for label in self.labels:
                 views.start_epoch(label)
         self.history, self.served, self.steps, self.observed = [], [], [], []
-        self.restarts_in_example = 0
+        self.restarts_in_example = self.host_evictions_in_example = 0
         self.hop.dropped.clear()
         self._corrupted.clear()
         self.examples += 1
+        if self.credit_error is not None:
+            self.credit_error.begin_workload()
+        if self.replicas is not None:
+            self.replicas.begin_example()
 
     def _clear(self, labels: list[str]) -> None:
         before = {lab: self.engine_views.mark(lab) for lab in labels}
         groups: dict[str, list[int]] = {}
         for lab in labels:
-            groups.setdefault(COMPONENT[self.cluster.workers[lab].spec.role], []).append(self.cluster.workers[lab].instance_id)
+            ids = groups.setdefault(COMPONENT[self._handle(lab).spec.role], [])
+            if self._handle(lab).instance_id not in ids:  # a data-parallel worker's ranks are flushed at once
+                ids.append(self._handle(lab).instance_id)
         try:
             for component, ids in groups.items():
                 clear_kv_blocks(self.cluster.plan, component, ids)
         except ControlError as exc:
             raise FuzzEnvironmentError(str(exc)) from None
+        answering = [lab for lab in labels if lab not in self.hop.silenced]  # a silenced rank's clear reaches no one
         if not self.cluster.capture.wait_for(
-                lambda _snap: all(self.engine_views.mark(lab) > before[lab] for lab in labels), self.opts.settle_timeout_s):
-            raise FuzzEnvironmentError(f"no AllBlocksCleared from {labels} after clear_kv_blocks")
+                lambda _snap: all(self.engine_views.mark(lab) > before[lab] for lab in answering), self.opts.settle_timeout_s):
+            raise FuzzEnvironmentError(f"no AllBlocksCleared from {answering} after clear_kv_blocks")
         self._settle()
 
     def run_step(self, step: dict[str, Any]) -> None:
         """Run one step (recorded first, so a failing step is in the replay script)."""
         self.steps.append(step)
+        if self.credit_error is not None:
+            self.credit_error.note_step(step)
         self.steps_run += 1
         rule = step["rule"]
         try:
@@ -469,6 +597,17 @@ class FuzzDriver:
                                lose=step.get("lose", True))
         elif rule == "restart":
             self._restart(self.labels[step["worker"] % len(self.labels)])
+        elif rule in ("restart_router", "interrupt_events") and self.replicas is None:
+            raise FuzzEnvironmentError(f"step {rule} needs router replicas (--routers 2 or more)")
+        elif rule == "restart_router":
+            try:
+                self.replicas.restart_router(step.get("router", 0))
+            except (TimeoutError, RuntimeError) as exc:
+                raise FuzzEnvironmentError(f"router restart failed: {exc}") from None
+        elif rule == "interrupt_events":
+            self.replicas.interrupt_events(step.get("worker", 0), step.get("seed", 0))
+        elif rule in hicache_rules.RULES and self.opts.hicache:
+            hicache_rules.RULES[rule](self, step)
         else:
             raise ValueError(f"unknown step rule {rule!r}")
 
@@ -481,18 +620,21 @@ class FuzzDriver:
         unpinned) for this request (:mod:`.publisher_faults`)."""
         self._settle()
         marks = self._marks()
+        agree = None if self.replicas is None else self.replicas.before(tokens, salt, marks[0])
         best = self._best(tokens, marks[0], salt) if pin is None or judge_routing else None
         decode = self.metrics.decode(self.metrics.decode_urls) if max_tokens >= MIN_SPEC_TOKENS else None
         reused_before = self.metrics.prefill_reused(before_first_report=True) if self.disagg else 0.0
+        tiers_before = self._tiers_now(required=False) if self.opts.hicache else None
         dropped_before = len(self.hop.dropped)
         armed = self._arm(fault, [pin] if pin else self.labels)
-        c = self._send(tokens, max_tokens, None if pin is None else self.cluster.workers[pin].instance_id, salt)
+        c = self._send(tokens, max_tokens, pin, salt)
         self._settle(after_request=True)
-        label = self._label_of(c.prefill_worker_id)
+        label = self._label_of(c)
         if self._fired(armed, label):
             self._corrupted.add(label)
         if (label is not None and not any(d.unpublished for d in self.hop.dropped[dropped_before:])
-                and label not in self._corrupted):  # a stream a publisher fault broke may never show the pages
+                and label not in self._corrupted  # a stream a publisher fault broke may never show the pages
+                and label not in self.hop.silenced):
             self._await_stored(label, tokens, salt)
         if armed is not None:
             self.publisher_faults.disarm(self.labels)
@@ -511,13 +653,41 @@ class FuzzDriver:
         obs = self._observation(tokens, c, label, marks, concurrent=False, engine_tokens=engine_tokens,
                                 surface=surface, best=best, salt=salt, spec=spec)
         obs.stored_pages = 0 if label is None else self._held_now(label, tokens, salt)
+        if tiers_before is not None:
+            self._annotate_tiers(obs, tiers_before, marks, salt)
         self._record(obs)
         tpv = "" if spec is None else f", tokens/verify {spec.tokens_per_verify}"
-        self.progress(f"request {obs.request}: {len(tokens)} tokens -> {obs.label}, kv_hit_rate {c.kv_hit_rate} "
+        via = "" if self.replicas is None else f" via {self.replicas.last_router}"
+        self.progress(f"request {obs.request}{via}: {len(tokens)} tokens -> {obs.label}, kv_hit_rate {c.kv_hit_rate} "
                       f"({obs.router_tokens} tokens credited, router view {obs.predicted} blocks), engine reused "
                       f"{engine_tokens}{' [hop fault]' if obs.hop_faulted else ''}{tpv}")
         self._check(obs)
+        if self.replicas is not None:
+            self.replicas.after([agree], obs.request)
         return obs
+
+    def _tiers_now(self, *, required: bool) -> tuple[float, dict[str, dict[str, float] | None]]:
+        """HiCache: the router's raw credit counter and each publishing worker's per-tier reuse, now."""
+        assert self.engine_tiers is not None
+        return self.router_credit.now(required=required), self.engine_tiers.snapshots()
+
+    def _annotate_tiers(self, obs: Observation, before: tuple[float, dict[str, dict[str, float] | None]], marks: tuple,
+                        salt: str | None) -> None:
+        """Fill a HiCache request's per-tier fields: residency in both views at the routing mark, the
+        router's raw credit (its counter's delta) and the engine's split (its counter's delta)."""
+        assert isinstance(obs, tiers_check.TierObservation)
+        raw, engine = self._tiers_now(required=True)
+        obs.router_raw, obs.weight = raw - before[0], self.host_weight
+        if obs.label is None:
+            return
+        eagle = self.engine_eagle(obs.label)
+        obs.residency = self.engine_views.residency(obs.label, obs.tokens, eagle=eagle, lo=marks[2][obs.label],
+                                                    namespace=salt)[0]
+        obs.router_view = self.delivered_views.residency(obs.label, obs.tokens, eagle=eagle, lo=marks[1][obs.label],
+                                                         namespace=salt)[0]
+        assert self.engine_tiers is not None
+        obs.engine_split = self.engine_tiers.split(obs.label, before[1].get(obs.label), engine.get(obs.label),
+                                                   obs.engine_tokens)
 
     def _arm(self, fault: tuple[str, dict[str, Any] | None] | None, labels: list[str]) -> tuple[int, str] | None:
         """Arm a script's publisher fault on ``labels``: (its id, its name)."""
@@ -554,11 +724,13 @@ class FuzzDriver:
         """A burst, judged against the state settled before it. A request whose credit a sibling
         could change — the sibling shares a page of its prompt that neither view held before the
         burst, or the burst evicted a page it held — is counted ``unattributable``, not judged."""
-        if self.disagg:
-            raise FuzzEnvironmentError("bursts cannot be checked in disaggregation: the prefill worker's reuse is "
-                                       "read per request from a counter, which a burst merges")
+        if self.disagg or self.opts.hicache:
+            raise FuzzEnvironmentError("bursts cannot be checked in disaggregation or with HiCache: the prefill "
+                                       "worker's reuse and the router's raw credit per tier are read per request "
+                                       "from counters, which a burst merges")
         self._settle()
         marks = self._marks()
+        agree = [] if self.replicas is None else [self.replicas.before(toks, None, marks[0]) for toks, _ in reqs]
         with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
             futures = [pool.submit(self._send, toks, mt) for toks, mt in reqs]
             answers = [f.result() for f in futures]
@@ -567,7 +739,7 @@ class FuzzDriver:
         self.counts["concurrent_requests"] += len(reqs)
         shown, checks = [], []
         for i, ((toks, _), c) in enumerate(zip(reqs, answers)):
-            label = self._label_of(c.prefill_worker_id)
+            label = self._label_of(c)
             obs = self._observation(toks, c, label, marks, concurrent=True, engine_tokens=c.cached_tokens,
                                     surface="usage.prompt_tokens_details.cached_tokens")
             self._record(obs)
@@ -581,6 +753,8 @@ class FuzzDriver:
         self.progress(f"concurrent burst of {len(reqs)}: " + ", ".join(shown))
         for obs in checks:
             self._check(obs)
+        if self.replicas is not None:
+            self.replicas.after(agree, self.requests)
 
     def _attributable(self, label: str, tokens: list[int], siblings: list[list[int]], obs: Observation,
                       start: tuple, end: tuple) -> bool:
@@ -691,7 +865,8 @@ class FuzzDriver:
             raise FuzzEnvironmentError(f"the hop saw no batch of pure removals from {label} after its flush")
         self._requery(first, "flushed_requeried", "lose_removal")
 
-    def _restart(self, label: str) -> None:
+    def _restart(self, source: str) -> None:
+        label = ranks.split_label(source)[0]  # a data-parallel worker restarts with all its ranks
         old = self.cluster.workers[label].instance_id
         self.progress(f"restart {label} (instance {old})")
         t0 = time.monotonic()
@@ -702,10 +877,12 @@ class FuzzDriver:
         time.sleep(self.opts.restart_grace_s)  # the frontend's discovery watch sees both changes
         self._rebase_applied()  # what the new relay published before the router subscribed is never applied
         self._settle()
+        restarted = [lab for lab in self.labels if ranks.split_label(lab)[0] == label]
         for views in (self.engine_views, self.router_views):
-            views.start_epoch(label)
-        self.hop.dropped[:] = [d for d in self.hop.dropped if d.label != label]
-        self._corrupted.discard(label)
+            for lab in restarted:
+                views.start_epoch(lab)
+        self.hop.dropped[:] = [d for d in self.hop.dropped if d.label not in restarted]
+        self._corrupted.difference_update(restarted)
         self.restarts_in_example += 1
         self.counts["restarts"] += 1
         self.progress(f"restart {label}: new instance {new.instance_id} after {time.monotonic() - t0:.0f}s")
@@ -713,4 +890,11 @@ class FuzzDriver:
     def finish_counts(self) -> dict[str, int]:
         """The counts, with evictions read off the engine's own stream (pages removed)."""
         removed = sum(1 for c in self.cluster.capture.snapshot() for ev in c.batch.events if isinstance(ev, BlockRemoved))
-        return {**self.counts, "evictions": removed}
+        tiered = tiers_check.tier_counts({lab: self.engine_views.batches(lab) for lab in self.labels},
+                                         self.opts.page_size) if self.opts.hicache else {}
+        by_rank = {} if self.dp is None else {"requests_by_rank": self.dp.figures.requests_by_rank()}
+        return {**self.counts, "evictions": removed, **tiered, **by_rank}
+
+    def invariants_json(self) -> dict[str, Any]:
+        """Each invariant's checked / failed counts (with the per-rank split on data-parallel workers)."""
+        return self.tally.as_json() if self.dp is None else self.dp.invariants_json(self.tally.as_json())

@@ -45,8 +45,15 @@ from kvalign.live.runs.fuzz.views import credited_blocks, engine_cached_tokens, 
 from kvalign.live.wire.client import Completion
 from kvalign.live.wire.metrics import SpecDecodeWindow, accept_failures
 
-INVARIANTS = ("router_credits_engine_reuse", "router_matches_prediction", "engine_matches_index", "no_stale_credit",
-              "best_worker_chosen", "decode_keeps_speculating")
+INVARIANTS = ("router_credits_engine_reuse", "router_tiers_match_engine", "router_matches_prediction",
+              "engine_matches_index", "no_stale_credit", "best_worker_chosen", "decode_keeps_speculating",
+              "routers_agree")
+#: Invariants of some runs only (router replicas: :mod:`.replicas`), left out of a run's JSON when never checked.
+OPTIONAL = ("routers_agree",)
+#: What the router credited, judged against the engine and kvalign's views: not judged with an
+#: approximate router (``--router-mode approx`` predicts from routing decisions; measured instead).
+ROUTER_JUDGED = ("router_credits_engine_reuse", "router_tiers_match_engine", "router_matches_prediction",
+                 "no_stale_credit", "best_worker_chosen")
 
 #: Fewest generated tokens for which tokens-per-verify can tell accepted drafts from none: the first
 #: token comes from the prefill forward, and with one draft token per verify (the CPU engine) two
@@ -81,7 +88,8 @@ class Tally:
     unattributable: int = 0  # burst requests whose credit a sibling's stores or evictions could change
 
     def as_json(self) -> dict[str, dict[str, int]]:
-        return {name: {"checked": self.checked[name], "failed": self.failed[name]} for name in INVARIANTS}
+        return {name: {"checked": self.checked[name], "failed": self.failed[name]} for name in INVARIANTS
+                if name not in OPTIONAL or self.checked[name]}
 
 
 @dataclass
@@ -129,11 +137,14 @@ class Observation:
                 f"engine view {self.engine_held} pages -> {self.cached_expected()} expected")
 
 
-def evaluate(obs: Observation, tally: Tally) -> list[tuple[str, str]]:
-    """(invariant, detail) for each invariant ``obs`` breaks, in evaluation order; updates ``tally``."""
+def evaluate(obs: Observation, tally: Tally, *, router_judged: bool = True) -> list[tuple[str, str]]:
+    """(invariant, detail) for each invariant ``obs`` breaks, in evaluation order; updates ``tally``.
+    ``router_judged=False`` (an approximate router) leaves out :data:`ROUTER_JUDGED`."""
     out: list[tuple[str, str]] = []
 
     def check(name: str, ok: bool, detail: str) -> None:
+        if not router_judged and name in ROUTER_JUDGED:
+            return
         tally.checked[name] += 1
         if not ok:
             tally.failed[name] += 1

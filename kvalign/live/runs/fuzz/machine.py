@@ -71,13 +71,16 @@ class FuzzResult:
             "topology": d.opts.topology, "sglang": d.cluster.kind.sglang_version,
             "examples": d.examples, "steps": d.steps_run, "requests": d.requests,
             "counts": d.finish_counts(),
-            "invariants": d.tally.as_json(),
+            "invariants": d.invariants_json(),
             "last_page_overcredits": d.tally.last_page_overcredits, "unattributable": d.tally.unattributable,
             "hop_faulted": d.tally.hop_faulted,
+            **({"host_requeries": d.host_requeries} if d.opts.hicache else {}),
             "failure": None if self.failure is None else self.failure.as_json(),
             "options": d.opts.as_json(), "startup_s": round(self.startup_s, 1), "seconds": round(self.seconds, 1),
             "requests_per_minute": round(60 * d.requests / self.seconds, 1) if self.seconds > 0 else None,
             "unsettled_waits": d.unsettled, "peak_rss_gib": round(d.peak_rss_bytes / 2**30, 2),
+            "router_mode": d.opts.router_mode, "credit_error": None if d.credit_error is None else d.credit_error.as_json(),
+            **({} if getattr(d, "replicas", None) is None else {"routers": d.replicas.as_json()}),
             "notes": [*self.notes, *d.notes], "run_dir": str(d.cluster.plan.run_dir),
         }
 
@@ -110,7 +113,8 @@ def machine_class(driver: FuzzDriver) -> type[RuleBasedStateMachine]:
         def request(self, prompt: dict, mt: int) -> None:
             driver.run_step({"rule": "request", "prompt": prompt, "max_tokens": mt})
 
-        @precondition(lambda self: not driver.disagg)  # prefill reuse is a counter: a burst merges it
+        # prefill reuse (disagg) and the router's raw credit per tier (HiCache) are counters: a burst merges them
+        @precondition(lambda self: not driver.disagg and not driver.opts.hicache)
         @rule(reqs=st.lists(st.tuples(specs, max_tokens()), min_size=2, max_size=3))
         def concurrent(self, reqs: list) -> None:
             driver.run_step({"rule": "concurrent", "requests": [list(r) for r in reqs]})
@@ -132,6 +136,21 @@ def machine_class(driver: FuzzDriver) -> type[RuleBasedStateMachine]:
         def restart(self, w: int) -> None:
             driver.run_step({"rule": "restart", "worker": w})
 
+        if getattr(driver, "replicas", None) is not None:  # router replicas: at most one replica fault per example
+            @precondition(lambda self: driver.replicas.faults_in_example == 0)
+            @rule(r=st.integers(0, 2**8))
+            def restart_router(self, r: int) -> None:
+                driver.run_step({"rule": "restart_router", "router": r})
+
+            @precondition(lambda self: driver.replicas.faults_in_example == 0)
+            @rule(w=worker, seed=st.integers(0, 2**16))
+            def interrupt_events(self, w: int, seed: int) -> None:
+                driver.run_step({"rule": "interrupt_events", "worker": w, "seed": seed})
+
+    if driver.opts.hicache:
+        from kvalign.live.runs.fuzz.hicache_rules import machine_class as with_hicache
+
+        return with_hicache(LiveFuzz, driver)
     return LiveFuzz
 
 

@@ -1,0 +1,142 @@
+"""``kvalign check``'s text report, made to fit a terminal of 100 columns.
+
+A row's cause sentence, the configurations it is confined to and its shrunk counterexample are
+each a line's worth or more; put in the table they made it 330 columns wide. So the table names a
+cause by its short name (``HOST_CREDIT_NOT_SERVABLE``) and every cause is explained once, under
+the table: what it means, which rows show it, where it holds (its scope) and the first such row's
+shrunk counterexample. A skipped row's reason is said once there too. Every line is wrapped to
+:data:`WIDTH`, whatever a router-hasher label or a counterexample holds; ``--json`` keeps each row
+whole, so nothing is lost by the wrapping.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+
+from kvalign.verify.rows import RowResult
+
+#: The widest line ``check`` prints (stdout and stderr alike).
+WIDTH = 100
+
+
+def fit(text: str, indent: str = "  ") -> str:
+    """``text`` wrapped to :data:`WIDTH` columns, continuation lines indented by ``indent``."""
+    lead = text[: len(text) - len(text.lstrip(" "))]
+    return "\n".join(textwrap.wrap(text, WIDTH, initial_indent="", subsequent_indent=lead + indent,
+                                   break_long_words=True, break_on_hyphens=False, drop_whitespace=True)
+                     if len(text) > WIDTH else [text])
+
+
+def short_result(r: RowResult) -> str:
+    """A row's ``result`` cell: ``ok``, ``skipped``, or ``MISALIGNED: CAUSE_NAME`` (explained under the table)."""
+    if r.skipped:
+        return "skipped"
+    apart = "".join(f"; {e['cases']} {name} apart" for name, e in (r.scoped or {}).items())
+    if not r.ok:
+        return f"MISALIGNED: {r.cause_name or 'UNKNOWN'}{apart}"
+    return "ok" + apart
+
+
+def variant(r: RowResult) -> str:
+    """The variant, and SGLang's KV-event format where it is not the default one (``check --event-format``)."""
+    return r.variant + (f" [{r.event_format}]" if r.event_format not in ("default", "any") else "")
+
+
+def row_name(r: RowResult) -> str:
+    return f"{r.prop}/{r.mode}/{variant(r)}"
+
+
+def progress_line(r: RowResult) -> str:
+    """The stderr line for a finished row."""
+    return fit(f"  {row_name(r)}: {short_result(r)} ({r.cases} cases, {r.seconds:.1f}s)")
+
+
+def pages(page_size: int | None) -> str:
+    return f"page size {page_size}" if page_size else "every page size the strategies draw"
+
+
+def header(label: str, sglang: str, kind: str, dynamo: str, examples: int, page_size: int | None) -> str:
+    sizes = f"page size {page_size}" if page_size else "every page size"
+    return "\n".join([fit(f"kvalign check: SGLang {sglang} ({kind} cache) x Dynamo RadixTree {dynamo}"),
+                      fit(f"  router hasher {label}; {examples} examples per row; {sizes}")])
+
+
+def table(rows: Sequence[RowResult]) -> str:
+    head = ("property", "mode", "variant", "cases", "mismatches", "result")
+    body = [(r.prop, r.mode, variant(r), str(r.cases), str(r.mismatches), short_result(r)) for r in rows]
+    widths = [max(len(x[i]) for x in (head, *body)) for i in range(len(head))]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, body)])
+
+
+def _names(rows: Sequence[RowResult]) -> str:
+    return ", ".join(row_name(r) for r in rows)
+
+
+def explanations(rows: Sequence[RowResult], page_size: int | None = None) -> str:
+    """Each cause once (meaning, rows, scope, the first row's shrunk counterexample), then each skip reason once."""
+    out: list[str] = []
+    by_cause: dict[str, list[RowResult]] = {}
+    for r in rows:
+        if not r.ok and not r.skipped:
+            by_cause.setdefault(r.cause_name or "UNKNOWN", []).append(r)
+    for name, group in by_cause.items():
+        first = group[0]
+        scopes = list(dict.fromkeys(r.condition for r in group if r.condition))
+        scope = "; ".join(f"holds {c}" for c in scopes) if scopes else f"these rows, at {pages(page_size)}"
+        out += ["", fit(f"{name}: {first.cause or name}"),
+                fit(f"  rows: {_names(group)}"),
+                fit(f"  scope: {scope}"),
+                fit(f"  counterexample ({row_name(first)})" + (f": {first.detail}" if first.detail else "")),
+                fit(f"    shrunk: {first.counterexample}", indent="  ")]
+        if first.admission:
+            out.append(fit("    admitted request, as SGLang's scheduler reports it: "
+                           + ", ".join(f"{k} {v}" for k, v in first.admission.items()), indent="  "))
+    out += _scoped(rows)
+    skipped: dict[str, list[RowResult]] = {}
+    for r in rows:
+        if r.skipped:
+            skipped.setdefault(r.skipped, []).append(r)
+    for why, group in skipped.items():
+        out += ["", fit(f"skipped {_names(group)}: {why}")]
+    if by_cause:
+        out += ["", fit("(every row's cause, detail and counterexample, whole: kvalign check --json)")]
+    return "\n".join(out)
+
+
+def _scoped(rows: Sequence[RowResult]) -> list[str]:
+    """Each cause counted apart from the mismatches once: what it is, how many cases, where it occurs."""
+    out: list[str] = []
+    by_name: dict[str, list[RowResult]] = {}
+    for r in rows:
+        for name in r.scoped or {}:
+            by_name.setdefault(name, []).append(r)
+    for name, group in by_name.items():
+        first = group[0].scoped[name]
+        n = sum(r.scoped[name]["cases"] for r in group)
+        out += ["", fit(f"{name} (counted apart, not a mismatch): {first['cause']}"),
+                fit(f"  {n} cases in rows: {_names(group)}"),
+                fit(f"  occurs {first['condition']}"),
+                fit(f"  first case ({row_name(group[0])}): {first['detail']}")]
+    return out
+
+
+def apart(rows: Sequence[RowResult]) -> dict[str, int]:
+    """Cases per cause counted apart from the mismatches (they never fail a row)."""
+    totals: dict[str, int] = {}
+    for r in rows:
+        for name, e in (r.scoped or {}).items():
+            totals[name] = totals.get(name, 0) + e["cases"]
+    return totals
+
+
+def verdict(rows: Sequence[RowResult], seconds: float) -> str:
+    """The last lines: the verdict, then the configurations a cause is confined to (a reader deciding
+    whether *their* deployment is affected needs that before the per-row details)."""
+    aligned = all(r.ok for r in rows)
+    line = (f"{'ALIGNED' if aligned else 'MISALIGNED'}: {sum(r.cases for r in rows)} cases in {seconds:.1f}s, "
+            f"{sum(not r.ok for r in rows)} of {len(rows)} rows mismatched")
+    conditions = dict.fromkeys((r.cause_name, r.condition) for r in rows if not r.ok and r.condition)
+    return "\n".join([fit(line), *(fit(f"  {name} holds {condition}") for name, condition in conditions),
+                      *(fit(f"  {name} counted apart in {n} cases (not a misalignment)") for name, n in apart(rows).items())])

@@ -1,0 +1,129 @@
+"""The fuzz's HiCache rules: push pages to host, ask for them again, evict the host tier.
+
+Drawn only with ``--hicache`` (:func:`machine_class` adds them to the base machine, so runs without
+HiCache draw exactly what they drew before). Each is one JSON-able step, replayable:
+
+* ``offload``: a prompt of ``base`` pages, then its extension by ``ext`` pages (both pinned to one
+  worker), then fresh prompts pinned there until the engine's events show the extension off the
+  device (``keep_base``: the base prompt is asked for again before each, so SGLang's LRU keeps it
+  on the device and only the extension goes to host), bounded; then the extension plus ``tail``
+  tokens. That request meets a host-only stretch of ``ext`` pages, after a device prefix of
+  ``base`` pages or none: above or below SGLang's ``load_back_threshold`` depending on
+  ``ext * B``, and ``tail`` 0 puts its last page under the scheduler's cap.
+* ``evict_host``: a prompt pushed to host, then fresh prompts until the engine's events show it
+  evicted from the host tier too (bounded); then the prompt again: nothing of it may be credited.
+
+The host tier's size is SGLang's (``--hicache-ratio`` x the device pool), so the bounds follow the
+pool: pressure prompts of a third of the device pool, at most ``4 * (1 + ratio)`` of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+
+from kvalign.live.runs.fuzz.hicache import COUNTS, LOAD_BACK_THRESHOLD, TierObservation, requery_record
+from kvalign.live.runs.fuzz.prompts import MAX_PROMPT, new_tokens
+from kvalign.live.runs.fuzz.tiers import Residency
+
+#: The fuzz's driver (:class:`kvalign.live.runs.fuzz.driver.FuzzDriver`), which imports these rules:
+#: named, not imported, so the two modules form no import cycle.
+FuzzDriver = Any
+
+PRESSURE_SEEDS = 2**41  # clear of every other rule's seeds
+
+
+def pressure_length(driver: FuzzDriver) -> int:
+    return max(min(driver.opts.max_total_tokens // 3, MAX_PROMPT), 2 * driver.opts.page_size + 2)
+
+
+def max_pressure(driver: FuzzDriver) -> int:
+    ratio = driver.opts.hicache.ratio if driver.opts.hicache else 2.0
+    return int(4 * (1 + ratio))
+
+
+def _residency(driver: FuzzDriver, label: str, tokens: list[int]) -> Residency:
+    views = driver.engine_views
+    return views.residency(label, tokens, eagle=driver.engine_eagle(label), lo=views.mark(label))[0]
+
+
+def record(driver: FuzzDriver, obs: Any) -> None:
+    """Counts and the host re-query record of one checked request (called for every request)."""
+    if not isinstance(obs, TierObservation) or obs.label is None:
+        return
+    if obs.capped()[1] > 0:
+        driver.counts["host_requeried"] += 1
+        driver.host_requeries.append(requery_record(obs))
+        split = obs.router_split
+        if obs.loaded and split is not None and split[1] * obs.block_size >= obs.loaded:  # loaded back, and credited
+            driver.counts["loaded_back"] += 1
+
+
+def offload(driver: FuzzDriver, step: dict[str, Any]) -> None:
+    b, label = driver.opts.page_size, driver.labels[step.get("worker", 0) % len(driver.labels)]
+    eagle = int(driver.engine_eagle(label))
+    seed, base, ext = step["seed"], step["base"], step["ext"]
+    head = new_tokens(seed, base * b + eagle) if base else []
+    full = [*head, *new_tokens(seed + 1, ext * b + (eagle if not base else 0))]
+    driver.progress(f"offload: {base} + {ext} page(s) on {label}, then pressure until the {ext} are off the device"
+                    + (" (the first kept hot)" if step.get("keep_base") else ""))
+    if head:
+        driver._request(head, 1, pin=label)
+    driver._request(full, 1, pin=label)
+    want_device = base if step.get("keep_base") else 0
+    for i in range(max_pressure(driver)):
+        now = _residency(driver, label, full)
+        if now.device <= want_device:
+            break
+        if step.get("keep_base") and head:
+            driver._request([*head, *new_tokens(seed + 2 + i, 1)], 1, pin=label)
+        driver._request(new_tokens(PRESSURE_SEEDS + seed * 64 + i, pressure_length(driver)), 1, pin=label)
+    now = _residency(driver, label, full)
+    driver.progress(f"offload: the engine holds {now.device} device + {now.host} host-only page(s) of the "
+                    f"{base + ext}-page prompt ({now.host * b} host tokens; load_back_threshold {LOAD_BACK_THRESHOLD})")
+    driver._request([*full, *new_tokens(seed + 99, step.get("tail", 1))], 1, pin=label)
+
+
+def evict_host(driver: FuzzDriver, step: dict[str, Any]) -> None:
+    b, label = driver.opts.page_size, driver.labels[step.get("worker", 0) % len(driver.labels)]
+    eagle = int(driver.engine_eagle(label))
+    seed = step["seed"]
+    tokens = new_tokens(seed, step["pages"] * b + eagle)
+    driver.progress(f"evict_host: {step['pages']} page(s) on {label}, then pressure until they leave the host tier")
+    first = driver._request(tokens, 1, pin=label)
+    for i in range(2 * max_pressure(driver)):
+        if _residency(driver, label, tokens).held == 0:
+            break
+        driver._request(new_tokens(PRESSURE_SEEDS + 2**20 + seed * 64 + i, pressure_length(driver)), 1, pin=label)
+    left = _residency(driver, label, tokens)
+    again = driver._request(tokens, 1, pin=label)
+    if left.held < first.stored_pages:
+        driver.counts["host_evicted_requeried"] += 1
+        driver.progress(f"evict_host: request {again.request} re-queried {label} with {left.held} of the prompt's "
+                        f"{first.stored_pages} pages left in any tier")
+
+
+def machine_class(base: type[RuleBasedStateMachine], driver: FuzzDriver) -> type[RuleBasedStateMachine]:
+    """``base`` plus the HiCache rules (``--hicache`` only)."""
+    n = len(driver.labels)
+
+    class HiCacheFuzz(base):  # type: ignore[misc, valid-type]
+        @rule(seed=st.integers(0, 2**16), base=st.integers(0, 4), ext=st.integers(1, 4), keep_base=st.booleans(),
+              tail=st.sampled_from((0, 1, 2)), w=st.integers(0, n - 1))
+        def offload(self, seed: int, base: int, ext: int, keep_base: bool, tail: int, w: int) -> None:
+            driver.run_step({"rule": "offload", "seed": seed, "base": base, "ext": ext, "keep_base": keep_base and base > 0,
+                             "tail": tail, "worker": w})
+
+        @precondition(lambda self: driver.host_evictions_in_example == 0)  # the longest rule: once per example
+        @rule(seed=st.integers(0, 2**16), pages=st.integers(1, 4), w=st.integers(0, n - 1))
+        def evict_host(self, seed: int, pages: int, w: int) -> None:
+            driver.host_evictions_in_example += 1
+            driver.run_step({"rule": "evict_host", "seed": seed, "pages": pages, "worker": w})
+
+    return HiCacheFuzz
+
+
+RULES = {"offload": offload, "evict_host": evict_host}
+__all__ = ["COUNTS", "RULES", "machine_class", "record"]

@@ -1,0 +1,83 @@
+"""``kvalign check``'s text report fits 100 columns, whatever its rows hold (kvalign/commands/check_text.py).
+
+The rows here are the real ones' worst cases, copied from a run of the pinned pair (the servable
+finding: a 145-character cause, a 130-character condition, a long shrunk counterexample), plus a
+skipped row with its long reason and a long router-hasher label. The real command's output is held
+to the same width in tests/unit/verify/test_check.py and tests/unit/commands/test_readme.py.
+"""
+
+from __future__ import annotations
+
+from kvalign.commands import check_text
+from kvalign.model.causes import Cause
+from kvalign.verify.rows import RowResult
+
+CONDITION = ("only with HiCache on and page sizes below SGLang's load_back_threshold (10 tokens); --page-size 10 or "
+             "more does not show it")
+EXAMPLE = {"page_size": 2, "eagle": False, "core": "RustUnifiedTreeCore", "policy": "write_through",
+           "host_tokens": "unbounded", "steps": [("cache", [0, 0], (None, None), "+transfers_done"),
+                                                 ("evict_device", 64), ("admit", [0, 0], (None, None))]}
+SKIPPED = ("kvalign's HiCache transfer stand-in (kvalign/standins/hicache.py) is pinned to SGLang 0.5.23; SGLang "
+           "0.5.21's host-tier internals are unchecked (SGLang 0.5.21 does publish HiCache events (medium 'CPU_PINNED'))")
+
+
+def _servable(mode: str) -> RowResult:
+    c = Cause.HOST_CREDIT_NOT_SERVABLE
+    return RowResult("servable", mode, "base", 106, 18, 2.8, c.value, c.name,
+                     "page size 2: the prompt's host-only stretch is 2 tokens, below SGLang's load_back_threshold (10), "
+                     "so SGLang loaded 0 back and re-prefills it; the router credits 1 host block(s) for it",
+                     EXAMPLE, condition=CONDITION)
+
+
+ROWS = [RowResult("card", "plain", "base", 6, 0, 0.0), RowResult("ingest", "eagle", "lora+namespace", 25, 0, 1.5),
+        RowResult("tier", "plain", "lora", skipped=SKIPPED), RowResult("tier", "eagle", "lora", skipped=SKIPPED),
+        _servable("plain"), _servable("eagle")]
+LABEL = "my_patched_router.hashing.experimental_variants:compute_block_hash_for_seq_with_bigram_windows_v2"
+
+
+def _report() -> str:
+    return "\n".join([check_text.header(LABEL, "0.5.23", "unified", "1.6.1", 200, None),
+                      *map(check_text.progress_line, ROWS),
+                      check_text.table(ROWS), check_text.explanations(ROWS), check_text.verdict(ROWS, 170.3)])
+
+
+def test_the_rows_are_wide_enough_to_need_it():
+    """The control: the old table put cause and condition in the result cell, 300+ columns here."""
+    old_cell = f"MISALIGNED: {Cause.HOST_CREDIT_NOT_SERVABLE.value} ({CONDITION})"
+    assert len(old_cell) + len("servable  plain  base            106    18          ") > 300
+    assert len(SKIPPED) > 100 and len(str(EXAMPLE)) > 100
+
+
+def test_no_line_is_wider_than_100_columns():
+    assert [ln for ln in _report().splitlines() if len(ln) > check_text.WIDTH] == []
+
+
+def test_the_table_names_causes_short_and_each_cause_is_explained_once_under_it():
+    table = check_text.table(ROWS).splitlines()
+    assert table[-1].split() == ["servable", "eagle", "base", "106", "18", "MISALIGNED:", "HOST_CREDIT_NOT_SERVABLE"]
+    assert [ln.split()[-1] for ln in table[2:6]] == ["ok", "ok", "skipped", "skipped"]
+    below = check_text.explanations(ROWS)
+    assert below.count("HOST_CREDIT_NOT_SERVABLE: ") == 1 and below.count("skipped tier/") == 1
+    text = " ".join(ln.strip() for ln in below.splitlines())  # unwrapped: every piece said whole
+    assert f"HOST_CREDIT_NOT_SERVABLE: {Cause.HOST_CREDIT_NOT_SERVABLE.value}" in text
+    assert "rows: servable/plain/base, servable/eagle/base" in text
+    assert f"scope: holds {CONDITION}" in text
+    assert "counterexample (servable/plain/base): page size 2: the prompt's host-only stretch" in text
+    assert "shrunk: {'page_size': 2," in text and "('admit', [0, 0], (None, None))]}" in text
+    assert f"skipped tier/plain/lora, tier/eagle/lora: {SKIPPED}" in text
+
+
+def test_an_unconfined_cause_s_scope_is_its_rows_at_the_page_sizes_checked():
+    c = Cause.ROUTER_EAGLE_OFF
+    rows = [RowResult("hash", "eagle", "base", 14, 7, 0.2, c.value, c.name, "router gives 1 blocks", {"tokens": [0]})]
+    assert "  scope: these rows, at page size 16" in check_text.explanations(rows, 16)
+    assert "  scope: these rows, at every page size the strategies draw" in check_text.explanations(rows)
+
+
+def test_the_verdict_comes_first_then_where_a_cause_holds():
+    lines = check_text.verdict(ROWS, 170.3).splitlines()
+    assert lines[0] == "MISALIGNED: 243 cases in 170.3s, 2 of 6 rows mismatched"
+    assert " ".join(ln.strip() for ln in lines[1:]) == f"HOST_CREDIT_NOT_SERVABLE holds {CONDITION}"
+    ok = ROWS[:2]
+    assert check_text.verdict(ok, 1.0) == "ALIGNED: 31 cases in 1.0s, 0 of 2 rows mismatched"
+    assert check_text.explanations(ok) == ""

@@ -1,0 +1,103 @@
+"""The fuzz's per-rank checks and figures on data-parallel workers (kvalign/live/runs/fuzz/dp_ranks.py),
+on a driver without a cluster: the live run is tests/e2e/test_fuzz_dp.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvalign.live.runs.fuzz.dp_ranks import CREDIT, ROUTED_RANK_SERVED, DpRanks
+from kvalign.live.runs.fuzz.driver import FuzzOptions
+from kvalign.live.runs.fuzz.invariants import Observation, Tally
+from kvalign.live.wire.client import Completion
+
+B = 16
+LABELS = ["worker0.dp0", "worker0.dp1"]
+
+
+def ranks(held: dict[str, int], published: dict[str, int] | None = None) -> DpRanks:
+    """A DpRanks over a driver whose engine views hold ``held`` pages of any prompt, per rank."""
+    counts = published if published is not None else dict.fromkeys(LABELS, 3)
+    driver = SimpleNamespace(labels=LABELS, tally=Tally(), _held_now=lambda label, tokens, salt=None: held.get(label, 0),
+                             cluster=SimpleNamespace(capture=SimpleNamespace(count=lambda label: counts.get(label, 0))))
+    return DpRanks(driver)
+
+
+def observation(label: str, *, stored: int, credited_blocks: int = 2, n: int = 65) -> Observation:
+    c = Completion(n, credited_blocks * B, [1], 7, 7, credited_blocks / -(-n // B), prefill_dp_rank=int(label[-1]))
+    obs = Observation(1, list(range(n)), c, label, False, B, True, credited_blocks, credited_blocks, credited_blocks * B)
+    obs.stored_pages = stored
+    return obs
+
+
+def judged(r: DpRanks, obs: Observation, *, credit_checked: bool = True) -> list[tuple[str, str]]:
+    before = (r.driver.tally.checked[CREDIT], r.driver.tally.failed[CREDIT])
+    r.driver.tally.checked[CREDIT] += credit_checked
+    return r.judge(obs, [], before)
+
+
+def test_a_request_served_by_its_routed_rank_passes_and_is_counted_on_that_rank():
+    r = ranks({"worker0.dp1": 4})
+    assert judged(r, observation("worker0.dp1", stored=4)) == []
+    assert r.figures.requests_by_rank() == {"worker0.dp0": 0, "worker0.dp1": 1}
+    assert r.figures.by_rank()["worker0.dp1"] == {"checked": 1, "failed": 0, "credited_requests": 1}
+    assert (r.figures.rank_checked, r.figures.rank_failed) == (1, 0)
+
+
+def test_pages_stored_on_another_rank_than_the_routed_one_fail_routed_rank_served():
+    r = ranks({"worker0.dp0": 4, "worker0.dp1": 0})
+    [(name, detail)] = judged(r, observation("worker0.dp1", stored=0))
+    assert name == ROUTED_RANK_SERVED
+    assert "routed it to worker0.dp1" in detail and "worker0.dp0's stream stored the prompt's pages" in detail
+
+
+def test_a_request_no_stream_shows_is_left_to_the_engine_check():
+    r = ranks({})
+    assert judged(r, observation("worker0.dp1", stored=0)) == []
+    assert r.figures.rank_checked == 0
+
+
+def test_a_rank_that_never_published_is_the_cause():
+    r = ranks({}, published={"worker0.dp0": 5, "worker0.dp1": 0})
+    assert r.cause("worker0.dp1") == "DP_RANK_UNPUBLISHED"
+    assert r.cause("worker0.dp0") is None
+
+
+def test_the_invariants_json_splits_the_credit_check_by_rank():
+    r = ranks({"worker0.dp0": 4})
+    judged(r, observation("worker0.dp0", stored=4))
+    out = r.invariants_json({CREDIT: {"checked": 1, "failed": 0}})
+    assert out[CREDIT]["by_rank"]["worker0.dp0"]["checked"] == 1 and out[ROUTED_RANK_SERVED] == {"checked": 1, "failed": 0}
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(workers=1), "at least 2 workers or data-parallel ranks"),
+    (dict(workers=1, dp_size=2, topology="disagg"), "aggregated workers behind one router"),
+    (dict(workers=1, dp_size=2, routers=2), "aggregated workers behind one router"),
+    (dict(workers=2, rank0_only=True), "needs --dp-size 2"),
+])
+def test_fuzz_options_refuse_what_the_rank_checks_do_not_cover(changes: dict[str, Any], message: str):
+    with pytest.raises(ValueError, match=message):
+        FuzzOptions(**changes)
+
+
+def test_one_worker_with_two_ranks_is_a_fuzz_and_says_so_in_its_script():
+    opts = FuzzOptions(workers=1, dp_size=2, rank0_only=True)
+    assert opts.as_json()["dp_size"] == 2 and opts.as_json()["rank0_only"] is True
+    assert "dp_size" not in FuzzOptions().as_json()
+
+
+def test_the_cli_takes_dp_size_and_the_control_flag():
+    import argparse
+
+    from kvalign.commands import fuzz
+
+    parser = argparse.ArgumentParser()
+    fuzz.register(parser.add_subparsers())
+    args = parser.parse_args(["fuzz", "--dp-size", "2", "--only-rank0-publishes"])
+    opts = fuzz._options(args, None)
+    assert (opts.workers, opts.dp_size, opts.rank0_only) == (1, 2, True)
+    replayed = fuzz._options(parser.parse_args(["fuzz"]), {"options": {"dp_size": 2, "workers": 1, "rank0_only": True}})
+    assert (replayed.workers, replayed.dp_size, replayed.rank0_only) == (1, 2, True)
