@@ -128,3 +128,20 @@ def test_the_decode_window_reads_the_serving_ranks_samples_only():
     window = spec_window(rank_samples(before, 0), [rank_samples(after, 0)])
     assert window.accept_length == 2.0 and window.verify_calls == 2
     assert rank_samples(after, None) is after
+
+
+def test_every_rank_sends_each_rank_a_prompt_and_its_follow_up_there():
+    from kvalign.live.runs.fuzz.dp_ranks import run_every_rank
+
+    steps: list[dict[str, Any]] = []
+    driver = SimpleNamespace(labels=LABELS, history=[], served=[], opts=SimpleNamespace(page_size=B))
+
+    def run_step(step: dict[str, Any]) -> None:  # the driver records what each request ran on
+        steps.append(step)
+        driver.history.append(step["prompt"])
+        driver.served.append(LABELS[step["pin"]])
+
+    driver.run_step = run_step
+    run_every_rank(driver, 100, 40, 3)
+    assert [(s["prompt"]["kind"], s["pin"]) for s in steps] == [("fresh", 0), ("follow_up", 0), ("fresh", 1), ("follow_up", 1)]
+    assert steps[1]["prompt"]["of"] == 0 and steps[3]["prompt"]["of"] == 2 and steps[3]["prompt"]["extra"] == B + 1

@@ -16,10 +16,12 @@ the rank that served the request, and its prediction is that rank's view. This m
   (which it can only do for a rank whose events it indexed);
 * the cause of a failure on a rank whose stream never carried a batch since the cluster started
   (not even the flush every example begins with): ``DP_RANK_UNPUBLISHED``;
-* one rule, ``sticky_follow_up``: a follow-up pinned to the rank that served its base prompt, as a
-  gateway with session affinity sends it. Left to itself the router sends a follow-up to a rank whose
-  events it indexed, so without this rule a rank it cannot see might never serve a request that
-  reuses its cache, and a rank that publishes nothing would go unnoticed.
+* two rules. Left to itself the router sends a follow-up to a rank whose events it indexed, so a rank
+  it cannot see may never serve a request that reuses its cache, and a rank that publishes nothing
+  would go unnoticed (a generated run with ``--only-rank0-publishes`` and neither rule passed):
+  ``sticky_follow_up``, a follow-up pinned to the rank that served its base prompt, as a gateway with
+  session affinity sends it; ``every_rank``, a fresh prompt pinned to each rank in turn, each
+  followed there by its follow-up, so every rank's reuse is judged at least once when it is drawn.
 
 The control ``--only-rank0-publishes`` silences every other rank at its hop, for every subscriber
 (Dynamo's relay and kvalign's engine view alike): what SGLang's schedulers did when only DP rank 0
@@ -157,7 +159,7 @@ class DpRanks:
 
 def machine_class(base: type[RuleBasedStateMachine], driver: Any) -> type[RuleBasedStateMachine]:
     """``base`` plus :func:`sticky_follow_up` (``--dp-size`` only)."""
-    from kvalign.live.runs.fuzz.prompts import max_tokens
+    from kvalign.live.runs.fuzz.prompts import lengths, max_tokens
 
     b = driver.opts.page_size
 
@@ -168,7 +170,20 @@ def machine_class(base: type[RuleBasedStateMachine], driver: Any) -> type[RuleBa
         def sticky_follow_up(self, of: int, seed: int, extra: int, mt: int) -> None:
             driver.run_step(sticky_step(driver, of, seed, extra, mt))
 
+        @rule(seed=st.integers(0, 2**16), length=lengths(b).filter(lambda k: k > 2 * b + 1), mt=max_tokens())
+        def every_rank(self, seed: int, length: int, mt: int) -> None:
+            run_every_rank(driver, seed, length, mt)
+
     return DataParallelFuzz
+
+
+def run_every_rank(driver: Any, seed: int, length: int, mt: int) -> None:
+    """``every_rank``: on each rank in turn, a fresh prompt pinned there, then its follow-up there."""
+    b = driver.opts.page_size
+    for i, _label in enumerate(driver.labels):
+        driver.run_step({"rule": "request", "prompt": {"kind": "fresh", "seed": seed + i, "length": length},
+                         "max_tokens": mt, "pin": i})
+        driver.run_step(sticky_step(driver, len(driver.history) - 1, seed + i, b + 1, 1))
 
 
 def sticky_step(driver: Any, of: int, seed: int, extra: int, mt: int) -> dict[str, Any]:
