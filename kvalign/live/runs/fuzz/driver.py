@@ -689,6 +689,10 @@ class FuzzDriver:
                                                     namespace=salt)[0]
         obs.router_view = self.delivered_views.residency(obs.label, obs.tokens, eagle=eagle, lo=marks[1][obs.label],
                                                          namespace=salt)[0]
+        if obs.router_view != obs.residency and any(d.label == obs.label for d in self.hop.dropped):
+            # the hop lost a batch of this worker's on purpose: with HiCache a device store and its host
+            # copy travel in separate batches, so the router can hold every page in the other tier only
+            obs.hop_faulted = True
         assert self.engine_tiers is not None
         obs.engine_split = self.engine_tiers.split(obs.label, before[1].get(obs.label), engine.get(obs.label),
                                                    obs.engine_tokens)
