@@ -82,6 +82,9 @@ def register(actions: argparse._SubParsersAction) -> None:
     p.add_argument("--dp-size", type=int, default=None, metavar="N",
                    help="SGLang's --dp-size on each aggregated worker: N ranks, each its own KV cache, event stream and "
                         "routing target; every invariant is held per rank (default 1)")
+    p.add_argument("--dp-attention", dest="dp_attention", action="store_const", const=True, default=None,
+                   help="with --dp-size N: the ranks are attention-DP groups of one TP group (--tp-size N "
+                        "--attn-dp-size N) instead of replicas")
     p.add_argument("--only-rank0-publishes", dest="rank0_only", action="store_const", const=True, default=None,
                    help="negative control with --dp-size: every rank but 0 publishes nothing (silenced at its hop for "
                         "every subscriber), as SGLang did before each DP rank had a publisher of its own")
@@ -130,7 +133,9 @@ def _options(args: argparse.Namespace, script: dict[str, Any] | None) -> FuzzOpt
         return FuzzOptions(
             engine=given.get("engine", args.engine),
             workers=int(args.workers if args.workers is not None else given.get("workers", 2 if dp_size == 1 else 1)),
-            dp_size=dp_size, rank0_only=args.rank0_only if args.rank0_only is not None else bool(given.get("rank0_only", False)),
+            dp_size=dp_size,
+            dp_attention=args.dp_attention if args.dp_attention is not None else bool(given.get("dp_attention", False)),
+            rank0_only=args.rank0_only if args.rank0_only is not None else bool(given.get("rank0_only", False)),
             topology=args.topology or given.get("topology", "agg"),
             sglang=args.sglang or given.get("sglang"), draft=args.draft or given.get("draft", "agree"),
             page_size=args.page_size if args.page_size is not None else int(given.get("page_size", 16)),
@@ -168,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or Path("out") / "e2e" / f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     what = f"replay of {args.replay}" if script else f"{args.examples} examples x <= {args.steps} steps"
     shape = (f"{opts.workers} prefill + 1 decode" if opts.topology == "disagg" else f"{opts.workers} aggregated"
-             + (f" x {opts.dp_size} data-parallel ranks" if opts.dp_size > 1 else ""))
+             + (f" x {opts.dp_size} {'attention-DP groups' if opts.dp_attention else 'data-parallel ranks'}"
+                if opts.dp_size > 1 else ""))
     progress(f"kvalign e2e fuzz: {what} on {shape} {opts.engine} EAGLE3 workers"
              f"{f' (SGLang {opts.sglang})' if opts.sglang else ''}, page {opts.page_size}, "
              f"KV pool {opts.max_total_tokens} tokens"

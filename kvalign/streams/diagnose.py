@@ -332,6 +332,8 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings, *, engine_
                      f"evicted it ({when}); the router correctly stops crediting at block {i}")
     mm = mm_evidence(capture, tokens, engine_b) if rep.malformed or pad_runs(tokens) else None
     if mm is not None and mm.cause is not None:  # pages of the prompt the relay could not have indexed
+        held = min(mm.common - (1 if engine_eagle else 0), len(tokens)) // engine_b  # the engine holds them
+        d.engine.update(overlap=held, holds=held, ever_stored=held, kv_hit_rate=rate(held, engine_b))
         return found(i, mm.cause, mm.detail)
     gap = _gap_evidence(seen, tokens, h_e, path_e, by_node, i, rep, engine_b, engine_eagle, ns_e)
     if isinstance(gap, _Gap):

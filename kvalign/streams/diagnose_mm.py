@@ -30,6 +30,8 @@ class MmEvidence:
     cause: Cause | None
     detail: str
     seq: int | None
+    #: leading tokens of the prompt the engine's matching page covers (it holds them; the replay does not)
+    common: int = 0
 
 
 def _tokens(ev: Stored) -> list[int] | None:
@@ -93,7 +95,7 @@ def mm_evidence(capture: str, prompt: list[int], block_size: int) -> MmEvidence 
         return MmEvidence(Cause.MM_PAD_WIDTH, (
             f"the engine stored this prompt's pages in batch seq {seq}: {how}; Dynamo's relay decodes token ids as "
             f"u32 and drops every batch holding a wider one, text pages included, so the router never indexed "
-            f"them{image}"), seq)
+            f"them{image}"), seq, common)
     if kept is not None and runs:
         common, engine = kept
         engine_runs = pad_runs(engine)

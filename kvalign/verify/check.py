@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from kvalign.model.causes import Cause
 from kvalign.oracles.base import OracleUnavailable, RouterHasher
-from kvalign.verify.rows import DEFAULT_PROPERTIES, EVENT_PROPERTIES, MODES, VARIANTS, RowResult
+from kvalign.verify.rows import DEFAULT_FORMAT_PROPERTIES, DEFAULT_PROPERTIES, EVENT_PROPERTIES, MODES, VARIANTS, RowResult
 from kvalign.verify.properties import Mismatch, card_property, hash_property, ingest_property, overlap_property, pages_property
 from kvalign.verify.search import run_search  # noqa: F401 - re-exported: check's engine, as before
 from kvalign.verify.strategies import hash_cases, ingest_scenarios, scenarios
@@ -190,7 +190,8 @@ def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make
     rows: list[RowResult] = []
 
     def emit(row: RowResult) -> None:
-        row.event_format = event_format if row.prop in EVENT_PROPERTIES else "any"
+        row.event_format = (event_format if row.prop in EVENT_PROPERTIES
+                            else "default" if row.prop in DEFAULT_FORMAT_PROPERTIES else "any")
         _capability_note(hasher, row)
         rows.append(row)
         if progress:

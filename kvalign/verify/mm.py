@@ -111,7 +111,7 @@ def name_mm_cause(side: Side, page_size: int, eagle: bool, *, indexed_all: bool,
                   hasher: RouterHasher) -> tuple[Cause, str]:
     """Why the router's keys for ``side`` differ from SGLang's: (cause, the evidence in one sentence)."""
     engine, router = side.engine.padded, side.router
-    e_runs, r_runs = pad_runs(engine), pad_runs(router[: len(engine) + page_size])
+    e_runs, r_runs = pad_runs(engine), pad_runs(router)
     wide = wide_tokens(engine)
     if wide and not indexed_all:
         return Cause.MM_PAD_WIDTH, (f"SGLang's pad value {wide[0]} is wider than u32 (image pads are "

@@ -18,7 +18,9 @@ PROPERTY_MODES = {"advertised": ("plain",), "dp": ("plain",)}
 #: SGLang's KV-event formats (``KVEventsConfig.format``; "dynamo" from 0.5.23), and the properties whose rows
 #: read SGLang's events (run once per format); the others carry ``event_format`` "any".
 EVENT_FORMATS = ("default", "dynamo")
-EVENT_PROPERTIES = ("pages", "overlap", "ingest", "tier", "servable", "tenants")
+EVENT_PROPERTIES = ("pages", "overlap", "ingest", "tier", "servable", "tenants", "mm")
+#: Properties that read SGLang's events from caches of their own, in the default format (run once).
+DEFAULT_FORMAT_PROPERTIES = ("dp",)
 VARIANTS = {"base": (False, False), "lora": (True, False), "namespace": (False, True), "lora+namespace": (True, True)}
 
 

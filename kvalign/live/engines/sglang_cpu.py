@@ -134,6 +134,7 @@ class SglangCpuWorkerKind:
             raise ValueError(f"{worker.name} runs EAGLE3 but no draft model was given")
         ports = plan.worker_ports[worker.name]
         dp = ports.kv_ranks  # data-parallel ranks (kvalign.live.engines.dp_workers)
+        attention = dp > 1 and plan.topology.dp_attention  # one TP group: its ranks share one --nccl-port
         forced_off = worker.eagle and worker.register_eagle is False
         hop = self.relay_subscribe.get(worker.name)
         recording = self.record_server_info and worker.publishes_kv_events
@@ -145,8 +146,8 @@ class SglangCpuWorkerKind:
             "--disable-overlap-schedule", "--page-size", str(plan.topology.page_size),
             "--max-total-tokens", str(self.decode_max_total_tokens if worker.role == "decode" and self.decode_max_total_tokens
                                      else self.max_total_tokens), "--host", "127.0.0.1", "--enable-metrics",
-            *(["--nccl-port", str(ports.nccl)] if dp == 1 else []),
-            *(["--sleep-on-idle"] if self.sleep_on_idle else []), *dp_args(dp),
+            *(["--nccl-port", str(ports.nccl)] if dp == 1 or attention else []),
+            *(["--sleep-on-idle"] if self.sleep_on_idle else []), *dp_args(dp, attention),
         ]
         if worker.publishes_kv_events:
             config = plan.kv_events_config(worker, bind=self.release.kv_events_bind)

@@ -60,7 +60,7 @@ def test_wide_pad_values_are_named(tmp_path, sglang_publisher):
     path = capture(tmp_path, sglang_publisher, [[TEXT + pads + AFTER]])
     d = diagnose(path, router_prompt(IMAGE_HASH), RouterSettings())
     assert d.cause is Cause.MM_PAD_WIDTH and d.first_divergent == 0  # not even the text page was indexed
-    assert d.router["overlap"] == 0
+    assert d.router["overlap"] == 0 and d.engine["overlap"] == len(TEXT) // B  # the engine holds its text page
     assert str(pads[0]) in d.detail and "drops every batch" in d.detail
     assert any("malformed" in n and "u32" in n for n in d.notes)
 
@@ -72,6 +72,7 @@ def test_a_text_prompt_dropped_with_an_image_requests_batch_is_named(tmp_path, s
     path = capture(tmp_path, sglang_publisher, [[text_only, TEXT + engine_pads(IMAGE_HASH, N_PAD) + AFTER]])
     d = diagnose(path, text_only, RouterSettings())
     assert d.cause is Cause.MM_PAD_WIDTH and d.first_divergent == 0
+    assert d.router["overlap"] == 0 and d.engine["overlap"] == len(text_only) // B
     assert "another request's image pages" in d.detail
 
 

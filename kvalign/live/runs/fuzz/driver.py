@@ -47,7 +47,7 @@ from kvalign.live.runs.fuzz.invariants import (
 from kvalign.live.runs.fuzz.prompts import Sent, new_tokens, resolve
 from kvalign.live.runs.fuzz.publisher_faults import HARMFUL, PublisherFaultControl
 from kvalign.live.runs.fuzz.recorded import record_engine_stream, engine_cause
-from kvalign.live.runs.fuzz.surfaces import MetricReader, SurfaceMissing
+from kvalign.live.runs.fuzz.surfaces import MetricReader, SurfaceMissing, applied_units
 from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews, common_blocks
 from kvalign.live.runs.fuzz import hicache as tiers_check
 from kvalign.live.runs.fuzz import hicache_rules
@@ -99,6 +99,7 @@ class FuzzOptions:
     hicache: HiCache | None = None  # SGLang's host tier on the publishing workers (the HiCache rules run)
     dp_size: int = 1  # SGLang's --dp-size of each aggregated worker: one source per rank (.dp_ranks)
     rank0_only: bool = False  # negative control: every rank but 0 is silent at its hop (only rank 0 publishes)
+    dp_attention: bool = False  # the ranks are attention-DP groups of one TP group, not replicas
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -111,6 +112,8 @@ class FuzzOptions:
         if self.dp_size > 1 and (self.topology == "disagg" or self.hicache is not None or self.routers > 1
                                  or self.publisher_faults):
             raise ValueError("--dp-size runs aggregated workers behind one router, without --hicache or publisher faults")
+        if self.dp_attention and self.dp_size < 2:
+            raise ValueError("--dp-attention needs --dp-size 2 or more")
         if self.rank0_only and self.dp_size < 2:
             raise ValueError("--only-rank0-publishes needs --dp-size 2 or more")
         if self.page_size < 1:
@@ -143,6 +146,7 @@ class FuzzOptions:
                                                               "ratio": self.hicache.ratio},
                 "event_format": self.event_format,
                 **({"dp_size": self.dp_size} if self.dp_size > 1 else {}),
+                **({"dp_attention": True} if self.dp_attention else {}),
                 **({"rank0_only": True} if self.rank0_only else {})}
 
 
@@ -172,7 +176,7 @@ def fuzz_topology(opts: FuzzOptions) -> Topology:
     if opts.topology == "disagg":
         return Topology.disaggregated(opts.workers, 1, eagle=True, register_eagle=register, page_size=opts.page_size)
     return Topology.aggregated(opts.workers, eagle=True, register_eagle=register, page_size=opts.page_size,
-                               dp_size=opts.dp_size)
+                               dp_size=opts.dp_size, dp_attention=opts.dp_attention)
 
 
 def _hop_ports(plan: Any, labels: list[str], *, taken: list[int] = (), what: str = "hop") -> dict[str, int]:
@@ -315,9 +319,10 @@ class FuzzDriver:
         return sorted({COMPONENT[self._handle(lab).spec.role] for lab in self.labels})
 
     def _delivered_events(self) -> int:
-        """KV events the router side received from the publishing workers (what the relay got)."""
+        """KV events the router side received from the publishing workers (what the relay got), in the
+        frontend's ``kv_cache_events_applied`` unit (:func:`.surfaces.applied_units`)."""
         labels = set(self.labels)
-        return sum(len(c.batch.events) for c in self.cluster.router_capture.snapshot() if c.label in labels)
+        return sum(applied_units(c.batch.events) for c in self.cluster.router_capture.snapshot() if c.label in labels)
 
     def _applied_behind(self) -> float:
         """Events the relay received that the router's index has not applied yet (0 without the counter)."""
@@ -648,7 +653,7 @@ class FuzzDriver:
         spec = None
         if decode is not None and label is not None and len(c.completion_token_ids) >= MIN_SPEC_TOKENS:
             d = self.decode_label(label)
-            spec = self.metrics.spec(decode[d], d)
+            spec = self.metrics.spec(decode[d], d) if self.dp is None else self.dp.spec(decode[d], d, label)
         obs = self._observation(tokens, c, label, marks, concurrent=False, engine_tokens=engine_tokens,
                                 surface=surface, best=best, salt=salt, spec=spec)
         obs.stored_pages = 0 if label is None else self._held_now(label, tokens, salt)
