@@ -6,7 +6,8 @@ Builds SGLang's own device pool (``MHATokenToKVPool``) and host pool (``MHAToken
 ``pin_memory=True``) for each (io backend, layout) the stand-in covers, backs device pages up
 through ``backup_from_device_all_layer``, reads them back through the host pool's own
 ``get_data_page``, loads them into other device slots through ``load_to_device_per_layer``, and
-prints one JSON line of what it saw. ``--mutant NAME`` swaps in a broken op (the negative control).
+prints one JSON line of what it saw. ``--mutants NAME ...`` swaps in each broken op in turn (the
+negative controls).
 """
 
 from __future__ import annotations
@@ -109,13 +110,21 @@ def registration() -> dict:
 
 
 def main(argv: list[str]) -> None:
-    if "--mutant" in argv:
-        import sglang.srt.mem_cache.pool_host.mha  # noqa: F401 - the patch binds the ops at import
+    pairs = (("kernel", "page_first"), ("kernel", "layer_first"), ("direct", "layer_first"),
+             ("direct", "page_first_direct"))
+    if "--mutants" in argv:  # each broken op in turn, on SGLang's default pair only
+        from sglang.srt.mem_cache.pool_host import mha
 
-        mutate(argv[argv.index("--mutant") + 1])
-    out = {f"{b}/{l}": round_trip(b, l) for b, l in
-           (("kernel", "page_first"), ("kernel", "layer_first"), ("direct", "layer_first"),
-            ("direct", "page_first_direct"))}
+        out = {}
+        for name in argv[argv.index("--mutants") + 1:]:
+            saved = dict(vars(mha))
+            mutate(name)
+            out[name] = round_trip("kernel", "page_first")
+            for op in ("transfer_kv_all_layer_lf_pf", "transfer_kv_per_layer_pf_lf"):
+                setattr(mha, op, saved[op])
+        print(json.dumps(out))
+        return
+    out = {f"{b}/{l}": round_trip(b, l) for b, l in pairs}
     out["registration"] = registration()
     print(json.dumps(out))
 
