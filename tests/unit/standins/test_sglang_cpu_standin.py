@@ -103,7 +103,7 @@ def test_patches_find_their_targets_in_the_installed_sglang():
         "from sglang.srt.disaggregation.utils import KVClassType, TransferBackend\n"
         "mods = [draft_utils.DraftBackendFactory._create_backend, t.TorchNativeAttnBackend.forward_extend,\n"
         "        h.handle_pd_disaggregation, d.get_kv_class, decode._is_fake_transfer, utils._is_fake_transfer]\n"
-        "print(all(f.__code__.co_filename.endswith('sglang_cpu_standin/patches.py') for f in mods),\n"
+        "print(all(f.__code__.co_filename.endswith('standins/sglang_cpu/patches.py') for f in mods),\n"
         "      d.get_kv_class(TransferBackend.FAKE, KVClassType.BOOTSTRAP_SERVER).__name__)\n"
     )
     proc = _child(code, **standin.worker_env())
