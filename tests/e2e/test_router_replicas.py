@@ -6,7 +6,7 @@ runtime and local indexer), on 127.0.0.1. Thin tests over :mod:`kvalign.live.run
   the worker holding it and take in every request's lifecycle events, through a restart of one
   router and an interruption of the event plane (each converged within the scenario's bound).
 * Negative control, on the same cluster: the second router restarted without
-  ``--router-replica-sync`` publishes none of its requests' lifecycle events, so ``routers_agree``
+  ``--router-replica-sync`` does not publish its requests' lifecycle events, so ``routers_agree``
   fails naming them, with both routers' numbers.
 * The finding (Dynamo 1.6.1): in approximate mode (``--no-router-kv-events``) replica sync does not
   carry routing decisions, so a prompt one replica routed is unknown to the other.

@@ -85,7 +85,7 @@ def judge_lifecycle(deltas: Mapping[str, float], requests: int, serving: str | N
     """None when every replica took in the lifecycle events of all ``requests`` routed since the
     last mark (:data:`LIFECYCLE_EVENTS_PER_REQUEST` each); else who took in how many. ``serving``:
     the replica that routed them, named in the finding (a replica without replica sync publishes
-    none of its own requests' events, so its peers never learn what it has in flight)."""
+    all of its own requests' events, so its peers do not learn what it has in flight)."""
     want = LIFECYCLE_EVENTS_PER_REQUEST * requests
     short = {r: d for r, d in deltas.items() if d < want}
     if not short:
@@ -94,7 +94,7 @@ def judge_lifecycle(deltas: Mapping[str, float], requests: int, serving: str | N
     who = f"{requests} request(s) routed by {serving}" if serving else f"{requests} request(s)"
     return (f"{who} publish {want} active-sequence lifecycle events (AddRequest, MarkPrefillCompleted, Free each); "
             f"the replicas took in {got}: {', '.join(sorted(short))} missed them, so its view of the workers' "
-            "in-flight load lacks them (a replica routing without --router-replica-sync publishes none)")
+            "in-flight load lacks them (a replica routing without --router-replica-sync does not publish them all)")
 
 
 @dataclass
