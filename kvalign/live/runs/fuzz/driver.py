@@ -455,7 +455,8 @@ class FuzzDriver:
         kind = tiers_check.TierObservation if self.opts.hicache else Observation
         return kind(self.requests, tokens, c, label, concurrent, self.opts.page_size,
                            self.engine_eagle(label) if label else True, predicted, engine_held, engine_tokens,
-                           surface, faulted, best, spec, engine_mark=eng_m.get(label, 0) if label else 0, salt=salt)
+                           surface, faulted, best, spec, engine_mark=eng_m.get(label, 0) if label else 0, salt=salt,
+                           engine_marks=dict(eng_m))
 
     def _record(self, obs: Observation) -> None:
         self.history.append(Sent(tuple(obs.tokens), tuple(obs.completion.completion_token_ids)))
