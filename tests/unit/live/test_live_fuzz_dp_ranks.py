@@ -70,10 +70,14 @@ def test_pages_another_rank_held_before_the_request_say_nothing_about_who_served
     assert r.driver.tally.checked[ROUTED_RANK_SERVED] == 0
 
 
-def test_a_rank_that_never_published_is_the_cause():
-    r = ranks({}, published={"worker0.dp0": 5, "worker0.dp1": 0})
-    assert r.cause("worker0.dp1") == "DP_RANK_UNPUBLISHED"
-    assert r.cause("worker0.dp0") is None
+def test_a_rank_that_reused_pages_it_never_published_this_example_is_the_cause():
+    r = ranks({})
+    r.driver.engine_views = SimpleNamespace(since_epoch=lambda label: [] if label == "worker0.dp1" else ["a batch"])
+    assert r.cause(observation("worker0.dp1", stored=0)) == "DP_RANK_UNPUBLISHED"
+    assert r.cause(observation("worker0.dp0", stored=0)) is None  # its stream carried batches
+    quiet = observation("worker0.dp1", stored=0)
+    quiet.engine_tokens = 0  # nothing reused: nothing it should have published
+    assert r.cause(quiet) is None
 
 
 def test_the_invariants_json_splits_the_credit_check_by_rank():

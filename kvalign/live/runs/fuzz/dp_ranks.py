@@ -16,8 +16,8 @@ the rank that served the request, and its prediction is that rank's view. This m
 * per-rank figures: ``counts.requests_by_rank`` and, per rank, how often
   ``router_credits_engine_reuse`` was checked and failed and how many requests the router credited
   (which it can only do for a rank whose events it indexed);
-* the cause of a failure on a rank whose stream never carried a batch since the cluster started
-  (not even the flush every example begins with): ``DP_RANK_UNPUBLISHED``;
+* the cause of a failure on a rank that reused cached pages while its stream carried no batch since
+  the example began (every example starts with every rank flushed): ``DP_RANK_UNPUBLISHED``;
 * two rules. Left to itself the router sends a follow-up to a rank whose events it indexed, so a rank
   it cannot see may never serve a request that reuses its cache, and a rank that publishes nothing
   would go unnoticed (a generated run with ``--only-rank0-publishes`` and neither rule passed):
@@ -147,10 +147,12 @@ class DpRanks:
         rank = ranks.split_label(label)[1]
         return spec_window(rank_samples(before, rank), [rank_samples(after, rank)])
 
-    def cause(self, label: str | None) -> str | None:
-        """``DP_RANK_UNPUBLISHED`` for a rank whose stream never carried a batch, though it served
-        requests and was flushed; None otherwise (the driver names the cause as usual)."""
-        if label is None or self.driver.cluster.capture.count(label) > 0:
+    def cause(self, obs: Any) -> str | None:
+        """``DP_RANK_UNPUBLISHED`` when the rank that served ``obs`` reused cached pages but its stream
+        carried no batch since the example began (each example starts with every rank flushed, so
+        whatever it reused it cached, and would have published, since); None otherwise (the driver
+        names the cause as usual)."""
+        if obs.label is None or not obs.engine_tokens or self.driver.engine_views.since_epoch(obs.label):
             return None
         return Cause.DP_RANK_UNPUBLISHED.name
 

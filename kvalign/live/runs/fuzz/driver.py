@@ -480,7 +480,7 @@ class FuzzDriver:
             name, detail = failures[0]
             names = [n for n, _ in failures]
             hicache_cause = tiers_check.cause(obs)
-            rank_cause = None if self.dp is None else self.dp.cause(obs.label)
+            rank_cause = None if self.dp is None else self.dp.cause(obs)
             cause, evidence = (hicache_cause or rank_cause, None) if hicache_cause or rank_cause else self.cause(obs, names)
             numbers = {**failure_numbers(obs), **({"rank": obs.label} if self.dp is not None else {})}
             raise InvariantFailed(name, detail, cause=cause, worker=obs.label, request=obs.request,
