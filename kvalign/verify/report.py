@@ -546,7 +546,10 @@ def _render_tier_replay(tier: dict[str, Any], condition: str | None) -> list[str
     e, o = tier["engine"], tier["outcome"]
     out = ["The replay below runs these steps once more through the real path: SGLang's `UnifiedRadixCache` with "
            f"HiCache on ({e['core']}, write policy `{e['policy']}`, page size {e['page_size']}; SGLang's own "
-           "`init_hicache`, with only the device↔host transfer path stood in: kvalign/standins/hicache.py) → SGLang's "
+           "`init_hicache`; each request served by SGLang's own scheduler code, `Req`, `PrefillAdder.add_one_req`, "
+           "`ScheduleBatch.prepare_for_extend` and `release_kv_cache` on SGLang's device allocator: "
+           "kvalign/oracles/admission.py; only the device↔host transfer path and the scheduler's server and model "
+           "config stood in: kvalign/standins/hicache.py, kvalign/standins/scheduler.py) → SGLang's "
            "`ZmqEventPublisher` → a 127.0.0.1 hop (recorded here) → Dynamo's `KvEventPublisher` relay → `KvRouter`. "
            f"Token ids are offset by {tier['token_offset']}.", "",
            "## Each step: where SGLang holds the prompt, what the router credits", "",

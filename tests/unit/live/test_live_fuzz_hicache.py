@@ -64,11 +64,12 @@ def test_negative_control_a_medium_the_router_indexes_nowhere_counts_nowhere():
 
 
 def tobs(n: int, residency: Residency, *, raw: int, rate: float, engine: int, split: tuple[int, int],
-         predicted: Residency | None = None) -> TierObservation:
+         predicted: Residency | None = None, b: int = B, faulted: bool = False) -> TierObservation:
     c = Completion(n, engine, [0], 7, 7, rate)
     predicted = predicted or residency
-    return TierObservation(1, list(range(n)), c, "worker0", False, B, True, predicted.held, residency.held, engine,
-                           residency=residency, router_view=predicted, router_raw=raw, weight=0.75, engine_split=split)
+    return TierObservation(1, list(range(n)), c, "worker0", False, b, True, predicted.held, residency.held, engine,
+                           hop_faulted=faulted, residency=residency, router_view=predicted, router_raw=raw, weight=0.75,
+                           engine_split=split)
 
 
 def judge(o: TierObservation) -> list[str]:
@@ -154,3 +155,16 @@ def test_the_raw_credit_counter_sums_the_publishing_phases_not_the_decode_hop():
                             Sample(name, (("phase", "decode"), ("worker_id", "c")), 99.0)])
     assert selected_tokens(snap) == 24.0
     assert selected_tokens(MetricsSnapshot([])) is None
+
+
+def test_a_hop_that_lost_the_device_store_is_judged_against_what_the_router_was_told():
+    """Seen live (page 16, write_through): the hop lost a fresh worker's device-store batch, its host
+    copy arrived, so the router held the 4 pages as host-only while the engine reused them from the
+    device. That request is hop-faulted: its tiers are judged against the router view."""
+    live = dict(raw=64, rate=3.0 / 6, engine=64, split=(64, 0), predicted=Residency(0, 4), b=16)
+    o = tobs(91, Residency(4, 0), faulted=True, **live)
+    assert o.router_split == (0, 4)
+    tally = Tally()
+    assert evaluate_tiers(o, tally) == [] and tally.checked["router_tiers_match_engine"] == 1
+    # negative control: the same request judged against the engine fails
+    assert [n for n, _ in evaluate_tiers(tobs(91, Residency(4, 0), **live), Tally())] == ["router_tiers_match_engine"]

@@ -43,7 +43,7 @@ def frontend() -> Iterator[tuple[str, dict[str, str]]]:
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}", served
@@ -101,3 +101,17 @@ def test_a_missing_surface_stops_the_run_as_an_environment_error_naming_it():
     d._run = run
     with pytest.raises(FuzzEnvironmentError, match="surface is missing: .*router_kv_worker_reused_tokens_total"):
         d.run_step({"rule": "request"})
+
+
+def test_a_batchs_chained_stores_count_once_in_the_applied_unit():
+    """Dynamo 1.6.1's frontend counted a batch of two stores, the second under the first's last page, as one
+    applied event (a merged batch, live); every other event counts once."""
+    from kvalign.live.runs.fuzz.surfaces import applied_units
+    from kvalign.model.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    a = BlockStored([1, 2, 3], None, list(range(48)), 16)
+    b = BlockStored([4], 3, list(range(16)), 16)
+    other = BlockStored([9], 7, list(range(16)), 16)
+    assert applied_units([a, b]) == 1 and applied_units([a]) == applied_units([b]) == 1
+    assert applied_units([a, other]) == 2 and applied_units([b, a]) == 2  # not under the store before it
+    assert applied_units([a, BlockRemoved([3]), b]) == 3 and applied_units([AllBlocksCleared(), a]) == 2

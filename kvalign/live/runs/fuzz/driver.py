@@ -47,7 +47,7 @@ from kvalign.live.runs.fuzz.invariants import (
 from kvalign.live.runs.fuzz.prompts import Sent, new_tokens, resolve
 from kvalign.live.runs.fuzz.publisher_faults import HARMFUL, PublisherFaultControl
 from kvalign.live.runs.fuzz.recorded import record_engine_stream, engine_cause
-from kvalign.live.runs.fuzz.surfaces import MetricReader, SurfaceMissing
+from kvalign.live.runs.fuzz.surfaces import MetricReader, SurfaceMissing, applied_units
 from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews, common_blocks
 from kvalign.live.runs.fuzz import hicache as tiers_check
 from kvalign.live.runs.fuzz import hicache_rules
@@ -319,9 +319,10 @@ class FuzzDriver:
         return sorted({COMPONENT[self._handle(lab).spec.role] for lab in self.labels})
 
     def _delivered_events(self) -> int:
-        """KV events the router side received from the publishing workers (what the relay got)."""
+        """KV events the router side received from the publishing workers (what the relay got), in the
+        frontend's ``kv_cache_events_applied`` unit (:func:`.surfaces.applied_units`)."""
         labels = set(self.labels)
-        return sum(len(c.batch.events) for c in self.cluster.router_capture.snapshot() if c.label in labels)
+        return sum(applied_units(c.batch.events) for c in self.cluster.router_capture.snapshot() if c.label in labels)
 
     def _applied_behind(self) -> float:
         """Events the relay received that the router's index has not applied yet (0 without the counter)."""
@@ -689,6 +690,10 @@ class FuzzDriver:
                                                     namespace=salt)[0]
         obs.router_view = self.delivered_views.residency(obs.label, obs.tokens, eagle=eagle, lo=marks[1][obs.label],
                                                          namespace=salt)[0]
+        if obs.router_view != obs.residency and any(d.label == obs.label for d in self.hop.dropped):
+            # the hop lost a batch of this worker's on purpose: with HiCache a device store and its host
+            # copy travel in separate batches, so the router can hold every page in the other tier only
+            obs.hop_faulted = True
         assert self.engine_tiers is not None
         obs.engine_split = self.engine_tiers.split(obs.label, before[1].get(obs.label), engine.get(obs.label),
                                                    obs.engine_tokens)

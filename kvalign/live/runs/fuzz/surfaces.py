@@ -10,7 +10,8 @@
 * **What the router's index applied.** The frontend counts every KV event its router's index
   applied, ``..._kv_cache_events_applied{dynamo_component, event_type, status}``: one per
   ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` the relay received (measured on
-  1.6.1: equal to the router-side capture's events, request by request, stores and evictions).
+  1.6.1: equal to the router-side capture's events, request by request, stores and evictions, a
+  batch's chained stores counted once: :func:`applied_units`).
   Settling waits on it, because the router-side capture shows what reached Dynamo's relay, not
   what the router's index has applied.
 * **Decode speculation.** ``dynamo.sglang`` leaves ``completion_tokens_details`` empty, so the
@@ -25,12 +26,28 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvalign.errors import UsageError
+from kvalign.model.events import BlockStored
 from kvalign.live.cluster.shared import events_applied
 from kvalign.live.wire.metrics import MetricsSnapshot, SpecDecodeWindow, scrape, spec_window
 
 #: The frontend's counter of what prefill workers reported reusing (Dynamo 1.6.1's
 #: ``prometheus_names``: ``router_kv_worker_reused_tokens_total``, prefixed ``dynamo_component_``).
 PREFILL_REUSED = "router_kv_worker_reused_tokens_total"
+
+
+def applied_units(events: Sequence[object]) -> int:
+    """How many ``kv_cache_events_applied`` one batch of SGLang events makes on Dynamo 1.6.1's frontend:
+    one per event, except that a ``BlockStored`` hanging under the last page of the ``BlockStored``
+    just before it in the same batch extends that store (measured live: a batch of two such stores,
+    which SGLang's publisher sends when it merges batches, made the counter rise by one, and the
+    router indexed both stores' pages)."""
+    n, last = 0, None
+    for ev in events:
+        chained = (isinstance(ev, BlockStored) and last is not None and ev.parent_block_hash is not None
+                   and ev.parent_block_hash == last)
+        n += not chained
+        last = ev.block_hashes[-1] if isinstance(ev, BlockStored) and ev.block_hashes else None
+    return n
 
 
 class SurfaceMissing(RuntimeError):
