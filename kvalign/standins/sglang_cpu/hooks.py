@@ -25,6 +25,7 @@ from kvalign.standins.sglang_cpu import SUPPORTED, patches, publisher_faults, ve
 PATCHES: dict[str, tuple[Callable[[], None], ...]] = {
     "sglang.srt.speculative.draft_utils": (patches.draft_extend_backend,),
     "sglang.srt.layers.attention.torch_native_backend": (patches.target_verify_extend, patches.cpu_graph_seq_len_fill),
+    "sglang.srt.layers.rotary_embedding.base": (patches.rotary_empty_batch,),
     "sglang.srt.arg_groups.pd_disaggregation_hook": (patches.fake_transfer_prefill_check,),
     "sglang.srt.managers.disagg_service": (patches.fake_transfer_bootstrap,),
     "sglang.srt.disaggregation.decode": (patches.fake_transfer_decode,),

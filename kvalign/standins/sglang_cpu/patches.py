@@ -151,6 +151,28 @@ def cpu_graph_seq_len_fill() -> None:
 CPU_GRAPH_SEQ_LEN_FILL = 1
 
 
+def rotary_empty_batch() -> None:
+    """``RotaryEmbedding.forward_native`` on a batch of no tokens returns it unrotated.
+
+    Under DP attention a rank without requests still runs an idle forward for the collective MLP
+    step, with zero tokens; SGLang's native rotary path reshapes ``query.view(0, -1, head_size)``,
+    which torch refuses ("cannot reshape tensor of 0 elements ... -1 ... ambiguous", seen live), while
+    the GPU path's kernel rotates nothing. Batches with tokens go to SGLang's own code unchanged."""
+    from sglang.srt.layers.rotary_embedding import base
+
+    original = base.RotaryEmbedding.forward_native
+    _require("query.view(num_tokens, -1, self.head_size)" in inspect.getsource(original),
+             "RotaryEmbedding.forward_native no longer reshapes query by num_tokens")
+
+    @functools.wraps(original)
+    def forward_native(self: Any, positions: Any, query: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
+        if positions.numel() == 0:
+            return query, key
+        return original(self, positions, query, key, *args, **kwargs)
+
+    base.RotaryEmbedding.forward_native = forward_native
+
+
 def fake_transfer_prefill_check() -> None:
     """Let ``handle_pd_disaggregation`` accept ``fake`` on a prefill worker."""
     from sglang.srt.arg_groups import pd_disaggregation_hook as hook

@@ -17,10 +17,14 @@ B = 16
 LABELS = ["worker0.dp0", "worker0.dp1"]
 
 
-def ranks(held: dict[str, int], published: dict[str, int] | None = None) -> DpRanks:
-    """A DpRanks over a driver whose engine views hold ``held`` pages of any prompt, per rank."""
+def ranks(held: dict[str, int], published: dict[str, int] | None = None, before: dict[str, int] | None = None) -> DpRanks:
+    """A DpRanks over a driver whose engine views hold ``held`` pages of any prompt per rank now, and
+    ``before`` at the routing mark."""
     counts = published if published is not None else dict.fromkeys(LABELS, 3)
-    driver = SimpleNamespace(labels=LABELS, tally=Tally(), _held_now=lambda label, tokens, salt=None: held.get(label, 0),
+    at_mark = before or {}
+    driver = SimpleNamespace(labels=LABELS, tally=Tally(), engine_views=None,
+                             _held_now=lambda label, tokens, salt=None: held.get(label, 0),
+                             _held=lambda views, label, tokens, lo, hi=None, salt=None: [at_mark.get(label, 0)],
                              cluster=SimpleNamespace(capture=SimpleNamespace(count=lambda label: counts.get(label, 0))))
     return DpRanks(driver)
 
@@ -28,7 +32,7 @@ def ranks(held: dict[str, int], published: dict[str, int] | None = None) -> DpRa
 def observation(label: str, *, stored: int, credited_blocks: int = 2, n: int = 65) -> Observation:
     c = Completion(n, credited_blocks * B, [1], 7, 7, credited_blocks / -(-n // B), prefill_dp_rank=int(label[-1]))
     obs = Observation(1, list(range(n)), c, label, False, B, True, credited_blocks, credited_blocks, credited_blocks * B)
-    obs.stored_pages = stored
+    obs.stored_pages, obs.engine_marks = stored, dict.fromkeys(LABELS, 1)
     return obs
 
 
@@ -43,7 +47,7 @@ def test_a_request_served_by_its_routed_rank_passes_and_is_counted_on_that_rank(
     assert judged(r, observation("worker0.dp1", stored=4)) == []
     assert r.figures.requests_by_rank() == {"worker0.dp0": 0, "worker0.dp1": 1}
     assert r.figures.by_rank()["worker0.dp1"] == {"checked": 1, "failed": 0, "credited_requests": 1}
-    assert (r.figures.rank_checked, r.figures.rank_failed) == (1, 0)
+    assert (r.driver.tally.checked[ROUTED_RANK_SERVED], r.driver.tally.failed[ROUTED_RANK_SERVED]) == (1, 0)
 
 
 def test_pages_stored_on_another_rank_than_the_routed_one_fail_routed_rank_served():
@@ -56,19 +60,30 @@ def test_pages_stored_on_another_rank_than_the_routed_one_fail_routed_rank_serve
 def test_a_request_no_stream_shows_is_left_to_the_engine_check():
     r = ranks({})
     assert judged(r, observation("worker0.dp1", stored=0)) == []
-    assert r.figures.rank_checked == 0
+    assert r.driver.tally.checked[ROUTED_RANK_SERVED] == 0
 
 
-def test_a_rank_that_never_published_is_the_cause():
-    r = ranks({}, published={"worker0.dp0": 5, "worker0.dp1": 0})
-    assert r.cause("worker0.dp1") == "DP_RANK_UNPUBLISHED"
-    assert r.cause("worker0.dp0") is None
+def test_pages_another_rank_held_before_the_request_say_nothing_about_who_served_it():
+    """The same prompt ran on rank 0 earlier: rank 0's stream showing it proves nothing about this request."""
+    r = ranks({"worker0.dp0": 4, "worker0.dp1": 0}, before={"worker0.dp0": 4})
+    assert judged(r, observation("worker0.dp1", stored=0)) == []
+    assert r.driver.tally.checked[ROUTED_RANK_SERVED] == 0
+
+
+def test_a_rank_that_reused_pages_it_never_published_this_example_is_the_cause():
+    r = ranks({})
+    r.driver.engine_views = SimpleNamespace(since_epoch=lambda label: [] if label == "worker0.dp1" else ["a batch"])
+    assert r.cause(observation("worker0.dp1", stored=0)) == "DP_RANK_UNPUBLISHED"
+    assert r.cause(observation("worker0.dp0", stored=0)) is None  # its stream carried batches
+    quiet = observation("worker0.dp1", stored=0)
+    quiet.engine_tokens = 0  # nothing reused: nothing it should have published
+    assert r.cause(quiet) is None
 
 
 def test_the_invariants_json_splits_the_credit_check_by_rank():
     r = ranks({"worker0.dp0": 4})
     judged(r, observation("worker0.dp0", stored=4))
-    out = r.invariants_json({CREDIT: {"checked": 1, "failed": 0}})
+    out = r.invariants_json(r.driver.tally.as_json())
     assert out[CREDIT]["by_rank"]["worker0.dp0"]["checked"] == 1 and out[ROUTED_RANK_SERVED] == {"checked": 1, "failed": 0}
 
 

@@ -127,3 +127,22 @@ def test_torch_native_pads_a_dp_attention_batch_as_sglangs_own_cpu_backend():
                    "from sglang.srt.layers.attention import torch_native_backend as t\n"
                    "print(hasattr(t.TorchNativeAttnBackend, 'get_cpu_graph_seq_len_fill_value'))\n")
     assert plain.returncode == 0 and plain.stdout.split() == ["False"]  # SGLang's own torch_native lacks it
+
+
+@pytest.mark.slow  # a child that imports SGLang's rotary embedding with the stand-in
+def test_an_idle_dp_attention_rank_rotates_its_empty_batch_and_others_go_to_sglang():
+    """A rank with no requests runs its idle forward with zero tokens: the stand-in returns it as it
+    came (SGLang's own native path raises on it); a batch with tokens gets SGLang's own rotation."""
+    code = ("import torch\nfrom sglang.srt.layers.rotary_embedding.base import RotaryEmbedding as R\n"
+            "r = R(16, 16, 2048, 10000, True, torch.float32)\n"
+            "q, k = r.forward_native(torch.zeros(0, dtype=torch.long), torch.zeros(0, 64), torch.zeros(0, 32))\n"
+            "g = torch.Generator().manual_seed(0)\n"
+            "p, q1, k1 = torch.arange(3), torch.randn(3, 64, generator=g), torch.randn(3, 32, generator=g)\n"
+            "a, b = r.forward_native(p, q1.clone(), k1.clone())\n"
+            "c, d = R.forward_native.__wrapped__(r, p, q1.clone(), k1.clone())\n"
+            "try:\n    R.forward_native.__wrapped__(r, torch.zeros(0, dtype=torch.long), torch.zeros(0, 64), torch.zeros(0, 32))\n"
+            "    raised = False\nexcept RuntimeError:\n    raised = True\n"
+            "print(tuple(q.shape) == (0, 64) and tuple(k.shape) == (0, 32), torch.equal(a, c) and torch.equal(b, d), raised)\n")
+    proc = _child(code, **standin.worker_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "True", "True"]

@@ -9,13 +9,15 @@ router reports. The invariants then hold per rank: the router's credit equals th
 the rank that served the request, and its prediction is that rank's view. This module adds:
 
 * ``routed_rank_served``: the rank the router routed to (and credited) is the rank that served the
-  request: once settled, the prompt's pages are on the routed rank's own stream; judged only when
-  some rank's stream shows them (a request whose pages no stream shows is ``engine_matches_index``'s);
+  request: once settled, the prompt's pages are on the routed rank's own stream. A request whose
+  pages only another rank's stream stored *during* it fails; one whose pages no stream shows (or only
+  a rank that held them already, as after a prompt ran on both) is not judged here
+  (``engine_matches_index`` judges what the routed rank reused);
 * per-rank figures: ``counts.requests_by_rank`` and, per rank, how often
   ``router_credits_engine_reuse`` was checked and failed and how many requests the router credited
   (which it can only do for a rank whose events it indexed);
-* the cause of a failure on a rank whose stream never carried a batch since the cluster started
-  (not even the flush every example begins with): ``DP_RANK_UNPUBLISHED``;
+* the cause of a failure on a rank that reused cached pages while its stream carried no batch since
+  the example began (every example starts with every rank flushed): ``DP_RANK_UNPUBLISHED``;
 * two rules. Left to itself the router sends a follow-up to a rank whose events it indexed, so a rank
   it cannot see may never serve a request that reuses its cache, and a rank that publishes nothing
   would go unnoticed (a generated run with ``--only-rank0-publishes`` and neither rule passed):
@@ -65,8 +67,6 @@ class RankFigures:
     credit_checked: dict[str, int] = field(default_factory=dict)
     credit_failed: dict[str, int] = field(default_factory=dict)
     credited: dict[str, int] = field(default_factory=dict)  # requests the router credited > 0 blocks on that rank
-    rank_checked: int = 0
-    rank_failed: int = 0
 
     def requests_by_rank(self) -> dict[str, int]:
         return {lab: self.served.get(lab, 0) for lab in self.labels}
@@ -95,11 +95,12 @@ class DpRanks:
         f.credit_failed[label] = f.credit_failed.get(label, 0) + failed
         if obs.credited:
             f.credited[label] = f.credited.get(label, 0) + 1
-        served = self._served_elsewhere(obs)
+        served = self._served_by(obs)
         if served is not None:
-            f.rank_checked += 1
+            tally = self.driver.tally
+            tally.checked[ROUTED_RANK_SERVED] += 1
             if served != label:
-                f.rank_failed += 1
+                tally.failed[ROUTED_RANK_SERVED] += 1
                 return [*failures, (ROUTED_RANK_SERVED, (
                     f"request {obs.request}: the router routed it to {label} and credited {obs.router_tokens} tokens "
                     f"there, but {served}'s stream stored the prompt's pages ({label}'s holds "
@@ -109,17 +110,22 @@ class DpRanks:
     def _want(self, obs: Any) -> int:
         return (obs.n - int(obs.engine_eagle)) // obs.block_size
 
-    def _served_elsewhere(self, obs: Any) -> str | None:
+    def _served_by(self, obs: Any) -> str | None:
         """The rank whose stream shows the prompt's pages once settled: the routed rank when its own
-        does, else another rank of the same worker that does; None when no stream shows them."""
+        does, else another rank of the same worker whose stream stored them during the request (it
+        held fewer at the routing mark); None when no stream tells."""
         want = self._want(obs)
         if want == 0:
             return None
         if obs.stored_pages >= want:
             return obs.label
         worker = ranks.split_label(obs.label)[0]
-        for lab in self.driver.labels:
-            if lab != obs.label and ranks.split_label(lab)[0] == worker and self.driver._held_now(lab, obs.tokens, obs.salt) >= want:
+        d = self.driver
+        for lab in d.labels:
+            if lab == obs.label or ranks.split_label(lab)[0] != worker or lab not in obs.engine_marks:
+                continue
+            before = d._held(d.engine_views, lab, obs.tokens, obs.engine_marks[lab], obs.engine_marks[lab], salt=obs.salt)[0]
+            if d._held_now(lab, obs.tokens, obs.salt) >= want > before:
                 return lab
         return None
 
@@ -141,19 +147,20 @@ class DpRanks:
         rank = ranks.split_label(label)[1]
         return spec_window(rank_samples(before, rank), [rank_samples(after, rank)])
 
-    def cause(self, label: str | None) -> str | None:
-        """``DP_RANK_UNPUBLISHED`` for a rank whose stream never carried a batch, though it served
-        requests and was flushed; None otherwise (the driver names the cause as usual)."""
-        if label is None or self.driver.cluster.capture.count(label) > 0:
+    def cause(self, obs: Any) -> str | None:
+        """``DP_RANK_UNPUBLISHED`` when the rank that served ``obs`` reused cached pages but its stream
+        carried no batch since the example began (each example starts with every rank flushed, so
+        whatever it reused it cached, and would have published, since); None otherwise (the driver
+        names the cause as usual)."""
+        if obs.label is None or not obs.engine_tokens or self.driver.engine_views.since_epoch(obs.label):
             return None
         return Cause.DP_RANK_UNPUBLISHED.name
 
     def invariants_json(self, base: dict[str, Any]) -> dict[str, Any]:
-        """The tally's JSON with ``routed_rank_served`` and the per-rank split of the credit check."""
+        """The tally's JSON with the per-rank split of the credit check."""
         out = dict(base)
         if CREDIT in out:
             out[CREDIT] = {**out[CREDIT], "by_rank": self.figures.by_rank()}
-        out[ROUTED_RANK_SERVED] = {"checked": self.figures.rank_checked, "failed": self.figures.rank_failed}
         return out
 
 

@@ -456,7 +456,8 @@ class FuzzDriver:
         kind = tiers_check.TierObservation if self.opts.hicache else Observation
         return kind(self.requests, tokens, c, label, concurrent, self.opts.page_size,
                            self.engine_eagle(label) if label else True, predicted, engine_held, engine_tokens,
-                           surface, faulted, best, spec, engine_mark=eng_m.get(label, 0) if label else 0, salt=salt)
+                           surface, faulted, best, spec, engine_mark=eng_m.get(label, 0) if label else 0, salt=salt,
+                           engine_marks=dict(eng_m))
 
     def _record(self, obs: Observation) -> None:
         self.history.append(Sent(tuple(obs.tokens), tuple(obs.completion.completion_token_ids)))
@@ -480,7 +481,7 @@ class FuzzDriver:
             name, detail = failures[0]
             names = [n for n, _ in failures]
             hicache_cause = tiers_check.cause(obs)
-            rank_cause = None if self.dp is None else self.dp.cause(obs.label)
+            rank_cause = None if self.dp is None else self.dp.cause(obs)
             cause, evidence = (hicache_cause or rank_cause, None) if hicache_cause or rank_cause else self.cause(obs, names)
             numbers = {**failure_numbers(obs), **({"rank": obs.label} if self.dp is not None else {})}
             raise InvariantFailed(name, detail, cause=cause, worker=obs.label, request=obs.request,

@@ -46,10 +46,11 @@ from kvalign.live.wire.client import Completion
 from kvalign.live.wire.metrics import SpecDecodeWindow, accept_failures
 
 INVARIANTS = ("router_credits_engine_reuse", "router_tiers_match_engine", "router_matches_prediction",
-              "engine_matches_index", "no_stale_credit", "best_worker_chosen", "decode_keeps_speculating",
-              "routers_agree")
-#: Invariants of some runs only (router replicas: :mod:`.replicas`), left out of a run's JSON when never checked.
-OPTIONAL = ("routers_agree",)
+              "engine_matches_index", "no_stale_credit", "best_worker_chosen", "routed_rank_served",
+              "decode_keeps_speculating", "routers_agree")
+#: Invariants of some runs only (router replicas: :mod:`.replicas`; data-parallel ranks: :mod:`.dp_ranks`), left
+#: out of a run's JSON when never checked.
+OPTIONAL = ("routers_agree", "routed_rank_served")
 #: What the router credited, judged against the engine and kvalign's views: not judged with an
 #: approximate router (``--router-mode approx`` predicts from routing decisions; measured instead).
 ROUTER_JUDGED = ("router_credits_engine_reuse", "router_tiers_match_engine", "router_matches_prediction",
@@ -112,6 +113,7 @@ class Observation:
     spec: SpecDecodeWindow | None = None  # the decode worker's metric window (alone-sent requests only)
     stored_pages: int = 0  # engine view's leading pages of the prompt once the request settled
     engine_mark: int = 0  # the engine view's mark the request was routed at (its worker's batches then)
+    engine_marks: dict[str, int] = field(default_factory=dict)  # every source's engine-view mark then
     salt: str | None = None  # the request's cache_salt
 
     @property
