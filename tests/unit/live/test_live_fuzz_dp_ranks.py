@@ -17,11 +17,14 @@ B = 16
 LABELS = ["worker0.dp0", "worker0.dp1"]
 
 
-def ranks(held: dict[str, int], published: dict[str, int] | None = None) -> DpRanks:
-    """A DpRanks over a driver whose engine views hold ``held`` pages of any prompt, per rank."""
+def ranks(held: dict[str, int], published: dict[str, int] | None = None, ever: dict[str, int] | None = None) -> DpRanks:
+    """A DpRanks over a driver whose engine views hold ``held`` pages of any prompt, per rank, and whose
+    streams carried ``published`` batches since the example began (``ever``: over the cluster's life)."""
     counts = published if published is not None else dict.fromkeys(LABELS, 3)
+    lifetime = ever if ever is not None else counts
     driver = SimpleNamespace(labels=LABELS, tally=Tally(), _held_now=lambda label, tokens, salt=None: held.get(label, 0),
-                             cluster=SimpleNamespace(capture=SimpleNamespace(count=lambda label: counts.get(label, 0))))
+                             engine_views=SimpleNamespace(since_epoch=lambda label: [None] * counts.get(label, 0)),
+                             cluster=SimpleNamespace(capture=SimpleNamespace(count=lambda label: lifetime.get(label, 0))))
     return DpRanks(driver)
 
 
@@ -63,6 +66,12 @@ def test_a_rank_that_never_published_is_the_cause():
     r = ranks({}, published={"worker0.dp0": 5, "worker0.dp1": 0})
     assert r.cause("worker0.dp1") == "DP_RANK_UNPUBLISHED"
     assert r.cause("worker0.dp0") is None
+
+
+def test_a_rank_silent_since_the_example_began_is_the_cause_whatever_it_published_before():
+    """The live class shares its cluster: rank 1 published in the two-rank test, then went silent."""
+    r = ranks({}, published={"worker0.dp0": 5, "worker0.dp1": 0}, ever={"worker0.dp0": 9, "worker0.dp1": 4})
+    assert r.cause("worker0.dp1") == "DP_RANK_UNPUBLISHED"
 
 
 def test_the_invariants_json_splits_the_credit_check_by_rank():

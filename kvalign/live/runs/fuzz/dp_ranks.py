@@ -115,9 +115,11 @@ class DpRanks:
         return None
 
     def cause(self, label: str | None) -> str | None:
-        """``DP_RANK_UNPUBLISHED`` for a rank whose stream never carried a batch, though it served
-        requests and was flushed; None otherwise (the driver names the cause as usual)."""
-        if label is None or self.driver.cluster.capture.count(label) > 0:
+        """``DP_RANK_UNPUBLISHED`` for a rank whose stream carried no batch since the example began,
+        though it served requests and was flushed; None otherwise (the driver names the cause as
+        usual). Since the example, not ever: a cluster shared by several tests (or examples) keeps
+        what the rank published before the fault was armed."""
+        if label is None or self.driver.engine_views.since_epoch(label):
             return None
         return Cause.DP_RANK_UNPUBLISHED.name
 
