@@ -1,7 +1,8 @@
 """Which tests pytest-xdist must keep together on one worker, read from a test's node id alone.
 
 The scheduler (``tests/conftest.py``) runs in the controller, which never collects, so all it has
-is the node id. A unit file is one scope (its module fixtures are set up once). The live tests
+is the node id. A unit file is one scope (its module fixtures are set up once), but for the files
+that share the multimodal oracles (one scope). The live tests
 (``tests/e2e/``) form two scopes:
 
 * **the real engine**: every test that starts real SGLang CPU workers (``test_fuzz.py``, and any
@@ -26,11 +27,18 @@ LIVE_SCOPES = (REAL_ENGINE, FAKE_WORKERS)
 #: fixtures that start or need the real SGLang engine on CPU
 REAL_ENGINE_FIXTURES = frozenset({"sglang_cpu_engine", "shipped_release"})
 REAL_ENGINE_FILES = frozenset({"tests/e2e/test_fuzz.py"})
+#: unit files sharing the ``mm_oracles`` session fixture (Dynamo's frontend process and SGLang's
+#: multimodal processor, 20-40 s of CPU to start): one scope, so they start once per session
+MM_ORACLES = "unit: multimodal oracles"
+MM_ORACLE_FILES = frozenset({"tests/unit/oracles/test_frontend_mm.py", "tests/unit/oracles/test_sglang_mm.py",
+                             "tests/unit/verify/test_mm.py"})
 
 
 def scope(nodeid: str) -> str:
     """The xdist scope of ``nodeid``: its file, or one of the two live scopes."""
     path, _, name = nodeid.partition("::")
+    if path in MM_ORACLE_FILES:
+        return MM_ORACLES
     if not path.startswith("tests/e2e/"):
         return path
     if path in REAL_ENGINE_FILES or "::test_real_engine" in f"::{name}":

@@ -18,7 +18,7 @@ from dataclasses import asdict
 from kvalign.commands import check_text
 from kvalign.commands.options import positive_int
 from kvalign.verify.check import run_check
-from kvalign.verify.rows import EVENT_FORMATS, EVENT_PROPERTIES, MODES, PROPERTIES, VARIANTS, RowResult
+from kvalign.verify.rows import DEFAULT_PROPERTIES, EVENT_FORMATS, EVENT_PROPERTIES, MODES, PROPERTIES, VARIANTS, RowResult
 from kvalign.errors import UsageError
 from kvalign.oracles.sglang import KINDS
 from kvalign.runtime_log import console
@@ -34,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache", choices=KINDS, default="default",
                    help="SGLang cache class: the one this release's server builds (default: UnifiedRadixCache from "
                         "0.5.19 on, RadixCache before), UnifiedRadixCache, its Python core, or RadixCache")
-    p.add_argument("--property", dest="props", action="append", choices=PROPERTIES, help="only these properties")
+    p.add_argument("--property", dest="props", action="append", choices=PROPERTIES,
+                   help="only these properties (default: all but mm, the image-prompt property, which is opt-in)")
     p.add_argument("--mode", dest="modes", action="append", choices=MODES, help="only these modes")
     p.add_argument("--ingest-examples", type=int, default=25,
                    help="cap on generated cases per ingest row (each runs the real relay and router; default 25)")
@@ -42,6 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cap on generated state-machine runs per tier / servable row (default 12)")
     p.add_argument("--dp-examples", type=int, default=None,
                    help="cap on generated cases per dp row (each caches on every rank and routes; default 20)")
+    p.add_argument("--mm-examples", type=int, default=None,
+                   help="cap on generated image scenarios per mm row (default 25; each runs two chat requests "
+                        "through Dynamo's frontend and SGLang's multimodal path)")
     p.add_argument("--page-size", type=positive_int, default=None, metavar="N",
                    help="run every property at this page (block) size only, e.g. your deployment's; "
                         "default: every size the strategies draw")
@@ -72,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--examples must be >= 1, got {args.examples}")
     if args.ingest_examples < 1:
         raise UsageError(f"--ingest-examples must be >= 1, got {args.ingest_examples}")
+    if args.mm_examples is not None and args.mm_examples < 1:
+        raise UsageError(f"--mm-examples must be >= 1, got {args.mm_examples}")
     if args.tier_examples is not None and args.tier_examples < 1:
         raise UsageError(f"--tier-examples must be >= 1, got {args.tier_examples}")
     if args.dp_examples is not None and args.dp_examples < 1:
@@ -90,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
                                 args.page_size), flush=True)
     start = time.perf_counter()
     progress = None if args.json else lambda r: print(check_text.progress_line(r), file=console(), flush=True)
-    props = tuple(args.props or PROPERTIES)
+    props = tuple(args.props or DEFAULT_PROPERTIES)
     rows: list[RowResult] = []
     for i, fmt in enumerate(formats):
         # a property that reads no events runs once, with the first format; the others once per format
@@ -105,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
                           variants=tuple(VARIANTS), seed=args.seed, progress=progress,
                           ingest_examples=args.ingest_examples, tier_examples=args.tier_examples,
                           page_size=args.page_size, event_format=fmt,
-                          dp_examples=args.dp_examples)
+                          dp_examples=args.dp_examples, mm_examples=args.mm_examples)
     aligned = all(r.ok for r in rows)
     if args.json:
         json.dump({"aligned": aligned, "router_hasher": label, "cache": kind, "page_size": args.page_size,

@@ -29,13 +29,13 @@ def fit(text: str, indent: str = "  ") -> str:
 
 
 def short_result(r: RowResult) -> str:
-    """A row's ``result`` cell: ``ok``, ``skipped``, or ``MISALIGNED: CAUSE_NAME`` (explained under the table)."""
+    """A row's ``result`` cell: ``ok``, ``skipped``, or ``MISALIGNED: CAUSE_NAME`` (explained under the table;
+    so are the causes a row counts apart, which never change its cell)."""
     if r.skipped:
         return "skipped"
-    apart = "".join(f"; {e['cases']} {name} apart" for name, e in (r.scoped or {}).items())
     if not r.ok:
-        return f"MISALIGNED: {r.cause_name or 'UNKNOWN'}{apart}"
-    return "ok" + apart
+        return f"MISALIGNED: {r.cause_name or 'UNKNOWN'}"
+    return "ok"
 
 
 def variant(r: RowResult) -> str:
@@ -116,7 +116,7 @@ def _scoped(rows: Sequence[RowResult]) -> list[str]:
         first = group[0].scoped[name]
         n = sum(r.scoped[name]["cases"] for r in group)
         out += ["", fit(f"{name} (counted apart, not a mismatch): {first['cause']}"),
-                fit(f"  {n} cases in rows: {_names(group)}"),
+                fit(f"  {n} cases: " + ", ".join(f"{row_name(r)} {r.scoped[name]['cases']}" for r in group)),
                 fit(f"  occurs {first['condition']}"),
                 fit(f"  first case ({row_name(group[0])}): {first['detail']}")]
     return out

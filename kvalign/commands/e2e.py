@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvalign.commands import fuzz, hicache_option
+from kvalign.commands import e2e_mm, fuzz, hicache_option
 from kvalign.errors import UsageError
 from kvalign.live.runs import disagg_eagle
 from kvalign.live.cluster.lifecycle import Cluster, plan_specs
@@ -46,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--keep-logs", action="store_true", help="keep the run dir after a pass (always kept on failure)")
     run.set_defaults(run=run_run)
     fuzz.register(actions)
+    e2e_mm.register(actions)
 
 
 def _add_options(p: argparse.ArgumentParser) -> None:

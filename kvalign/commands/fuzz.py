@@ -33,6 +33,9 @@ DISAGG_SEED = 17
 #: counters cannot attribute) with one restart, and an ``offload`` whose host-only stretch is below
 #: SGLang's load_back_threshold at page 4 (step 11) and above it at page 16.
 HICACHE_SEED = 262
+#: The same with router replicas (``--routers 2+``, two more rules): 3 examples of 10 steps draw
+#: every rule, ``restart_router`` and ``interrupt_events`` included, with one worker restart.
+ROUTERS_SEED = 78
 #: (seed, examples, steps) of the shorter 2 prefill + 1 decode run the per-pull-request suite takes:
 #: the same rules in 18 steps instead of 30 (fewer 5-request fills; a disaggregated request costs
 #: about 3 s here), so every fuzz test together stays within 10 minutes of CI.
@@ -57,7 +60,7 @@ def register(actions: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=10, help="most steps per example (default 10)")
     p.add_argument("--seed", type=int, default=None,
                    help=f"Hypothesis seed (default {DEFAULT_SEED}, {DISAGG_SEED} with --topology disagg, {HICACHE_SEED} with "
-                        "--hicache: fixed, and with "
+                        f"--hicache, {ROUTERS_SEED} with --routers 2+: fixed, and with "
                         "the default 3 examples x 10 steps it draws every rule; tests/unit/live/test_live_fuzz_machine.py "
                         "holds that)")
     p.add_argument("--router-eagle", choices=("on", "off"), default=None,
@@ -79,6 +82,9 @@ def register(actions: argparse._SubParsersAction) -> None:
     p.add_argument("--dp-size", type=int, default=None, metavar="N",
                    help="SGLang's --dp-size on each aggregated worker: N ranks, each its own KV cache, event stream and "
                         "routing target; every invariant is held per rank (default 1)")
+    p.add_argument("--dp-attention", dest="dp_attention", action="store_const", const=True, default=None,
+                   help="with --dp-size N: the ranks are attention-DP groups of one TP group (--tp-size N "
+                        "--attn-dp-size N) instead of replicas")
     p.add_argument("--only-rank0-publishes", dest="rank0_only", action="store_const", const=True, default=None,
                    help="negative control with --dp-size: every rank but 0 publishes nothing (silenced at its hop for "
                         "every subscriber), as SGLang did before each DP rank had a publisher of its own")
@@ -127,7 +133,9 @@ def _options(args: argparse.Namespace, script: dict[str, Any] | None) -> FuzzOpt
         return FuzzOptions(
             engine=given.get("engine", args.engine),
             workers=int(args.workers if args.workers is not None else given.get("workers", 2 if dp_size == 1 else 1)),
-            dp_size=dp_size, rank0_only=args.rank0_only if args.rank0_only is not None else bool(given.get("rank0_only", False)),
+            dp_size=dp_size,
+            dp_attention=args.dp_attention if args.dp_attention is not None else bool(given.get("dp_attention", False)),
+            rank0_only=args.rank0_only if args.rank0_only is not None else bool(given.get("rank0_only", False)),
             topology=args.topology or given.get("topology", "agg"),
             sglang=args.sglang or given.get("sglang"), draft=args.draft or given.get("draft", "agree"),
             page_size=args.page_size if args.page_size is not None else int(given.get("page_size", 16)),
@@ -165,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or Path("out") / "e2e" / f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     what = f"replay of {args.replay}" if script else f"{args.examples} examples x <= {args.steps} steps"
     shape = (f"{opts.workers} prefill + 1 decode" if opts.topology == "disagg" else f"{opts.workers} aggregated"
-             + (f" x {opts.dp_size} data-parallel ranks" if opts.dp_size > 1 else ""))
+             + (f" x {opts.dp_size} {'attention-DP groups' if opts.dp_attention else 'data-parallel ranks'}"
+                if opts.dp_size > 1 else ""))
     progress(f"kvalign e2e fuzz: {what} on {shape} {opts.engine} EAGLE3 workers"
              f"{f' (SGLang {opts.sglang})' if opts.sglang else ''}, page {opts.page_size}, "
              f"KV pool {opts.max_total_tokens} tokens"
@@ -192,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
                 result = replay(driver, script, run_dir / "fuzz-failure.json")
             else:
                 seed = args.seed if args.seed is not None else HICACHE_SEED if opts.hicache else \
-                    DISAGG_SEED if opts.topology == "disagg" else DEFAULT_SEED
+                    DISAGG_SEED if opts.topology == "disagg" else ROUTERS_SEED if opts.routers > 1 else DEFAULT_SEED
                 result = run_fuzz(driver, examples=args.examples, steps=args.steps, seed=seed,
                                   shrink_seconds=args.shrink_seconds, script_path=run_dir / "fuzz-failure.json",
                                   report=progress)

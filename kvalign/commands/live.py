@@ -50,6 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--dp-size", type=int, default=1, metavar="N",
                        help="with --engine sglang-cpu: SGLang's --dp-size on each aggregated worker (N schedulers, KV "
                             "caches and KV-event streams, registered as ranks [0, N) of one Dynamo worker)")
+        q.add_argument("--dp-attention", action="store_true",
+                       help="with --dp-size N: the ranks are attention-DP groups of one TP group "
+                            "(--tp-size N --attn-dp-size N) instead of replicas")
         q.add_argument("--prefill", type=int, default=0, help="prefill workers (disaggregated topology)")
         q.add_argument("--decode", type=int, default=1, help="decode workers with --prefill")
         q.add_argument("--eagle", action=argparse.BooleanOptionalAction, default=True,
@@ -126,8 +129,10 @@ def _topology(args: argparse.Namespace) -> Topology:
         args.workers = 2 if args.dp_size == 1 else 1
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    if args.dp_attention and args.dp_size < 2:
+        raise UsageError("--dp-attention needs --dp-size 2 or more")
     return Topology.aggregated(args.workers, eagle=args.eagle, register_eagle=reg, page_size=args.page_size,
-                               dp_size=args.dp_size)
+                               dp_size=args.dp_size, dp_attention=args.dp_attention)
 
 
 def _plan(args: argparse.Namespace) -> tuple[ClusterPlan, WorkerKind]:

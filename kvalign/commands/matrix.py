@@ -25,7 +25,7 @@ import sys
 import time
 
 from kvalign.releases import local_build
-from kvalign.verify.rows import PROPERTIES
+from kvalign.verify.rows import DEFAULT_PROPERTIES, PROPERTIES
 from kvalign.errors import UsageError
 from kvalign.verify.matrix import (DEFAULT_SGLANG, LIVE_COLUMN, UNKNOWN, CellFileError, MatrixError, PairResult, cache_root,
                                    cell_document, default_dynamo_versions, exit_code, list_cells, merge_cells,
@@ -125,7 +125,7 @@ def _plan(args: argparse.Namespace) -> dict[str, object]:
 
 def _props(args: argparse.Namespace) -> list[str]:
     """The properties a run checks, in the table's column order."""
-    return [p for p in PROPERTIES if not args.props or p in args.props]
+    return [p for p in PROPERTIES if p in args.props] if args.props else list(DEFAULT_PROPERTIES)
 
 
 def _read_json(name: str, what: str) -> object:
@@ -153,7 +153,7 @@ def _merge(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     # merge_cells checked that every cell has this one; with none merged, no plan is known
     plan = docs[0][1]["cell"]["plan"] if docs else {}
-    _print(results, versions, as_json=args.json, props=plan.get("properties") or list(PROPERTIES),
+    _print(results, versions, as_json=args.json, props=plan.get("properties") or list(DEFAULT_PROPERTIES),
            markdown=plan if args.markdown else None)
     err = console()
     print(f"kvalign matrix: merged {len(results) - len(missing)} cells ({sum(r.verdict == 'aligned' for r in results)} "

@@ -38,6 +38,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def _not_found(stderr: str) -> str:
+    """The collector's "not found" line (a runtime's own log lines may precede it on stderr)."""
+    from kvalign.verify.matrix import one_line
+
+    line = next((ln for ln in stderr.splitlines() if ln.startswith("not found: ")), stderr)
+    return one_line(line).removeprefix("not found: ")
+
+
 def run(args: argparse.Namespace) -> int:
     from kvalign.commands.matrix import VERSION
     from kvalign.verify.matrix import MatrixError, ensure_release, installed, one_line, pair_env, shipped_sglang
@@ -72,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"collecting {args.finding} did not finish within {COLLECT_TIMEOUT_S}s") from None
     if res.returncode == 3:
         print(f"kvalign report: {args.finding} does not reproduce on ai-dynamo {dynamo} x sglang {sglang}: "
-              f"{one_line(res.stderr).removeprefix('not found: ')}", file=err)
+              f"{_not_found(res.stderr)}", file=err)
         return 1
     if res.returncode != 0:
         raise UsageError(f"collecting {args.finding} on ai-dynamo {dynamo} x sglang {sglang} failed: "

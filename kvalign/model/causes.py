@@ -74,6 +74,18 @@ class Cause(str, Enum):
     REPLICA_INDEX_DIVERGED = "router replicas would route the same prompt by indexes that hold different pages"
     REPLICA_STATE_UNSYNCED = ("a router replica misses its peers' active-sequence events (no replica sync): its "
                               "load view lacks their in-flight requests")
+    # Multimodal prompts (kvalign.verify.mm): how an image's pages stop matching.
+    MM_PAD_WIDTH = ("SGLang keys an image's tokens by pad values wider than the router's u32 token ids: Dynamo's "
+                    "relay drops every event batch holding one, and the frontend's u32 pad values cannot match them")
+    MM_PAD_VALUES = "the frontend fills an image's tokens with other pad values than SGLang does for the same image hash"
+    MM_HASH_NOT_FORWARDED = ("the worker did not pass the frontend's image hash to SGLang, which hashed the pixels "
+                             "itself: its pad values differ from the router's")
+    MM_ROUTING_SKIPPED = ("the frontend built no multimodal routing sequence: the router hashed the prompt with one "
+                          "placeholder per image, SGLang keyed the expanded image")
+    MM_PLACEHOLDER_COUNT = "the frontend expands an image to another number of placeholder tokens than SGLang's processor"
+    MM_EAGLE_WINDOW = ("EAGLE: the router's B+1-token window of the page ending where an image starts differs from "
+                       "SGLang's bigram page, which reaches one token into the image")
+    MM_IMAGE_REUSED = "a changed image was credited: its pad values did not change with its pixels"
     UNKNOWN = "unclassified hash difference"
 
 

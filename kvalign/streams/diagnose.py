@@ -27,6 +27,8 @@ from typing import Any
 import xxhash
 
 from kvalign.streams.capture import Batch, Cleared, Removed, capture_block_size, u64_list
+from kvalign.streams.diagnose_mm import mm_evidence
+from kvalign.model.mm_keys import pad_runs
 from kvalign.streams.engine_reuse import explain_engine_reuse, read_capture
 from kvalign.model.causes import Cause
 from kvalign.model.hashing import as_u32_tokens, block_hashes, salt_seed
@@ -328,6 +330,11 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings, *, engine_
         return found(i, Cause.EVICTED,
                      f"the engine stored block {i} (SGLang hash {_signed(page.ext)}, seq {page.seq}) and then "
                      f"evicted it ({when}); the router correctly stops crediting at block {i}")
+    mm = mm_evidence(capture, tokens, engine_b) if rep.malformed or pad_runs(tokens) else None
+    if mm is not None and mm.cause is not None:  # pages of the prompt the relay could not have indexed
+        held = min(mm.common - (1 if engine_eagle else 0), len(tokens)) // engine_b  # the engine holds them
+        d.engine.update(overlap=held, holds=held, ever_stored=held, kv_hit_rate=rate(held, engine_b))
+        return found(i, mm.cause, mm.detail)
     gap = _gap_evidence(seen, tokens, h_e, path_e, by_node, i, rep, engine_b, engine_eagle, ns_e)
     if isinstance(gap, _Gap):
         view = engine_view(i)
@@ -352,6 +359,8 @@ def diagnose(capture: str, tokens: list[int], router: RouterSettings, *, engine_
                      f"[{start}, {start + engine_b + engine_eagle}) instead of [{(page.depth - 1) * engine_b}, "
                      f"{(page.depth - 1) * engine_b + engine_b + engine_eagle}), and every page boundary differs",
                      _shifted_view(seen, tokens, i, k_engine, engine_b, engine_eagle))
+    if mm is not None:
+        d.notes.append(mm.detail)
     d.detail = (f"router and engine agree: the engine never stored block {i} of this prompt "
                 f"({overlap_r}/{len(h_r)} blocks cached)")
     if gap:  # lost batches after the last credited block, but nothing shows what they stored

@@ -19,55 +19,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from hypothesis.errors import FlakyFailure
 
 from kvalign.model.causes import Cause
 from kvalign.oracles.base import OracleUnavailable, RouterHasher
-from kvalign.verify.rows import EVENT_PROPERTIES, MODES, PROPERTIES, VARIANTS, RowResult
+from kvalign.verify.rows import DEFAULT_FORMAT_PROPERTIES, DEFAULT_PROPERTIES, EVENT_PROPERTIES, MODES, VARIANTS, RowResult
 from kvalign.verify.properties import Mismatch, card_property, hash_property, ingest_property, overlap_property, pages_property
+from kvalign.verify.search import run_search  # noqa: F401 - re-exported: check's engine, as before
 from kvalign.verify.strategies import hash_cases, ingest_scenarios, scenarios
-
-def run_search(body: Callable[[Any], None], strategy: st.SearchStrategy[Any], examples: int, *, seed: int | None = None) -> tuple[int, int, Mismatch | None]:
-    """Search ``strategy`` for an input on which ``body`` raises :class:`Mismatch`.
-
-    Returns (cases run, failing cases seen, shrunk mismatch or None). Any other exception is a
-    bug in the harness or an oracle and propagates.
-    """
-    calls = failures = 0
-
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
-              suppress_health_check=list(HealthCheck), report_multiple_bugs=False, print_blob=False,
-              phases=(Phase.explicit, Phase.generate, Phase.shrink))
-    @given(strategy)
-    def search(value: Any) -> None:
-        nonlocal calls, failures
-        calls += 1
-        try:
-            body(value)
-        except Mismatch:
-            failures += 1
-            raise
-
-    if seed is not None:
-        from hypothesis import seed as hseed
-
-        search = hseed(seed)(search)
-    try:
-        search()
-    except Mismatch as found:
-        return calls, failures, found
-    except FlakyFailure as flaky:
-        # A mismatch that did not recur when Hypothesis replayed its example (1.3.1's in-process relay
-        # drops some batches and not others) is still a mismatch the real path produced: report it as
-        # found, saying it is intermittent, instead of crashing the row. Anything else propagates.
-        first = next((e for e in flaky.exceptions if isinstance(e, Mismatch)), None)
-        if first is None:
-            raise
-        first.detail += " (intermittent: the same example passed when replayed)"
-        return calls, failures, first
-    return calls, failures, None
 
 
 @dataclass
@@ -217,11 +176,12 @@ def name_set_note(missed: list[str], registered: int) -> str:
 
 
 def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make_index: Callable[[], Any], *,
-              examples: int, props: tuple[str, ...] = PROPERTIES, modes: tuple[str, ...] = MODES,
+              examples: int, props: tuple[str, ...] = DEFAULT_PROPERTIES, modes: tuple[str, ...] = MODES,
               variants: tuple[str, ...] = tuple(VARIANTS), seed: int | None = None,
               progress: Callable[[RowResult], None] | None = None, systems: Systems | None = None,
               ingest_examples: int = 25, tier_examples: int | None = None, page_size: int | None = None,
-              event_format: str = "default", dp_examples: int | None = None) -> list[RowResult]:
+              event_format: str = "default", dp_examples: int | None = None,
+              mm_examples: int | None = None) -> list[RowResult]:
     """Run every requested property x mode x variant and return one row each; ``page_size`` pins the
     page size of every generated case (None: every size the strategies draw). ``event_format``: the
     KV-event format ``make_cache``'s caches publish in (and the tier rows'), carried by every row of a
@@ -230,7 +190,8 @@ def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make
     rows: list[RowResult] = []
 
     def emit(row: RowResult) -> None:
-        row.event_format = event_format if row.prop in EVENT_PROPERTIES else "any"
+        row.event_format = (event_format if row.prop in EVENT_PROPERTIES
+                            else "default" if row.prop in DEFAULT_FORMAT_PROPERTIES else "any")
         _capability_note(hasher, row)
         rows.append(row)
         if progress:
@@ -253,6 +214,13 @@ def run_check(hasher: RouterHasher, make_cache: Callable[[int, bool], Any], make
 
                 for row in run_dp_rows(systems.router_path, modes, min(examples, dp_examples or DP_EXAMPLES), run_search,
                                        seed=seed, page_size=page_size):
+                    emit(row)
+                continue
+            if prop == "mm":
+                from kvalign.verify.mm import MM_EXAMPLES, run_mm_rows
+
+                for row in run_mm_rows(systems, modes, min(examples, mm_examples or MM_EXAMPLES), seed,
+                                       page_size=page_size):
                     emit(row)
                 continue
             if prop in ("tier", "servable"):

@@ -38,7 +38,7 @@ from packaging.version import InvalidVersion, Version
 from kvalign.releases import local_build
 from kvalign.oracles.router_path import STUCK_EXIT_S, STUCK_MARK
 from kvalign.releases.release_env import ReleaseEnvError, cache_root, child_env, install, locked, python_for
-from kvalign.verify.rows import EVENT_PROPERTIES, MODES, PROPERTIES, PROPERTY_MODES
+from kvalign.verify.rows import DEFAULT_PROPERTIES, EVENT_PROPERTIES, MODES, PROPERTY_MODES
 from kvalign.runtime_log import log_dir
 
 DYNAMO_PACKAGES = ("ai-dynamo-runtime", "ai-dynamo")
@@ -555,7 +555,7 @@ def _dynamo_format_cell(r: PairResult, props: Sequence[str]) -> str:
     return _cell(findings, not_applicable)
 
 
-def table(results: Sequence[PairResult], props: Sequence[str] = PROPERTIES, modes: Sequence[str] = MODES) -> str:
+def table(results: Sequence[PairResult], props: Sequence[str] = DEFAULT_PROPERTIES, modes: Sequence[str] = MODES) -> str:
     """One row per pair, one column per property x mode (the modes a property runs in); a cell is ``ok``
     or the causes found, in SGLang's default event format.
 
@@ -624,13 +624,13 @@ def unknown_result(dynamo: str, why: str) -> PairResult:
 
 
 def report_json(results: Sequence[PairResult], versions: dict[str, Any],
-                props: Sequence[str] = PROPERTIES) -> dict[str, Any]:
+                props: Sequence[str] = DEFAULT_PROPERTIES) -> dict[str, Any]:
     """``matrix --json``'s document; ``properties`` says which were checked (a row's empty findings
     mean aligned on those only)."""
     return {"versions": versions, "properties": list(props), "rows": [r.as_json() for r in results]}
 
 
-def render(results: Sequence[PairResult], props: Sequence[str] = PROPERTIES) -> str:
+def render(results: Sequence[PairResult], props: Sequence[str] = DEFAULT_PROPERTIES) -> str:
     """``matrix``'s stdout without ``--json``: the table (a column per checked property x mode),
     then one line per error row."""
     out = [table(results, props)]
@@ -679,7 +679,7 @@ def exit_code(results: Sequence[PairResult]) -> int:
 
 
 def cell_document(result: PairResult, versions: dict[str, Any], plan: dict[str, Any],
-                  props: Sequence[str] = PROPERTIES) -> dict[str, Any]:
+                  props: Sequence[str] = DEFAULT_PROPERTIES) -> dict[str, Any]:
     """``--cell --json``: the matrix's own document for that one row, plus what a merge needs
     (the cell, and the plan it belongs to: the ``--dynamo``/``--sglang``/``--shipped`` options and
     the example counts; cells of different plans do not merge)."""

@@ -87,6 +87,27 @@ ANCHORS: dict[Cause, tuple[Anchor, ...]] = {
                "the frontend's flag for that weight (default 0.75); it scales all host credit and cannot express "
                "\"no credit below SGLang's threshold\""),
     ),
+    Cause.MM_PAD_WIDTH: (
+        Anchor("sglang", "srt/managers/schedule_batch.py", "_MM_WIDE_PAD_MASK = (1 << 62) - 1",
+               "SGLang keys an image's tokens by sentinels of up to 62 bits (plus MM_PAD_SHIFT_VALUE)"),
+        Anchor("sglang", "srt/managers/schedule_batch.py", "def _compute_pad_values(identity: bytes)",
+               "four sentinels per image, from a SHA-256 of the item hash, repeated over the image's tokens (0.5.21 "
+               "and before: one value, MM_PAD_SHIFT_VALUE + hash % 2**30)"),
+        Anchor("sglang", "srt/managers/schedule_batch.py",
+               "self.pad_values = _compute_pad_values(self.hash.to_bytes(8, byteorder=\"big\"))",
+               "set_hash, which the tokenizer manager calls with the frontend's hash (mm_hashes), derives them"),
+        Anchor("sglang", "srt/managers/tokenizer_manager.py", "item.set_hash(int(hex_hash, 16))",
+               "the frontend's hash reaches SGLang's item hash here: same image, same hash on both sides, but "
+               "not the same pad values"),
+        Anchor("dynamo", "sglang/request_handlers/llm/decode_handler.py", 'mm_hashes_kwargs["mm_hashes"] = forwarded',
+               "dynamo.sglang forwards the frontend's per-image hashes to SGLang"),
+        Anchor("dynamo", "sglang/_compat.py", "padded_input_ids = MultimodalProcessorOutput.build_padded_input_ids(",
+               "and rebuilds SGLang's padded ids after them, with SGLang's own (wide) padding"),
+        Anchor("dynamo", "_core.pyi", "image_token_id: Optional model image-placeholder token for exact MM routing.",
+               "the frontend and relay are compiled Rust (dynamo._core): the frontend's pad values "
+               "(1_000_000 + hash % 2**30) and the relay's u32 token decoding are shown by the replay above, "
+               "not by a source line", dist="ai-dynamo-runtime"),
+    ),
 }
 
 
@@ -169,6 +190,20 @@ def _event_hashes(ev: Any) -> list[int]:
     if isinstance(ev, (list, tuple)) and len(ev) > 1 and isinstance(ev[1], list):
         return [int(h) for h in ev[1] if isinstance(h, int)]
     return []
+
+
+def _wire(frames: list[list[bytes]]) -> list[dict[str, Any]]:
+    """Recorded ZMQ messages (sentinel pages left out): frames as hex, topic, seq, payload decoded."""
+    import msgpack
+
+    wire = []
+    for parts in frames:
+        payload = msgpack.unpackb(parts[-1], raw=False, strict_map_key=False)
+        if _is_sentinel(payload):
+            continue
+        wire.append({"frames_hex": [f.hex() for f in parts], "topic": parts[0].decode("utf-8", "replace"),
+                     "seq": int.from_bytes(parts[1], "big") if len(parts) > 2 else None, "decoded": _hexable(payload)})
+    return wire
 
 
 def search(cause: Cause, modes: Sequence[str], examples: int) -> tuple[Any, str, str, str, Any]:
@@ -395,6 +430,18 @@ def collect(cause: Cause, modes: Sequence[str], examples: int) -> dict[str, Any]
     """Everything the report says, from the releases importable here (run inside the pair's environment)."""
     from kvalign.verify.check import _plain
 
+    from kvalign.verify import report_mm
+
+    if cause in report_mm.MM_CAUSES:
+        found, prop, mode, variant, handles = report_mm.search_mm(cause, modes, examples)
+        try:
+            return {"cause": cause.name, "cause_text": cause.value, "property": prop, "mode": mode, "variant": variant,
+                    "detail": found.detail, "counterexample": report_mm.describe(found.example),
+                    "versions": {d: _version(d) for d in ("ai-dynamo", "ai-dynamo-runtime", "sglang")},
+                    "anchors": [locate(a) for a in ANCHORS.get(cause, ())],
+                    "mm_replay": report_mm.replay_mm(found.example, handles, _wire)}
+        finally:
+            report_mm.close(handles)
     if cause in TIER_CAUSES:
         found, prop, mode, variant = search_servable(modes, examples)
         hasher = None
@@ -469,6 +516,10 @@ def render(data: dict[str, Any], command: str) -> str:
         for q in replay["queries"]:
             out.append(f"| ({q['lora_name']!r}, {q['cache_salt']!r}) | {q['engine_pages']} | {q['router_blocks']} |")
         out.append("")
+    if data.get("mm_replay"):
+        from kvalign.verify.report_mm import render_mm_replay
+
+        out += render_mm_replay(data["mm_replay"])
     tier = data.get("tier_replay")
     if tier:
         out += _render_tier_replay(tier, data.get("condition"))
@@ -495,7 +546,10 @@ def _render_tier_replay(tier: dict[str, Any], condition: str | None) -> list[str
     e, o = tier["engine"], tier["outcome"]
     out = ["The replay below runs these steps once more through the real path: SGLang's `UnifiedRadixCache` with "
            f"HiCache on ({e['core']}, write policy `{e['policy']}`, page size {e['page_size']}; SGLang's own "
-           "`init_hicache`, with only the device↔host transfer path stood in: kvalign/standins/hicache.py) → SGLang's "
+           "`init_hicache`; each request served by SGLang's own scheduler code, `Req`, `PrefillAdder.add_one_req`, "
+           "`ScheduleBatch.prepare_for_extend` and `release_kv_cache` on SGLang's device allocator: "
+           "kvalign/oracles/admission.py; only the device↔host transfer path and the scheduler's server and model "
+           "config stood in: kvalign/standins/hicache.py, kvalign/standins/scheduler.py) → SGLang's "
            "`ZmqEventPublisher` → a 127.0.0.1 hop (recorded here) → Dynamo's `KvEventPublisher` relay → `KvRouter`. "
            f"Token ids are offset by {tier['token_offset']}.", "",
            "## Each step: where SGLang holds the prompt, what the router credits", "",

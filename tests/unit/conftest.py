@@ -54,3 +54,25 @@ def cache_factory(sglang_available: str) -> Callable[[str], Callable[[int, bool]
     from kvalign.oracles.sglang import SglangRadixCache
 
     return lambda kind: lambda page_size, eagle: SglangRadixCache(page_size, eagle=eagle, kind=kind)
+
+
+@pytest.fixture(scope="session")
+def mm_oracles(router_hasher: RouterHasher, sglang_available: str):
+    """Dynamo's real frontend (with the recording worker) and SGLang's real multimodal path, for the
+    tiny Qwen2-VL; both started once per session (20-40 s on two cores)."""
+    from kvalign.oracles.frontend_mm import FrontendPreprocessor
+    from kvalign.oracles.sglang_mm import SglangMultimodal
+    from kvalign.verify.mm_strategies import MM_PAGE_SIZES
+
+    try:
+        frontend = FrontendPreprocessor(MM_PAGE_SIZES)
+    except OracleUnavailable as exc:
+        pytest.skip(f"Dynamo's frontend cannot preprocess image requests here: {exc}")
+    try:
+        sglang = SglangMultimodal(frontend.model_dir)
+    except OracleUnavailable as exc:
+        frontend.close()
+        pytest.skip(f"SGLang's multimodal path cannot run here: {exc}")
+    yield frontend, sglang
+    sglang.close()
+    frontend.close()

@@ -86,18 +86,23 @@ class Topology:
     #: SGLang's ``--dp-size`` of every aggregated worker: that many schedulers, KV caches and KV-event
     #: streams per worker (ports ``kv_events + rank``), one Dynamo worker routed by (instance, dp_rank)
     dp_size: int = 1
+    #: the ranks are attention-DP groups of one TP group (``--tp-size N --attn-dp-size N``), not replicas
+    dp_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.dp_attention and self.dp_size < 2:
+            raise ValueError("--dp-attention needs --dp-size 2 or more")
         if self.dp_size > 1 and self.disaggregated_mode:
             raise ValueError("--dp-size runs aggregated workers only (the disaggregated fake transfer is not "
                              "checked across data-parallel ranks)")
 
     @classmethod
     def aggregated(cls, n: int, *, eagle: bool, register_eagle: bool | None = None, page_size: int = 16,
-                   dp_size: int = 1) -> "Topology":
-        return cls(tuple(WorkerSpec(f"worker{i}", "agg", eagle, register_eagle) for i in range(n)), page_size, dp_size)
+                   dp_size: int = 1, dp_attention: bool = False) -> "Topology":
+        return cls(tuple(WorkerSpec(f"worker{i}", "agg", eagle, register_eagle) for i in range(n)), page_size, dp_size,
+                   dp_attention)
 
     @classmethod
     def disaggregated(

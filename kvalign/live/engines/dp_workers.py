@@ -30,8 +30,12 @@ DP_ATTENTION_PROBLEM = ("DP attention needs --tp-size N with N > 1 on the CPU en
 DP_RELEASES = ("0.5.23",)
 
 
-def dp_args(dp_size: int) -> list[str]:
-    return ["--dp-size", str(dp_size)] if dp_size > 1 else []
+def dp_args(dp_size: int, attention: bool = False) -> list[str]:
+    """SGLang's flags for ``dp_size`` ranks: replicas (``--dp-size``), or attention-DP groups of one TP
+    group (``--tp-size N --attn-dp-size N``, SGLang 0.5.23's spelling of ``--enable-dp-attention``)."""
+    if dp_size == 1:
+        return []
+    return ["--tp-size", str(dp_size), "--attn-dp-size", str(dp_size)] if attention else ["--dp-size", str(dp_size)]
 
 
 def threads_bind(dp_size: int, cpus: list[int] | None = None) -> str:

@@ -77,7 +77,8 @@ class SglangCpuWorkerKind:
     def __init__(self, draft_model: str | None, *, eagle: CpuEagle = CpuEagle(), max_total_tokens: int = 4096,
                  threads: int = 2, sglang_version: str = sglang_cpu_standin.SGLANG_VERSION,
                  sglang_dir: Path | None = None, relay_subscribe: Mapping[str, str] | None = None,
-                 sleep_on_idle: bool = True, hicache: HiCache | None = None) -> None:
+                 sleep_on_idle: bool = True, hicache: HiCache | None = None,
+                 extra_env: Mapping[str, str] | None = None) -> None:
         self.draft_model, self.eagle = draft_model, eagle
         #: SGLang's host tier on the workers that cache prompts (aggregated and prefill), or None
         self.hicache = hicache
@@ -103,6 +104,7 @@ class SglangCpuWorkerKind:
         #: a test control (the fuzz's ``publisher_faults``): each publishing worker loads kvalign's
         #: publisher-fault hook, armed through ``<dir>/<worker>.json`` (never set on the normal path)
         self.publisher_faults_dir: Path | None = None
+        self.extra_env = dict(extra_env or {})  # e.g. a stand-in switched on for this run only
 
     def _kv_ipc(self, worker: WorkerSpec, plan: ClusterPlan) -> str:
         """The IPC endpoint ``worker``'s SGLang binds for its events (releases without ``bind``)."""
@@ -132,6 +134,7 @@ class SglangCpuWorkerKind:
             raise ValueError(f"{worker.name} runs EAGLE3 but no draft model was given")
         ports = plan.worker_ports[worker.name]
         dp = ports.kv_ranks  # data-parallel ranks (kvalign.live.engines.dp_workers)
+        attention = dp > 1 and plan.topology.dp_attention  # one TP group: its ranks share one --nccl-port
         forced_off = worker.eagle and worker.register_eagle is False
         hop = self.relay_subscribe.get(worker.name)
         recording = self.record_server_info and worker.publishes_kv_events
@@ -143,8 +146,8 @@ class SglangCpuWorkerKind:
             "--disable-overlap-schedule", "--page-size", str(plan.topology.page_size),
             "--max-total-tokens", str(self.decode_max_total_tokens if worker.role == "decode" and self.decode_max_total_tokens
                                      else self.max_total_tokens), "--host", "127.0.0.1", "--enable-metrics",
-            *(["--nccl-port", str(ports.nccl)] if dp == 1 else []),
-            *(["--sleep-on-idle"] if self.sleep_on_idle else []), *dp_args(dp),
+            *(["--nccl-port", str(ports.nccl)] if dp == 1 or attention else []),
+            *(["--sleep-on-idle"] if self.sleep_on_idle else []), *dp_args(dp, attention),
         ]
         if worker.publishes_kv_events:
             config = plan.kv_events_config(worker, bind=self.release.kv_events_bind)
@@ -169,6 +172,7 @@ class SglangCpuWorkerKind:
             "TORCH_EXTENSIONS_DIR": torch_extensions_dir(self.sglang_version),
             **({ROUTER_EAGLE_ENV: "off"} if forced_off else {}), **({RELAY_SUBSCRIBE_ENV: hop} if hop else {}),
             **({SERVER_INFO_ENV: str(server_info_path(plan, worker))} if recording else {}),
+            **self.extra_env,
         }
         if dp > 1:
             env["SGLANG_CPU_OMP_THREADS_BIND"] = threads_bind(dp)

@@ -106,7 +106,7 @@ def parse_sse(lines: Iterable[str | bytes]) -> ChatResult:
     return res
 
 
-def chat_payload(model: str, content: str, *, max_tokens: int, extra_fields: Sequence[str] = EXTRA_FIELDS) -> dict[str, Any]:
+def chat_payload(model: str, content: str | list[dict[str, Any]], *, max_tokens: int, extra_fields: Sequence[str] = EXTRA_FIELDS) -> dict[str, Any]:
     """The streaming request of Dynamo's router e2e tests, plus usage for the prompt length."""
     return {
         "model": model,
@@ -118,8 +118,10 @@ def chat_payload(model: str, content: str, *, max_tokens: int, extra_fields: Seq
     }
 
 
-def stream_chat(base_url: str, model: str, content: str, *, max_tokens: int = 8, timeout_s: float = 60.0) -> ChatResult:
-    """POST one streaming chat completion and parse it; HTTP errors raise with the body."""
+def stream_chat(base_url: str, model: str, content: str | list[dict[str, Any]], *, max_tokens: int = 8,
+                timeout_s: float = 60.0) -> ChatResult:
+    """POST one streaming chat completion and parse it; HTTP errors raise with the body. ``content``:
+    a string, or OpenAI content parts (text and ``image_url`` parts)."""
     with requests.post(
         f"{base_url}/v1/chat/completions", json=chat_payload(model, content, max_tokens=max_tokens),
         stream=True, timeout=(5.0, timeout_s),

@@ -22,7 +22,7 @@ from __future__ import annotations
 from kvalign.standins.hicache import WRITE_POLICIES
 
 #: SGLang releases whose host pool (``mem_cache/pool_host/{common,mha}.py``) the patches were written for.
-SUPPORTED = ("0.5.23",)
+SUPPORTED = ("0.5.19", "0.5.21", "0.5.23")
 
 __all__ = ["SUPPORTED", "WRITE_POLICIES", "version_problem"]
 

@@ -41,7 +41,8 @@ def kvcacheio_on_cpu() -> None:
 
     import sgl_kernel.kvcacheio as kvcacheio
 
-    _require(not (mha._is_cuda or mha._is_hip or mha._is_xpu), "the host pool runs on a GPU build here: nothing to stand in")
+    _require(not any(getattr(mha, flag, False) for flag in ("_is_cuda", "_is_hip", "_is_xpu")),
+             "the host pool runs on a GPU build here: nothing to stand in")
     source = inspect.getsource(mha)
     _require("if _is_cuda or _is_hip:\n    from sgl_kernel.kvcacheio import (" in source,
              "pool_host/mha.py no longer imports its transfer ops from sgl_kernel.kvcacheio under `if _is_cuda or _is_hip`")

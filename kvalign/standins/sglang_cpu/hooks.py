@@ -17,13 +17,14 @@ from typing import Any
 
 from kvalign.standins import hicache_cpu
 from kvalign.standins.hicache_cpu import patches as hicache_patches
+from kvalign.standins import sglang_scalar_pads
 from kvalign.standins.sglang_cpu import SUPPORTED, patches, publisher_faults, version_problem
 
 #: module -> patches to run once it has executed, in every supported release (each release's own
 #: extra ones come from ``SUPPORTED[version].patches``).
 PATCHES: dict[str, tuple[Callable[[], None], ...]] = {
     "sglang.srt.speculative.draft_utils": (patches.draft_extend_backend,),
-    "sglang.srt.layers.attention.torch_native_backend": (patches.target_verify_extend,),
+    "sglang.srt.layers.attention.torch_native_backend": (patches.target_verify_extend, patches.cpu_graph_seq_len_fill),
     "sglang.srt.arg_groups.pd_disaggregation_hook": (patches.fake_transfer_prefill_check,),
     "sglang.srt.managers.disagg_service": (patches.fake_transfer_bootstrap,),
     "sglang.srt.disaggregation.decode": (patches.fake_transfer_decode,),
@@ -98,4 +99,7 @@ def install() -> None:
         if os.environ.get(publisher_faults.FAULTS_ENV):  # a test control, never set on the normal path
             module = "sglang.srt.disaggregation.kv_events"
             table[module] = (*table.get(module, ()), publisher_faults.install)
+        if os.environ.get(sglang_scalar_pads.ENABLE_ENV) == "1":  # the live multimodal control: 0.5.21's pad rule
+            module = "sglang.srt.managers.schedule_batch"
+            table[module] = (*table.get(module, ()), sglang_scalar_pads.install_in_module)
         sys.meta_path.insert(0, _PatchOnImport(table))

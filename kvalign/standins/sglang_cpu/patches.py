@@ -132,6 +132,25 @@ class NoBootstrapServer:
         """Nothing was opened."""
 
 
+def cpu_graph_seq_len_fill() -> None:
+    """``TorchNativeAttnBackend.get_cpu_graph_seq_len_fill_value``, for DP attention on this CPU.
+
+    Under DP attention every forward pads its batch for the MLP sync (``prepare_mlp_sync_batch`` ->
+    ``_pad_inputs_to_size``), which on CPU asks the attention backend for the padded sequences'
+    length; only SGLang's CPU backend that needs the CPU build of sgl-kernel (``intel_amx``,
+    ``intel_amx_backend.py``: 1) defines it, so torch_native raised ``AttributeError`` at the first
+    request (seen live). The value is intel_amx's (tests hold it to that method). Nothing changes
+    where the backend has one."""
+    from sglang.srt.layers.attention import torch_native_backend as tnb
+
+    if not hasattr(tnb.TorchNativeAttnBackend, "get_cpu_graph_seq_len_fill_value"):
+        tnb.TorchNativeAttnBackend.get_cpu_graph_seq_len_fill_value = lambda self: CPU_GRAPH_SEQ_LEN_FILL
+
+
+#: What SGLang's own CPU attention backend pads a sequence with (``IntelAMXAttnBackend``, 0.5.19 to 0.5.23).
+CPU_GRAPH_SEQ_LEN_FILL = 1
+
+
 def fake_transfer_prefill_check() -> None:
     """Let ``handle_pd_disaggregation`` accept ``fake`` on a prefill worker."""
     from sglang.srt.arg_groups import pd_disaggregation_hook as hook

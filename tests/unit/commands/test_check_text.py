@@ -81,3 +81,27 @@ def test_the_verdict_comes_first_then_where_a_cause_holds():
     ok = ROWS[:2]
     assert check_text.verdict(ok, 1.0) == "ALIGNED: 31 cases in 1.0s, 0 of 2 rows mismatched"
     assert check_text.explanations(ok) == ""
+
+
+def _capped(row: RowResult, cases: int) -> RowResult:
+    row.scoped = {Cause.LAST_PAGE_CAPPED.name: {
+        "cases": cases, "cause": Cause.LAST_PAGE_CAPPED.value, "condition": "only for a prompt that ends at a page boundary",
+        "detail": "page size 4: a 4-token prompt; SGLang's scheduler matches at most 3 tokens of it"}}
+    return row
+
+
+def test_a_cause_counted_apart_leaves_the_cell_and_the_verdict_alone_and_is_said_under_the_table():
+    """LAST_PAGE_CAPPED never fails a row: its cell stays ``ok`` (or the row's own cause), the rows it was
+    counted in are named under the table with their counts, and the verdict line stays ALIGNED."""
+    rows = [_capped(RowResult("tier", "plain", "base", 12, 0, 1.0), 3), _capped(_servable("plain"), 140)]
+    rows[1].admission = {"prompt_tokens": 3, "device_tokens": 0, "host_only_tokens": 2, "loaded_tokens": 0}
+    table = check_text.table(rows).splitlines()
+    assert table[2].split()[-1] == "ok" and table[3].split()[-1] == "HOST_CREDIT_NOT_SERVABLE"
+    below = check_text.explanations(rows)
+    flat = " ".join(below.split())  # the lines are wrapped to 100 columns
+    assert "LAST_PAGE_CAPPED (counted apart, not a mismatch)" in flat
+    assert "143 cases: tier/plain/base 3, servable/plain/base 140" in flat
+    assert "prompt_tokens 3, device_tokens 0, host_only_tokens 2, loaded_tokens 0" in flat
+    assert check_text.verdict(rows[:1], 1.0).splitlines() == [
+        "ALIGNED: 12 cases in 1.0s, 0 of 1 rows mismatched", "  LAST_PAGE_CAPPED counted apart in 3 cases (not a misalignment)"]
+    assert [ln for ln in below.splitlines() if len(ln) > check_text.WIDTH] == []

@@ -125,3 +125,15 @@ def test_live_up_dp_size_needs_the_real_engine_and_aggregated_workers(capsys):
                           (["live", "plan", "--engine", "sglang-cpu", "--dp-size", "0"], "--dp-size must be >= 1")):
         assert main(argv) == 2
         assert message in capsys.readouterr().err
+
+
+def test_dp_attention_ranks_are_groups_of_one_tp_group_sharing_its_nccl_port(tmp_path):
+    plan = make_plan(Topology.aggregated(1, eagle=True, dp_size=2, dp_attention=True), tmp_path)
+    spec = SglangCpuWorkerKind("/draft").command(plan.topology.workers[0], plan)
+    assert (_flag(spec.argv, "--tp-size"), _flag(spec.argv, "--attn-dp-size")) == ("2", "2")
+    assert "--dp-size" not in spec.argv
+    # one TP group: SGLang gives every DP-attention rank the group's own port, so ours is safe to pin
+    assert _flag(spec.argv, "--nccl-port") == str(plan.worker_ports["worker0"].nccl)
+    assert plan.worker_ports["worker0"].kv_ranks == 2
+    with pytest.raises(ValueError, match="--dp-size 2 or more"):
+        Topology.aggregated(1, eagle=True, dp_attention=True)

@@ -110,3 +110,47 @@ def test_the_cli_takes_dp_size_and_the_control_flag():
     assert (opts.workers, opts.dp_size, opts.rank0_only) == (1, 2, True)
     replayed = fuzz._options(parser.parse_args(["fuzz"]), {"options": {"dp_size": 2, "workers": 1, "rank0_only": True}})
     assert (replayed.workers, replayed.dp_size, replayed.rank0_only) == (1, 2, True)
+
+
+def test_a_sticky_follow_up_is_pinned_to_the_rank_that_served_its_base_prompt():
+    from kvalign.live.runs.fuzz.dp_ranks import sticky_step
+
+    driver = SimpleNamespace(labels=LABELS, history=["a", "b", "c"], served=["worker0.dp0", "worker0.dp1", None])
+    step = sticky_step(driver, 4, 7, 16, 2)  # of 4 -> history[1], served by rank 1
+    assert step == {"rule": "request", "prompt": {"kind": "follow_up", "of": 4, "seed": 7, "extra": 16},
+                    "max_tokens": 2, "pin": 1}
+    assert "pin" not in sticky_step(driver, 2, 7, 16, 2)  # a prompt no live rank served goes unpinned
+
+
+def test_the_decode_window_reads_the_serving_ranks_samples_only():
+    from kvalign.live.runs.fuzz.dp_ranks import rank_samples
+    from kvalign.live.wire.metrics import Sample, MetricsSnapshot, spec_window
+
+    def snap(verify: tuple[float, float], gauge: tuple[float, float]) -> MetricsSnapshot:
+        return MetricsSnapshot([
+            *(Sample("sglang:spec_verify_calls_total", (("dp_rank", str(r)),), v) for r, v in enumerate(verify)),
+            *(Sample("sglang:spec_accept_length", (("dp_rank", str(r)),), v) for r, v in enumerate(gauge)),
+            Sample("sglang:num_requests_total", (), 5.0)])
+
+    before, after = snap((10, 4), (2.0, 1.0)), snap((12, 4), (2.0, 1.0))  # rank 0 served; rank 1's gauge is stale
+    assert spec_window(before, [after]).accept_length == 1.5  # both ranks averaged: the failure seen live
+    window = spec_window(rank_samples(before, 0), [rank_samples(after, 0)])
+    assert window.accept_length == 2.0 and window.verify_calls == 2
+    assert rank_samples(after, None) is after
+
+
+def test_every_rank_sends_each_rank_a_prompt_and_its_follow_up_there():
+    from kvalign.live.runs.fuzz.dp_ranks import run_every_rank
+
+    steps: list[dict[str, Any]] = []
+    driver = SimpleNamespace(labels=LABELS, history=[], served=[], opts=SimpleNamespace(page_size=B))
+
+    def run_step(step: dict[str, Any]) -> None:  # the driver records what each request ran on
+        steps.append(step)
+        driver.history.append(step["prompt"])
+        driver.served.append(LABELS[step["pin"]])
+
+    driver.run_step = run_step
+    run_every_rank(driver, 100, 40, 3)
+    assert [(s["prompt"]["kind"], s["pin"]) for s in steps] == [("fresh", 0), ("follow_up", 0), ("fresh", 1), ("follow_up", 1)]
+    assert steps[1]["prompt"]["of"] == 0 and steps[3]["prompt"]["of"] == 2 and steps[3]["prompt"]["extra"] == B + 1

@@ -64,11 +64,12 @@ def test_negative_control_a_medium_the_router_indexes_nowhere_counts_nowhere():
 
 
 def tobs(n: int, residency: Residency, *, raw: int, rate: float, engine: int, split: tuple[int, int],
-         predicted: Residency | None = None) -> TierObservation:
+         predicted: Residency | None = None, b: int = B, faulted: bool = False) -> TierObservation:
     c = Completion(n, engine, [0], 7, 7, rate)
     predicted = predicted or residency
-    return TierObservation(1, list(range(n)), c, "worker0", False, B, True, predicted.held, residency.held, engine,
-                           residency=residency, router_view=predicted, router_raw=raw, weight=0.75, engine_split=split)
+    return TierObservation(1, list(range(n)), c, "worker0", False, b, True, predicted.held, residency.held, engine,
+                           hop_faulted=faulted, residency=residency, router_view=predicted, router_raw=raw, weight=0.75,
+                           engine_split=split)
 
 
 def judge(o: TierObservation) -> list[str]:
@@ -131,3 +132,39 @@ def test_the_load_back_threshold_is_the_one_sglangs_init_hicache_sets():
     for policy in ("write_through", "write_back"):
         engine = HiCacheEngine(B, eagle=True, core=available_cores()[0], policy=policy, host_tokens=64)
         assert engine.load_back_threshold == LOAD_BACK_THRESHOLD
+
+
+def test_a_worker_that_reused_tokens_but_exports_no_tier_counter_is_a_missing_surface():
+    from kvalign.live.runs.fuzz.hicache import EngineTiers
+    from kvalign.live.runs.fuzz.surfaces import SurfaceMissing
+
+    tiers = EngineTiers({"worker0": "http://127.0.0.1:1/metrics"})
+    assert tiers.split("worker0", None, None, 0) == (0, 0)  # nothing counted yet, nothing reused: no sample is right
+    assert tiers.split("worker0", {"device": 8.0}, {"device": 16.0, "host": 12.0}, 20) == (8, 12)
+    with pytest.raises(SurfaceMissing, match="exports no sglang:cached_tokens_total after reusing 8 tokens"):
+        tiers.split("worker0", None, None, 8)
+
+
+def test_the_raw_credit_counter_sums_the_publishing_phases_not_the_decode_hop():
+    from kvalign.live.runs.fuzz.hicache import selected_tokens
+    from kvalign.live.wire.metrics import MetricsSnapshot, Sample
+
+    name = "dynamo_component_router_kv_selected_cached_prefix_tokens_total"
+    snap = MetricsSnapshot([Sample(name, (("phase", "prefill"), ("worker_id", "a")), 20.0),
+                            Sample(name, (("phase", "aggregated"), ("worker_id", "b")), 4.0),
+                            Sample(name, (("phase", "decode"), ("worker_id", "c")), 99.0)])
+    assert selected_tokens(snap) == 24.0
+    assert selected_tokens(MetricsSnapshot([])) is None
+
+
+def test_a_hop_that_lost_the_device_store_is_judged_against_what_the_router_was_told():
+    """Seen live (page 16, write_through): the hop lost a fresh worker's device-store batch, its host
+    copy arrived, so the router held the 4 pages as host-only while the engine reused them from the
+    device. That request is hop-faulted: its tiers are judged against the router view."""
+    live = dict(raw=64, rate=3.0 / 6, engine=64, split=(64, 0), predicted=Residency(0, 4), b=16)
+    o = tobs(91, Residency(4, 0), faulted=True, **live)
+    assert o.router_split == (0, 4)
+    tally = Tally()
+    assert evaluate_tiers(o, tally) == [] and tally.checked["router_tiers_match_engine"] == 1
+    # negative control: the same request judged against the engine fails
+    assert [n for n, _ in evaluate_tiers(tobs(91, Residency(4, 0), **live), Tally())] == ["router_tiers_match_engine"]

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvalign.commands.fuzz import DEFAULT_SEED, DISAGG_SEED, DISAGG_SHORT, HICACHE_SEED
+from kvalign.commands.fuzz import DEFAULT_SEED, DISAGG_SEED, DISAGG_SHORT, HICACHE_SEED, ROUTERS_SEED
 from kvalign.live.runs.fuzz.driver import COUNTS, FuzzEnvironmentError, FuzzOptions
 from kvalign.live.runs.fuzz.invariants import InvariantFailed, Tally
 from kvalign.live.runs.fuzz.machine import replay, run_fuzz
@@ -55,6 +55,45 @@ def test_default_seed_draws_every_rule_in_three_examples() -> None:
     drawn = Counter(s["rule"] for ex in d.all_steps for s in ex)
     assert set(drawn) == RULES, drawn
     assert all(sum(s["rule"] == "restart" for s in ex) <= 1 for ex in d.all_steps)
+
+
+class ReplicaFaults:
+    """The part of FuzzReplicas the machine reads: replica faults drawn in this example."""
+
+    faults_in_example = 0
+
+
+class ReplicaRecordingDriver(RecordingDriver):
+    """A recording driver with router replicas (``--routers 2``): two more rules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replicas = ReplicaFaults()
+
+    def begin_example(self) -> None:
+        super().begin_example()
+        self.replicas.faults_in_example = 0
+
+    def run_step(self, step: dict) -> None:
+        super().run_step(step)
+        self.replicas.faults_in_example += step["rule"] in ("restart_router", "interrupt_events")
+
+
+def test_the_replica_seed_draws_every_rule_and_both_replica_faults_with_one_restart() -> None:
+    d = ReplicaRecordingDriver()
+    res = run_fuzz(d, examples=3, steps=10, seed=ROUTERS_SEED, shrink_seconds=10, script_path=Path("/nonexistent"),
+                   report=lambda _m: None)
+    assert res.failure is None
+    drawn = Counter(s["rule"] for ex in d.all_steps for s in ex)
+    assert set(drawn) == RULES | {"restart_router", "interrupt_events"} and drawn["restart"] == 1, drawn
+    assert all(sum(s["rule"] in ("restart_router", "interrupt_events") for s in ex) <= 1 for ex in d.all_steps)
+
+
+def test_without_replicas_the_machine_draws_no_replica_fault() -> None:
+    d = RecordingDriver()
+    run_fuzz(d, examples=3, steps=10, seed=ROUTERS_SEED, shrink_seconds=10, script_path=Path("/nonexistent"),
+             report=lambda _m: None)
+    assert not {"restart_router", "interrupt_events"} & {s["rule"] for ex in d.all_steps for s in ex}
 
 
 def test_a_failure_is_shrunk_to_its_minimal_steps_and_written_as_a_script(tmp_path: Path) -> None:

@@ -53,9 +53,12 @@ def round_trip(io_backend: str, layout: str) -> dict:
     device = MHATokenToKVPool(DEVICE_TOKENS, PAGE, torch.float32, HEADS, DIM, LAYERS, "cpu", False)
     for buf in (*device.k_buffer, *device.v_buffer):
         buf.copy_(torch.randn_like(buf))
-    info = device.get_device_pool_infos()[0].buffer_info
-    host = MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=True, device="cpu",
-                                device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS)
+    if hasattr(device, "get_device_pool_infos"):  # 0.5.23: the host pool is built from the device pool's buffer info
+        info = device.get_device_pool_infos()[0].buffer_info
+        host = MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=True, device="cpu",
+                                    device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS)
+    else:  # 0.5.19, 0.5.21: from the device pool itself
+        host = MHATokenToKVPoolHost(device, 2.0, 0, PAGE, layout, pin_memory=True, device="cpu")
     KEEP.append((device, host))
     pages = [3, 7, 2]  # device pages to back up, in this order
     dev = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])

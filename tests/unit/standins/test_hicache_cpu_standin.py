@@ -28,7 +28,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvalign.standins import sglang_cpu
+from kvalign.standins import hicache_cpu, sglang_cpu
 from kvalign.standins.hicache_cpu import kvcacheio as io
 from kvalign.standins.hicache_cpu.pinned import ALREADY_REGISTERED, INVALID_VALUE, NOT_REGISTERED, HostRegistry
 
@@ -263,17 +263,31 @@ def test_negative_control_a_registry_without_the_overlap_rule_is_caught():
 
 # ---- SGLang's real host pool, in a worker-like child ---------------------------------------------
 
-def _child(*args: str) -> dict:
+@pytest.fixture(scope="module", params=hicache_cpu.SUPPORTED)
+def release(request: pytest.FixtureRequest) -> Path | None:
+    """Each release the stand-in supports: the environment's (None), or its wheel-cache directory."""
+    from kvalign.verify.matrix import MatrixError, ensure_release
+
+    if request.param == sglang_cpu.SGLANG_VERSION:
+        return None
+    try:
+        return ensure_release("sglang", request.param)
+    except MatrixError as exc:
+        pytest.skip(f"sglang {request.param} cannot be installed into the wheel cache here: {exc}")
+
+
+def _child(release: Path | None, *args: str) -> dict:
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", sglang_cpu.ENABLE_ENV)}
-    env = {**base, **sglang_cpu.worker_env(str(ROOT))}
+    path = os.pathsep.join(str(p) for p in (release, ROOT) if p is not None)
+    env = {**base, **sglang_cpu.worker_env(path)}
     proc = subprocess.run([sys.executable, str(CHILD), *args], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # a child process that imports SGLang's memory pools (about 15 s)
-def test_sglangs_host_pool_backs_up_and_loads_back_through_the_stand_in():
-    out = _child()
+@pytest.mark.slow  # a child process that imports SGLang's memory pools (about 15 s per release)
+def test_sglangs_host_pool_backs_up_and_loads_back_through_the_stand_in(release):
+    out = _child(release)
     for key in ("kernel/page_first", "kernel/layer_first", "direct/layer_first", "direct/page_first_direct"):
         assert out[key] == {"backed_up": [True, True, True], "loaded_back": True, "other_slots_untouched": True}, key
     reg = out["registration"]
@@ -285,5 +299,5 @@ def test_sglangs_host_pool_backs_up_and_loads_back_through_the_stand_in():
 @pytest.mark.slow
 @pytest.mark.parametrize("mutant, broken", [("pf_without_layer", "backed_up"), ("k_for_v", "loaded_back")])
 def test_negative_control_sglangs_round_trip_fails_on_a_broken_op(mutant, broken):
-    out = _child("--mutant", mutant)["kernel/page_first"]
+    out = _child(None, "--mutant", mutant)["kernel/page_first"]
     assert out[broken] in (False, [False, False, False]), out

@@ -109,3 +109,21 @@ def test_patches_find_their_targets_in_the_installed_sglang():
     proc = _child(code, **standin.worker_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["True", "NoBootstrapServer"]
+
+
+@pytest.mark.slow  # a child that imports SGLang's attention backends with the stand-in
+def test_torch_native_pads_a_dp_attention_batch_as_sglangs_own_cpu_backend():
+    """DP attention pads every batch for its MLP sync and asks the attention backend for the padded
+    sequences' length; the stand-in's answer on torch_native is SGLang's own CPU backend's."""
+    code = ("from sglang.srt.layers.attention import torch_native_backend as t\n"
+            "from sglang.srt.layers.attention.intel_amx_backend import IntelAMXAttnBackend as A\n"
+            "print(t.TorchNativeAttnBackend.get_cpu_graph_seq_len_fill_value(None), "
+            "A.get_cpu_graph_seq_len_fill_value(None))\n")
+    proc = _child(code, **standin.worker_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ours, sglangs = proc.stdout.split()
+    assert ours == sglangs == "1"
+    plain = _child("from kvalign.oracles.sglang import _modules; _modules()\n"  # the torchvision shim alone
+                   "from sglang.srt.layers.attention import torch_native_backend as t\n"
+                   "print(hasattr(t.TorchNativeAttnBackend, 'get_cpu_graph_seq_len_fill_value'))\n")
+    assert plain.returncode == 0 and plain.stdout.split() == ["False"]  # SGLang's own torch_native lacks it

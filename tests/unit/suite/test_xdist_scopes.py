@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import xdist_scopes
-from xdist_scopes import FAKE_WORKERS, REAL_ENGINE, scope
+from xdist_scopes import FAKE_WORKERS, MM_ORACLES, REAL_ENGINE, scope
 
 
 def test_a_unit_file_is_its_own_scope():
@@ -28,3 +28,12 @@ def test_other_live_tests_share_the_fake_worker_scope():
 
 def test_the_real_engine_goes_out_first():
     assert xdist_scopes.LIVE_SCOPES[0] == REAL_ENGINE
+
+
+def test_the_multimodal_oracles_files_share_one_scope():
+    """Their session fixture (a frontend process and SGLang's processor) then starts once."""
+    for nodeid in ("tests/unit/oracles/test_frontend_mm.py::test_fields_of_a_preprocessed_request",
+                   "tests/unit/oracles/test_sglang_mm.py::test_without_the_frontends_hash_sglang_hashes_the_pixels",
+                   "tests/unit/verify/test_mm.py::test_aligned_baseline_holds[True]"):
+        assert scope(nodeid) == MM_ORACLES, nodeid
+    assert scope("tests/unit/verify/test_check.py::test_check_json_report") == "tests/unit/verify/test_check.py"

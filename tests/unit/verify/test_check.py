@@ -25,10 +25,14 @@ def run_cli(capsys, *argv: str, stdin: str | None = None, monkeypatch=None) -> t
 
 
 #: The only lines `kvalign check` may write to stderr on an aligned pair: one progress line per row.
-PROGRESS = re.compile(r"^  (card|advertised|hash|pages|overlap|ingest|tenants|tier|servable)/(plain|eagle)/[a-z_+]+: "
-                      r"(ok|skipped|MISALIGNED: HOST_CREDIT_NOT_SERVABLE) \(\d+ cases, \d+\.\ds\)$")
+PROGRESS = re.compile(r"^  (card|advertised|hash|pages|overlap|ingest|tenants|tier|servable|dp)/(plain|eagle)/[a-z0-9_+-]+: "
+                      r"(ok|skipped|MISALIGNED: HOST_CREDIT_NOT_SERVABLE)(; \d+ LAST_PAGE_CAPPED apart)? "
+                      r"\(\d+ cases, \d+\.\ds\)$")
 #: The widest line `kvalign check` prints (kvalign/commands/check_text.py), on stdout and stderr alike.
 WIDTH = 100
+
+
+PROPS = ("card", "advertised", "hash", "pages", "overlap", "ingest", "tenants", "tier", "servable", "dp")
 
 
 def wide_lines(*texts: str) -> list[str]:
@@ -50,13 +54,17 @@ def test_check_real_pair_is_aligned_but_for_small_hicache_pages_and_quiet(router
     assert rc == 1, out + res.stderr[-2000:]
     verdict = next(i for i, ln in enumerate(out.splitlines()) if ln.startswith(("ALIGNED: ", "MISALIGNED: ")))
     verdict = " ".join(ln.strip() for ln in out.splitlines()[verdict:])
-    assert verdict.startswith("MISALIGNED: ") and "2 of 60 rows mismatched" in verdict
+    assert verdict.startswith("MISALIGNED: ") and "2 of 64 rows mismatched" in verdict
     assert "HOST_CREDIT_NOT_SERVABLE holds only with HiCache on and page sizes below" in verdict
     # card x 2 modes + advertised (9 rows, plain; its "other" row is skipped: the dLLM override) + (hash, pages,
-    # overlap, ingest, tier) x 2 modes x 4 variants + tenants x 2 modes x 3 variants: ok; servable x 2 modes: not
-    assert out.count(" ok\n") == 57 and "skipped advertised/plain/other: overrides.py's _dllm_page_size" in out
-    assert [ln.split()[0] for ln in out.splitlines() if ln.endswith("  MISALIGNED: HOST_CREDIT_NOT_SERVABLE")] == [
-        "servable", "servable"]
+    # overlap, ingest, tier) x 2 modes x 4 variants + tenants x 2 modes x 3 variants + dp x 4 layouts: ok;
+    # servable x 2 modes: not
+    results = [ln.split(None, 5)[5] for ln in out.splitlines() if ln.split()[:1] and ln.split()[0] in PROPS
+               and len(ln.split()) > 5]
+    assert sum(r.startswith("ok") for r in results) == 61, out
+    assert "skipped advertised/plain/other: overrides.py's _dllm_page_size" in out
+    assert [ln.split()[0] for ln in out.splitlines() if "  MISALIGNED: HOST_CREDIT_NOT_SERVABLE" in ln
+            and ln.startswith("servable ")] == ["servable", "servable"]
     assert [ln.split()[0] for ln in out.splitlines() if ln.endswith(" ok")].count("ingest") == 8
     # the cause explained once, under the table, with its scope and counterexample; every line fits 100 columns
     assert out.count("\nHOST_CREDIT_NOT_SERVABLE: router credits host-tier pages") == 1
@@ -73,8 +81,8 @@ def test_check_real_pair_is_aligned_but_for_small_hicache_pages_and_quiet(router
     lines = res.stderr.splitlines()
     at = next(i for i, ln in enumerate(lines) if ln.startswith("kvalign: Dynamo and SGLang runtime logs:"))
     assert at >= len(lines) - 2, res.stderr
-    lines = lines[:at]
-    assert len(lines) == 60 and all(PROGRESS.match(ln) for ln in lines), res.stderr
+    lines = " \n".join(lines[:at]).replace(" \n    ", " ").split(" \n")  # a progress line wrapped at 100 columns
+    assert len(lines) == 64 and all(PROGRESS.match(ln) for ln in lines), res.stderr
     assert all(log.name.startswith("check-") and log.stat().st_size for log in tmp_path.iterdir())
 
 

@@ -15,7 +15,13 @@ the rank that served the request, and its prediction is that rank's view. This m
   ``router_credits_engine_reuse`` was checked and failed and how many requests the router credited
   (which it can only do for a rank whose events it indexed);
 * the cause of a failure on a rank whose stream never carried a batch since the cluster started
-  (not even the flush every example begins with): ``DP_RANK_UNPUBLISHED``.
+  (not even the flush every example begins with): ``DP_RANK_UNPUBLISHED``;
+* two rules. Left to itself the router sends a follow-up to a rank whose events it indexed, so a rank
+  it cannot see may never serve a request that reuses its cache, and a rank that publishes nothing
+  would go unnoticed (a generated run with ``--only-rank0-publishes`` and neither rule passed):
+  ``sticky_follow_up``, a follow-up pinned to the rank that served its base prompt, as a gateway with
+  session affinity sends it; ``every_rank``, a fresh prompt pinned to each rank in turn, each
+  followed there by its follow-up, so every rank's reuse is judged at least once when it is drawn.
 
 The control ``--only-rank0-publishes`` silences every other rank at its hop, for every subscriber
 (Dynamo's relay and kvalign's engine view alike): what SGLang's schedulers did when only DP rank 0
@@ -29,6 +35,9 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from kvalign.live.cluster import ranks
 from kvalign.live.cluster.ports import LOOPBACK
@@ -114,6 +123,24 @@ class DpRanks:
                 return lab
         return None
 
+    def spec(self, before: Any, worker: str, label: str) -> Any:
+        """The decode window of the rank that served the request (``label``), from ``before`` to now.
+
+        Every scheduler of a data-parallel worker exports SGLang's speculative-decoding metrics with
+        its own ``dp_rank`` label, and ``spec_accept_length`` is a gauge: averaged over both ranks, an
+        idle rank's stale reading stood in for the serving rank's (a generated run failed
+        ``decode_keeps_speculating`` at 1.000 tokens per verify step, and its replay passed). So only
+        the serving rank's samples are read; a metric without ``dp_rank`` labels is read whole."""
+        from kvalign.live.runs.fuzz.surfaces import SurfaceMissing
+        from kvalign.live.wire.metrics import SPEC_VERIFY_CALLS, spec_window
+
+        after = self.driver.metrics.decode([worker])[worker]
+        if not after.has(SPEC_VERIFY_CALLS):
+            raise SurfaceMissing(f"{worker} exports no {SPEC_VERIFY_CALLS}: the decode worker needs --enable-metrics "
+                                 "and a speculative algorithm")
+        rank = ranks.split_label(label)[1]
+        return spec_window(rank_samples(before, rank), [rank_samples(after, rank)])
+
     def cause(self, label: str | None) -> str | None:
         """``DP_RANK_UNPUBLISHED`` for a rank whose stream carried no batch since the example began,
         though it served requests and was flushed; None otherwise (the driver names the cause as
@@ -130,3 +157,54 @@ class DpRanks:
             out[CREDIT] = {**out[CREDIT], "by_rank": self.figures.by_rank()}
         out[ROUTED_RANK_SERVED] = {"checked": self.figures.rank_checked, "failed": self.figures.rank_failed}
         return out
+
+
+def machine_class(base: type[RuleBasedStateMachine], driver: Any) -> type[RuleBasedStateMachine]:
+    """``base`` plus :func:`sticky_follow_up` (``--dp-size`` only)."""
+    from kvalign.live.runs.fuzz.prompts import lengths, max_tokens
+
+    b = driver.opts.page_size
+
+    class DataParallelFuzz(base):  # type: ignore[misc, valid-type]
+        @precondition(lambda self: bool(driver.history))
+        @rule(of=st.integers(0, 63), seed=st.integers(0, 2**16), extra=st.sampled_from((0, 1, 2, b - 1, b, b + 1)),
+              mt=max_tokens())
+        def sticky_follow_up(self, of: int, seed: int, extra: int, mt: int) -> None:
+            driver.run_step(sticky_step(driver, of, seed, extra, mt))
+
+        @rule(seed=st.integers(0, 2**16), length=lengths(b).filter(lambda k: k > 2 * b + 1), mt=max_tokens())
+        def every_rank(self, seed: int, length: int, mt: int) -> None:
+            run_every_rank(driver, seed, length, mt)
+
+    return DataParallelFuzz
+
+
+def run_every_rank(driver: Any, seed: int, length: int, mt: int) -> None:
+    """``every_rank``: on each rank in turn, a fresh prompt pinned there, then its follow-up there."""
+    b = driver.opts.page_size
+    for i, _label in enumerate(driver.labels):
+        driver.run_step({"rule": "request", "prompt": {"kind": "fresh", "seed": seed + i, "length": length},
+                         "max_tokens": mt, "pin": i})
+        driver.run_step(sticky_step(driver, len(driver.history) - 1, seed + i, b + 1, 1))
+
+
+def sticky_step(driver: Any, of: int, seed: int, extra: int, mt: int) -> dict[str, Any]:
+    """A ``request`` step: the follow-up of history prompt ``of``, pinned to the rank that served it
+    (unpinned when no live rank did); the step keeps the pin, so a replay sends it there too."""
+    served = driver.served[of % len(driver.history)]
+    step: dict[str, Any] = {"rule": "request", "prompt": {"kind": "follow_up", "of": of, "seed": seed, "extra": extra},
+                            "max_tokens": mt}
+    if served in driver.labels:
+        step["pin"] = driver.labels.index(served)
+    return step
+
+
+def rank_samples(snap: Any, rank: int | None) -> Any:
+    """``snap`` with only rank ``rank``'s samples of every metric that carries a ``dp_rank`` label."""
+    from kvalign.live.wire.metrics import MetricsSnapshot
+
+    if rank is None:
+        return snap
+    ranked = {s.name for s in snap.samples if any(k == "dp_rank" for k, _v in s.labels)}
+    keep = [s for s in snap.samples if s.name not in ranked or ("dp_rank", str(rank)) in s.labels]
+    return MetricsSnapshot(keep, snap.types)

@@ -99,6 +99,7 @@ class FuzzOptions:
     hicache: HiCache | None = None  # SGLang's host tier on the publishing workers (the HiCache rules run)
     dp_size: int = 1  # SGLang's --dp-size of each aggregated worker: one source per rank (.dp_ranks)
     rank0_only: bool = False  # negative control: every rank but 0 is silent at its hop (only rank 0 publishes)
+    dp_attention: bool = False  # the ranks are attention-DP groups of one TP group, not replicas
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -111,6 +112,8 @@ class FuzzOptions:
         if self.dp_size > 1 and (self.topology == "disagg" or self.hicache is not None or self.routers > 1
                                  or self.publisher_faults):
             raise ValueError("--dp-size runs aggregated workers behind one router, without --hicache or publisher faults")
+        if self.dp_attention and self.dp_size < 2:
+            raise ValueError("--dp-attention needs --dp-size 2 or more")
         if self.rank0_only and self.dp_size < 2:
             raise ValueError("--only-rank0-publishes needs --dp-size 2 or more")
         if self.page_size < 1:
@@ -143,6 +146,7 @@ class FuzzOptions:
                                                               "ratio": self.hicache.ratio},
                 "event_format": self.event_format,
                 **({"dp_size": self.dp_size} if self.dp_size > 1 else {}),
+                **({"dp_attention": True} if self.dp_attention else {}),
                 **({"rank0_only": True} if self.rank0_only else {})}
 
 
@@ -172,7 +176,7 @@ def fuzz_topology(opts: FuzzOptions) -> Topology:
     if opts.topology == "disagg":
         return Topology.disaggregated(opts.workers, 1, eagle=True, register_eagle=register, page_size=opts.page_size)
     return Topology.aggregated(opts.workers, eagle=True, register_eagle=register, page_size=opts.page_size,
-                               dp_size=opts.dp_size)
+                               dp_size=opts.dp_size, dp_attention=opts.dp_attention)
 
 
 def _hop_ports(plan: Any, labels: list[str], *, taken: list[int] = (), what: str = "hop") -> dict[str, int]:
@@ -649,7 +653,7 @@ class FuzzDriver:
         spec = None
         if decode is not None and label is not None and len(c.completion_token_ids) >= MIN_SPEC_TOKENS:
             d = self.decode_label(label)
-            spec = self.metrics.spec(decode[d], d)
+            spec = self.metrics.spec(decode[d], d) if self.dp is None else self.dp.spec(decode[d], d, label)
         obs = self._observation(tokens, c, label, marks, concurrent=False, engine_tokens=engine_tokens,
                                 surface=surface, best=best, salt=salt, spec=spec)
         obs.stored_pages = 0 if label is None else self._held_now(label, tokens, salt)
@@ -685,6 +689,10 @@ class FuzzDriver:
                                                     namespace=salt)[0]
         obs.router_view = self.delivered_views.residency(obs.label, obs.tokens, eagle=eagle, lo=marks[1][obs.label],
                                                          namespace=salt)[0]
+        if obs.router_view != obs.residency and any(d.label == obs.label for d in self.hop.dropped):
+            # the hop lost a batch of this worker's on purpose: with HiCache a device store and its host
+            # copy travel in separate batches, so the router can hold every page in the other tier only
+            obs.hop_faulted = True
         assert self.engine_tiers is not None
         obs.engine_split = self.engine_tiers.split(obs.label, before[1].get(obs.label), engine.get(obs.label),
                                                    obs.engine_tokens)

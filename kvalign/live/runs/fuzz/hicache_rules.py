@@ -19,7 +19,8 @@ pool: pressure prompts of a third of the device pool, at most ``4 * (1 + ratio)`
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
@@ -28,11 +29,24 @@ from kvalign.live.runs.fuzz.hicache import COUNTS, LOAD_BACK_THRESHOLD, TierObse
 from kvalign.live.runs.fuzz.prompts import MAX_PROMPT, new_tokens
 from kvalign.live.runs.fuzz.tiers import Residency
 
-#: The fuzz's driver (:class:`kvalign.live.runs.fuzz.driver.FuzzDriver`), which imports these rules:
-#: named, not imported, so the two modules form no import cycle.
-FuzzDriver = Any
-
 PRESSURE_SEEDS = 2**41  # clear of every other rule's seeds
+
+
+class FuzzDriver(Protocol):
+    """What the rules use of :class:`kvalign.live.runs.fuzz.driver.FuzzDriver` (named here, not
+    imported: the driver dispatches to these rules)."""
+
+    opts: Any
+    labels: list[str]
+    counts: dict[str, int]
+    engine_views: Any
+    host_requeries: list[dict[str, Any]]
+    host_evictions_in_example: int
+
+    def progress(self, msg: str) -> None: ...
+    def engine_eagle(self, label: str) -> bool: ...
+    def _request(self, tokens: list[int], max_tokens: int, pin: str | None = None) -> Any: ...
+    def run_step(self, step: dict[str, Any]) -> None: ...
 
 
 def pressure_length(driver: FuzzDriver) -> int:
@@ -61,29 +75,66 @@ def record(driver: FuzzDriver, obs: Any) -> None:
             driver.counts["loaded_back"] += 1
 
 
+@dataclass(frozen=True)
+class OffloadPrompts:
+    """The prompts an ``offload`` step sends, from its JSON alone (so a replay, or the servable
+    property asked about the same case, rebuilds exactly them): ``head`` (the base prompt; empty
+    without one), ``full`` (base + extension), round ``i``'s ``touch`` and ``pressure``, ``query``."""
+
+    step: dict[str, Any]
+    page_size: int
+    eagle: bool
+    pressure_tokens: int
+
+    @property
+    def head(self) -> list[int]:
+        base = self.step["base"]
+        return new_tokens(self.step["seed"], base * self.page_size + int(self.eagle)) if base else []
+
+    @property
+    def full(self) -> list[int]:
+        first = int(self.eagle) if not self.step["base"] else 0
+        return [*self.head, *new_tokens(self.step["seed"] + 1, self.step["ext"] * self.page_size + first)]
+
+    def touch(self, i: int) -> list[int]:
+        return [*self.head, *new_tokens(self.step["seed"] + 2 + i, 1)]
+
+    def pressure(self, i: int) -> list[int]:
+        return new_tokens(PRESSURE_SEEDS + self.step["seed"] * 64 + i, self.pressure_tokens)
+
+    @property
+    def query(self) -> list[int]:
+        return [*self.full, *new_tokens(self.step["seed"] + 99, self.step.get("tail", 1))]
+
+    def sequence(self, rounds: int) -> list[list[int]]:
+        """Every prompt in the order the rule sends them, when its pressure took ``rounds`` rounds."""
+        keep = bool(self.step.get("keep_base")) and bool(self.head)
+        out = [p for p in (self.head, self.full) if p]
+        for i in range(rounds):
+            out += [self.touch(i), self.pressure(i)] if keep else [self.pressure(i)]
+        return [*out, self.query]
+
+
 def offload(driver: FuzzDriver, step: dict[str, Any]) -> None:
     b, label = driver.opts.page_size, driver.labels[step.get("worker", 0) % len(driver.labels)]
-    eagle = int(driver.engine_eagle(label))
-    seed, base, ext = step["seed"], step["base"], step["ext"]
-    head = new_tokens(seed, base * b + eagle) if base else []
-    full = [*head, *new_tokens(seed + 1, ext * b + (eagle if not base else 0))]
+    p = OffloadPrompts(step, b, driver.engine_eagle(label), pressure_length(driver))
+    base, ext = step["base"], step["ext"]
     driver.progress(f"offload: {base} + {ext} page(s) on {label}, then pressure until the {ext} are off the device"
                     + (" (the first kept hot)" if step.get("keep_base") else ""))
-    if head:
-        driver._request(head, 1, pin=label)
-    driver._request(full, 1, pin=label)
+    if p.head:
+        driver._request(p.head, 1, pin=label)
+    driver._request(p.full, 1, pin=label)
     want_device = base if step.get("keep_base") else 0
     for i in range(max_pressure(driver)):
-        now = _residency(driver, label, full)
-        if now.device <= want_device:
+        if _residency(driver, label, p.full).device <= want_device:
             break
-        if step.get("keep_base") and head:
-            driver._request([*head, *new_tokens(seed + 2 + i, 1)], 1, pin=label)
-        driver._request(new_tokens(PRESSURE_SEEDS + seed * 64 + i, pressure_length(driver)), 1, pin=label)
-    now = _residency(driver, label, full)
+        if step.get("keep_base") and p.head:
+            driver._request(p.touch(i), 1, pin=label)
+        driver._request(p.pressure(i), 1, pin=label)
+    now = _residency(driver, label, p.full)
     driver.progress(f"offload: the engine holds {now.device} device + {now.host} host-only page(s) of the "
                     f"{base + ext}-page prompt ({now.host * b} host tokens; load_back_threshold {LOAD_BACK_THRESHOLD})")
-    driver._request([*full, *new_tokens(seed + 99, step.get("tail", 1))], 1, pin=label)
+    driver._request(p.query, 1, pin=label)
 
 
 def evict_host(driver: FuzzDriver, step: dict[str, Any]) -> None:

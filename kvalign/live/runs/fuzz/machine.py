@@ -147,6 +147,10 @@ def machine_class(driver: FuzzDriver) -> type[RuleBasedStateMachine]:
             def interrupt_events(self, w: int, seed: int) -> None:
                 driver.run_step({"rule": "interrupt_events", "worker": w, "seed": seed})
 
+    if driver.opts.dp_size > 1:
+        from kvalign.live.runs.fuzz.dp_ranks import machine_class as with_ranks
+
+        return with_ranks(LiveFuzz, driver)
     if driver.opts.hicache:
         from kvalign.live.runs.fuzz.hicache_rules import machine_class as with_hicache
 

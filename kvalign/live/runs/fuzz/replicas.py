@@ -50,19 +50,20 @@ INTERRUPT_SEEDS = 2**41  # the interrupt rule's fresh prompts: clear of every ot
 class FuzzReplicas:
     """The replicas of one fuzz cluster, as the driver sees them."""
 
-    def __init__(self, driver: Any) -> None:
+    def __init__(self, driver: Any, reader: RouterReplicas | None = None) -> None:
         """``driver``: the :class:`~kvalign.live.runs.fuzz.driver.FuzzDriver` whose cluster, views and
-        request loop the replica checks use."""
+        request loop the replica checks use; ``reader``: how the replicas are read (their HTTP
+        surfaces by default)."""
         self.driver = driver
         plan = driver.cluster.plan
         self.urls = plan.frontend_urls
-        self.reader = RouterReplicas(self.urls, driver.cluster.model)
+        self.reader = reader or RouterReplicas(self.urls, driver.cluster.model)
         self.metrics = [MetricReader(url, {}) for url in self.urls]
         self._next = itertools.count()
         self.served: dict[str, int] = dict.fromkeys(self.reader.names, 0)
         self.last_router: str | None = None
         self.checked = self.decisive = 0
-        self.converge: dict[str, list[float]] = {"restart_router": [], "interrupt_events": []}
+        self.converge_s: dict[str, list[float]] = {"restart_router": [], "interrupt_events": []}
         self.event_plane_down = False
         self.faults_in_example = 0  # replica faults (restart_router, interrupt_events) drawn in this example
         self._applied_base: list[float | None] = [None] * len(self.urls)
@@ -155,8 +156,12 @@ class FuzzReplicas:
         """Wait (bounded) until every replica agrees with the router view on the probes; a replica
         that does not is a ``routers_agree`` failure."""
         d = self.driver
+        probes = self._probes()
+        if not probes:
+            d.progress(f"{fault}: no prompt of this example is held by one worker alone yet; the next requests judge it")
+            return
         worst = 0.0
-        for tokens, salt, held in self._probes():
+        for tokens, salt, held in probes:
             got, waited = self.reader.await_agreement(tokens, held, BOUND_S, cache_salt=salt)
             worst = max(worst, waited)
             verdict = judge_choices(got, held, self._names())
@@ -165,8 +170,8 @@ class FuzzReplicas:
                 d.tally.failed["routers_agree"] += 1
                 raise InvariantFailed("routers_agree", f"{BOUND_S:g}s after {fault}: {verdict}",
                                       cause=Cause.REPLICA_INDEX_DIVERGED.name)
-        self.converge[fault].append(round(worst, 2))
-        d.progress(f"{fault}: every replica agreed with kvalign's router view after {worst:.1f}s")
+        self.converge_s[fault].append(round(worst, 2))
+        d.progress(f"{fault}: every replica agreed with kvalign's router view on {len(probes)} prompt(s) after {worst:.1f}s")
 
     def restart_router(self, replica: int) -> None:
         d = self.driver
@@ -210,4 +215,4 @@ class FuzzReplicas:
         return {"count": len(self.urls), "mode": plan.routers.mode,
                 "synced": [plan.routers.synced(i) for i in range(len(self.urls))],
                 "requests_by_router": dict(self.served), "checked": self.checked,
-                "decisive": self.decisive, "converge_s": self.converge}
+                "decisive": self.decisive, "converge_s": self.converge_s}
