@@ -34,7 +34,7 @@ from typing import Any
 from kvalign.model.causes import Cause, classify_hash_mismatch
 from kvalign.model.hashing import U64_MASK
 from kvalign.model.index import PrefixIndex
-from kvalign.model.mm_keys import pad_runs, wide_tokens
+from kvalign.model.mm_keys import Run, pad_runs, wide_tokens
 from kvalign.model.relay import RouterStored
 from kvalign.oracles.base import OracleUnavailable, RouterHasher
 from kvalign.oracles.frontend_mm import Preprocessed

@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvalign.model.causes import Cause
-from kvalign.verify.mm import describe
 
 #: Causes the ``mm`` property finds (the others are its controls' and have no upstream report).
 MM_CAUSES = frozenset({Cause.MM_PAD_WIDTH, Cause.MM_PAD_VALUES, Cause.MM_PLACEHOLDER_COUNT, Cause.MM_HASH_NOT_FORWARDED,

@@ -170,8 +170,8 @@ class TierPath:
         tap.drain()
         h = int(sentinels[1].block_hashes[0])
         held = sorted(str(t) for t, hh in worker.dump_tiers() if hh == h)
-        what = (f"a host-tier sentinel page (BlockStored[CPU_PINNED], published with a device one after this "
-                f"step) is not credited in the router's host tier")
+        what = ("a host-tier sentinel page (BlockStored[CPU_PINNED], published with a device one after this "
+                "step) is not credited in the router's host tier")
         if held:
             return Cause.TIER_MISFILED, f"{what}: the router filed it under {', '.join(held)}"
         wire = tap.stored_medium.get(h, "(not seen)")

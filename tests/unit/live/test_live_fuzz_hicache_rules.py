@@ -4,7 +4,6 @@ answers residency from a script: what each rule sends, pinned where, and when it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvalign.live.engines.hicache import HiCache
 from kvalign.live.runs.fuzz import hicache_rules

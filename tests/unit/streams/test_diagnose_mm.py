@@ -9,7 +9,6 @@ tests/unit/oracles/test_frontend_mm.py; the stand-in computes it).
 
 from __future__ import annotations
 
-import pytest
 from sglang_publisher import captured, sglang_publisher  # noqa: F401 - fixture
 
 from kvalign.model.causes import Cause
