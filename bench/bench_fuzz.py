@@ -15,7 +15,7 @@ A round gives one ratio B/A; the report is the median of the per-round ratios wi
 (interquartile range, min..max). Goal: <= 1.3.
 
 Usage: .venv/bin/python bench/bench_fuzz.py [--rounds N] [--requests N]
-The last line is ``fuzz / bare per-request ratio: X``.
+The last line is ``fuzz/bare ratio R (IQR Q1-Q3, min..max A..B, N paired rounds)``.
 """
 
 from __future__ import annotations
@@ -89,6 +89,8 @@ def main() -> int:
                 b_s.append(times["B"] / len(steps))
                 print(f"round {r + 1}: bare {times['A']:.2f}s, fuzz {times['B']:.2f}s, ratio {ratios[-1]:.2f}",
                       flush=True)
+            print(f"fuzz side: {driver.requests} requests checked, unsettled waits {driver.unsettled}, "
+                  f"notes {driver.notes or 'none'}", flush=True)
             failed = {k: v for k, v in driver.tally.failed.items() if v}
             if failed:
                 print(f"invariants failed during the benchmark: {failed}")
@@ -96,8 +98,8 @@ def main() -> int:
     q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
     print(f"{len(steps)} requests per side, {args.rounds} rounds; per request: bare {statistics.median(a_s):.2f}s, "
           f"fuzz {statistics.median(b_s):.2f}s (medians)")
-    print(f"spread: IQR {q[0]:.2f}-{q[2]:.2f}, min..max {min(ratios):.2f}..{max(ratios):.2f}")
-    print(f"fuzz / bare per-request ratio: {statistics.median(ratios):.2f}")
+    print(f"fuzz/bare ratio {statistics.median(ratios):.2f} (IQR {q[0]:.2f}-{q[2]:.2f}, "
+          f"min..max {min(ratios):.2f}..{max(ratios):.2f}, {args.rounds} paired rounds)")
     return 0
 
 

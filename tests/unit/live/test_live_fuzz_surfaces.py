@@ -28,10 +28,11 @@ dynamo_component_router_kv_worker_reused_tokens_total{phase="decode"} 9
 
 @pytest.fixture
 def frontend() -> Iterator[tuple[str, dict[str, str]]]:
-    served = {"text": FRONTEND}
+    served = {"text": FRONTEND, "gets": 0}
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            served["gets"] += 1
             body = served["text"].encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
@@ -115,3 +116,58 @@ def test_a_batchs_chained_stores_count_once_in_the_applied_unit():
     assert applied_units([a, b]) == 1 and applied_units([a]) == applied_units([b]) == 1
     assert applied_units([a, other]) == 2 and applied_units([b, a]) == 2  # not under the store before it
     assert applied_units([a, BlockRemoved([3]), b]) == 3 and applied_units([AllBlocksCleared(), a]) == 2
+
+
+# The decode worker's page as SGLang 0.5.23 exports it (the families the speculation check reads, among others).
+DECODE = """# HELP sglang:spec_verify_calls_total verify calls
+# TYPE sglang:spec_verify_calls_total counter
+sglang:spec_verify_calls_total{model_name="m"} 10
+# HELP sglang:generation_tokens_total generated
+# TYPE sglang:generation_tokens_total counter
+sglang:generation_tokens_total{model_name="m"} 30
+# HELP sglang:num_requests_total finished
+# TYPE sglang:num_requests_total counter
+sglang:num_requests_total{model_name="m"} 5
+# HELP sglang:spec_accept_length accept length
+# TYPE sglang:spec_accept_length gauge
+sglang:spec_accept_length{model_name="m"} 2.0
+# HELP sglang:e2e_request_latency_seconds latency
+# TYPE sglang:e2e_request_latency_seconds histogram
+sglang:e2e_request_latency_seconds_bucket{le="0.1",model_name="m"} 3
+sglang:e2e_request_latency_seconds_bucket{le="+Inf",model_name="m"} 5
+sglang:e2e_request_latency_seconds_sum{model_name="m"} 0.4
+sglang:e2e_request_latency_seconds_count{model_name="m"} 5
+"""
+
+
+def test_a_scrape_parses_only_the_families_a_check_reads():
+    from kvalign.live.wire.metrics import only_families, parse_metrics
+
+    full, only = parse_metrics(DECODE), parse_metrics(only_families(DECODE, ("sglang:spec_", "sglang:num_requests")))
+    assert only.total("sglang:spec_verify_calls_total") == 10 and only.mean("sglang:spec_accept_length") == 2.0
+    assert only.total("sglang:num_requests_total") == 5 and only.type_of("sglang:num_requests_total") == "counter"
+    assert not only.has("sglang:generation_tokens_total") and full.has("sglang:e2e_request_latency_seconds_count")
+    assert not only.has("sglang:e2e_request_latency_seconds_count")
+    applied = parse_metrics(only_families(FRONTEND, ("kv_cache_events_applied",)))
+    assert applied.names() == ["dynamo_component_kv_cache_events_applied_total"]
+
+
+def test_a_decode_workers_last_scrape_is_its_next_before_until_it_serves_unscraped(frontend):
+    """One scrape per request: after a request its worker's scrape is the next request's "before";
+    a worker that served something unscraped (or every worker, after a burst or a restart) is scraped anew."""
+    url, served = frontend
+    served["text"] = DECODE
+    reader = MetricReader(url, {"w0": f"{url}/metrics", "w1": f"{url}/metrics"})
+    before = reader.decode(["w0", "w1"])
+    assert served["gets"] == 2
+    window = reader.spec(before["w0"], "w0")  # after a request on w0
+    assert served["gets"] == 3 and window.verify_calls == 0
+    assert reader.decode(["w0", "w1"]) == {"w0": reader._last["w0"], "w1": before["w1"]} and served["gets"] == 3
+    reader.forget("w1")  # w1 served a request no scrape followed
+    reader.decode(["w0", "w1"])
+    assert served["gets"] == 4
+    reader.forget()
+    reader.decode(["w0", "w1"])
+    assert served["gets"] == 6
+    fresh = reader.after("w1")  # a data-parallel worker's per-rank window reads its own fresh scrape
+    assert served["gets"] == 7 and reader.decode(["w1"]) == {"w1": fresh} and served["gets"] == 7

@@ -140,7 +140,7 @@ class DpRanks:
         from kvalign.live.runs.fuzz.surfaces import SurfaceMissing
         from kvalign.live.wire.metrics import SPEC_VERIFY_CALLS, spec_window
 
-        after = self.driver.metrics.decode([worker])[worker]
+        after = self.driver.metrics.after(worker)
         if not after.has(SPEC_VERIFY_CALLS):
             raise SurfaceMissing(f"{worker} exports no {SPEC_VERIFY_CALLS}: the decode worker needs --enable-metrics "
                                  "and a speculative algorithm")

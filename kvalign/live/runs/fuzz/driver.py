@@ -47,6 +47,7 @@ from kvalign.live.runs.fuzz.invariants import (
 from kvalign.live.runs.fuzz.prompts import Sent, new_tokens, resolve
 from kvalign.live.runs.fuzz.publisher_faults import HARMFUL, PublisherFaultControl
 from kvalign.live.runs.fuzz.recorded import record_engine_stream, engine_cause
+from kvalign.live.runs.fuzz.stores import cached_tokens_after, stored_page_range, stored_pages, stores_seen
 from kvalign.live.runs.fuzz.surfaces import MetricReader, SurfaceMissing, applied_units
 from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews, common_blocks
 from kvalign.live.runs.fuzz import hicache as tiers_check
@@ -269,6 +270,7 @@ class FuzzDriver:
         self.publisher_faults = None if faults_dir is None else PublisherFaultControl(faults_dir)
         self.faults_fired: list[dict[str, Any]] = []  # each armed publisher fault: request, worker, what it did
         self._corrupted: set[str] = set()  # workers whose stream a harmful publisher fault broke this example
+        self._settled_at: tuple[int, int] | None = None  # capture counts when a request's stores were last seen settled
         # per worker: batches the router-side capture joined too late to see (ZMQ's slow joiner), taken
         # once the cluster is quiet: quiet alone first (an unreachable baseline), then what it lacks
         self._lag_base: dict[str, int] = dict.fromkeys(self.labels, 1 << 30)
@@ -357,6 +359,8 @@ class FuzzDriver:
         received (:meth:`MetricReader.events_applied`). A shortfall still there at the bound is
         counted as unsettled and not waited on again."""
         caps = (self.cluster.capture, self.cluster.router_capture)
+        if not after_request and self._settled_at == tuple(c.count() for c in caps):
+            return True  # the last request settled on its stores being seen, and nothing arrived since
         deadline = time.monotonic() + self.opts.settle_timeout_s
         arrivals = [t for t in (c.last_received() for c in caps) if t is not None]
         since = time.monotonic() if after_request else max(arrivals, default=0.0)
@@ -369,39 +373,52 @@ class FuzzDriver:
                   and self._applied_behind() <= 0):
                 return True
             time.sleep(0.02)
+        self._unsettled(f"still not quiet after {self.opts.settle_timeout_s:g}s (behind {self._behind()})")
+        return False
+
+    def _unsettled(self, why: str) -> None:
+        """A settle that reached its bound: counted, and an applied-events shortfall not waited on again."""
         self.unsettled += 1
-        self.progress(f"settle: still not quiet after {self.opts.settle_timeout_s:g}s (behind {self._behind()}); "
-                      "counted in unsettled_waits")
+        self.progress(f"settle: {why}; counted in unsettled_waits")
         behind = self._applied_behind()
         if behind > 0:
             self.notes.append(f"the router's index had applied {behind:g} fewer KV events than its "
                               f"relay received after {self.opts.settle_timeout_s:g}s; counted from there")
             self._rebase_applied()
-        return False
 
-    def _await_stored(self, label: str, tokens: list[int], salt: str | None) -> None:
-        """Wait (bounded) until the engine's stream shows every full page of the prompt stored on the
-        worker that served it, then settle again.
+    def _settle_stores(self, label: str, prompt: list[int], output: list[int], mark: int, salt: str | None,
+                       answered: float) -> bool:
+        """After an answer: wait (bounded) until ``label``'s own stream shows every page the request
+        stored (:mod:`.stores`: held at the routing ``mark`` or stored since) and the router side has
+        caught up with it (every batch, and the frontend's index has applied every event), with no
+        quiet window. Where SGLang may or may not have stored one more page (the last generated
+        token's KV), and the prompt's own stores already account for the rest, that page is waited
+        for until ``quiet_s`` after the answer.
 
-        Quiet alone was not enough: a prefill worker publishes its stores when the request is done
-        on *its* side, which on a loaded machine came more than ``quiet_s`` after the decode
-        worker's answer, so the next request found pages the engine held and neither view had yet
-        (the engine reused 288 tokens that kvalign's engine view said were not there). A prompt of
-        ``n`` tokens has ``n // B`` full pages, ``(n - 1) // B`` when pages hold bigrams (EAGLE);
-        the pool (``max_total_tokens``) holds the longest prompt the fuzz sends.
-        """
-        want = (len(tokens) - int(self.engine_eagle(label))) // self.opts.page_size
+        Waiting on the stores themselves is what a quiet window only guessed at: a prefill worker
+        publishes its stores when the request is done on *its* side, which on a loaded machine came
+        more than 0.4 s after the decode worker's answer, so the next request found pages the engine
+        held and neither view had yet (the engine reused 288 tokens that kvalign's engine view said
+        were not there). A batch that comes after this point anyway (an eviction published late)
+        makes the next request's settle wait for quiet again."""
+        b, eagle, decodes = self.opts.page_size, self.engine_eagle(label), not self.disagg
+        cached = cached_tokens_after(prompt, output, decodes=decodes)
+        lo, hi = stored_page_range(len(prompt), len(output), b, eagle=eagle, decodes=decodes)
+        maybe_more = hi > lo and lo <= stored_pages(len(prompt), b, eagle=eagle)  # no finish batch was needed for lo
+        held = self._held(self.engine_views, label, cached, mark, salt=salt)[0]
+        since = mark - self.engine_views.epoch.get(label, 0)
         deadline = time.monotonic() + self.opts.settle_timeout_s
-        if self._held_now(label, tokens, salt) >= want:
-            return
-        while self._held_now(label, tokens, salt) < want:
+        while True:
+            seen = stores_seen(self.engine_views.since_epoch(label), since, cached, held, b, eagle=eagle, namespace=salt)
+            enough = seen >= hi or (seen >= lo and (not maybe_more or time.monotonic() - answered >= self.opts.quiet_s))
+            if enough and all(v <= 0 for v in self._behind().values()) and self._applied_behind() <= 0:
+                self._settled_at = (self.cluster.capture.count(), self.cluster.router_capture.count())
+                return True
             if time.monotonic() > deadline:
-                self.unsettled += 1
-                self.progress(f"settle: {label}'s stream shows {self._held_now(label, tokens, salt)} of the prompt's "
-                              f"{want} pages after {self.opts.settle_timeout_s:g}s; counted in unsettled_waits")
-                return
-            time.sleep(0.05)
-        self._settle(after_request=True)
+                self._unsettled(f"{label}'s stream shows {seen} of the {lo} pages the request stored after "
+                                f"{self.opts.settle_timeout_s:g}s (router side behind {self._behind()})")
+                return False
+            time.sleep(0.01)
 
     def _label_of(self, c: Completion) -> str | None:
         """The source the router chose: the worker ``prefill_worker_id`` names, at ``prefill_dp_rank``."""
@@ -552,6 +569,7 @@ class FuzzDriver:
             self.replicas.begin_example()
 
     def _clear(self, labels: list[str]) -> None:
+        self._settled_at = None
         before = {lab: self.engine_views.mark(lab) for lab in labels}
         groups: dict[str, list[int]] = {}
         for lab in labels:
@@ -571,6 +589,9 @@ class FuzzDriver:
 
     def run_step(self, step: dict[str, Any]) -> None:
         """Run one step (recorded first, so a failing step is in the replay script)."""
+        if step["rule"] != "request":
+            self._settled_at = None  # anything but a request may publish what no request waited for: quiet again
+            self.metrics.forget()  # ... or move a decode worker's counters (a burst, a restart)
         self.steps.append(step)
         if self.credit_error is not None:
             self.credit_error.note_step(step)
@@ -633,15 +654,21 @@ class FuzzDriver:
         dropped_before = len(self.hop.dropped)
         armed = self._arm(fault, [pin] if pin else self.labels)
         c = self._send(tokens, max_tokens, pin, salt)
-        self._settle(after_request=True)
+        answered = time.monotonic()
         label = self._label_of(c)
-        if self._fired(armed, label):
+        harmful = armed is not None and armed[1] in HARMFUL
+        if harmful and self._fired(armed, label):
             self._corrupted.add(label)
-        if (label is not None and not any(d.unpublished for d in self.hop.dropped[dropped_before:])
-                and label not in self._corrupted  # a stream a publisher fault broke may never show the pages
-                and label not in self.hop.silenced):
-            self._await_stored(label, tokens, salt)
+        if (label is None or any(d.unpublished for d in self.hop.dropped[dropped_before:]) or label in self._corrupted
+                or label in self.hop.silenced or self.opts.hicache):
+            # the stream will never show this request's stores (a loss or fault on purpose), or HiCache's
+            # counters are read next and move on their own time: a quiet window
+            self._settle(after_request=True)
+        else:
+            self._settle_stores(label, tokens, list(c.completion_token_ids), marks[2][label], salt, answered)
         if armed is not None:
+            if not harmful:
+                self._fired(armed, label)
             self.publisher_faults.disarm(self.labels)
         if self.disagg:
             engine_tokens: int | None = round(self.metrics.prefill_reused() - reused_before)
@@ -655,6 +682,8 @@ class FuzzDriver:
         if decode is not None and label is not None and len(c.completion_token_ids) >= MIN_SPEC_TOKENS:
             d = self.decode_label(label)
             spec = self.metrics.spec(decode[d], d) if self.dp is None else self.dp.spec(decode[d], d, label)
+        else:  # its decode worker's counters moved with no scrape after them
+            self.metrics.forget(None if label is None else self.decode_label(label))
         obs = self._observation(tokens, c, label, marks, concurrent=False, engine_tokens=engine_tokens,
                                 surface=surface, best=best, salt=salt, spec=spec)
         obs.stored_pages = 0 if label is None else self._held_now(label, tokens, salt)
@@ -712,12 +741,12 @@ class FuzzDriver:
             raise FuzzEnvironmentError(str(exc)) from None
 
     def _fired(self, armed: tuple[int, str] | None, label: str | None) -> bool:
-        """Whether the armed fault fired in ``label``'s worker (recorded); True for a harmful one
-        only: the request's own pages are then not waited for (the stream will never show them)."""
+        """Whether the armed fault fired in ``label``'s worker, waiting (bounded) for the worker's
+        acknowledgement, which follows the batch it changed; recorded in :attr:`faults_fired`."""
         if armed is None or label is None:
             return False
         fault_id, name = armed
-        deadline = time.monotonic() + (self.opts.settle_timeout_s if name == "merge" else 0.0)
+        deadline = time.monotonic() + self.opts.settle_timeout_s
         done = self.publisher_faults.fired(label, fault_id)
         while done is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -727,7 +756,7 @@ class FuzzDriver:
                                       k: v for k, v in done.items() if k not in ("id", "fault")}})})
         self.progress(f"publisher fault {name} on {label}: " + ("did not fire" if done is None else
                       f"{done['batches_in']} batch(es) in, {done['batches_out']} out, {done['blocks']} blocks"))
-        return done is not None and name in HARMFUL
+        return done is not None
 
     def _concurrent(self, reqs: list[tuple[list[int], int]]) -> None:
         """A burst, judged against the state settled before it. A request whose credit a sibling
@@ -884,6 +913,7 @@ class FuzzDriver:
         except (TimeoutError, RuntimeError) as exc:
             raise FuzzEnvironmentError(f"restart of {label} failed: {exc}") from None
         time.sleep(self.opts.restart_grace_s)  # the frontend's discovery watch sees both changes
+        self._settled_at = None  # a new worker's stream: settle on quiet again
         self._rebase_applied()  # what the new relay published before the router subscribed is never applied
         self._settle()
         restarted = [lab for lab in self.labels if ranks.split_label(lab)[0] == label]

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from kvalign.errors import UsageError
 from kvalign.model.events import BlockStored
-from kvalign.live.cluster.shared import events_applied
+from kvalign.live.cluster.shared import EVENTS_APPLIED, events_applied
 from kvalign.live.wire.metrics import MetricsSnapshot, SpecDecodeWindow, scrape, spec_window
 
 #: The frontend's counter of what prefill workers reported reusing (Dynamo 1.6.1's
@@ -62,15 +62,27 @@ def prefill_reused_total(snap: MetricsSnapshot) -> float | None:
     return float(sum(found)) if found else None
 
 
+#: The metric families the fuzz reads on each page (name substrings): every other family is skipped
+#: before parsing (:func:`kvalign.live.wire.metrics.only_families`).
+FRONTEND_FAMILIES = (EVENTS_APPLIED, PREFILL_REUSED)
+DECODE_FAMILIES = ("sglang:spec_", "sglang:generation_tokens", "sglang:num_requests")
+
+
 class MetricReader:
-    """Scrapes of the frontend (prefill reuse) and of the decode workers (speculation)."""
+    """Scrapes of the frontend (prefill reuse, events applied) and of the decode workers (speculation).
+
+    A decode worker's counters move only while it serves a request, so the scrape taken after one
+    request is also the next request's "before" on that worker, unless it served something
+    unscraped in between (:meth:`forget`): the speculation check then costs one scrape per request,
+    not one per worker and request."""
 
     def __init__(self, frontend_url: str, decode_urls: dict[str, str]) -> None:
         self.frontend_url, self.decode_urls = f"{frontend_url}/metrics", dict(decode_urls)
+        self._last: dict[str, MetricsSnapshot] = {}  # decode worker -> its counters since it last served
 
-    def _scrape(self, url: str) -> MetricsSnapshot:
+    def _scrape(self, url: str, only: Sequence[str] | None = None) -> MetricsSnapshot:
         try:
-            return scrape(url)
+            return scrape(url, only=only)
         except UsageError as exc:
             raise SurfaceMissing(str(exc)) from None
 
@@ -82,7 +94,7 @@ class MetricReader:
         read (``before_first_report``: read as 0). Absent after a prefill request, the prefill
         worker's reuse cannot be read (a renamed or dropped metric): :class:`SurfaceMissing`,
         never a 0 that would turn into a false ``router_credits_engine_reuse`` failure."""
-        total = prefill_reused_total(self._scrape(self.frontend_url))
+        total = prefill_reused_total(self._scrape(self.frontend_url, FRONTEND_FAMILIES))
         if total is not None:
             return total
         if before_first_report:
@@ -94,17 +106,33 @@ class MetricReader:
     def events_applied(self, components: Sequence[str]) -> float | None:
         """KV events the frontend's router index applied for ``components``, every type and status
         (None when the frontend exports no such counter)."""
-        snap = self._scrape(self.frontend_url)
+        snap = self._scrape(self.frontend_url, FRONTEND_FAMILIES)
         found = [n for c in components if (n := events_applied(snap, dynamo_component=c)) is not None]
         return float(sum(found)) if found else None
 
     def decode(self, labels: Sequence[str]) -> dict[str, MetricsSnapshot]:
-        return {label: self._scrape(self.decode_urls[label]) for label in labels}
+        """Each decode worker's counters now: the last scrape where it has served nothing since."""
+        for label in labels:
+            if label not in self._last:
+                self._last[label] = self._scrape(self.decode_urls[label], DECODE_FAMILIES)
+        return {label: self._last[label] for label in labels}
+
+    def after(self, label: str) -> MetricsSnapshot:
+        """``label``'s counters now, scraped afresh after it served a request (kept as its next "before")."""
+        self._last[label] = self._scrape(self.decode_urls[label], DECODE_FAMILIES)
+        return self._last[label]
 
     def spec(self, before: MetricsSnapshot, label: str) -> SpecDecodeWindow:
         """``label``'s decode window from ``before`` to now."""
-        after = self._scrape(self.decode_urls[label])
+        after = self.after(label)
         if not after.has("sglang:spec_verify_calls_total"):
             raise SurfaceMissing(f"{self.decode_urls[label]} exports no sglang:spec_verify_calls_total: the decode "
                                  "worker needs --enable-metrics and a speculative algorithm")
         return spec_window(before, [after])
+
+    def forget(self, label: str | None = None) -> None:
+        """``label`` (every decode worker: None) served something no scrape followed: scrape it afresh."""
+        if label is None:
+            self._last.clear()
+        else:
+            self._last.pop(label, None)
