@@ -141,7 +141,11 @@ def page_overrides(source: str | None = None) -> list[PageOverride]:
     """Every ``@register_post_process`` pass in ``overrides.py`` that returns a ``page_size``, with the
     attention backends it names (string constants that are SGLang attention backends)."""
     _sglang()
-    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    try:
+        from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    except ImportError as exc:  # SGLang before its arg_groups (0.5.18 and older)
+        raise OracleUnavailable(f"this SGLang has no arg_groups.choices ({exc}): its page-size overrides are "
+                                "not read by kvalign") from None
 
     tree = ast.parse(source if source is not None else overrides_source().read_text())
     out = []

@@ -654,8 +654,25 @@ def _markdown_causes(r: PairResult) -> str:
         if f["property"] not in where[f["cause"]]:
             where[f["cause"]].append(f["property"])
     parts = [f"{cause} ({', '.join(props)})" for cause, props in where.items()]
-    na = list(dict.fromkeys(n["property"] for n in r.not_applicable))
+    na = _markdown_not_applicable([n for n in r.not_applicable if n.get("event_format") != "dynamo"])
+    dynamo_na = [n for n in r.not_applicable if n.get("event_format") == "dynamo"]
+    if dynamo_na and all("KV-event format" in n["reason"] for n in dynamo_na):
+        na.append("dynamo event format")  # this SGLang has no such format: one entry, not every event property
+    else:
+        na += [f"{p} [dynamo]" for p in _markdown_not_applicable(dynamo_na)]
     return "; ".join([", ".join(parts)] * bool(parts) + ([f"n/a: {', '.join(na)}"] if na else [])) or "-"
+
+
+def _markdown_not_applicable(rows: Sequence[dict[str, str]]) -> list[str]:
+    """The properties that could not run, a property named alone where it could not run at all (its
+    ``base`` row, or several of its rows, n/a), else with the one variant that could not run: a
+    property whose other rows ran is not called n/a as a whole."""
+    by_prop: dict[str, list[str]] = {}
+    for n in rows:
+        by_prop.setdefault(n["property"], [])
+        if n["variant"] not in by_prop[n["property"]]:
+            by_prop[n["property"]].append(n["variant"])
+    return [p if "base" in variants or len(variants) > 1 else f"{p} ({variants[0]})" for p, variants in by_prop.items()]
 
 
 def render_markdown(results: Sequence[PairResult], command: str) -> str:

@@ -139,3 +139,15 @@ def test_an_advertisement_off_the_events_is_named():
     with pytest.raises(Mismatch) as found:
         advertised_property(lambda sa, role: (64, 64), WorkerConfig(page_size=16, backend="flashmla"), sizes)
     assert found.value.cause is Cause.ADVERTISED_BLOCK_SIZE and "/server_info advertises 16" in found.value.detail
+
+
+def test_an_sglang_before_arg_groups_gives_one_n_a_row_not_a_crash(registration, monkeypatch):
+    """SGLang 0.5.18 has no ``arg_groups.choices``: with Dynamo 1.5.1's registration loading, check crashed
+    there (a matrix error cell). The row is n/a, saying why."""
+    import sys
+
+    from kvalign.verify.advertised import run_advertised_rows
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.arg_groups.choices", None)  # importing it raises ImportError
+    (row,) = run_advertised_rows(("plain",), load=lambda: registration)
+    assert (row.prop, row.variant) == ("advertised", "base") and "no arg_groups.choices" in row.skipped

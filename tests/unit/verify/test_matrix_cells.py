@@ -206,6 +206,21 @@ def test_markdown_is_one_run_s_rows_and_the_command_that_reproduces_them(stubbed
     assert _run(capsys, "--merge", *files, "--markdown")[:2] == (code, out)
 
 
+def test_markdown_calls_a_property_n_a_only_where_it_could_not_run():
+    """A property with one variant n/a (advertised's dLLM override) is not n/a as a whole, and a release
+    without SGLang's dynamo event format says so once, not as every event property."""
+    na = [{"property": "advertised", "mode": "plain", "variant": "other", "reason": "dLLM override"},
+          {"property": "tier", "mode": "plain", "variant": "base", "reason": "no per-tier answer"},
+          {"property": "dp", "mode": "plain", "variant": "pure-dp2", "reason": "no DP oracle"},
+          {"property": "dp", "mode": "plain", "variant": "dp-attn2", "reason": "no DP oracle"},
+          *({"property": p, "mode": "plain", "variant": "base", "reason": "SGLang 0.5.21 has no \"dynamo\" KV-event "
+             "format", "event_format": "dynamo"} for p in ("pages", "ingest"))]
+    r = PairResult("1.6.1", "0.5.21", "aligned", not_applicable=na, event_formats=["default", "dynamo"])
+    assert matrix._markdown_causes(r) == "n/a: advertised (other), tier, dp, dynamo event format"
+    r.not_applicable = [{**na[-1], "reason": "its relay cannot decode it"}]
+    assert matrix._markdown_causes(r) == "n/a: ingest [dynamo]"
+
+
 def test_a_cell_outside_the_matrix_is_refused(stubbed, capsys):
     for cell in ("1.5.1:0.5.23", "1.6.1:0.5.17", "1.6.1:unknown", "1.6.1", "1.6.1:latest"):
         code, out, err = _run(capsys, *OPTIONS, "--cell", cell, "--json")
