@@ -44,6 +44,7 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from kvalign.live.cluster import ranks
 from kvalign.live.cluster.ports import LOOPBACK
 from kvalign.model.causes import Cause
+from kvalign.live.runs.fuzz.stores import stored_pages
 
 ROUTED_RANK_SERVED = "routed_rank_served"
 CREDIT = "router_credits_engine_reuse"
@@ -108,7 +109,7 @@ class DpRanks:
         return failures
 
     def _want(self, obs: Any) -> int:
-        return (obs.n - int(obs.engine_eagle)) // obs.block_size
+        return stored_pages(obs.n, obs.block_size, eagle=obs.engine_eagle)
 
     def _served_by(self, obs: Any) -> str | None:
         """The rank whose stream shows the prompt's pages once settled: the routed rank when its own
