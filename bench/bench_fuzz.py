@@ -8,13 +8,14 @@ request sequence twice on it, in alternating order (A B, then B A), after a flus
 * **A, bare**: the requests posted with :func:`kvalign.live.wire.client.complete_tokens`, one after
   the other, nothing else;
 * **B, fuzz**: the same requests as fuzz steps (:meth:`FuzzDriver.run_step`): settling on the
-  event streams, both views' predictions, the metric scrapes for prefill reuse and speculation,
-  and every invariant.
+  event streams, both views' predictions, the metric scrapes for prefill reuse and speculation
+  (one decode-worker scrape per speculation window of the fuzz's default ``--spec-window``), and
+  every invariant, the example's last windows judged at its end.
 
 A round gives one ratio B/A; the report is the median of the per-round ratios with their spread
 (interquartile range, min..max). Goal: <= 1.3.
 
-Usage: .venv/bin/python bench/bench_fuzz.py [--rounds N] [--requests N]
+Usage: .venv/bin/python bench/bench_fuzz.py [--rounds N] [--requests N] [--spec-window N]
 The last line is ``fuzz/bare ratio R (IQR Q1-Q3, min..max A..B, N paired rounds)``.
 """
 
@@ -63,9 +64,11 @@ def bare(driver: FuzzDriver, steps: list[dict[str, Any]]) -> float:
 
 
 def fuzzed(driver: FuzzDriver, steps: list[dict[str, Any]]) -> float:
+    """Seconds to run ``steps`` as one fuzz example, its last speculation windows judged at its end."""
     start = time.perf_counter()
     for step in steps:
         driver.run_step(step)
+    driver.end_example()
     return time.perf_counter() - start
 
 
@@ -73,11 +76,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--requests", type=int, default=9)
+    ap.add_argument("--spec-window", type=int, default=FuzzOptions().spec_window,
+                    help="the fuzz's --spec-window (1: a decode-worker scrape after every request)")
     args = ap.parse_args()
+    opts = FuzzOptions(spec_window=args.spec_window)
     steps = sequence(args.requests)
     with tempfile.TemporaryDirectory(prefix="kvalign-bench-fuzz-") as tmp:
-        with fuzz_cluster(FuzzOptions(), Path(tmp)) as (cluster, hop):
-            driver = FuzzDriver(cluster, hop, FuzzOptions())
+        with fuzz_cluster(opts, Path(tmp)) as (cluster, hop):
+            driver = FuzzDriver(cluster, hop, opts)
             ratios, a_s, b_s = [], [], []
             for r in range(args.rounds):
                 times = {}

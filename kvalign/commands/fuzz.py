@@ -21,6 +21,7 @@ from kvalign.live.runs.fuzz.driver import (
     ENGINES, TOPOLOGIES, FuzzDriver, FuzzEnvironmentError, FuzzOptions, engine_problem, fuzz_cluster,
 )
 from kvalign.live.cluster.processes import ProcessExited
+from kvalign.live.runs.fuzz.speculation import DEFAULT_SIZE as SPEC_WINDOW
 from kvalign.live.cluster.routers import APPROX_POLICIES, ROUTER_MODES
 
 #: A fixed seed: the same workloads every run (CI), chosen so that 3 examples of 10 steps draw
@@ -105,6 +106,9 @@ def register(actions: argparse._SubParsersAction) -> None:
                    help="approx mode: --router-approximate-cache-policy (default ttl)")
     p.add_argument("--router-ttl", type=float, default=None, metavar="SECONDS",
                    help="approx mode: --router-ttl-secs (default Dynamo's, 120)")
+    p.add_argument("--spec-window", type=int, default=None, metavar="N",
+                   help="requests judged together by decode_keeps_speculating, per decode worker: one metrics "
+                        f"scrape per window (default {SPEC_WINDOW}; 1: every request judged alone, one scrape each)")
     p.add_argument("--shrink-seconds", type=float, default=300.0,
                    help="bound on shrinking a failure (default 300, Hypothesis's own)")
     p.add_argument("--replay", metavar="SCRIPT", default=None, help="rerun a failure's script instead of generating")
@@ -152,6 +156,7 @@ def _options(args: argparse.Namespace, script: dict[str, Any] | None) -> FuzzOpt
             approx_policy=args.approx_policy or given.get("approx_policy", "ttl"),
             router_ttl=args.router_ttl if args.router_ttl is not None else given.get("router_ttl"),
             publisher_faults=bool(given.get("publisher_faults", False)),  # a control script's, never a flag
+            spec_window=int(args.spec_window if args.spec_window is not None else given.get("spec_window", SPEC_WINDOW)),
         )
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None

@@ -7,17 +7,16 @@ import pytest
 
 from kvalign.live.runs.fuzz.invariants import INVARIANTS, Observation, Tally, evaluate
 from kvalign.live.wire.client import Completion
-from kvalign.live.wire.metrics import SpecDecodeWindow
 
 B = 16
 
 
 def obs(n: int = 40, rate: float | None = 2 / 3, engine: int | None = 32, *, predicted: int = 2, held: int = 2,
-        label: str | None = "worker0", best: str | None = None, faulted: bool = False, prompt_tokens: int | None = None,
-        spec: SpecDecodeWindow | None = None) -> Observation:
+        label: str | None = "worker0", best: str | None = None, faulted: bool = False,
+        prompt_tokens: int | None = None) -> Observation:
     c = Completion(n if prompt_tokens is None else prompt_tokens, engine, [4, 0, 4], 7, 7, rate)
     return Observation(1, list(range(n)), c, label, False, B, True, predicted, held, engine, hop_faulted=faulted,
-                       best=best, spec=spec)
+                       best=best)
 
 
 def first_failure(o: Observation, tally: Tally | None = None) -> tuple[str | None, set[str]]:
@@ -28,16 +27,12 @@ def first_failure(o: Observation, tally: Tally | None = None) -> tuple[str | Non
     return (failures[0][0] if failures else None), names
 
 
-def window(verify: float, gen: float, finished: float = 1, accept: tuple = (2.0,)) -> SpecDecodeWindow:
-    return SpecDecodeWindow(verify, gen, finished, accept, None)
-
-
 def test_agreeing_views_pass_every_checked_invariant() -> None:
     tally = Tally()
-    assert evaluate(obs(best="worker0", spec=window(2, 5)), tally) == []
+    assert evaluate(obs(best="worker0"), tally) == []
     assert {n for n, v in tally.checked.items() if v} == {
         "router_credits_engine_reuse", "router_matches_prediction", "engine_matches_index", "no_stale_credit",
-        "best_worker_chosen", "decode_keeps_speculating"}
+        "best_worker_chosen"}  # decode_keeps_speculating is judged per window (test_live_fuzz_speculation.py)
 
 
 @pytest.mark.parametrize("control, case, first", [
@@ -51,7 +46,6 @@ def test_agreeing_views_pass_every_checked_invariant() -> None:
     ("engine view wrong", dict(held=1), "engine_matches_index"),
     ("prompt changed", dict(prompt_tokens=41), "engine_matches_index"),
     ("routing ignores overlap", dict(best="worker1"), "best_worker_chosen"),
-    ("disagreeing draft", dict(spec=window(4, 5)), "decode_keeps_speculating"),
 ])
 def test_each_control_fails_its_own_invariant_first(control: str, case: dict, first: str) -> None:
     assert first_failure(obs(**case))[0] == first, control
@@ -68,7 +62,6 @@ def test_each_control_fails_its_own_invariant_first(control: str, case: dict, fi
     ("unpublished batch / publisher fault", dict(rate=0.0, predicted=0, held=0),
      {"engine_matches_index", "router_credits_engine_reuse"}),
     ("routing against the cache view", dict(best="worker1"), {"best_worker_chosen"}),
-    ("disagreeing draft", dict(spec=window(4, 5)), {"decode_keeps_speculating"}),
 ])
 def test_which_invariants_a_control_breaks(control: str, case: dict, failing: set[str]) -> None:
     """The full set each live control fails (docs/live-fuzz.md; tests/e2e/test_fuzz.py asserts it live)."""
@@ -100,10 +93,3 @@ def test_a_hop_faulted_request_is_counted_not_judged_by_the_user_check() -> None
 
 def test_an_unknown_worker_is_a_finding() -> None:
     assert first_failure(obs(label=None))[0] == "router_credits_engine_reuse"
-
-
-def test_speculation_is_judged_only_with_a_window() -> None:
-    tally = Tally()
-    evaluate(obs(), tally)
-    assert tally.checked["decode_keeps_speculating"] == 0
-    assert first_failure(obs(spec=window(0, 3)))[0] == "decode_keeps_speculating"  # no verify step at all

@@ -34,10 +34,15 @@ class RecordingDriver:
         self.tally, self.counts = Tally(), dict.fromkeys(COUNTS, 0)
         self.all_steps: list[list[dict]] = []
 
+    example_failed = False  # the machine's teardown judges the example's end only when no step raised
+
     def begin_example(self) -> None:
         self.examples += 1
         self.steps, self.restarts_in_example = [], 0
         self.all_steps.append(self.steps)
+
+    def end_example(self) -> None:
+        pass
 
     def run_step(self, step: dict) -> None:
         self.steps.append(step)
@@ -120,6 +125,43 @@ def test_replay_runs_the_script_steps_as_one_example(tmp_path: Path) -> None:
     res = replay(d, {"steps": steps}, tmp_path / "replayed.json")
     assert d.examples == 1 and d.steps == steps
     assert res.failure is not None and res.failure.script == str(tmp_path / "replayed.json")
+    assert json.loads((tmp_path / "replayed.json").read_text())["steps"] == steps
+
+
+class EndJudgingDriver(RecordingDriver):
+    """Speculation as the driver judges it in windows: a request asked for 12 tokens or more runs on a
+    draft the target disagrees with, and its window is still open when the example ends."""
+
+    def end_example(self) -> None:
+        requests = [i + 1 for i, s in enumerate(self.steps) if s["rule"] == "request" and s["max_tokens"] >= 12]
+        if requests:
+            raise InvariantFailed("decode_keeps_speculating", f"requests {requests} on worker0: not > 1.2",
+                                  request=requests[-1])
+
+
+def test_a_failure_judged_at_the_examples_end_is_shrunk_and_written_as_a_script(tmp_path: Path) -> None:
+    """It may shrink less far than a step's failure (measured: 1 to 5 steps, varying with the time
+    Hypothesis's shrinker gets), always to a script that ends with a request its window fails on."""
+    script = tmp_path / "fuzz-failure.json"
+    res = run_fuzz(EndJudgingDriver(), examples=20, steps=10, seed=DEFAULT_SEED, shrink_seconds=20,
+                   script_path=script, report=lambda _m: None)
+    assert res.failure is not None and res.failure.invariant == "decode_keeps_speculating" and not res.failure.flaky
+    steps = json.loads(script.read_text())["steps"]
+    assert len(steps) <= 5 and steps[-1]["rule"] == "request" and steps[-1]["max_tokens"] >= 12, steps
+
+
+def test_negative_control_the_examples_end_is_not_judged_after_a_step_failed(tmp_path: Path) -> None:
+    d = EndJudgingDriver(fail_on=lambda s: True)
+    d.example_failed = True  # what FuzzDriver.run_step sets when a step raises
+    res = run_fuzz(d, examples=3, steps=10, seed=DEFAULT_SEED, shrink_seconds=5, script_path=tmp_path / "x.json",
+                   report=lambda _m: None)
+    assert res.failure is not None and res.failure.invariant == "router_matches_prediction"
+
+
+def test_a_replay_judges_the_examples_end(tmp_path: Path) -> None:
+    steps = [{"rule": "request", "prompt": {"kind": "fresh", "seed": 1, "length": 40}, "max_tokens": 12}]
+    res = replay(EndJudgingDriver(), {"steps": steps}, tmp_path / "replayed.json")
+    assert res.failure is not None and res.failure.invariant == "decode_keeps_speculating"
     assert json.loads((tmp_path / "replayed.json").read_text())["steps"] == steps
 
 

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
 
 from kvalign.live.runs.fuzz.surfaces import MetricReader, SurfaceMissing, prefill_reused_total
@@ -27,30 +23,10 @@ dynamo_component_router_kv_worker_reused_tokens_total{phase="decode"} 9
 
 
 @pytest.fixture
-def frontend() -> Iterator[tuple[str, dict[str, str]]]:
-    served = {"text": FRONTEND, "gets": 0}
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            served["gets"] += 1
-            body = served["text"].encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", served
-    finally:
-        server.shutdown()
-        server.server_close()
+def frontend(metrics_page):
+    url, served = metrics_page
+    served["text"] = FRONTEND
+    return url, served
 
 
 def test_events_applied_sums_every_type_and_status_of_the_asked_components(frontend):
@@ -153,15 +129,15 @@ def test_a_scrape_parses_only_the_families_a_check_reads():
 
 
 def test_a_decode_workers_last_scrape_is_its_next_before_until_it_serves_unscraped(frontend):
-    """One scrape per request: after a request its worker's scrape is the next request's "before";
-    a worker that served something unscraped (or every worker, after a burst or a restart) is scraped anew."""
+    """The scrape that closed a speculation window on a worker is its next window's "before"; a worker
+    that served something unscraped (or every worker, after a burst or a restart) is scraped anew."""
     url, served = frontend
     served["text"] = DECODE
     reader = MetricReader(url, {"w0": f"{url}/metrics", "w1": f"{url}/metrics"})
     before = reader.decode(["w0", "w1"])
     assert served["gets"] == 2
-    window = reader.spec(before["w0"], "w0")  # after a request on w0
-    assert served["gets"] == 3 and window.verify_calls == 0
+    reader.after("w0")  # a window on w0 closed
+    assert served["gets"] == 3
     assert reader.decode(["w0", "w1"]) == {"w0": reader._last["w0"], "w1": before["w1"]} and served["gets"] == 3
     reader.forget("w1")  # w1 served a request no scrape followed
     reader.decode(["w0", "w1"])

@@ -130,24 +130,6 @@ class DpRanks:
                 return lab
         return None
 
-    def spec(self, before: Any, worker: str, label: str) -> Any:
-        """The decode window of the rank that served the request (``label``), from ``before`` to now.
-
-        Every scheduler of a data-parallel worker exports SGLang's speculative-decoding metrics with
-        its own ``dp_rank`` label, and ``spec_accept_length`` is a gauge: averaged over both ranks, an
-        idle rank's stale reading stood in for the serving rank's (a generated run failed
-        ``decode_keeps_speculating`` at 1.000 tokens per verify step, and its replay passed). So only
-        the serving rank's samples are read; a metric without ``dp_rank`` labels is read whole."""
-        from kvalign.live.runs.fuzz.surfaces import SurfaceMissing
-        from kvalign.live.wire.metrics import SPEC_VERIFY_CALLS, spec_window
-
-        after = self.driver.metrics.after(worker)
-        if not after.has(SPEC_VERIFY_CALLS):
-            raise SurfaceMissing(f"{worker} exports no {SPEC_VERIFY_CALLS}: the decode worker needs --enable-metrics "
-                                 "and a speculative algorithm")
-        rank = ranks.split_label(label)[1]
-        return spec_window(rank_samples(before, rank), [rank_samples(after, rank)])
-
     def cause(self, obs: Any) -> str | None:
         """``DP_RANK_UNPUBLISHED`` when the rank that served ``obs`` reused cached pages but its stream
         carried no batch since the example began (each example starts with every rank flushed, so
@@ -206,7 +188,14 @@ def sticky_step(driver: Any, of: int, seed: int, extra: int, mt: int) -> dict[st
 
 
 def rank_samples(snap: Any, rank: int | None) -> Any:
-    """``snap`` with only rank ``rank``'s samples of every metric that carries a ``dp_rank`` label."""
+    """``snap`` with only rank ``rank``'s samples of every metric that carries a ``dp_rank`` label.
+
+    Every scheduler of a data-parallel worker exports SGLang's speculative-decoding metrics with its
+    own ``dp_rank`` label, and ``spec_accept_length`` is a gauge: averaged over both ranks, an idle
+    rank's stale reading stood in for the serving rank's (a generated run failed
+    ``decode_keeps_speculating`` at 1.000 tokens per verify step, and its replay passed). So a
+    speculation window reads only the serving rank's samples; a metric without ``dp_rank`` labels
+    is read whole."""
     from kvalign.live.wire.metrics import MetricsSnapshot
 
     if rank is None:

@@ -41,12 +41,13 @@ from kvalign.live.runs.fuzz.credit_error import CreditError
 from kvalign.live.runs.fuzz.dp_ranks import DpRanks, relay_subscriptions
 from kvalign.live.engines.hicache import HiCache
 from kvalign.live.runs.fuzz.invariants import (
-    MIN_SPEC_TOKENS, InvariantFailed, Observation, Tally, evaluate, failure_numbers, lost_pages_reused,
+    InvariantFailed, Observation, Tally, evaluate, failure_numbers, lost_pages_reused,
     observation_json,
 )
 from kvalign.live.runs.fuzz.prompts import Sent, new_tokens, resolve
 from kvalign.live.runs.fuzz.publisher_faults import HARMFUL, PublisherFaultControl
 from kvalign.live.runs.fuzz.recorded import record_engine_stream, engine_cause
+from kvalign.live.runs.fuzz.speculation import DEFAULT_SIZE as SPEC_WINDOW, Judged, Member, SpecWindows
 from kvalign.live.runs.fuzz.stores import cached_tokens_after, stored_page_range, stored_pages, stores_seen
 from kvalign.live.runs.fuzz.surfaces import MetricReader, SurfaceMissing, applied_units
 from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews, common_blocks
@@ -62,6 +63,9 @@ FLUSH_SEEDS = 2**40  # the flush rule's prompts: clear of every other rule's see
 #: The first SGLang release with ``KVEventsConfig.format`` ("dynamo"), read in the 0.5.21 and 0.5.23 wheels.
 DYNAMO_FORMAT_SINCE = (0, 5, 23)
 DECODE_POOL_TOKENS = 4096  # the decode worker's pool in disaggregation (see SglangCpuWorkerKind)
+#: How often the run's peak memory is sampled (after a step): a walk of /proc over every process of the
+#: run cost ~5 ms, 8% of a request, and the engines' memory grows over minutes, not milliseconds.
+RSS_EVERY_S = 1.0
 COUNTS = ("evictions", "flushes", "dropped_batches", "restarts", "concurrent_requests", "evicted_requeried",
           "flushed_requeried", "lost_requeried", "lost_batches_diagnosed")
 
@@ -101,6 +105,7 @@ class FuzzOptions:
     dp_size: int = 1  # SGLang's --dp-size of each aggregated worker: one source per rank (.dp_ranks)
     rank0_only: bool = False  # negative control: every rank but 0 is silent at its hop (only rank 0 publishes)
     dp_attention: bool = False  # the ranks are attention-DP groups of one TP group, not replicas
+    spec_window: int = SPEC_WINDOW  # requests per decode_keeps_speculating judgment on one decode worker (.speculation)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -119,6 +124,8 @@ class FuzzOptions:
             raise ValueError("--only-rank0-publishes needs --dp-size 2 or more")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.spec_window < 1:
+            raise ValueError(f"--spec-window must be >= 1, got {self.spec_window}")
         if self.draft not in ("agree", "disagree"):
             raise ValueError(f"--draft must be agree or disagree, got {self.draft!r}")
         if self.event_format not in ("default", "dynamo"):
@@ -145,7 +152,7 @@ class FuzzOptions:
                 "router_ttl": self.router_ttl, **({"publisher_faults": True} if self.publisher_faults else {}),
                 "hicache": None if self.hicache is None else {"write_policy": self.hicache.write_policy,
                                                               "ratio": self.hicache.ratio},
-                "event_format": self.event_format,
+                "event_format": self.event_format, "spec_window": self.spec_window,
                 **({"dp_size": self.dp_size} if self.dp_size > 1 else {}),
                 **({"dp_attention": True} if self.dp_attention else {}),
                 **({"rank0_only": True} if self.rank0_only else {})}
@@ -234,7 +241,7 @@ class FuzzDriver:
     examples: int = 0
     steps_run: int = 0
     unsettled: int = 0
-    peak_rss_bytes: int = 0  # every process of the run, sampled after each step
+    peak_rss_bytes: int = 0  # every process of the run, sampled after a step at most every RSS_EVERY_S
     replicas: Any = None  # FuzzReplicas with --routers 2+ (set in __post_init__)
     credit_error: CreditError | None = None  # router tokens minus engine tokens, per request (a measurement)
     dp: DpRanks | None = None  # the per-rank checks and figures with --dp-size (set in __post_init__)
@@ -256,6 +263,9 @@ class FuzzDriver:
         }) if self.opts.hicache else None
         self.host_weight = tiers_check.host_weight() if self.opts.hicache else 0.0
         self.router_credit = tiers_check.RouterCredit(self.metrics.frontend_url)
+        self.speculation = SpecWindows(self.metrics, self.tally, self.opts.spec_window, self._judged)
+        self.example_failed = False  # a step raised: the example's open speculation windows are not judged
+        self._rss_at = float("-inf")  # when peak_rss_bytes was last sampled
         self.host_requeries: list[dict[str, Any]] = []
         self.host_evictions_in_example = 0
         if self.opts.hicache:
@@ -459,8 +469,8 @@ class FuzzDriver:
         return leaders[0] if top > 0 and len(leaders) == 1 else None
 
     def _observation(self, tokens: list[int], c: Completion, label: str | None, marks: tuple, *, concurrent: bool,
-                     engine_tokens: int | None, surface: str, best: str | None = None, salt: str | None = None,
-                     spec: Any = None) -> Observation:
+                     engine_tokens: int | None, surface: str, best: str | None = None,
+                     salt: str | None = None) -> Observation:
         pred_m, deliv_m, eng_m = marks
         predicted = engine_held = 0
         faulted = False
@@ -473,7 +483,7 @@ class FuzzDriver:
         kind = tiers_check.TierObservation if self.opts.hicache else Observation
         return kind(self.requests, tokens, c, label, concurrent, self.opts.page_size,
                            self.engine_eagle(label) if label else True, predicted, engine_held, engine_tokens,
-                           surface, faulted, best, spec, engine_mark=eng_m.get(label, 0) if label else 0, salt=salt,
+                           surface, faulted, best, engine_mark=eng_m.get(label, 0) if label else 0, salt=salt,
                            engine_marks=dict(eng_m))
 
     def _record(self, obs: Observation) -> None:
@@ -559,6 +569,8 @@ class FuzzDriver:
             for label in self.labels:
                 views.start_epoch(label)
         self.history, self.served, self.steps, self.observed = [], [], [], []
+        self.speculation.discard()  # a failed example's windows, and counters its unjudged requests moved
+        self.example_failed = False
         self.restarts_in_example = self.host_evictions_in_example = 0
         self.hop.dropped.clear()
         self._corrupted.clear()
@@ -589,19 +601,48 @@ class FuzzDriver:
 
     def run_step(self, step: dict[str, Any]) -> None:
         """Run one step (recorded first, so a failing step is in the replay script)."""
-        if step["rule"] != "request":
-            self._settled_at = None  # anything but a request may publish what no request waited for: quiet again
-            self.metrics.forget()  # ... or move a decode worker's counters (a burst, a restart)
-        self.steps.append(step)
-        if self.credit_error is not None:
-            self.credit_error.note_step(step)
-        self.steps_run += 1
-        rule = step["rule"]
+        with self._failing_example():
+            if step["rule"] != "request":
+                self._settled_at = None  # anything but a request may publish what no request waited for: quiet again
+                self.speculation.close_all()  # ... or move a decode worker's counters (a burst, a restart): judge first
+                self.metrics.forget()
+            self.steps.append(step)
+            if self.credit_error is not None:
+                self.credit_error.note_step(step)
+            self.steps_run += 1
+            self._run(step["rule"], step)
+        now = time.monotonic()
+        if now - self._rss_at >= RSS_EVERY_S:
+            self._rss_at = now
+            self.peak_rss_bytes = max(self.peak_rss_bytes, rss_bytes(run_pids(RUN_MARKER_ENV, str(self.cluster.plan.run_dir))))
+
+    def end_example(self) -> None:
+        """The example's last speculation windows judged (Hypothesis's teardown, and the end of a
+        replay); nothing is judged after a step already failed."""
+        if not self.example_failed:
+            with self._failing_example():
+                self.speculation.close_all()
+
+    @contextlib.contextmanager
+    def _failing_example(self) -> Iterator[None]:
+        """Whatever raises fails the example (its open windows are dropped, not judged); a missing
+        surface is an environment error."""
         try:
-            self._run(rule, step)
+            yield
         except SurfaceMissing as exc:
+            self.example_failed = True
             raise FuzzEnvironmentError(f"a per-request surface is missing: {exc}") from None
-        self.peak_rss_bytes = max(self.peak_rss_bytes, rss_bytes(run_pids(RUN_MARKER_ENV, str(self.cluster.plan.run_dir))))
+        except BaseException:
+            self.example_failed = True
+            raise
+
+    def _judged(self, judged: Judged) -> None:
+        """A speculation window's figure, into its requests' records and the progress log."""
+        tpv = judged.window.tokens_per_verify
+        for rec in self.observed:
+            if rec["request"] in judged.requests:
+                rec["tokens_per_verify"], rec["speculation_window"] = tpv, list(judged.requests)
+        self.progress(f"speculation, {judged.describe()}")
 
     def _run(self, rule: str, step: dict[str, Any]) -> None:
         if rule == "request":
@@ -648,7 +689,7 @@ class FuzzDriver:
         marks = self._marks()
         agree = None if self.replicas is None else self.replicas.before(tokens, salt, marks[0])
         best = self._best(tokens, marks[0], salt) if pin is None or judge_routing else None
-        decode = self.metrics.decode(self.metrics.decode_urls) if max_tokens >= MIN_SPEC_TOKENS else None
+        decode = self.speculation.before_request(max_tokens)
         reused_before = self.metrics.prefill_reused(before_first_report=True) if self.disagg else 0.0
         tiers_before = self._tiers_now(required=False) if self.opts.hicache else None
         dropped_before = len(self.hop.dropped)
@@ -678,26 +719,24 @@ class FuzzDriver:
             if engine_tokens is None:
                 raise FuzzEnvironmentError("the response has no usage.prompt_tokens_details.cached_tokens: the "
                                            "aggregated worker's reuse cannot be read")
-        spec = None
-        if decode is not None and label is not None and len(c.completion_token_ids) >= MIN_SPEC_TOKENS:
-            d = self.decode_label(label)
-            spec = self.metrics.spec(decode[d], d) if self.dp is None else self.dp.spec(decode[d], d, label)
-        else:  # its decode worker's counters moved with no scrape after them
+        if decode is None or label is None:  # its decode worker's counters moved with no window to hold them
             self.metrics.forget(None if label is None else self.decode_label(label))
         obs = self._observation(tokens, c, label, marks, concurrent=False, engine_tokens=engine_tokens,
-                                surface=surface, best=best, salt=salt, spec=spec)
+                                surface=surface, best=best, salt=salt)
         obs.stored_pages = 0 if label is None else self._held_now(label, tokens, salt)
         if tiers_before is not None:
             self._annotate_tiers(obs, tiers_before, marks, salt)
         self._record(obs)
-        tpv = "" if spec is None else f", tokens/verify {spec.tokens_per_verify}"
         via = "" if self.replicas is None else f" via {self.replicas.last_router}"
         self.progress(f"request {obs.request}{via}: {len(tokens)} tokens -> {obs.label}, kv_hit_rate {c.kv_hit_rate} "
                       f"({obs.router_tokens} tokens credited, router view {obs.predicted} blocks), engine reused "
-                      f"{engine_tokens}{' [hop fault]' if obs.hop_faulted else ''}{tpv}")
+                      f"{engine_tokens}{' [hop fault]' if obs.hop_faulted else ''}")
         self._check(obs)
         if self.replicas is not None:
             self.replicas.after([agree], obs.request)
+        if decode is not None and label is not None:
+            d = self.decode_label(label)
+            self.speculation.add(d, Member(obs.request, label, len(c.completion_token_ids)), decode[d])
         return obs
 
     def _tiers_now(self, *, required: bool) -> tuple[float, dict[str, dict[str, float] | None]]:

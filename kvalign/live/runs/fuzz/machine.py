@@ -5,7 +5,13 @@ flushes every worker (:meth:`FuzzDriver.begin_example`) instead of restarting th
 examples cost seconds, and shrinking replays candidate workloads on it too. Rules draw JSON-able
 steps and hand them to the driver, which checks every answered request before the next rule runs.
 A failing example is shrunk by Hypothesis (bounded by ``shrink_seconds``), and the steps of the
-last failing run — the shrunk one — are written as a replay script with the captures kept.
+last failing run — the shrunk one — are written as a replay script with the captures kept. The
+speculation windows still open when an example ends are judged in the machine's ``teardown``; a
+failure there shrinks less far than one a step raises (Hypothesis cannot cut the steps after it,
+there are none, and kept up to four steps before the failing request in a fake driver's runs), and
+the report names the window's requests, so ``--replay SCRIPT --spec-window 1`` judges each alone.
+Judging alone only while shrinking is no way out: Hypothesis refuses a replay that fails earlier than
+the run it replays (``FlakyStrategyDefinition``).
 """
 
 from __future__ import annotations
@@ -109,6 +115,10 @@ def machine_class(driver: FuzzDriver) -> type[RuleBasedStateMachine]:
             super().__init__()
             driver.begin_example()
 
+        def teardown(self) -> None:
+            if not driver.example_failed:  # the last speculation windows: a failure here is the example's
+                driver.end_example()
+
         @rule(prompt=specs, mt=max_tokens())
         def request(self, prompt: dict, mt: int) -> None:
             driver.run_step({"rule": "request", "prompt": prompt, "max_tokens": mt})
@@ -169,21 +179,23 @@ def run_fuzz(driver: FuzzDriver, *, examples: int, steps: int, seed: int | None,
         cls._hypothesis_internal_use_seed = seed  # what hypothesis.seed() sets on a test
     failures: list[tuple[InvariantFailed, list[dict[str, Any]], list[dict[str, Any]]]] = []
     broken: list[FuzzEnvironmentError] = []  # the environment failed: every later step fails at once
-    original_step = driver.run_step
+    original_step, original_end = driver.run_step, driver.end_example
 
-    def recording_step(step: dict[str, Any]) -> None:
-        if broken:
-            raise broken[0]  # Hypothesis retries a failing example: never on a broken cluster
-        try:
-            original_step(step)
-        except InvariantFailed as exc:
-            failures.append((exc, list(driver.steps), list(driver.observed)))
-            raise
-        except FuzzEnvironmentError as exc:
-            broken.append(exc)
-            raise
+    def recorded(run: Callable[..., None]) -> Callable[..., None]:
+        def call(*args: Any) -> None:
+            if broken:
+                raise broken[0]  # Hypothesis retries a failing example: never on a broken cluster
+            try:
+                run(*args)
+            except InvariantFailed as exc:
+                failures.append((exc, list(driver.steps), list(driver.observed)))
+                raise
+            except FuzzEnvironmentError as exc:
+                broken.append(exc)
+                raise
+        return call
 
-    driver.run_step = recording_step  # type: ignore[method-assign]
+    driver.run_step, driver.end_example = recorded(original_step), recorded(original_end)  # type: ignore[method-assign]
     conf = settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
                     derandomize=seed is None, phases=(Phase.generate, Phase.shrink), report_multiple_bugs=False,
                     suppress_health_check=list(HealthCheck), print_blob=False)
@@ -208,7 +220,7 @@ def run_fuzz(driver: FuzzDriver, *, examples: int, steps: int, seed: int | None,
                                       note=_flaky_note(failures[-1][0]))
     finally:
         engine.MAX_SHRINKING_SECONDS = saved
-        driver.run_step = original_step  # type: ignore[method-assign]
+        driver.run_step, driver.end_example = original_step, original_end  # type: ignore[method-assign]
         result.seconds = time.monotonic() - start
     return result
 
@@ -244,6 +256,7 @@ def replay(driver: FuzzDriver, script: dict[str, Any], out_path: Path) -> FuzzRe
     try:
         for step in script["steps"]:
             driver.run_step(step)
+        driver.end_example()
     except InvariantFailed as exc:
         write_script(out_path, driver.opts, list(driver.steps), exc, list(driver.observed))
         result.failure = Failure.of(exc, str(out_path))

@@ -15,8 +15,8 @@
   Settling waits on it, because the router-side capture shows what reached Dynamo's relay, not
   what the router's index has applied.
 * **Decode speculation.** ``dynamo.sglang`` leaves ``completion_tokens_details`` empty, so the
-  decode worker's SGLang counters are read before and after a request sent alone
-  (:func:`kvalign.live.wire.metrics.spec_window`).
+  decode worker's SGLang counters are read before and after a window of requests sent alone
+  (:func:`kvalign.live.wire.metrics.spec_window`, :mod:`.speculation`).
 
 A surface that is missing is an environment error naming it (exit 2), never a skipped check.
 """
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from kvalign.errors import UsageError
 from kvalign.model.events import BlockStored
 from kvalign.live.cluster.shared import EVENTS_APPLIED, events_applied
-from kvalign.live.wire.metrics import MetricsSnapshot, SpecDecodeWindow, scrape, spec_window
+from kvalign.live.wire.metrics import MetricsSnapshot, scrape
 
 #: The frontend's counter of what prefill workers reported reusing (Dynamo 1.6.1's
 #: ``prometheus_names``: ``router_kv_worker_reused_tokens_total``, prefixed ``dynamo_component_``).
@@ -71,10 +71,10 @@ DECODE_FAMILIES = ("sglang:spec_", "sglang:generation_tokens", "sglang:num_reque
 class MetricReader:
     """Scrapes of the frontend (prefill reuse, events applied) and of the decode workers (speculation).
 
-    A decode worker's counters move only while it serves a request, so the scrape taken after one
-    request is also the next request's "before" on that worker, unless it served something
-    unscraped in between (:meth:`forget`): the speculation check then costs one scrape per request,
-    not one per worker and request."""
+    A decode worker's counters move only while it serves a request, so the scrape that closed one
+    speculation window is also the next window's "before" on that worker, unless it served something
+    unscraped in between (:meth:`forget`): the speculation check costs one scrape per window
+    (:mod:`.speculation`), not one per worker and request."""
 
     def __init__(self, frontend_url: str, decode_urls: dict[str, str]) -> None:
         self.frontend_url, self.decode_urls = f"{frontend_url}/metrics", dict(decode_urls)
@@ -121,14 +121,6 @@ class MetricReader:
         """``label``'s counters now, scraped afresh after it served a request (kept as its next "before")."""
         self._last[label] = self._scrape(self.decode_urls[label], DECODE_FAMILIES)
         return self._last[label]
-
-    def spec(self, before: MetricsSnapshot, label: str) -> SpecDecodeWindow:
-        """``label``'s decode window from ``before`` to now."""
-        after = self.after(label)
-        if not after.has("sglang:spec_verify_calls_total"):
-            raise SurfaceMissing(f"{self.decode_urls[label]} exports no sglang:spec_verify_calls_total: the decode "
-                                 "worker needs --enable-metrics and a speculative algorithm")
-        return spec_window(before, [after])
 
     def forget(self, label: str | None = None) -> None:
         """``label`` (every decode worker: None) served something no scrape followed: scrape it afresh."""
