@@ -22,6 +22,7 @@ def kvalign(*args: str) -> subprocess.CompletedProcess:
     (["--replay", "/nonexistent/script.json"], "cannot read /nonexistent/script.json"),
     (["--sglang", "0.4.0"], "supports sglang 0.5.19, 0.5.21, 0.5.23, not sglang 0.4.0"),
     (["--workers", "1", "--topology", "disagg"], "the fuzz needs at least 2 workers"),
+    (["--spec-window", "0"], "--spec-window must be >= 1, got 0"),
 ])
 def test_bad_arguments_fail_in_one_line(args: list[str], says: str) -> None:
     p = kvalign(*args)
