@@ -569,7 +569,8 @@ class FuzzDriver:
             for label in self.labels:
                 views.start_epoch(label)
         self.history, self.served, self.steps, self.observed = [], [], [], []
-        self.speculation.discard()  # a failed example's windows, and counters its unjudged requests moved
+        if self.example_failed or self.speculation.open:  # its windows, and counters its unjudged requests moved
+            self.speculation.discard()
         self.example_failed = False
         self.restarts_in_example = self.host_evictions_in_example = 0
         self.hop.dropped.clear()

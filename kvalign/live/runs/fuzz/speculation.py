@@ -24,6 +24,7 @@ where a window holds one. ``--spec-window 1`` judges every request alone, at the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -120,9 +121,16 @@ class SpecWindows:
             self.close(worker)
 
     def close_all(self) -> None:
-        """Judge every open window (before a step that may move any worker's counters, and at the end)."""
-        for worker in list(self.open):
-            self.close(worker)
+        """Judge every open window (before a step that may move any worker's counters, and at the end),
+        the workers scraped at once: each scrape waits on its own worker's process."""
+        workers = list(self.open)
+        if len(workers) > 1:
+            with ThreadPoolExecutor(len(workers)) as pool:
+                afters = dict(zip(workers, pool.map(self.counters.after, workers)))
+        else:
+            afters = {}
+        for worker in workers:
+            self.close(worker, afters.get(worker))
 
     def discard(self) -> None:
         """Drop the open windows unjudged (the example already failed, or a new one begins) and every
@@ -130,10 +138,11 @@ class SpecWindows:
         self.open.clear()
         self.counters.forget()
 
-    def close(self, worker: str) -> None:
-        """Scrape ``worker`` once and judge its window, each rank on its own samples."""
+    def close(self, worker: str, after: MetricsSnapshot | None = None) -> None:
+        """Scrape ``worker`` once (unless ``after`` is that scrape) and judge its window, each rank on
+        its own samples."""
         window = self.open.pop(worker)
-        after = self.counters.after(worker)
+        after = self.counters.after(worker) if after is None else after
         if not after.has(SPEC_VERIFY_CALLS):
             raise SurfaceMissing(f"{self.counters.decode_urls[worker]} exports no {SPEC_VERIFY_CALLS}: the decode "
                                  "worker needs --enable-metrics and a speculative algorithm")
