@@ -143,7 +143,7 @@ def test_a_failure_judged_at_the_examples_end_is_shrunk_and_written_as_a_script(
     """It may shrink less far than a step's failure (measured: 1 to 5 steps, varying with the time
     Hypothesis's shrinker gets), always to a script that ends with a request its window fails on."""
     script = tmp_path / "fuzz-failure.json"
-    res = run_fuzz(EndJudgingDriver(), examples=20, steps=10, seed=DEFAULT_SEED, shrink_seconds=20,
+    res = run_fuzz(EndJudgingDriver(), examples=5, steps=10, seed=DEFAULT_SEED, shrink_seconds=20,
                    script_path=script, report=lambda _m: None)
     assert res.failure is not None and res.failure.invariant == "decode_keeps_speculating" and not res.failure.flaky
     steps = json.loads(script.read_text())["steps"]
