@@ -111,8 +111,9 @@ class SpecWindows:
     def add(self, worker: str, member: Member, before: MetricsSnapshot) -> None:
         """``member`` ran alone on decode worker ``worker``; a full window is judged now. A member
         that decoded fewer than :data:`MIN_SPEC_TOKENS` (an early stop) stays in: its counters are in
-        the window's, and a token or two per verify step can only lower the window's figure, never hide a failure. ``before``:
-        the worker's counters when the request was sent (:meth:`before_request`), a new window's start."""
+        the window's, and its token or two per verify step can only lower the window's figure, never
+        hide a failure. ``before``: the worker's counters when the request was sent
+        (:meth:`before_request`), a new window's start."""
         window = self.open.get(worker)
         if window is None:
             window = self.open[worker] = Window(worker, before)
