@@ -615,7 +615,8 @@ class FuzzDriver:
         now = time.monotonic()
         if now - self._rss_at >= RSS_EVERY_S:
             self._rss_at = now
-            self.peak_rss_bytes = max(self.peak_rss_bytes, rss_bytes(run_pids(RUN_MARKER_ENV, str(self.cluster.plan.run_dir))))
+            now_rss = rss_bytes(run_pids(RUN_MARKER_ENV, str(self.cluster.plan.run_dir)))
+            self.peak_rss_bytes = max(self.peak_rss_bytes, now_rss)
 
     def end_example(self) -> None:
         """The example's last speculation windows judged (Hypothesis's teardown, and the end of a
