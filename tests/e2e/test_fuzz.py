@@ -9,7 +9,7 @@ stream before any request):
   must fail naming *that* invariant (each beside its passing twin);
 * **2 prefill + 1 decode** (the nightly's topology, the environment's SGLang): one generated run,
   with the prefill worker's reuse read from the frontend's metrics and decode speculation checked
-  per request;
+  per window of requests;
 * **router eagle off, disagreeing draft** (aggregated): the two controls that need a cluster
   registered or built differently, replayed one after the other.
 
@@ -265,7 +265,7 @@ class TestShippedPair:
 
 
 class TestTwoPrefillOneDecode:
-    """The nightly's topology: prefill reuse from the frontend's metrics, decode speculation per request."""
+    """The nightly's topology: prefill reuse from the frontend's metrics, decode speculation per window of requests."""
 
     def test_generated_workload_on_two_prefill_one_decode_holds_every_invariant(self, disagg: Live) -> None:
         seed, examples, steps = DISAGG_SHORT  # the CLI default (DISAGG_SEED, 3 x 10) runs at night
