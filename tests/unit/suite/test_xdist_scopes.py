@@ -45,7 +45,7 @@ def test_scopes_are_handed_out_longest_first_by_their_known_seconds():
     scopes = {"tests/unit/a.py": [f"tests/unit/a.py::t{i}" for i in range(5)],
               "tests/unit/b.py": ["tests/unit/b.py::slow1", "tests/unit/b.py::slow2"],
               "tests/unit/c.py": ["tests/unit/c.py::new"]}
-    durations = {**{f"tests/unit/a.py::t{i}": 0.05 for i in range(5)}, "tests/unit/b.py::slow1": 9.0,
+    durations = {**{f"tests/unit/a.py::t{i}": 0.1 for i in range(5)}, "tests/unit/b.py::slow1": 9.0,
                  "tests/unit/b.py::slow2": 4.0}
     assert xdist_scopes.longest_first(scopes, durations) == ["tests/unit/b.py", "tests/unit/c.py", "tests/unit/a.py"]
     assert xdist_scopes.longest_first(scopes, {}) == ["tests/unit/a.py", "tests/unit/b.py", "tests/unit/c.py"]
