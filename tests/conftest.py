@@ -170,8 +170,6 @@ class XdistTotals:
 
     @pytest.hookimpl
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log: object) -> object:
-        from collections import OrderedDict
-
         import xdist_scopes
         from xdist.scheduler import LoadScopeScheduling
 
@@ -180,10 +178,6 @@ class XdistTotals:
                 return xdist_scopes.scope(nodeid)
 
             def _assign_work_unit(self, node: object) -> None:
-                if not getattr(self, "_ordered", False):  # once, when the queue is complete
-                    self._ordered = True
-                    self.workqueue = OrderedDict((s, self.workqueue[s])
-                                                 for s in xdist_scopes.longest_first(self.workqueue))
                 for live in reversed(xdist_scopes.LIVE_SCOPES):
                     if live in self.workqueue:
                         self.workqueue.move_to_end(live, last=False)

@@ -20,10 +20,6 @@ fixtures would land in the fake-worker scope.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Mapping
-from pathlib import Path
-
 REAL_ENGINE = "live: real engine"
 FAKE_WORKERS = "live: fake workers"
 #: the live scopes, longest first: handed out before any unit file
@@ -48,22 +44,3 @@ def scope(nodeid: str) -> str:
     if path in REAL_ENGINE_FILES or "::test_real_engine" in f"::{name}":
         return REAL_ENGINE
     return FAKE_WORKERS
-
-
-#: each test's seconds in a recent whole-suite run (``bench/suite_times.py --split-durations``)
-DURATIONS = Path(__file__).with_name("durations.json")
-UNKNOWN_S = 0.5  # a test the durations file does not know yet
-
-
-def longest_first(scopes: Mapping[str, Iterable[str]], durations: Mapping[str, float] | None = None) -> list[str]:
-    """``scopes`` (scope -> its node ids) ordered by their known seconds, longest first: handed out
-    in that order, the long files start early and the short ones fill the workers' tails. In the
-    order xdist uses (most tests first), a file of few long tests came last and its worker finished
-    up to 11 s after the others in the fast tier."""
-    if durations is None:
-        try:
-            durations = json.loads(DURATIONS.read_text())
-        except (OSError, ValueError):
-            durations = {}
-    seconds = {s: sum(durations.get(n, UNKNOWN_S) for n in ids) for s, ids in scopes.items()}
-    return sorted(scopes, key=lambda s: -seconds[s])

@@ -37,22 +37,3 @@ def test_the_multimodal_oracles_files_share_one_scope():
                    "tests/unit/verify/test_mm.py::test_aligned_baseline_holds[True]"):
         assert scope(nodeid) == MM_ORACLES, nodeid
     assert scope("tests/unit/verify/test_check.py::test_check_json_report") == "tests/unit/verify/test_check.py"
-
-
-def test_scopes_are_handed_out_longest_first_by_their_known_seconds():
-    """A file of two long tests goes before a file of five short ones (xdist's own order, most tests
-    first, put it last); a test the durations file does not know counts UNKNOWN_S."""
-    scopes = {"tests/unit/a.py": [f"tests/unit/a.py::t{i}" for i in range(5)],
-              "tests/unit/b.py": ["tests/unit/b.py::slow1", "tests/unit/b.py::slow2"],
-              "tests/unit/c.py": ["tests/unit/c.py::new"]}
-    durations = {**{f"tests/unit/a.py::t{i}": 0.1 for i in range(5)}, "tests/unit/b.py::slow1": 9.0,
-                 "tests/unit/b.py::slow2": 4.0}
-    assert xdist_scopes.longest_first(scopes, durations) == ["tests/unit/b.py", "tests/unit/c.py", "tests/unit/a.py"]
-    assert xdist_scopes.longest_first(scopes, {}) == ["tests/unit/a.py", "tests/unit/b.py", "tests/unit/c.py"]
-
-
-def test_the_committed_durations_know_most_of_the_suite():
-    """The order is only as good as tests/durations.json: it must exist and parse."""
-    import json
-
-    assert len(json.loads(xdist_scopes.DURATIONS.read_text())) > 500
