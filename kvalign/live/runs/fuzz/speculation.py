@@ -78,10 +78,14 @@ class Judged:
     window: SpecDecodeWindow
     problems: tuple[str, ...]
 
+    @property
+    def where(self) -> str:
+        """The decode worker, and its rank on a data-parallel worker."""
+        return self.worker if self.rank is None else f"{self.worker} rank {self.rank}"
+
     def describe(self) -> str:
-        where = self.worker if self.rank is None else f"{self.worker} rank {self.rank}"
         tpv = self.window.tokens_per_verify
-        return (f"requests {', '.join(map(str, self.requests))} on {where}: tokens/verify "
+        return (f"requests {', '.join(map(str, self.requests))} on {self.where}: tokens/verify "
                 f"{'n/a' if tpv is None else f'{tpv:.3f}'}")
 
 
@@ -166,9 +170,8 @@ class SpecWindows:
 def failure(judged: Judged, decoded: dict[int, int]) -> InvariantFailed:
     """The finding a failing window is reported as: its last request, and every request it held."""
     held = ", ".join(f"{r} ({decoded[r]} tokens decoded)" for r in judged.requests)
-    where = judged.worker if judged.rank is None else f"{judged.worker} rank {judged.rank}"
     alone = " (judged together: --replay SCRIPT --spec-window 1 judges each alone)" if len(judged.requests) > 1 else ""
-    return InvariantFailed(INVARIANT, f"requests {held} on {where}{alone}: " + "; ".join(judged.problems),
-                           worker=where, request=judged.requests[-1],
+    return InvariantFailed(INVARIANT, f"requests {held} on {judged.where}{alone}: " + "; ".join(judged.problems),
+                           worker=judged.where, request=judged.requests[-1],
                            numbers={"tokens_per_verify": judged.window.tokens_per_verify,
                                     "window_requests": list(judged.requests)})
