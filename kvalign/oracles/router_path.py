@@ -51,6 +51,9 @@ STUCK_MARK = "Timeout ("
 INGEST_TIMEOUT_S = 4.0
 #: Width of one example's token range (kvalign's strategies draw ingest tokens from a vocabulary of 4).
 TOKEN_SPACE = 16
+#: Token ranges one ``check`` job may take (:meth:`RouterPath.start_range`): 2**19 examples, so 200 jobs stay
+#: below 2**31 token ids, far under the sentinels'.
+RANGES_PER_BLOCK = 1 << 19
 #: Sentinel pages use token ids from here up (kvalign's strategies draw from a tiny vocabulary); each
 #: sentinel gets its own id, since the router keeps one node per (parent, local hash).
 SENTINEL_BASE = 0xF000_0000
@@ -240,7 +243,7 @@ class IngestWorker:
         example's own clears and removals are still checked (``ingest``'s stale-block diagnosis).
         """
         self._space += 1
-        return self._space * TOKEN_SPACE
+        return self.path.space_base + self._space * TOKEN_SPACE
 
     def overlap(self, tokens: Sequence[int], lora_name: str | None, cache_namespace: str | None) -> int:
         """The router's own overlap answer (device blocks) for a query, with this release's query API."""
@@ -273,6 +276,8 @@ class RouterPath:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="kvalign-router-path")
         self._thread.start()
         self._workers: dict[tuple[int, bool], IngestWorker] = {}
+        #: where this run's token ranges start (:meth:`start_range`)
+        self.space_base = 0
         self._retired: list[IngestWorker] = []
         #: (block size, eagle) keys whose worker was already replaced once (never again: a relay that
         #: stops twice is a finding, and waiting on it for every example would only cost time)
@@ -353,6 +358,16 @@ class RouterPath:
             await asyncio.sleep(0.1)
         router = c.KvRouter(endpoint, block_size, c.KvRouterConfig(use_kv_events=True))
         return relay, router
+
+    def start_range(self, k: int) -> None:
+        """Hand the next examples token ranges of their own, the ``k``-th block of :data:`RANGES_PER_BLOCK`.
+
+        ``check`` starts block ``k`` for its ``k``-th job, so a job's tokens are the same whichever worker
+        process runs it and whatever ran there before (SGLang's eviction among pages of equal access time
+        follows the token values), and no two jobs' ranges meet in a router they share."""
+        self.space_base = k * RANGES_PER_BLOCK * TOKEN_SPACE
+        for worker in self._workers.values():
+            worker._space = 0
 
     def worker(self, block_size: int, eagle: bool, *, fresh: bool = False) -> IngestWorker:
         """The worker for (block size, eagle); ``fresh`` replaces it with a newly registered one.

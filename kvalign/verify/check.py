@@ -52,9 +52,10 @@ def plan(props: Sequence[Property], formats: Sequence[str], opts: Options, *,
     return jobs
 
 
-def run_job(job: Job, systems: Systems, opts: Options) -> list[RowResult]:
-    """One job's rows, each labelled with the event format its caches published in."""
+def run_job(k: int, job: Job, systems: Systems, opts: Options) -> list[RowResult]:
+    """The rows of ``job``, the ``k``-th of the plan, each labelled with the event format its caches published in."""
     prop = by_name()[job.prop]
+    systems.start_job(k)
     if job.skipped:
         rows = [RowResult(job.prop, m, v, skipped=job.skipped) for m in job.modes for v in job.variants]
     else:
@@ -64,12 +65,12 @@ def run_job(job: Job, systems: Systems, opts: Options) -> list[RowResult]:
     return rows
 
 
-def run_jobs(jobs: Sequence[Job], systems_for: Callable[[str], Systems], opts: Options,
+def run_jobs(jobs: Sequence[Job], systems: Systems, opts: Options,
              progress: Callable[[RowResult], None] | None = None) -> list[RowResult]:
     """Run ``jobs`` one after another in this process (``check --jobs 1``)."""
     rows: list[RowResult] = []
-    for job in jobs:
-        for row in run_job(job, systems_for(job.event_format), opts):
+    for k, job in enumerate(jobs):
+        for row in run_job(k, job, systems.for_format(job.event_format), opts):
             rows.append(row)
             if progress:
                 progress(row)
@@ -90,6 +91,6 @@ def run_check(hasher: Any, make_cache: Callable[[int, bool], Any], make_index: C
                    **({"modes": modes} if modes else {}), **({"variants": variants} if variants else {}))
     systems = systems or Systems(hasher, make_cache, make_index)
     try:
-        return run_jobs(plan(selected(props), (event_format,), opts), lambda _fmt: systems, opts, progress)
+        return run_jobs(plan(selected(props), (event_format,), opts), systems, opts, progress)
     finally:
         systems.close()
