@@ -77,6 +77,12 @@ def _worker(conn: Connection, spec: SystemsSpec, opts: Options, preload: tuple[s
     finally:
         systems.close()
         conn.close()
+        # Skip the interpreter's teardown of torch, SGLang and Dynamo: their exit handlers (a publisher's
+        # 1 s shutdown each, the runtimes' threads) held a finished worker for seconds, and the parent waits
+        # for it. Everything it had to say has been sent; the runtimes' log lines are written unbuffered.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 class Pool:
@@ -115,8 +121,10 @@ class Pool:
         return got
 
     def _dead(self, i: int, busy: dict[int, tuple[int, Job]]) -> None:
+        self._procs[i].join(timeout=5)  # its pipe closed first: let it be reaped, for its exit status
         code = self._procs[i].exitcode
-        how = f"exited with status {code}" if code is not None and code >= 0 else f"was killed by signal {-(code or 0)}"
+        how = (f"exited with status {code}" if code is not None and code >= 0 else f"was killed by signal {-code}"
+               if code is not None else "stopped answering")
         where = (f"while running {busy[i][1].label()}" if i in busy else "while idle" if i in self._ready
                  else "before it was ready")
         raise WorkerError(f"check worker {i + 1} {how} {where}")

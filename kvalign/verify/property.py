@@ -147,7 +147,8 @@ class SearchProperty:
     ``body(systems)`` binds the per-example check to the systems under test (it may raise
     :class:`~kvalign.oracles.base.OracleUnavailable`: every row is then ``PATH_UNAVAILABLE``);
     ``strategy(mode, variant, page_size)`` is the row's generated input; ``variants`` the ones it has
-    rows for (None: every variant asked); ``cost`` the seconds one row takes at 200 examples."""
+    rows for (None: every variant asked); ``cost`` the seconds one row takes at its default example count
+    (measured on the pinned pair; only the longest-first order of ``check --jobs`` reads it)."""
 
     name: str
     body: Body
@@ -163,7 +164,7 @@ class SearchProperty:
 
     def jobs(self, opts: Options) -> list[Job]:
         variants = tuple(v for v in opts.variants if self.variants is None or v in self.variants)
-        scale = opts.examples_for(self.budget) / 200
+        scale = opts.examples_for(self.budget) / (self.budget.default if self.budget else Options.examples)
         return [Job(self.name, (m,), (v,), cost=self.cost * scale) for m in self.modes if m in opts.modes for v in variants]
 
     def run(self, job: Job, systems: Any, opts: Options) -> list[RowResult]:

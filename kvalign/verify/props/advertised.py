@@ -18,7 +18,7 @@ class Advertised:
     budget = None
 
     def jobs(self, opts: Options) -> list[Job]:
-        return [Job(self.name, ("plain",), (), cost=15.0)] if "plain" in opts.modes else []
+        return [Job(self.name, ("plain",), (), cost=3.5)] if "plain" in opts.modes else []
 
     def run(self, job: Job, systems: Any, opts: Options) -> list[RowResult]:
         from kvalign.verify.advertised import run_advertised_rows

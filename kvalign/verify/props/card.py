@@ -78,7 +78,7 @@ class Card:
 
     def jobs(self, opts: Options) -> list[Job]:
         modes = tuple(m for m in self.modes if m in opts.modes)
-        return [Job(self.name, modes, cost=3.0)] if modes else []
+        return [Job(self.name, modes, cost=1.5)] if modes else []
 
     def run(self, job: Job, systems: Any, opts: Options) -> list[RowResult]:
         return run_card(systems, job.modes)
