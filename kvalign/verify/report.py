@@ -379,11 +379,13 @@ def replay_servable(example: dict[str, Any]) -> dict[str, Any]:
                 admission = engine.serve(query, *step[2])
                 if i == len(steps) - 1:
                     j = judge(admission, tiers, engine.page_size, eagle=engine.eagle,
-                              threshold=engine.load_back_threshold, best_worker_overlap=best[2])
+                              threshold=engine.load_back_threshold, best_worker_overlap=best[2],
+                              host_weight=tp.path.host_weight)
                     if j.cause is not Cause.HOST_CREDIT_NOT_SERVABLE:
                         raise RuntimeError(f"the replay did not reproduce HOST_CREDIT_NOT_SERVABLE: {j.detail}")
                     outcome = {"admission": admission.as_dict(), "router_tiers": tiers, "best_worker_overlap": best[2],
-                               "load_back_threshold": engine.load_back_threshold, "host_in_cap": j.host_in_cap,
+                               "load_back_threshold": engine.load_back_threshold, "host_weight": tp.path.host_weight,
+                               "host_in_cap": j.host_in_cap,
                                "capped_blocks": j.capped_blocks}
                     break
                 if "+transfers_done" in step:
