@@ -150,7 +150,8 @@ class SglangPublisher:
     """SGLang's real ``ZmqEventPublisher`` bound on 127.0.0.1 (as a scheduler with kv_events_config)."""
 
     def __init__(self, transform: Transform | None = None, attn_dp_rank: int = 0) -> None:
-        """``attn_dp_rank``: the rank SGLang's scheduler tags its batches with (a data-parallel rank's own)."""
+        """``attn_dp_rank``: the rank every batch is tagged with, as a data-parallel rank's scheduler tags its own
+        (set on the batch: the publisher's own rank would also move its endpoint's port by that rank)."""
         from kvalign.oracles.sglang import _modules
 
         _modules()  # the torchvision shim and SGLang's import chain, with an install hint on failure
@@ -163,10 +164,11 @@ class SglangPublisher:
         #: where the relay subscribes (SGLang's publisher connects to the hop's other side)
         self.endpoint = self.hop.xpub
         config = {"publisher": "zmq", "topic": "kv-events", "endpoint": self.hop.xsub}
-        self._pub = kv.EventPublisherFactory.create(json.dumps(config), attn_dp_rank=attn_dp_rank)
+        self._pub = kv.EventPublisherFactory.create(json.dumps(config), attn_dp_rank=0)
+        self._rank = {"attn_dp_rank": attn_dp_rank} if attn_dp_rank else {}
 
     def publish(self, events: Sequence[Any]) -> None:
-        self._pub.publish(self.kv.KVEventBatch(ts=time.time(), events=list(events)))
+        self._pub.publish(self.kv.KVEventBatch(ts=time.time(), events=list(events), **self._rank))
 
     def sentinel(self, k: int, page_size: int) -> Any:
         """The k-th one-page plain ``BlockStored`` off the root (SGLang's own class): an ingestion barrier."""

@@ -425,7 +425,7 @@ class TierMachine(RuleBasedStateMachine):
                       best_worker_overlap=best[2], host_weight=self.path.path.host_weight)
             exc = Mismatch("servable", j.detail, Cause.HOST_CREDIT_NOT_SERVABLE, self._example(),
                            condition=servable_condition(threshold))
-            exc.admission = {**admission.as_dict(), "page_size": self.engine.page_size}
+            exc.admission = {**admission.as_dict(), "page_size": self.engine.page_size, "load_back_threshold": threshold}
             raise exc
         return True
 
