@@ -71,7 +71,8 @@ class SkewBound:
             return f"none at page size {self.page_size} (>= SGLang's load_back_threshold {self.threshold})"
         return (f"at most {self.tokens} host slots per request at page size {self.page_size} ({self.host_pages} "
                 f"page(s) x host weight {self.weight:g} = {self.credit_blocks:g} blocks of credit; SGLang's "
-                f"load_back_threshold {self.threshold}, none at page size >= {self.threshold})")
+                f"load_back_threshold {self.threshold}: at most {self.threshold - 1} at any page size, none at "
+                f"page size >= {self.threshold})")
 
 
 @dataclass
