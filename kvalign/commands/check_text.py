@@ -157,7 +157,7 @@ def verdict(rows: Sequence[RowResult], seconds: float, strict: bool = False) -> 
             f"{len(skews)} {CREDIT_SKEW} (advisory{', failing with --strict' if strict and skews else ''})")
     na = len(rows) - len(ran)
     if na:
-        line += f", {na} n/a (did not run)"
+        line += f", {na} n/a"
     conditions = dict.fromkeys((r.cause_name, r.condition) for r in rows if not r.ok and not r.skipped and r.condition)
     return "\n".join([fit(line), *(fit(f"  {name} holds {condition}") for name, condition in conditions),
                       *(fit(f"  {name} counted apart in {n} cases (not a misalignment)") for name, n in apart(rows).items())])

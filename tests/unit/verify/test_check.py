@@ -26,7 +26,7 @@ def run_cli(capsys, *argv: str, stdin: str | None = None, monkeypatch=None) -> t
 
 #: The only lines `kvalign check` may write to stderr on an aligned pair: one progress line per row.
 PROGRESS = re.compile(r"^  (card|advertised|hash|pages|overlap|ingest|tenants|tier|servable|dp)/(plain|eagle)/[a-z0-9_+-]+: "
-                      r"(ok|skipped|MISALIGNED: HOST_CREDIT_NOT_SERVABLE)(; \d+ LAST_PAGE_CAPPED apart)? "
+                      r"(ok|n/a|credit-skew: HOST_CREDIT_NOT_SERVABLE)(; \d+ LAST_PAGE_CAPPED apart)? "
                       r"\(\d+ cases, \d+\.\ds\)$")
 #: The widest line `kvalign check` prints (kvalign/commands/check_text.py), on stdout and stderr alike.
 WIDTH = 100
@@ -94,10 +94,11 @@ def test_check_catches_router_that_ignores_is_eagle(capsys, router_hasher, sglan
                          "--property", "hash", "--property", "pages", "--property", "overlap")
     assert rc == 1
     rows = [line.split() for line in out.splitlines() if line.startswith(("hash ", "pages ", "overlap "))]
-    assert {r[1] for r in rows if "MISALIGNED:" in r} == {"eagle"}  # plain mode is genuinely aligned
-    assert {r[-1] for r in rows if "MISALIGNED:" in r} == {"ROUTER_EAGLE_OFF"}  # the short name in the table
-    # the cause once under the table, with the rows, scope and shrunk counterexample; no line past 100 columns
-    assert out.count("\nROUTER_EAGLE_OFF: router eagle off vs engine bigram keys\n") == 1
+    assert {r[1] for r in rows if "cache-blind:" in r} == {"eagle"}  # plain mode is genuinely aligned
+    assert {r[-1] for r in rows if "cache-blind:" in r} == {"ROUTER_EAGLE_OFF"}  # the short name in the table
+    # the cause once under the table, with its class, rows, scope and shrunk counterexample; no line past 100 columns
+    assert out.count("\nROUTER_EAGLE_OFF (cache-blind): router eagle off vs engine bigram keys\n") == 1
+    assert "\nMISALIGNED: " in out and " rows cache-blind" in out
     assert "  scope: these rows, at every page size the strategies draw" in out and "    shrunk: {" in out
     assert wide_lines(out, err) == []
 
@@ -108,9 +109,10 @@ def test_page_size_pins_every_generated_case(capsys, router_hasher, sglang_avail
     rc, out, _ = run_cli(capsys, "check", "--examples", "15", "--json", "--page-size", "3", "--mode", "eagle",
                          "--router-hash", "kvalign.verify.misaligned:ignore_eagle", "--property", "hash")
     report = json.loads(out)
-    assert rc == 1 and report["page_size"] == 3
+    assert rc == 1 and report["page_size"] == 3 and report["exit"] == 1 and report["aligned"] is False
     assert [r["counterexample"]["block_size"] for r in report["rows"]] == [3] * 4
     assert {r["cause_name"] for r in report["rows"]} == {"ROUTER_EAGLE_OFF"}
+    assert {(r["class"], r["status"]) for r in report["rows"]} == {("cache-blind", "finding")}
 
 
 def test_event_format_both_runs_event_properties_per_format(capsys, router_hasher, sglang_available):
