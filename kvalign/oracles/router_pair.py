@@ -14,12 +14,13 @@ with the binding's default ``KvRouterConfig``, whose ``host_cache_hit_weight`` i
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from kvalign.oracles.base import OracleUnavailable
-from kvalign.oracles.router_path import SENTINEL_BASE, RouterPath, SglangPublisher, configured_host_weight
+from kvalign.oracles.router_path import RouterPath, SglangPublisher, configured_host_weight, sentinel_hash
 
 #: How long one candidate's published events may take to show in the router's per-tier answer.
 SETTLE_TIMEOUT_S = 6.0
@@ -47,18 +48,28 @@ class RouterPair:
         self._join()
 
     def _join(self) -> None:
-        """Publish a sentinel page on each rank until the router indexed it there: a relay's ZMQ subscription
-        joins after it starts, and what SGLang publishes before that is lost (the slow joiner)."""
+        """Publish a sentinel page on each rank until the router indexed it (found by its engine hash in the
+        router's dump, as :meth:`~kvalign.oracles.router_path.IngestWorker.barrier` does): a relay's ZMQ
+        subscription joins after it starts, and what SGLang publishes before that is lost (the slow joiner)."""
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
-        pending = {r: [SENTINEL_BASE + 2 * len(RANKS) * next(self._names) + r] * self.block_size for r in RANKS}
+        pending = {r: 2 * len(RANKS) * next(self._names) + r + 1 for r in RANKS}  # rank -> its sentinel's k
         while pending and time.monotonic() < deadline:
-            for r, tokens in pending.items():
-                self.publishers[r].publish([self.publishers[r].sentinel(tokens[0] - SENTINEL_BASE, self.block_size)])
+            for r, k in pending.items():
+                self.publishers[r].publish([self.publishers[r].sentinel(k, self.block_size)])
             time.sleep(0.2)
-            pending = {r: t for r, t in pending.items() if self.tiers(t).get(r, (0, 0))[0] != 1}
+            indexed = self._dumped()
+            pending = {r: k for r, k in pending.items() if sentinel_hash(k) not in indexed}
         if pending:
             self.close()
             raise OracleUnavailable(f"the two-rank router never indexed rank(s) {sorted(pending)}'s sentinel page")
+
+    def _dumped(self) -> set[int]:
+        out = set()
+        for entry in json.loads(self.path.call(self.router.dump_events)):
+            data = entry["event"]["data"]
+            stored = data.get("stored") if isinstance(data, dict) else None
+            out.update(int(b["block_hash"]) for b in (stored or {}).get("blocks", ()))
+        return out
 
     async def _start(self) -> tuple[Any, list[Any], Any]:
         c = self.path.core

@@ -80,10 +80,11 @@ def test_the_bound_is_where_sglang_itself_stops_loading_back(router_path):
         assert a.host_only_tokens == host * p and (a.loaded_tokens == host * p) is loaded, a
 
 
-def test_the_worked_case_changes_the_routers_choice(router_path):
+@pytest.mark.parametrize("eagle", [False, True], ids=["plain", "eagle"])
+def test_the_worked_case_changes_the_routers_choice(router_path, eagle):
     """2 device + 2 host pages (page 4): the router credits 2 + 2 x 0.75 = 3.5 blocks; against a candidate
-    holding 3 pages on device it picks the first, which reuses 8 tokens where the other reuses 12."""
-    impact = measure_routing(4, False, 2, 2, path=router_path)
+    holding 3 pages on device it picks the first, which reuses 8 slots where the other reuses 12."""
+    impact = measure_routing(4, eagle, 2, 2, path=router_path)
     assert impact.changes_worker, impact.says()
     flip = next(t for t in impact.trials if t.changed)
     assert (flip.k, flip.chosen, flip.reused) == (3, 0, (8, 12)), impact.says()
