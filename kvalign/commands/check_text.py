@@ -103,6 +103,7 @@ def explanations(rows: Sequence[RowResult], page_size: int | None = None) -> str
             skipped.setdefault(r.skipped, []).append(r)
     for why, group in skipped.items():
         out += ["", fit(f"n/a (did not run) {_names(group)}: {why}")]
+    out += [x for r in rows if r.not_checked and not r.skipped for x in ("", fit(f"partly checked {row_name(r)}: {r.not_checked}"))]
     if by_cause:
         out += ["", fit("(every row's cause, detail and counterexample, whole: kvalign check --json)")]
     return "\n".join(out)

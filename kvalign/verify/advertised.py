@@ -179,8 +179,8 @@ def run_row(derive: Derive, variant: str, configs: list[WorkerConfig]) -> RowRes
     elif row.ok:
         row.detail = f"{rejected} of {len(configs)} configurations rejected by SGLang, {refused} refused by Dynamo"
     if unchecked and row.cases:
-        row.detail = (f"{row.detail}; " if row.detail else "") + (
-            f"{unchecked} of {len(configs)} not checked ({standin})")
+        row.not_checked = f"{unchecked} of {len(configs)} configurations not checked ({standin})"
+        row.detail = (f"{row.detail}; " if row.detail else "") + row.not_checked
     row.seconds = time.perf_counter() - start
     return row
 

@@ -565,8 +565,8 @@ def shown_verdict(r: PairResult) -> str:
     if r.verdict == "error":
         return r.verdict
     skews = sum((f.get("class") or cause_class(f["cause"])) == CREDIT_SKEW for f in r.findings)
-    return "".join([r.verdict, f", {skews} advisory" if skews else "",
-                    f" (not run: {', '.join(r.not_run)})" if r.not_run else ""])
+    notes = [f"{skews} credit-skew advisory row(s)"] * bool(skews) + [f"not run: {', '.join(r.not_run)}"] * bool(r.not_run)
+    return r.verdict + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _dynamo_format_cell(r: PairResult, props: Sequence[str]) -> str:

@@ -42,6 +42,8 @@ class RowResult:
     condition: str | None = None
     #: why the row did not run at all (kvalign's own stand-in does not cover this release); the row stays ok
     skipped: str | None = None
+    #: what of a row that ran was not checked, and why (e.g. configurations kvalign's platform stand-in cannot resolve)
+    not_checked: str | None = None
     #: the admitted request of a HiCache row's shrunk counterexample, as SGLang's scheduler reports it
     #: (prompt_tokens, device_tokens, host_only_tokens, loaded_tokens, ...), or None
     admission: dict[str, Any] | None = None

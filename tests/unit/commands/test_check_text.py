@@ -117,3 +117,10 @@ def test_a_credit_skew_is_an_advisory_under_the_table_with_its_bound_and_routing
     assert "servable/plain/base: bound: at most 8 host slots" in text
     blind = Cause.ROUTER_EAGLE_OFF
     assert check_text.advisory_lines([RowResult("hash", "eagle", "base", 3, 1, 0.0, blind.value, blind.name)]) == ""
+
+
+def test_what_a_row_that_ran_did_not_check_is_said_under_the_table():
+    row = RowResult("advertised", "plain", "default", 72, 0, 1.0, not_checked="36 of 108 configurations not checked "
+                    "(kvalign's platform stand-in: xpu presented on a host without that device; ...)")
+    text = " ".join(ln.strip() for ln in check_text.explanations([row]).splitlines())
+    assert "partly checked advertised/plain/default: 36 of 108 configurations not checked (kvalign's platform" in text

@@ -450,7 +450,7 @@ def test_a_credit_skew_is_an_advisory_and_a_property_that_ran_nowhere_is_never_a
 
     advisory = pair([skew, na])
     assert advisory.verdict == "aligned" and matrix.exit_code([advisory]) == 0 and advisory.not_run == ["dp"]
-    assert matrix.shown_verdict(advisory) == "aligned, 1 advisory (not run: dp)"
+    assert matrix.shown_verdict(advisory) == "aligned (1 credit-skew advisory row(s); not run: dp)"
     lines = table([advisory]).splitlines()
     cells = dict(zip([c.strip() for c in lines[0].strip("|").split("|")], [c.strip() for c in lines[2].strip("|").split("|")]))
     assert cells["servable:plain"] == "HOST_CREDIT_NOT_SERVABLE (credit-skew)" and cells["dp:plain"] == "n/a"
