@@ -105,6 +105,11 @@ def test_host_credit_report_on_the_installed_pair_installs_nothing(tmp_path, sgl
     assert not [p.name for p in cache.glob("*") if p.name.startswith(("ai-dynamo-", "sglang-"))]
     assert "installing" not in res.stderr
     text = out.read_text()
+    # what a maintainer reads first: the pair's status, the class with its bound and measured routing impact, live
+    head = text.split("**Pair:**")[0]
+    assert "**Status:** not shipped together: ai-dynamo 1.6.1's `sglang` extra pins sglang 0.5.21, not 0.5.23" in head
+    assert "**Class:** credit-skew, an advisory" in head and "bound: at most" in head and "the router" in head
+    assert "**Live:** reproduced live: `kvalign e2e fuzz --engine sglang-cpu --hicache" in head
     assert "× sglang 0.5.23" in text and "`servable` property" in text
     steps = text.split("## Each step")[1].split("## The admitted request")[0]
     assert "BlockStored[CPU_PINNED" in steps and "BlockRemoved[GPU" in steps
@@ -114,3 +119,19 @@ def test_host_credit_report_on_the_installed_pair_installs_nothing(tmp_path, sgl
     assert '"medium": "CPU_PINNED"' in text.split("## Event bytes on the wire")[1]
     assert "unified_radix_cache.py`:576 in `UnifiedRadixCache.init_hicache`" in text
     assert "kvalign report HOST_CREDIT_NOT_SERVABLE --dynamo 1.6.1 --sglang 0.5.23" in text
+
+
+def test_a_report_opens_with_the_pair_s_status_class_and_live_reproduction():
+    """Issue 36: the DP findings of 1.5.1 x 0.5.23 say "not reproduced live"; a credit skew's class line needs its
+    bound and routing impact (an error naming them, never a report without)."""
+    from kvalign.verify.finding_status import opening
+
+    data = {"cause": "DP_RANK_UNREGISTERED", "class": "cache-blind",
+            "versions": {"ai-dynamo": "1.5.1", "ai-dynamo-runtime": "1.5.1", "sglang": "0.5.23"}}
+    head = opening(data, "0.5.18")
+    assert head[0].startswith("**Status:** not shipped together: ai-dynamo 1.5.1's `sglang` extra pins sglang 0.5.18")
+    assert head[1].startswith("**Class:** cache-blind") and head[2] == "**Live:** not reproduced live.  "
+    shipped = opening({**data, "versions": {**data["versions"], "sglang": "0.5.18"}}, "0.5.18")[0]
+    assert shipped.startswith("**Status:** shipped together")
+    with pytest.raises(ValueError, match="no bound / routing impact"):
+        opening({**data, "cause": "HOST_CREDIT_NOT_SERVABLE", "class": "credit-skew"}, "0.5.21")
