@@ -37,6 +37,7 @@ from packaging.version import InvalidVersion, Version
 
 from kvalign.model.causes import CACHE_BLIND, CREDIT_SKEW, cause_class
 from kvalign.releases import local_build
+from kvalign.verify.finding_status import LIVE, NOT_LIVE
 from kvalign.oracles.router_path import STUCK_EXIT_S, STUCK_MARK
 from kvalign.releases.release_env import ReleaseEnvError, cache_root, child_env, install, locked, python_for
 from kvalign.verify.rows import DEFAULT_PROPERTIES, EVENT_PROPERTIES, MODES, PROPERTY_MODES
@@ -565,7 +566,7 @@ def shown_verdict(r: PairResult) -> str:
     if r.verdict == "error":
         return r.verdict
     skews = sum((f.get("class") or cause_class(f["cause"])) == CREDIT_SKEW for f in r.findings)
-    notes = [f"{skews} credit-skew advisory row(s)"] * bool(skews) + [f"not run: {', '.join(r.not_run)}"] * bool(r.not_run)
+    notes = ["credit-skew advisory"] * bool(skews) + [f"not run: {', '.join(r.not_run)}"] * bool(r.not_run)
     return r.verdict + (f" ({'; '.join(notes)})" if notes else "")
 
 
@@ -680,8 +681,14 @@ def _markdown_causes(r: PairResult) -> str:
         if f["property"] not in where[f["cause"]]:
             where[f["cause"]].append(f["property"])
     classes = {f["cause"]: f.get("class") or cause_class(f["cause"]) for f in r.findings}
-    parts = [f"{cause} ({', '.join(props)}{'' if classes[cause] == CACHE_BLIND else '; ' + classes[cause]})"
-             for cause, props in where.items()]
+
+    def notes(cause: str) -> str:
+        out = [] if classes[cause] == CACHE_BLIND else [classes[cause]]
+        if (cause, r.dynamo, r.sglang) in LIVE and LIVE[(cause, r.dynamo, r.sglang)] is None:
+            out.append(NOT_LIVE)
+        return "".join(f"; {n}" for n in out)
+
+    parts = [f"{cause} ({', '.join(props)}{notes(cause)})" for cause, props in where.items()]
     na = _markdown_not_applicable([n for n in r.not_applicable if n.get("event_format") != "dynamo"])
     dynamo_na = [n for n in r.not_applicable if n.get("event_format") == "dynamo"]
     if dynamo_na and all("KV-event format" in n["reason"] for n in dynamo_na):

@@ -450,7 +450,7 @@ def test_a_credit_skew_is_an_advisory_and_a_property_that_ran_nowhere_is_never_a
 
     advisory = pair([skew, na])
     assert advisory.verdict == "aligned" and matrix.exit_code([advisory]) == 0 and advisory.not_run == ["dp"]
-    assert matrix.shown_verdict(advisory) == "aligned (1 credit-skew advisory row(s); not run: dp)"
+    assert matrix.shown_verdict(advisory) == "aligned (credit-skew advisory; not run: dp)"
     lines = table([advisory]).splitlines()
     cells = dict(zip([c.strip() for c in lines[0].strip("|").split("|")], [c.strip() for c in lines[2].strip("|").split("|")]))
     assert cells["servable:plain"] == "HOST_CREDIT_NOT_SERVABLE (credit-skew)" and cells["dp:plain"] == "n/a"
@@ -458,3 +458,12 @@ def test_a_credit_skew_is_an_advisory_and_a_property_that_ran_nowhere_is_never_a
     assert "HOST_CREDIT_NOT_SERVABLE (servable; credit-skew)" in matrix.render_markdown([advisory], "cmd")
     blinded = pair([skew, blind])
     assert blinded.verdict == "misaligned" and matrix.exit_code([blinded]) == 1
+
+
+def test_the_1_5_1_dp_findings_say_they_were_not_reproduced_live():
+    row = PairResult("1.5.1", "0.5.23", "misaligned", [
+        {"property": "dp", "mode": "plain", "variant": "pure-dp2", "cause": "DP_RANK_UNSUBSCRIBED", "detail": "x"},
+        {"property": "hash", "mode": "plain", "variant": "base", "cause": "NAMESPACE_DROPPED", "detail": "x"}])
+    text = matrix.render_markdown([row], "cmd")
+    assert "DP_RANK_UNSUBSCRIBED (dp; not reproduced live)" in text and "NAMESPACE_DROPPED (hash)," not in text
+    assert "NAMESPACE_DROPPED (hash) |" in text
