@@ -14,13 +14,14 @@ from typing import Any
 
 from kvalign.model.causes import CREDIT_SKEW, SCOPED
 
-#: (cause, ai-dynamo, sglang) -> the command that reproduced the finding on the real CPU engine, or None
-#: where it was not reproduced live (the DP rows of 1.5.1 x 0.5.23: no live run of that pair's DP workers).
-LIVE: dict[tuple[str, str, str], str | None] = {
+#: (cause, ai-dynamo, sglang) -> (the command that reproduced the finding on the real CPU engine, where its run
+#: is told), or None where it was not reproduced live (the DP rows of 1.5.1 x 0.5.23: no live run of that
+#: pair's DP workers).
+LIVE: dict[tuple[str, str, str], tuple[str, str] | None] = {
     ("HOST_CREDIT_NOT_SERVABLE", "1.6.1", "0.5.23"):
-        "kvalign e2e fuzz --engine sglang-cpu --hicache --page-size 4 --json  (exit 1: HOST_CREDIT_NOT_SERVABLE; "
-        "docs/live-fuzz.md)",
-    ("MM_PAD_WIDTH", "1.6.1", "0.5.23"): "kvalign e2e mm  (tests/e2e/test_mm_live.py; docs/multimodal.md)",
+        ("kvalign e2e fuzz --engine sglang-cpu --hicache --page-size 4 --json",
+         "exit 1, HOST_CREDIT_NOT_SERVABLE: docs/live-fuzz.md"),
+    ("MM_PAD_WIDTH", "1.6.1", "0.5.23"): ("kvalign e2e mm", "tests/e2e/test_mm_live.py, docs/multimodal.md"),
     ("DP_RANK_UNSUBSCRIBED", "1.5.1", "0.5.23"): None,
     ("DP_RANK_UNREGISTERED", "1.5.1", "0.5.23"): None,
 }
@@ -28,9 +29,10 @@ NOT_LIVE = "not reproduced live"
 
 
 def live_note(cause: str, dynamo: str, sglang: str) -> str:
-    """``reproduced live: `COMMAND``` or ``not reproduced live`` (also where no live run of the pair is recorded)."""
-    command = LIVE.get((cause, dynamo, sglang))
-    return f"reproduced live: `{command}`" if command else NOT_LIVE
+    """``reproduced live: `COMMAND` (where)`` or ``not reproduced live`` (also where no live run of the pair is
+    recorded)."""
+    run = LIVE.get((cause, dynamo, sglang))
+    return f"reproduced live: `{run[0]}` ({run[1]})" if run else NOT_LIVE
 
 
 def pair_status(dynamo: str, sglang: str, shipped: str | None) -> str:

@@ -433,13 +433,14 @@ def collect(cause: Cause, modes: Sequence[str], examples: int) -> dict[str, Any]
     from kvalign.verify.check import _plain
 
     from kvalign.verify import report_mm
+    from kvalign.verify.mm import describe as describe_mm
 
     if cause in report_mm.MM_CAUSES:
         found, prop, mode, variant, handles = report_mm.search_mm(cause, modes, examples)
         try:
             return {"cause": cause.name, "cause_text": cause.value, "class": cause_class(cause), "property": prop,
                     "mode": mode, "variant": variant,
-                    "detail": found.detail, "counterexample": report_mm.describe(found.example),
+                    "detail": found.detail, "counterexample": describe_mm(found.example),
                     "versions": {d: _version(d) for d in ("ai-dynamo", "ai-dynamo-runtime", "sglang")},
                     "anchors": [locate(a) for a in ANCHORS.get(cause, ())],
                     "mm_replay": report_mm.replay_mm(found.example, handles, _wire)}
