@@ -43,21 +43,6 @@ def test_only_cache_blind_rows_fail_unless_strict_and_an_na_row_is_never_aligned
     assert "finding_class" not in row_json(skew) and "class" in row_json(skew)
 
 
-@pytest.fixture(scope="module")
-def router_path(sglang_available: str) -> Iterator[Any]:
-    from kvalign.oracles.router_path import RouterPath
-    from kvalign.standins.hicache import version_problem
-
-    if version_problem(sglang_available):
-        pytest.skip(version_problem(sglang_available))
-    try:
-        path = RouterPath()
-    except OracleUnavailable as exc:
-        pytest.skip(f"real Dynamo router path unavailable: {exc}")
-    yield path
-    path.close()
-
-
 def _engine(page_size: int, **kw: Any) -> Any:
     from kvalign.oracles.hicache import HiCacheEngine
 
@@ -65,10 +50,10 @@ def _engine(page_size: int, **kw: Any) -> Any:
                          host_tokens=1 << 20, **kw)
 
 
-def test_the_bound_is_where_sglang_itself_stops_loading_back(router_path):
+def test_the_bound_is_where_sglang_itself_stops_loading_back(hicache_router_path):
     """The bound's stretch (from SGLang's own load_back_threshold) is declined; one page more is loaded back."""
     p = 4
-    bound = SkewBound(_engine(p).load_back_threshold, router_path.host_weight, p)
+    bound = SkewBound(_engine(p).load_back_threshold, hicache_router_path.host_weight, p)
     assert bound.host_pages >= 1 and SkewBound(bound.threshold, bound.weight, bound.threshold).host_pages == 0
     for host, loaded in ((bound.host_pages, False), (bound.host_pages + 1, True)):
         engine = _engine(p)
@@ -81,22 +66,22 @@ def test_the_bound_is_where_sglang_itself_stops_loading_back(router_path):
 
 
 @pytest.mark.parametrize("eagle", [False, True], ids=["plain", "eagle"])
-def test_the_worked_case_changes_the_routers_choice(router_path, eagle):
+def test_the_worked_case_changes_the_routers_choice(hicache_router_path, eagle):
     """2 device + 2 host pages (page 4): the router credits 2 + 2 x 0.75 = 3.5 blocks; against a candidate
     holding 3 pages on device it picks the first, which reuses 8 slots where the other reuses 12."""
-    impact = measure_routing(4, eagle, 2, 2, path=router_path)
+    impact = measure_routing(4, eagle, 2, 2, path=hicache_router_path)
     assert impact.changes_worker, impact.says()
     flip = next(t for t in impact.trials if t.changed)
     assert (flip.k, flip.chosen, flip.reused) == (3, 0, (8, 12)), impact.says()
 
 
-def test_one_host_page_of_credit_never_outweighs_a_device_page(router_path):
+def test_one_host_page_of_credit_never_outweighs_a_device_page(hicache_router_path):
     """The shrunk counterexample (0 device + 1 host page): 0.75 of a block; no candidate flips."""
-    impact = measure_routing(4, False, 0, 1, path=router_path)
+    impact = measure_routing(4, False, 0, 1, path=hicache_router_path)
     assert not impact.changes_worker and [t.chosen for t in impact.trials] == [0, 1], impact.says()
 
 
-def test_negative_control_an_engine_that_loads_every_stretch_back_is_picked_rightly(router_path):
+def test_negative_control_an_engine_that_loads_every_stretch_back_is_picked_rightly(hicache_router_path):
     from kvalign.oracles.hicache import HiCacheEngine
 
     def loads_everything(page_size: int, **kw: Any) -> Any:
@@ -104,5 +89,5 @@ def test_negative_control_an_engine_that_loads_every_stretch_back_is_picked_righ
         engine.cache.load_back_threshold = 1
         return engine
 
-    impact = measure_routing(4, False, 2, 2, path=router_path, make_engine=loads_everything)
+    impact = measure_routing(4, False, 2, 2, path=hicache_router_path, make_engine=loads_everything)
     assert not impact.changes_worker, impact.says()
