@@ -40,7 +40,7 @@ class RowResult:
     counterexample: Any = None
     #: the configurations the row's mismatch is confined to (e.g. HiCache on, page sizes below 10), or None
     condition: str | None = None
-    #: why the row did not run at all (kvalign's own stand-in does not cover this release); the row stays ok
+    #: why the row did not run at all (kvalign's own stand-in does not cover this release): ``n/a``, never ok
     skipped: str | None = None
     #: what of a row that ran was not checked, and why (e.g. configurations kvalign's platform stand-in cannot resolve)
     not_checked: str | None = None
