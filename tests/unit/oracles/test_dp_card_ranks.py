@@ -25,10 +25,11 @@ def test_a_card_without_data_parallel_size_is_an_error_naming_it(card):
 
 
 def test_a_missing_value_exits_2_with_one_line_naming_it(monkeypatch, capsys):
-    def run_check(*_a, **_k):
+    def raise_missing(*_a, **_k):
         raise MissingValue("data_parallel_size", "the card dynamo.sglang's get_runtime_config built")
 
-    monkeypatch.setattr("kvalign.commands.check.run_check", run_check)
+    # raised where the check starts reading the real systems (before SGLang is imported: the test stays cheap)
+    monkeypatch.setattr("kvalign.oracles.dynamo.load_router_hasher", raise_missing)
     assert main(["check", "--property", "dp", "--examples", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no data_parallel_size" in err[0] and "Traceback" not in err[0], err
