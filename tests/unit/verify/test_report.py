@@ -120,18 +120,3 @@ def test_host_credit_report_on_the_installed_pair_installs_nothing(tmp_path, sgl
     assert "unified_radix_cache.py`:576 in `UnifiedRadixCache.init_hicache`" in text
     assert "kvalign report HOST_CREDIT_NOT_SERVABLE --dynamo 1.6.1 --sglang 0.5.23" in text
 
-
-def test_a_report_opens_with_the_pair_s_status_class_and_live_reproduction():
-    """Issue 36: the DP findings of 1.5.1 x 0.5.23 say "not reproduced live"; a credit skew's class line needs its
-    bound and routing impact (an error naming them, never a report without)."""
-    from kvalign.verify.finding_status import opening
-
-    data = {"cause": "DP_RANK_UNREGISTERED", "class": "cache-blind",
-            "versions": {"ai-dynamo": "1.5.1", "ai-dynamo-runtime": "1.5.1", "sglang": "0.5.23"}}
-    head = opening(data, "0.5.18")
-    assert head[0].startswith("**Status:** not shipped together: ai-dynamo 1.5.1's `sglang` extra pins sglang 0.5.18")
-    assert head[1].startswith("**Class:** cache-blind") and head[2] == "**Live:** not reproduced live.  "
-    shipped = opening({**data, "versions": {**data["versions"], "sglang": "0.5.18"}}, "0.5.18")[0]
-    assert shipped.startswith("**Status:** shipped together")
-    with pytest.raises(ValueError, match="no bound / routing impact"):
-        opening({**data, "cause": "HOST_CREDIT_NOT_SERVABLE", "class": "credit-skew"}, "0.5.21")
