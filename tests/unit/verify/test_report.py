@@ -119,4 +119,3 @@ def test_host_credit_report_on_the_installed_pair_installs_nothing(tmp_path, sgl
     assert '"medium": "CPU_PINNED"' in text.split("## Event bytes on the wire")[1]
     assert "unified_radix_cache.py`:576 in `UnifiedRadixCache.init_hicache`" in text
     assert "kvalign report HOST_CREDIT_NOT_SERVABLE --dynamo 1.6.1 --sglang 0.5.23" in text
-
