@@ -375,6 +375,7 @@ def test_1_3_1_with_its_shipped_sglang_is_checked_on_radix_cache_and_names_10982
     card = rows["card", "eagle", "base"]
     assert card["cause_name"] == "ROUTER_EAGLE_OFF" and card["counterexample"] == "EAGLE3"
     assert "Dynamo #10982" in card["detail"] and "CARD_EAGLE_OFF" in card["detail"]
+    assert card["class"] == "cache-blind" and report["exit"] == 1  # a real cache-blind regression still fails check
     assert rows["card", "plain", "base"]["mismatches"] == 0
     # SGLang's real RadixCache ran: plain traffic aligned, tenants named by what each side drops
     for mode in ("plain", "eagle"):
