@@ -9,13 +9,11 @@ from SGLang's threshold, not from the set-up.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from kvalign.model.causes import CACHE_BLIND, CLASSES, CREDIT_SKEW, SCOPED, Cause, cause_class
-from kvalign.oracles.base import OracleUnavailable
 from kvalign.verify.impact import SkewBound, _counterexample_steps, blocking, measure_routing, row_class
 from kvalign.verify.rows import RowResult, row_json
 

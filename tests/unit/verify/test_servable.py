@@ -10,7 +10,6 @@ separation comes from SGLang's code: the old counterexample is a host-credit fin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -104,3 +103,23 @@ def test_host_credit_holds_under_every_write_policy(hicache_router_path, policy,
     *_, last = _ask(hicache_router_path, steps, page_size=4, eagle=eagle, policy=policy)
     a = last["admission"]
     assert last["cause"] == HOST_CREDIT and (a["host_only_tokens"], a["loaded_tokens"]) == (8, 0), last["detail"]
+
+
+def test_the_host_weight_said_is_the_router_s_configured_one_never_a_literal():
+    """Issue 36: the detail once said "with host weight 0.75" whatever the router was configured with."""
+    import types
+
+    from kvalign.oracles.router_path import configured_host_weight
+
+    a = Admission(prompt_tokens=5, max_prefix_tokens=4, device_tokens=0, host_only_tokens=4, loaded_tokens=0,
+                  cached_tokens=0, admitted=True, result="CONTINUE")
+    tiers = {"device_blocks": 0, "host_pinned_extension_blocks": 1}
+    j = judge(a, tiers, 4, eagle=False, threshold=10, best_worker_overlap=1, host_weight=0.5)
+    assert "(best_worker overlap 1, with host weight 0.5)" in j.detail and "0.75" not in j.detail
+    with pytest.raises(ValueError, match="host_cache_hit_weight"):
+        judge(a, tiers, 4, eagle=False, threshold=10, best_worker_overlap=1)
+    # the weight is read from the binding's KvRouterConfig, the configuration the path's routers are built with
+    config = types.SimpleNamespace(__text_signature__="(self, overlap_score_weight=None, host_cache_hit_weight=0.4)")
+    assert configured_host_weight(types.SimpleNamespace(KvRouterConfig=config)) == 0.4
+    with pytest.raises(OracleUnavailable, match="no host_cache_hit_weight"):
+        configured_host_weight(types.SimpleNamespace(KvRouterConfig=types.SimpleNamespace(__text_signature__="(self)")))
