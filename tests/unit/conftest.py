@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from kvalign.oracles.base import OracleUnavailable, RouterHasher
+from router_paths import open_router_path
 
 
 @pytest.fixture(scope="session")
@@ -82,14 +83,10 @@ def mm_oracles(router_hasher: RouterHasher, sglang_available: str):
 @pytest.fixture(scope="module")
 def hicache_router_path(sglang_available: str) -> Iterator[Any]:
     """The real relay -> router path, for a SGLang whose host tier kvalign's HiCache stand-in covers (else skip)."""
-    from kvalign.oracles.router_path import RouterPath
     from kvalign.standins.hicache import version_problem
 
     if version_problem(sglang_available):
         pytest.skip(version_problem(sglang_available))
-    try:
-        path = RouterPath()
-    except OracleUnavailable as exc:
-        pytest.skip(f"real Dynamo router path unavailable: {exc}")
+    path = open_router_path("real Dynamo router path unavailable")
     yield path
     path.close()
