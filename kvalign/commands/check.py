@@ -13,15 +13,15 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
 
 from kvalign.commands import check_text
 from kvalign.commands.options import positive_int
 from kvalign.verify import props
 from kvalign.verify.check import plan, run_jobs, selected
+from kvalign.verify.impact import blocking
 from kvalign.verify.pool import Pool, usable_cores
 from kvalign.verify.property import Budget, Options
-from kvalign.verify.rows import EVENT_FORMATS, MODES, VARIANTS
+from kvalign.verify.rows import EVENT_FORMATS, MODES, VARIANTS, row_json
 from kvalign.verify.systems import SystemsSpec, open_systems
 from kvalign.errors import UsageError
 from kvalign.oracles.sglang import KINDS
@@ -54,6 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed (default: derandomized, reproducible)")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="run rows in N worker processes (default: the usable cores); the report is the same for any N")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 1 on any finding, credit-skew advisories included (default: only cache-blind ones)")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     p.set_defaults(run=run)
 
@@ -119,11 +121,14 @@ def run(args: argparse.Namespace) -> int:
         if systems:
             systems.close()
     kind = facts.kind
-    aligned = all(r.ok for r in rows)
+    failing = blocking(rows, args.strict)
     if args.json:
-        json.dump({"aligned": aligned, "router_hasher": label, "cache": kind, "page_size": args.page_size,
+        json.dump({"aligned": not blocking(rows), "findings": sum(not r.ok and not r.skipped for r in rows),
+                   "strict": args.strict, "exit": int(bool(failing)),
+                   "not_applicable": [check_text.row_name(r) for r in rows if r.skipped],
+                   "router_hasher": label, "cache": kind, "page_size": args.page_size,
                    "event_formats": list(formats), "versions": versions,
-                   "seconds": round(time.perf_counter() - start, 2), "rows": [asdict(r) for r in rows]},
+                   "seconds": round(time.perf_counter() - start, 2), "rows": [row_json(r) for r in rows]},
                   sys.stdout, default=str, ensure_ascii=False)
         sys.stdout.write("\n")
     else:  # the table in 100 columns, each cause explained once under it (kvalign/commands/check_text.py)
@@ -131,5 +136,8 @@ def run(args: argparse.Namespace) -> int:
         below = check_text.explanations(rows, args.page_size)
         if below:
             print(below)
-        print("\n" + check_text.verdict(rows, time.perf_counter() - start))
-    return 0 if aligned else 1
+        notes = check_text.advisory_lines(rows)
+        if notes:
+            print(notes)
+        print("\n" + check_text.verdict(rows, time.perf_counter() - start, args.strict))
+    return 1 if failing else 0

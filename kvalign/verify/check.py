@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from kvalign.verify.impact import assess
 from kvalign.verify.property import Job, Options, Property, row_format
 from kvalign.verify.props import REGISTRY, by_name
 from kvalign.verify.rows import RowResult
@@ -62,6 +63,7 @@ def run_job(k: int, job: Job, systems: Systems, opts: Options) -> list[RowResult
         rows = prop.run(job, systems, opts)
     for row in rows:
         row.event_format = job.event_format if job.skipped else row_format(prop, job.event_format)
+    assess(rows, systems.router_path)  # each finding's class; a credit skew's bound and routing impact, measured here
     return rows
 
 
