@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strict", action="store_true",
                    help="exit 1 on any finding, credit-skew advisories included (default: only cache-blind ones)")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, quick_exit=True)
 
 
 def budgets() -> list[Budget]:

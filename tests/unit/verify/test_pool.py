@@ -42,9 +42,9 @@ def test_jobs_1_and_2_give_the_same_rows_for_one_seed(tmp_path):
     compared too), fewer examples; the rows in plan order, cases, causes and shrunk counterexamples equal."""
     argv = ("--json", "--examples", "10", "--seed", "7")
     one, two = _check(*argv, "--jobs", "1", tmp_path=tmp_path), _check(*argv, "--jobs", "2", tmp_path=tmp_path)
-    assert one.returncode == two.returncode == 1, one.stderr[-2000:] + two.stderr[-2000:]
+    assert one.returncode == two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]  # a credit skew: advisory
     a, b = _rows(one.stdout), _rows(two.stdout)
-    assert len(a) == 64 and any(r["counterexample"] for r in a)
+    assert len(a) == 64 and any(r["counterexample"] and r["impact"] for r in a)
     assert a == b
 
 
