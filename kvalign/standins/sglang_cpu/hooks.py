@@ -61,7 +61,7 @@ def release_patches(version: str) -> dict[str, tuple[Callable[[], None], ...]]:
     return table
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
+class PatchOnImport(importlib.abc.MetaPathFinder):
     def __init__(self, table: dict[str, tuple[Callable[[], None], ...]]) -> None:
         self.table = table
 
@@ -93,7 +93,7 @@ def install() -> None:
         os._exit(2)
     for name in TORCHVISION_SHIM:
         sys.modules.setdefault(name, ModuleType(name))
-    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+    if not any(isinstance(f, PatchOnImport) for f in sys.meta_path):
         from importlib import metadata
 
         table = release_patches(metadata.version("sglang"))
@@ -103,4 +103,4 @@ def install() -> None:
         if os.environ.get(sglang_scalar_pads.ENABLE_ENV) == "1":  # the live multimodal control: 0.5.21's pad rule
             module = "sglang.srt.managers.schedule_batch"
             table[module] = (*table.get(module, ()), sglang_scalar_pads.install_in_module)
-        sys.meta_path.insert(0, _PatchOnImport(table))
+        sys.meta_path.insert(0, PatchOnImport(table))

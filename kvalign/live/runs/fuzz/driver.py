@@ -161,8 +161,12 @@ class FuzzOptions:
 def engine_problem(opts: FuzzOptions) -> str | None:
     """Why ``opts.engine`` cannot run the fuzz on this machine (None when it can)."""
     if opts.engine == "sglang-gpu":
-        return ("the fuzz on --engine sglang-gpu needs the GPU worker kind with a lossy hop, which the gpu_2 "
-                "nightly does not provide yet; run --engine sglang-cpu")
+        if opts.sglang is not None or opts.dp_size > 1 or opts.publisher_faults or opts.event_format != "default":
+            return ("--engine sglang-gpu runs the bundled SGLang with one rank per worker and SGLang's own publisher: "
+                    "--sglang, --dp-size, publisher faults and --event-format dynamo run on --engine sglang-cpu")
+        from kvalign.live.engines.sglang_gpu import engine_problem as gpu_problem
+
+        return gpu_problem()
     if opts.engine == "fake-cpu":
         return ("--engine fake-cpu has no engine reuse report (cached_tokens) and no "
                 "speculative decoder; the fuzz needs the real engine: run --engine sglang-cpu")
@@ -202,10 +206,16 @@ def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Clust
     Aggregated workers cache their own generated tokens and publish them, so a follow-up reuses
     them; prefill workers do not (they never decode), which a follow-up on ``disagg`` checks live.
     """
-    from kvalign.live.engines.sglang_cpu import plan_cluster
-
     topo = fuzz_topology(opts)
-    plan, kind = plan_cluster(topo, run_dir, draft=opts.draft, sglang_version=opts.sglang, hicache=opts.hicache)
+    if opts.engine == "sglang-gpu":
+        from kvalign.live.engines import sglang_gpu
+
+        plan, kind = sglang_gpu.plan_cluster(topo, run_dir, draft=opts.draft, hicache=opts.hicache)
+    else:
+        from kvalign.live.engines import sglang_cpu
+
+        plan, kind = sglang_cpu.plan_cluster(topo, run_dir, draft=opts.draft, sglang_version=opts.sglang,
+                                             hicache=opts.hicache)
     plan = with_routers(plan, opts.router_setup())
     sources = ranks.sources(plan)  # one per publishing worker, or per rank of a data-parallel one
     labels = list(sources)
