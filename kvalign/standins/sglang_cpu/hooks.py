@@ -84,13 +84,18 @@ class PatchOnImport(importlib.abc.MetaPathFinder):
 TORCHVISION_SHIM = ("torchvision._meta_registrations", "torchvision._autograd_registrations")
 
 
-def install() -> None:
-    """Refuse a different SGLang, shim torchvision, then patch SGLang's modules as they load."""
-    problem = version_problem()
-    if problem:  # site.py would turn SystemExit into a traceback: leave with one line instead
+def leave_if(problem: str | None) -> None:
+    """Stop a worker process that a stand-in cannot serve, with one line: ``site.py`` would turn a
+    ``SystemExit`` raised from ``sitecustomize`` into a traceback."""
+    if problem:
         sys.stderr.write(f"kvalign: {problem}\n")
         sys.stderr.flush()
         os._exit(2)
+
+
+def install() -> None:
+    """Refuse a different SGLang, shim torchvision, then patch SGLang's modules as they load."""
+    leave_if(version_problem())
     for name in TORCHVISION_SHIM:
         sys.modules.setdefault(name, ModuleType(name))
     if not any(isinstance(f, PatchOnImport) for f in sys.meta_path):

@@ -10,13 +10,12 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from kvalign.standins.sglang_cpu import patches
-from kvalign.standins.sglang_cpu.hooks import PatchOnImport
+from kvalign.standins.sglang_cpu.hooks import PatchOnImport, leave_if
 from kvalign.standins.sglang_gpu import cutedsl_dual_gemm, version_problem
 
 #: SGLang's module -> kvalign's file that stands in for it.
@@ -40,10 +39,6 @@ class Replace(importlib.abc.MetaPathFinder):
 
 def install() -> None:
     """Refuse another SGLang or kernel release, then replace and patch SGLang's modules as they load."""
-    problem = version_problem()
-    if problem:  # site.py would turn SystemExit into a traceback: leave with one line instead
-        sys.stderr.write(f"kvalign: {problem}\n")
-        sys.stderr.flush()
-        os._exit(2)
+    leave_if(version_problem())
     if not any(isinstance(f, Replace) for f in sys.meta_path):
         sys.meta_path[:0] = [Replace(), PatchOnImport(dict(PATCHES))]
