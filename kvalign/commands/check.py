@@ -13,12 +13,13 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
 
 from kvalign.commands import check_text
 from kvalign.commands.options import positive_int
 from kvalign.verify.check import run_check
-from kvalign.verify.rows import DEFAULT_PROPERTIES, EVENT_FORMATS, EVENT_PROPERTIES, MODES, PROPERTIES, VARIANTS, RowResult
+from kvalign.verify.impact import assess, blocking
+from kvalign.verify.rows import (DEFAULT_PROPERTIES, EVENT_FORMATS, EVENT_PROPERTIES, MODES, PROPERTIES, VARIANTS, RowResult,
+                                 row_json)
 from kvalign.errors import UsageError
 from kvalign.oracles.sglang import KINDS
 from kvalign.runtime_log import console
@@ -54,6 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "properties run with: default (what dynamo.sglang runs), dynamo (SGLang 0.5.23+), or both "
                         "(dynamo where this SGLang has it)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: derandomized, reproducible)")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 1 on any finding, credit-skew advisories included (default: only cache-blind ones)")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     p.set_defaults(run=run)
 
@@ -112,11 +115,15 @@ def run(args: argparse.Namespace) -> int:
                           ingest_examples=args.ingest_examples, tier_examples=args.tier_examples,
                           page_size=args.page_size, event_format=fmt,
                           dp_examples=args.dp_examples, mm_examples=args.mm_examples)
-    aligned = all(r.ok for r in rows)
+    assess(rows)  # each finding's class; a credit skew's bound and measured routing impact
+    failing = blocking(rows, args.strict)
     if args.json:
-        json.dump({"aligned": aligned, "router_hasher": label, "cache": kind, "page_size": args.page_size,
+        json.dump({"aligned": not blocking(rows), "findings": sum(not r.ok and not r.skipped for r in rows),
+                   "strict": args.strict, "exit": int(bool(failing)),
+                   "not_applicable": [check_text.row_name(r) for r in rows if r.skipped],
+                   "router_hasher": label, "cache": kind, "page_size": args.page_size,
                    "event_formats": list(formats), "versions": versions,
-                   "seconds": round(time.perf_counter() - start, 2), "rows": [asdict(r) for r in rows]},
+                   "seconds": round(time.perf_counter() - start, 2), "rows": [row_json(r) for r in rows]},
                   sys.stdout, default=str, ensure_ascii=False)
         sys.stdout.write("\n")
     else:  # the table in 100 columns, each cause explained once under it (kvalign/commands/check_text.py)
@@ -124,5 +131,8 @@ def run(args: argparse.Namespace) -> int:
         below = check_text.explanations(rows, args.page_size)
         if below:
             print(below)
-        print("\n" + check_text.verdict(rows, time.perf_counter() - start))
-    return 0 if aligned else 1
+        notes = check_text.advisory_lines(rows)
+        if notes:
+            print(notes)
+        print("\n" + check_text.verdict(rows, time.perf_counter() - start, args.strict))
+    return 1 if failing else 0

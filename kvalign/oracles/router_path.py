@@ -61,6 +61,17 @@ def sentinel_hash(k: int) -> int:
     return (1 << 62) + k
 
 
+def configured_host_weight(core: Any) -> float:
+    """``KvRouterConfig``'s ``host_cache_hit_weight`` default, read from the installed binding's signature
+    (the binding exposes no getter for it)."""
+    import re
+
+    found = re.search(r"host_cache_hit_weight=([0-9.]+)", getattr(core.KvRouterConfig, "__text_signature__", None) or "")
+    if found is None:
+        raise OracleUnavailable("this Dynamo's KvRouterConfig has no host_cache_hit_weight (its router weighs no host tier)")
+    return float(found.group(1))
+
+
 def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in v.split(".")[:3] if x.isdigit())
 
@@ -138,7 +149,9 @@ class LoopbackProxy:
 class SglangPublisher:
     """SGLang's real ``ZmqEventPublisher`` bound on 127.0.0.1 (as a scheduler with kv_events_config)."""
 
-    def __init__(self, transform: Transform | None = None) -> None:
+    def __init__(self, transform: Transform | None = None, attn_dp_rank: int = 0) -> None:
+        """``attn_dp_rank``: the rank every batch is tagged with, as a data-parallel rank's scheduler tags its own
+        (set on the batch: the publisher's own rank would also move its endpoint's port by that rank)."""
         from kvalign.oracles.sglang import _modules
 
         _modules()  # the torchvision shim and SGLang's import chain, with an install hint on failure
@@ -152,9 +165,10 @@ class SglangPublisher:
         self.endpoint = self.hop.xpub
         config = {"publisher": "zmq", "topic": "kv-events", "endpoint": self.hop.xsub}
         self._pub = kv.EventPublisherFactory.create(json.dumps(config), attn_dp_rank=0)
+        self._rank = {"attn_dp_rank": attn_dp_rank} if attn_dp_rank else {}
 
     def publish(self, events: Sequence[Any]) -> None:
-        self._pub.publish(self.kv.KVEventBatch(ts=time.time(), events=list(events)))
+        self._pub.publish(self.kv.KVEventBatch(ts=time.time(), events=list(events), **self._rank))
 
     def sentinel(self, k: int, page_size: int) -> Any:
         """The k-th one-page plain ``BlockStored`` off the root (SGLang's own class): an ingestion barrier."""
@@ -385,6 +399,13 @@ class RouterPath:
                                         f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
             self._workers[key] = IngestWorker(self, block_size, eagle, pub, router, relay)
         return self._workers[key]
+
+    @property
+    def host_weight(self) -> float:
+        """The ``host_cache_hit_weight`` this path's routers run with: they are built with the binding's
+        default ``KvRouterConfig``, so its signature's default is their configuration. A release whose
+        config has no such weight has no host tier: an error naming the field, never a guessed weight."""
+        return configured_host_weight(self.core)
 
     def _tiered_router(self) -> bool:
         """Whether this release's router weighs host / disk tiers into its overlap (``host_cache_hit_weight``)."""

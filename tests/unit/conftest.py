@@ -6,11 +6,13 @@ to install — they never pass without having run.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 from kvalign.oracles.base import OracleUnavailable, RouterHasher
+from router_paths import open_router_path
 
 
 @pytest.fixture(scope="session")
@@ -76,3 +78,15 @@ def mm_oracles(router_hasher: RouterHasher, sglang_available: str):
     yield frontend, sglang
     sglang.close()
     frontend.close()
+
+
+@pytest.fixture(scope="module")
+def hicache_router_path(sglang_available: str) -> Iterator[Any]:
+    """The real relay -> router path, for a SGLang whose host tier kvalign's HiCache stand-in covers (else skip)."""
+    from kvalign.standins.hicache import version_problem
+
+    if version_problem(sglang_available):
+        pytest.skip(version_problem(sglang_available))
+    path = open_router_path("real Dynamo router path unavailable")
+    yield path
+    path.close()

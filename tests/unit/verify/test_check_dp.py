@@ -14,19 +14,14 @@ from typing import Any
 import pytest
 
 from kvalign.model.causes import Cause
-from kvalign.oracles.base import OracleUnavailable
+from router_paths import open_router_path
 
 EXAMPLES = 8
 
 
 @pytest.fixture(scope="module")
 def router_path(sglang_available: str) -> Iterator[Any]:
-    from kvalign.oracles.router_path import RouterPath
-
-    try:
-        path = RouterPath()
-    except OracleUnavailable as exc:
-        pytest.skip(f"Dynamo's in-process runtime is unavailable: {exc}")
+    path = open_router_path("Dynamo's in-process runtime is unavailable")
     yield path
     path.close()
 
