@@ -94,6 +94,7 @@ def _import_in_child(hooks: bool) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # two children importing SGLang's kernel packages (about 20 s)
 def test_hooks_serve_the_stand_in_where_sglangs_module_cannot_import():
     without = _import_in_child(False)
     # why the stand-in exists: the original imports cuda-python's driver bindings, then cutlass
