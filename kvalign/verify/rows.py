@@ -7,10 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-PROPERTIES = ("card", "advertised", "hash", "pages", "overlap", "ingest", "tenants", "tier", "servable", "dp", "mm")
+PROPERTIES = ("card", "advertised", "hash", "pages", "overlap", "ingest", "tenants", "tier", "servable", "dp", "mm",
+              "hybrid", "storage")
 #: What ``check`` and ``matrix`` run without ``--property``: ``mm`` is opt-in, since it starts Dynamo's
 #: frontend and SGLang's multimodal processor (20-40 s on two cores) and needs both releases' multimodal paths.
-DEFAULT_PROPERTIES = tuple(p for p in PROPERTIES if p != "mm")
+DEFAULT_PROPERTIES = tuple(p for p in PROPERTIES if p not in ("mm", "hybrid", "storage"))
 MODES = ("plain", "eagle")
 #: Properties that do not run in every mode (the page size a worker registers does not depend on EAGLE's keys;
 #: no DP rank decision reads the key mode).
@@ -49,6 +50,9 @@ class RowResult:
     scoped: dict[str, Any] | None = None
     #: SGLang's KV-event format the row's events were published in ("any": the property reads no events)
     event_format: str = "default"
+    #: the row's negative control, where it runs one beside the search (hybrid, storage): the deliberate
+    #: misalignment, its cases, whether the property failed on it and with which cause
+    control: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
