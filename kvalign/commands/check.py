@@ -17,8 +17,11 @@ from dataclasses import asdict
 
 from kvalign.commands import check_text
 from kvalign.commands.options import positive_int
-from kvalign.verify.check import run_check
-from kvalign.verify.rows import DEFAULT_PROPERTIES, EVENT_FORMATS, EVENT_PROPERTIES, MODES, PROPERTIES, VARIANTS, RowResult
+from kvalign.verify import props
+from kvalign.verify.check import plan, run_jobs, selected
+from kvalign.verify.property import Budget, Options
+from kvalign.verify.rows import EVENT_FORMATS, MODES, VARIANTS
+from kvalign.verify.systems import Systems
 from kvalign.errors import UsageError
 from kvalign.oracles.sglang import KINDS
 from kvalign.runtime_log import console
@@ -34,18 +37,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache", choices=KINDS, default="default",
                    help="SGLang cache class: the one this release's server builds (default: UnifiedRadixCache from "
                         "0.5.19 on, RadixCache before), UnifiedRadixCache, its Python core, or RadixCache")
-    p.add_argument("--property", dest="props", action="append", choices=PROPERTIES,
-                   help="only these properties (default: all but mm, the image-prompt property, which is opt-in)")
+    p.add_argument("--property", dest="props", action="append", choices=props.names(),
+                   help="only these properties (default: " + ", ".join(props.default_names()) + ")")
     p.add_argument("--mode", dest="modes", action="append", choices=MODES, help="only these modes")
-    p.add_argument("--ingest-examples", type=int, default=25,
-                   help="cap on generated cases per ingest row (each runs the real relay and router; default 25)")
-    p.add_argument("--tier-examples", type=int, default=None,
-                   help="cap on generated state-machine runs per tier / servable row (default 12)")
-    p.add_argument("--dp-examples", type=int, default=None,
-                   help="cap on generated cases per dp row (each caches on every rank and routes; default 20)")
-    p.add_argument("--mm-examples", type=int, default=None,
-                   help="cap on generated image scenarios per mm row (default 25; each runs two chat requests "
-                        "through Dynamo's frontend and SGLang's multimodal path)")
+    for budget in budgets():
+        p.add_argument(f"--{budget.option}-examples", dest=f"{budget.option}_examples", type=int, default=None,
+                       help=budget.help)
     p.add_argument("--page-size", type=positive_int, default=None, metavar="N",
                    help="run every property at this page (block) size only, e.g. your deployment's; "
                         "default: every size the strategies draw")
@@ -56,6 +53,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed (default: derandomized, reproducible)")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     p.set_defaults(run=run)
+
+
+def budgets() -> list[Budget]:
+    """Every registered property's example cap, once each (``--NAME-examples``)."""
+    return list({p.budget.option: p.budget for p in props.REGISTRY if p.budget is not None}.values())
 
 
 def no_dynamo_format(version: str) -> str:
@@ -74,14 +76,13 @@ def formats_to_run(asked: str, has_dynamo: bool, version: str) -> tuple[str, ...
 def run(args: argparse.Namespace) -> int:
     if args.examples < 1:
         raise UsageError(f"--examples must be >= 1, got {args.examples}")
-    if args.ingest_examples < 1:
-        raise UsageError(f"--ingest-examples must be >= 1, got {args.ingest_examples}")
-    if args.mm_examples is not None and args.mm_examples < 1:
-        raise UsageError(f"--mm-examples must be >= 1, got {args.mm_examples}")
-    if args.tier_examples is not None and args.tier_examples < 1:
-        raise UsageError(f"--tier-examples must be >= 1, got {args.tier_examples}")
-    if args.dp_examples is not None and args.dp_examples < 1:
-        raise UsageError(f"--dp-examples must be >= 1, got {args.dp_examples}")
+    caps = {}
+    for budget in budgets():
+        cap = getattr(args, f"{budget.option}_examples")
+        if cap is not None and cap < 1:
+            raise UsageError(f"--{budget.option}-examples must be >= 1, got {cap}")
+        if cap is not None:
+            caps[budget.option] = cap
     from kvalign.oracles.dynamo import DynamoRadixTree, dynamo_version, load_router_hasher
     from kvalign.oracles.sglang import SglangRadixCache, has_dynamo_format, sglang_version
 
@@ -96,22 +97,18 @@ def run(args: argparse.Namespace) -> int:
                                 args.page_size), flush=True)
     start = time.perf_counter()
     progress = None if args.json else lambda r: print(check_text.progress_line(r), file=console(), flush=True)
-    props = tuple(args.props or DEFAULT_PROPERTIES)
-    rows: list[RowResult] = []
-    for i, fmt in enumerate(formats):
-        # a property that reads no events runs once, with the first format; the others once per format
-        todo = props if i == 0 else tuple(p for p in props if p in EVENT_PROPERTIES)
-        if fmt == "dynamo" and not has_dynamo_format():
-            rows += [RowResult(p, m, "base", skipped=no_dynamo_format(versions["sglang"]), event_format="dynamo")
-                     for p in todo for m in tuple(args.modes or MODES)]
-            continue
-        make_cache = lambda p, eagle, dyn=fmt == "dynamo": SglangRadixCache(p, eagle=eagle, kind=kind, dynamo_format=dyn)  # noqa: E731
-        rows += run_check(hasher, make_cache, DynamoRadixTree, examples=args.examples,
-                          props=todo, modes=tuple(args.modes or MODES),
-                          variants=tuple(VARIANTS), seed=args.seed, progress=progress,
-                          ingest_examples=args.ingest_examples, tier_examples=args.tier_examples,
-                          page_size=args.page_size, event_format=fmt,
-                          dp_examples=args.dp_examples, mm_examples=args.mm_examples)
+    opts = Options(examples=args.examples, modes=tuple(args.modes or MODES), variants=tuple(VARIANTS), seed=args.seed,
+                   page_size=args.page_size, caps=tuple(sorted(caps.items())))
+    missing = None if has_dynamo_format() else no_dynamo_format(versions["sglang"])
+    jobs = plan(selected(args.props), formats, opts, format_missing=lambda fmt: missing if fmt == "dynamo" else None)
+    systems = Systems(hasher, lambda p, eagle: SglangRadixCache(p, eagle=eagle, kind=kind), DynamoRadixTree)
+    by_format = {fmt: systems.with_cache(lambda p, eagle, dyn=fmt == "dynamo": SglangRadixCache(p, eagle=eagle, kind=kind,
+                                                                                                  dynamo_format=dyn))
+                 for fmt in formats}
+    try:
+        rows = run_jobs(jobs, by_format.__getitem__, opts, progress)
+    finally:
+        systems.close()
     aligned = all(r.ok for r in rows)
     if args.json:
         json.dump({"aligned": aligned, "router_hasher": label, "cache": kind, "page_size": args.page_size,

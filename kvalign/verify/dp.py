@@ -47,8 +47,6 @@ from kvalign.verify.properties import Mismatch
 
 #: The page size of the DP rows unless ``check --page-size`` pins one (the worker is launched with it).
 DP_PAGE_SIZE = 4
-#: Generated examples per layout row (each publishes on every rank and waits for the router).
-DP_EXAMPLES = 20
 #: How long one rank's sentinel page may take to show up in the router's answer.
 BARRIER_TIMEOUT_S = 4.0
 #: Token ids of each example live in their own window (the router's index is never emptied).

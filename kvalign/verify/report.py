@@ -208,24 +208,26 @@ def _wire(frames: list[list[bytes]]) -> list[dict[str, Any]]:
 
 def search(cause: Cause, modes: Sequence[str], examples: int) -> tuple[Any, str, str, str, Any]:
     """The first shrunk counterexample any property gives for ``cause``: (mismatch, prop, mode, variant, hasher)."""
-    from kvalign.verify.check import Systems, property_body, run_search, strategy_for
+    from kvalign.verify.props import by_name
     from kvalign.verify.rows import VARIANTS
+    from kvalign.verify.search import run_search
+    from kvalign.verify.systems import Systems
     from kvalign.oracles.base import OracleUnavailable
     from kvalign.oracles.dynamo import DynamoRadixTree, load_router_hasher
     from kvalign.oracles.sglang import SglangRadixCache
 
     hasher = load_router_hasher(None)
-    make_cache = lambda p, eagle: SglangRadixCache(p, eagle=eagle)  # noqa: E731
-    systems = Systems(hasher, make_cache, DynamoRadixTree)
+    systems = Systems(hasher, lambda p, eagle: SglangRadixCache(p, eagle=eagle), DynamoRadixTree)
     try:
         for prop in SEARCH_ORDER:
+            searched = by_name()[prop]  # each a SearchProperty: one Hypothesis search per mode x variant
             try:
-                body = property_body(prop, hasher, make_cache, DynamoRadixTree, systems)
+                body = searched.body(systems)
             except OracleUnavailable:
                 continue
             for mode in modes:
                 for variant in VARIANTS:
-                    _calls, _failures, found = run_search(body, strategy_for(prop, mode, variant), examples)
+                    _calls, _failures, found = run_search(body, searched.strategy(mode, variant, None), examples)
                     if found is not None and found.cause is cause:
                         return found, prop, mode, variant, hasher
     finally:
@@ -428,7 +430,7 @@ def replay_servable(example: dict[str, Any]) -> dict[str, Any]:
 
 def collect(cause: Cause, modes: Sequence[str], examples: int) -> dict[str, Any]:
     """Everything the report says, from the releases importable here (run inside the pair's environment)."""
-    from kvalign.verify.check import _plain
+    from kvalign.verify.property import plain as _plain
 
     from kvalign.verify import report_mm
 
