@@ -91,6 +91,7 @@ class Cause(str, Enum):
     MAMBA_STATE_NOT_REUSABLE = ("router credits full-attention blocks past the last Mamba state SGLang holds on the "
                                 "prompt's path (a state evicted without a removal, or never kept mid-node)")
     STORAGE_TIER_UNCREDITED = "SGLang holds pages in its storage tier (L3) that the router credits in no tier"
+    STORAGE_KEY_MISMATCH = "SGLang's storage backend wrote pages under other keys than SGLang's own storage key function"
     TENANT_STORAGE_REUSE = ("a second tenant (cache_salt / LoRA) reused the first tenant's pages from a tier: a "
                             "cross-tenant leak")
     UNKNOWN = "unclassified hash difference"
