@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvalign.oracles.base import OracleUnavailable
-from kvalign.oracles.sglang import _modules, lora_id_for, sglang_version
+from kvalign.oracles.sglang import _modules, request_key, sglang_version
 
 #: The hybrid components this oracle builds beside FULL.
 COMPONENTS = ("swa", "mamba")
@@ -148,11 +148,7 @@ class HybridCache:
         return type(self.cache.tree_core).__name__
 
     def _key(self, tokens: Sequence[int], lora_name: str | None, cache_salt: str | None) -> Any:
-        extra_key = None
-        if lora_name:
-            extra_key = lora_id_for(lora_name)
-            self.lora_names.register(lora_id=extra_key, lora_name=lora_name)
-        return self._m.RadixKey(array("q", [int(t) for t in tokens]), extra_key, cache_salt=cache_salt or None)
+        return request_key(tokens, lora_name, cache_salt, self.lora_names)
 
     def _alloc(self, n: int) -> Any:
         """The kit's ``_alloc``: the SWA allocator's own ``alloc`` asserts page size 1, so page-aligned

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvalign.oracles.base import OracleUnavailable
-from kvalign.oracles.sglang import _modules, lora_id_for, sglang_version
+from kvalign.oracles.sglang import _modules, request_key, sglang_version
 
 #: Device and host KV slots (the kit sizes both pools equally).
 KV_TOKENS = 512
@@ -48,7 +48,7 @@ class StorageEngine:
 
     def __init__(self, page_size: int, *, eagle: bool, prefetch_threshold: int | None = None,
                  storage_dir: str | None = None) -> None:
-        from kvalign.standins.hicache_storage import install, unpin_scratch, version_problem
+        from kvalign.standins.hicache_storage import install, pinned_ranges, release_pinned, unpin_scratch, version_problem
 
         problem = version_problem(sglang_version())
         if problem:
@@ -59,7 +59,8 @@ class StorageEngine:
         self._own_dir = storage_dir is None
         self.storage_dir = storage_dir or tempfile.mkdtemp(prefix="kvalign-hicache-")
         self._handles = 0
-        self._closers: list[Callable[[], None]] = []
+        before = pinned_ranges()
+        self._closers: list[Callable[[], None]] = [lambda: release_pinned(before)]
         try:
             self._build(prefetch_threshold or page_size)
             unpin_scratch(self.cache.cache_controller)
@@ -109,7 +110,9 @@ class StorageEngine:
 
         atexit.unregister(self.cache.shutdown)
         controller = self.cache.cache_controller
-        self._closers.insert(0, controller._stop_storage_threads)
+        # stop the storage threads, then give the host pool back (its pinned ranges are unregistered, as
+        # the kit's cleanup does: a later engine's pool can land on the same addresses)
+        self._closers[:0] = [controller._stop_storage_threads, self.cache.release_host_resources]
         if not controller.enable_storage:
             raise OracleUnavailable("SGLang's HiCache controller started without its storage backend")
         self.backend = controller.storage_backend
@@ -117,11 +120,7 @@ class StorageEngine:
 
     # -- requests and the scheduler's poll -------------------------------------------------
     def _key(self, tokens: Sequence[int], lora_name: str | None, cache_salt: str | None) -> Any:
-        extra_key = None
-        if lora_name:
-            extra_key = lora_id_for(lora_name)
-            self.lora_names.register(lora_id=extra_key, lora_name=lora_name)
-        return self._m.RadixKey(array("q", [int(t) for t in tokens]), extra_key, cache_salt=cache_salt or None)
+        return request_key(tokens, lora_name, cache_salt, self.lora_names)
 
     def insert(self, tokens: Sequence[int], lora_name: str | None = None, cache_salt: str | None = None) -> None:
         """A finished request's whole pages cached (their KV filled with a marker, so refills move bytes)."""

@@ -69,3 +69,21 @@ def unpin_scratch(controller: Any) -> None:
     if not hasattr(pool, "get_dummy_flat_data_page") or not hasattr(pool, "pin_memory"):
         raise OracleUnavailable("SGLang's host pool no longer has get_dummy_flat_data_page / pin_memory")
     pool.pin_memory = False
+
+
+def pinned_ranges() -> set[int]:
+    """The bases of the host ranges registered in this process now (before an engine's pool is built)."""
+    from kvalign.standins.hicache_cpu.pinned import REGISTRY
+
+    return set(REGISTRY.registered())
+
+
+def release_pinned(before: set[int]) -> None:
+    """Unregister what an engine's host pool registered since ``before``. SGLang's pool unregisters its
+    ranges only on CUDA / HIP (``pool_host/base.py``: ``self.pin_memory and (_is_cuda or _is_hip)``); a
+    live CPU worker has one pool for life, but ``storage`` builds one per example, and a freed buffer's
+    addresses are reused: the registry would refuse the next pool (``cudaErrorHostMemoryAlreadyRegistered``)."""
+    from kvalign.standins.hicache_cpu.pinned import REGISTRY
+
+    for base in set(REGISTRY.registered()) - before:
+        REGISTRY.cudaHostUnregister(base)
