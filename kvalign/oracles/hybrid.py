@@ -8,7 +8,7 @@ This oracle builds the cache the way SGLang 0.5.23's own unit tests do
 (``sglang/test/kits/unified_radix_cache/fixtures.py: build_fixture``: the same pools, allocators
 and ``CacheInitParams``), with two differences: the device is ``"cpu"`` (the kit asks
 ``get_device()``, which has no CPU answer) and the tree core is SGLang's own (Python or Rust), not
-the kit's inspector wrappers. ``tests/unit/oracles/test_hybrid.py`` holds it to the kit's builder.
+the kit's inspector wrappers. ``tests/unit/oracles/test_hybrid_oracle.py`` holds it to the kit's builder.
 """
 
 from __future__ import annotations

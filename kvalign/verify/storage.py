@@ -95,9 +95,10 @@ class StorageRun:
         self.path, self.eagle, self.variant = path, eagle, variant
         self.mutate, self.shared_namespace = mutate, shared_namespace
         self.make_engine = make_engine or StorageEngine
-        #: pages SGLang refilled from storage while the router credited none of them (largest seen), and
-        #: examples with refills
-        self.uncredited, self.refilled_examples = 0, 0
+        #: examples with a refill (the storage path exercised), examples in which SGLang refilled pages the
+        #: router credited in no tier, the most such pages for one request, and that example's finding
+        self.refilled_examples, self.uncredited, self.bound = 0, 0, 0
+        self.finding: Mismatch | None = None
 
     def tenants(self) -> tuple[Tenant, Tenant]:
         from kvalign.verify.rows import VARIANTS
@@ -143,7 +144,8 @@ class StorageRun:
             engine.insert(shift(tokens), *a)
             self._publish(engine, worker, tap, sc, expected)
         keys = {k for t in sc.prompts for k in engine.storage_keys(shift(t), *a)}
-        if not engine.pump(lambda: keys <= set(engine.stored_files())):
+        # every page's file listed, and no storage write in flight (a listed file may still be being written)
+        if not engine.pump(lambda: keys <= set(engine.stored_files())) or not engine.pump():
             raise Mismatch("storage", f"SGLang's storage writes did not finish within the pump's timeout "
                            f"({len(set(engine.stored_files()) & keys)} of {len(keys)} page(s) written)",
                            Cause.PATH_UNAVAILABLE, sc)
@@ -162,25 +164,29 @@ class StorageRun:
             self._tenant_b(engine, worker, tap, sc, shift, expected, a, b)
             return
         uncredited: tuple[int, list[int]] | None = None
+        any_refill = False
         for tokens in sc.prompts:
             q = shift(tokens)
             before = self.path.path.query_tiers(worker.router, q, None, None)
             refilled = engine.refill(q) // sc.page_size
             self._publish(engine, worker, tap, sc, expected)
             self._check_all(engine, worker, tap, sc, shift, expected, a)
-            if refilled:
-                self.refilled_examples += 1
-                missing = refilled - before["disk_extension_blocks"]
-                if missing > 0 and uncredited is None:
-                    uncredited = (missing, tokens)
-                self.uncredited = max(self.uncredited, missing)
-        if uncredited is not None:
+            any_refill = any_refill or refilled > 0
+            missing = refilled - before["disk_extension_blocks"]
+            if missing > 0 and (uncredited is None or missing > uncredited[0]):
+                uncredited = (missing, tokens)
+        self.refilled_examples += any_refill
+        if uncredited is not None:  # counted, not raised: the search goes on checking the refills' events
             n, tokens = uncredited
-            raise Mismatch("storage", f"prompt {tokens}: SGLang refilled {n} page(s) from its storage tier for the "
-                           "request that the router credited in no tier (0 disk blocks): SGLang publishes nothing for "
-                           "a page written to or held in storage; only the refill's host-tier stores reach the router, "
-                           "after routing. Class: credit skew (an under-credit; the keys agree)", Cause.STORAGE_TIER_UNCREDITED,
-                           self._example(sc), condition=storage_condition())
+            self.uncredited += 1
+            if n > self.bound:
+                self.bound = n
+                self.finding = Mismatch(
+                    "storage", f"prompt {tokens}: SGLang refilled {n} page(s) from its storage tier for the request, "
+                    "which the router credited in no tier (0 disk blocks): SGLang publishes nothing for a page written "
+                    "to or held in storage; only the refill's host-tier stores reach the router, after routing. Class: "
+                    "credit skew (an under-credit; the keys agree)", Cause.STORAGE_TIER_UNCREDITED, self._example(sc),
+                    condition=storage_condition())
 
     def _check_all(self, engine: Any, worker: Any, tap: Any, sc: StorageScenario, shift: Callable[[list[int]], list[int]],
                    expected: Any, tenant: Tenant) -> None:
@@ -203,6 +209,7 @@ class StorageRun:
 
     def _tenant_b(self, engine: Any, worker: Any, tap: Any, sc: StorageScenario, shift: Callable[[list[int]], list[int]],
                   expected: Any, a: Tenant, b: Tenant) -> None:
+        refilled_a = False
         for tokens in sc.prompts:
             q = shift(tokens)
             held = engine.tiers(q, *b)
@@ -216,7 +223,8 @@ class StorageRun:
                                f"{held.host} host + {held.storage} storage page(s) for B, refilled {refilled} page(s) of "
                                f"A's from storage for B, and the router credits B {credited} block(s): a cross-tenant "
                                "leak", Cause.TENANT_STORAGE_REUSE, self._example(sc))
-            self.refilled_examples += bool(engine.refill(q, *a))  # A's own pages still refill: the row is not vacuous
+            refilled_a = refilled_a or bool(engine.refill(q, *a))  # A's own pages still refill: the row is not vacuous
+        self.refilled_examples += refilled_a
 
     def _example(self, sc: StorageScenario) -> dict[str, Any]:
         a, b = self.tenants() if self.variant != "base" else ((None, None), (None, None))
@@ -256,12 +264,14 @@ def run_storage_rows(systems: Any, modes: tuple[str, ...], variants: tuple[str, 
                 body = StorageRun(path, eagle, variant)
                 calls, failures, found = run_search(body, storage_scenarios(eagle, sizes), examples, seed=seed)
                 row = RowResult("storage", mode, variant, calls, failures, time.perf_counter() - start)
+                if found is None and body.finding is not None:  # the under-credit, once nothing else failed
+                    found, row.mismatches = body.finding, body.uncredited
+                    found.detail += (f"; bound seen: up to {body.bound} refilled page(s) per request credited in no tier "
+                                     f"(at most the prompt's pages in storage, up to its prefix cap); in {body.uncredited} "
+                                     f"of {calls} example(s) (the example is the first with the largest, not shrunk)")
                 if found is not None:
                     row.cause, row.cause_name, row.detail = found.cause.value, found.cause.name, found.detail
                     row.counterexample, row.condition = found.example, found.condition
-                    if found.cause is Cause.STORAGE_TIER_UNCREDITED:
-                        row.detail += (f"; bound seen: up to {body.uncredited} refilled page(s) per request credited "
-                                       "in no tier (at most the prompt's pages in storage, up to its prefix cap)")
                 if variant != "base" and found is None:
                     row.detail = (f"tenant A's own pages refilled from storage in {body.refilled_examples} of {calls} "
                                   "example(s) while tenant B reused none of them on any tier")
