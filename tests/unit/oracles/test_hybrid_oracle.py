@@ -77,6 +77,7 @@ def _shape(events: list[Any]) -> list[tuple[Any, ...]]:
 
 @pytest.mark.parametrize("component,page_size,eagle", [("swa", 2, False), ("swa", 4, True), ("mamba", 1, False),
                                                        ("mamba", 4, False)])
+@pytest.mark.slow  # fast tier: the negative controls and the fixed counterexamples
 def test_oracle_equals_sglang_kit(kit: Any, component: str, page_size: int, eagle: bool) -> None:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey

@@ -58,6 +58,7 @@ def test_another_tenant_finds_nothing_in_storage(engine: Any, tenant: tuple[str 
     assert engine.refill(PROMPT, "tenant-a", "salt-a") == 16  # the same tokens of tenant A do refill
 
 
+@pytest.mark.slow  # fast tier: the negative controls and the fixed counterexamples
 def test_a_second_engine_starts_after_the_first_closed(engine: Any) -> None:
     """Each example builds its own engine: the first one's pinned host ranges must be given back."""
     from kvalign.oracles.storage import StorageEngine

@@ -71,6 +71,7 @@ def test_hybrid_finds_the_credit_skew(path: Any, component: str) -> None:
     assert body.bound == 1 and body.skewed == 1
 
 
+@pytest.mark.slow  # fast tier: the negative controls and the fixed counterexamples
 def test_hybrid_search_finds_the_mamba_skew(path: Any) -> None:
     from kvalign.verify.hybrid import HybridRun
 
@@ -95,8 +96,29 @@ def test_mamba_eagle_is_cache_blind(path: Any) -> None:
     assert found is not None and found.cause is Cause.ROUTER_EAGLE_ON
 
 
-@pytest.mark.parametrize("component,eagle", [("swa", False), ("mamba", False), ("mamba", True)])
+#: A prompt cached, then evicted in full: SGLang publishes its removal, which the control drops.
+EVICTED = {
+    ("swa", False): ("swa", 2, False, 2, "rust", [("insert", [0, 1, 2, 3]), ("evict", 4)]),
+    ("mamba", False): ("mamba", 1, False, 4, "rust", [("insert", [0, 1, 2]), ("evict", 3)]),
+    ("mamba", True): ("mamba", 1, True, 4, "rust", [("insert", [0, 1, 2]), ("evict", 3)]),
+}
+
+
+@pytest.mark.parametrize("component,eagle", list(EVICTED))
 def test_negative_control_dropped_removals(path: Any, component: str, eagle: bool) -> None:
+    from kvalign.verify.hybrid import HybridRun, Scenario, drop_removals
+    from kvalign.verify.properties import Mismatch
+
+    HybridRun(path, component, eagle, tolerate_skew=True, card_as_keys=True)(Scenario(*EVICTED[component, eagle]))
+    body = HybridRun(path, component, eagle, mutate=drop_removals, tolerate_skew=True, card_as_keys=True)
+    with pytest.raises(Mismatch) as found:
+        body(Scenario(*EVICTED[component, eagle]))
+    assert found.value.cause is Cause.INGEST_STALE
+
+
+@pytest.mark.slow  # the generated control search, as check runs it beside every row
+@pytest.mark.parametrize("component,eagle", list(EVICTED))
+def test_negative_control_search(path: Any, component: str, eagle: bool) -> None:
     from kvalign.verify.hybrid import HybridRun, drop_removals
 
     body = HybridRun(path, component, eagle, mutate=drop_removals, tolerate_skew=True, card_as_keys=True)
@@ -104,6 +126,7 @@ def test_negative_control_dropped_removals(path: Any, component: str, eagle: boo
     assert found is not None and found.cause is Cause.INGEST_STALE
 
 
+@pytest.mark.slow  # fast tier: the negative controls and the fixed counterexamples
 def test_without_the_mutation_the_control_run_is_clean(path: Any) -> None:
     """The control's body with nothing dropped passes (only the skew, tolerated, would fail it)."""
     from kvalign.verify.hybrid import HybridRun

@@ -78,6 +78,7 @@ def test_negative_control_shared_namespace(path: Any, variant: str) -> None:
     assert "refilled 2 page(s)" in found.value.detail or "host" in found.value.detail
 
 
+@pytest.mark.slow  # fast tier: the negative controls and the fixed counterexamples
 def test_generated_tenant_row_and_its_control(path: Any) -> None:
     from kvalign.verify.search import run_search
     from kvalign.verify.storage import StorageRun, storage_scenarios
