@@ -48,7 +48,7 @@ class StorageEngine:
 
     def __init__(self, page_size: int, *, eagle: bool, prefetch_threshold: int | None = None,
                  storage_dir: str | None = None) -> None:
-        from kvalign.standins.hicache_storage import install, pinned_ranges, release_pinned, unpin_scratch, version_problem
+        from kvalign.standins.hicache_storage import install, pinned_ranges, release_pinned, version_problem
 
         problem = version_problem(sglang_version())
         if problem:
@@ -63,7 +63,6 @@ class StorageEngine:
         self._closers: list[Callable[[], None]] = [lambda: release_pinned(before)]
         try:
             self._build(prefetch_threshold or page_size)
-            unpin_scratch(self.cache.cache_controller)
         except OracleUnavailable:
             self.close()
             raise

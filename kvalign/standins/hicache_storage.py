@@ -2,18 +2,17 @@
 
 The ``storage`` rows run SGLang's real ``UnifiedRadixCache`` with its real ``HybridCacheController``,
 its real host pool (``MHATokenToKVPoolHost``) and its real ``file`` storage backend
-(``HiCacheFile``): the device<->host copies and the host<->file pages are real bytes. Three pieces
-are CUDA-only and stand in, all of them the live engine's (:mod:`kvalign.standins.hicache_cpu`)
-except the third:
+(``HiCacheFile``): the device<->host copies and the host<->file pages are real bytes. Four pieces
+stand in, the first three the live engine's (:mod:`kvalign.standins.hicache_cpu`):
 
 * the host pool's page-locking: :func:`kvalign.standins.hicache_cpu.patches.host_register_on_cpu`;
 * the ``sgl_kernel.kvcacheio`` transfer ops: :mod:`kvalign.standins.hicache_cpu.kvcacheio`, bound
   by :func:`kvalign.standins.hicache_cpu.patches.kvcacheio_on_cpu` (the module is put under
   ``sgl_kernel.kvcacheio`` only while that patch imports it, when no ``sgl_kernel`` is installed);
 * the host pool's scratch page for a storage read (``get_dummy_flat_data_page``), which asks torch for
-  pinned memory when the pool is pinned; CPU torch has no pinned allocator and raises. On a CPU the
-  host is the device: :func:`unpin_scratch` clears the pool's ``pin_memory`` flag after the pool is
-  allocated (and registered), which only that scratch allocation reads afterwards.
+  pinned memory; CPU torch has no pinned allocator:
+  :func:`kvalign.standins.hicache_cpu.patches.storage_scratch_on_cpu` (the live engine's too);
+* the pinned ranges of an engine's host pool, given back when it closes (:func:`release_pinned`).
 
 In the live engine they are installed at import in worker processes; here, once per process, on
 first use (:func:`install`). Pinned to :data:`SUPPORTED`.
@@ -24,7 +23,6 @@ from __future__ import annotations
 import sys
 import types
 from functools import cache
-from typing import Any
 
 from kvalign.errors import OracleUnavailable
 
@@ -43,7 +41,7 @@ def version_problem(version: str) -> str | None:
 def install() -> None:
     """The host pool's registration and transfer ops on CPU, in this process (once)."""
     from kvalign.standins.hicache_cpu import kvcacheio
-    from kvalign.standins.hicache_cpu.patches import host_register_on_cpu, kvcacheio_on_cpu
+    from kvalign.standins.hicache_cpu.patches import host_register_on_cpu, kvcacheio_on_cpu, storage_scratch_on_cpu
     from kvalign.standins.sglang_cpu.patches import StandinMismatch
 
     seeded = "sgl_kernel" not in sys.modules
@@ -55,20 +53,13 @@ def install() -> None:
     try:
         host_register_on_cpu()
         kvcacheio_on_cpu()
+        storage_scratch_on_cpu()
     except StandinMismatch as exc:
         raise OracleUnavailable(f"HiCache storage on CPU: {exc}") from None
     finally:
         if seeded:
             sys.modules.pop("sgl_kernel", None)
             sys.modules.pop("sgl_kernel.kvcacheio", None)
-
-
-def unpin_scratch(controller: Any) -> None:
-    """The host pool's storage scratch page in ordinary CPU memory (see the module docstring)."""
-    pool = controller.storage_host_pool
-    if not hasattr(pool, "get_dummy_flat_data_page") or not hasattr(pool, "pin_memory"):
-        raise OracleUnavailable("SGLang's host pool no longer has get_dummy_flat_data_page / pin_memory")
-    pool.pin_memory = False
 
 
 def pinned_ranges() -> set[int]:
