@@ -21,6 +21,8 @@ from typing import Any
 from kvalign.oracles.base import OracleUnavailable
 from kvalign.oracles.sglang import _modules, request_key, sglang_version
 
+#: SGLang releases this oracle's builder was read against (its pools, ``CacheInitParams`` fields, ``EvictParams``).
+SUPPORTED = ("0.5.23",)
 #: The hybrid components this oracle builds beside FULL.
 COMPONENTS = ("swa", "mamba")
 #: Tree cores: SGLang 0.5.23's default (Rust, which supports SWA and Mamba) and its Python core.
@@ -41,6 +43,14 @@ class Reuse:
 
     reusable: int
     full: int
+
+
+def version_problem(version: str) -> str | None:
+    """Why the hybrid rows cannot run with this SGLang, or None."""
+    if version in SUPPORTED:
+        return None
+    return (f"kvalign's hybrid-cache oracle (kvalign/oracles/hybrid.py) is pinned to SGLang {', '.join(SUPPORTED)}; "
+            f"SGLang {version}'s UnifiedRadixCache components are unchecked")
 
 
 def eagle_allowed(component: str) -> str | None:
@@ -73,8 +83,9 @@ class HybridCache:
             raise OracleUnavailable(f"sglang {sglang_version()} has no unified radix cache ({m.unified_missing})")
         try:
             self._build(component, page_size, eagle, window, core, dynamo_format)
-        except ImportError as exc:
-            raise OracleUnavailable(f"SGLang {sglang_version()} cannot build a {component} cache here: {exc}") from None
+        except Exception as exc:  # an import chain or constructor this release does not have: say which
+            raise OracleUnavailable(f"SGLang {sglang_version()} cannot build a {component} cache here: "
+                                    f"{type(exc).__name__}: {exc}") from None
         self._m = m
         self.component, self.page_size, self.eagle, self.window = component, page_size, eagle, window
         self.take_raw_events()  # construction queues one AllBlocksCleared

@@ -145,7 +145,10 @@ class HybridRun:
         self.bound, self.bound_of, self.skewed = 0, 0, 0
 
     def __call__(self, sc: Scenario) -> None:
-        cache = self.make_cache(sc.component, sc.page_size, eagle=sc.eagle, window=sc.window, core=sc.core)
+        try:
+            cache = self.make_cache(sc.component, sc.page_size, eagle=sc.eagle, window=sc.window, core=sc.core)
+        except OracleUnavailable as exc:
+            raise Mismatch("hybrid", str(exc), Cause.PATH_UNAVAILABLE, sc) from None
         card = bool(cache.eagle_keys) if self.card_as_keys else sc.eagle
         try:
             worker = self.path.worker(sc.page_size, card)
@@ -211,9 +214,14 @@ def hybrid_condition(component: str) -> str:
 def run_hybrid_rows(systems: Any, modes: tuple[str, ...], examples: int, seed: int | None = None,
                     page_size: int | None = None) -> list[Any]:
     """``check``'s hybrid rows: variant ``swa`` and ``mamba`` per mode, each with its negative control."""
+    from kvalign.oracles.hybrid import version_problem
+    from kvalign.oracles.sglang import sglang_version
     from kvalign.verify.rows import RowResult
     from kvalign.verify.search import run_search
 
+    skipped = version_problem(sglang_version())
+    if skipped:
+        return [RowResult("hybrid", m, c, skipped=skipped) for m in modes for c in ("swa", "mamba")]
     rows: list[Any] = []
     try:
         path = systems.router_path()

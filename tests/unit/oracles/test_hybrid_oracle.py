@@ -127,3 +127,12 @@ def test_unknown_component_is_an_error(sglang_available: str) -> None:
 
     with pytest.raises(ValueError, match="unknown hybrid component"):
         HybridCache("c128", 4, eagle=False)
+
+
+def test_other_releases_are_skipped_with_a_reason() -> None:
+    from kvalign.oracles.hybrid import version_problem
+    from kvalign.standins.hicache_storage import version_problem as storage_problem
+
+    assert version_problem("0.5.23") is None and storage_problem("0.5.23") is None
+    assert "pinned to SGLang 0.5.23" in (version_problem("0.5.21") or "")
+    assert "pinned to SGLang 0.5.23" in (storage_problem("0.5.21") or "")
