@@ -87,3 +87,12 @@ def test_generated_tenant_row_and_its_control(path: Any) -> None:
     assert calls == 4 and failures == 0 and found is None
     _c, _f, found = run_search(StorageRun(path, True, "lora+namespace", shared_namespace=True), storage_scenarios(True), 4)
     assert found is not None and found.cause is Cause.TENANT_STORAGE_REUSE
+
+
+@pytest.mark.slow  # a fresh router path and a search: the report's own path
+def test_report_finds_the_storage_finding(sglang_available: str) -> None:
+    from kvalign.verify.report import collect
+
+    data = collect(Cause.STORAGE_TIER_UNCREDITED, ("plain",), 4)
+    assert (data["property"], data["variant"]) == ("storage", "base")
+    assert all(a.get("line") for a in data["anchors"])  # every source anchor is found in the installed release
