@@ -105,3 +105,14 @@ def test_a_cause_counted_apart_leaves_the_cell_and_the_verdict_alone_and_is_said
     assert check_text.verdict(rows[:1], 1.0).splitlines() == [
         "ALIGNED: 12 cases in 1.0s, 0 of 1 rows mismatched", "  LAST_PAGE_CAPPED counted apart in 3 cases (not a misalignment)"]
     assert [ln for ln in below.splitlines() if len(ln) > check_text.WIDTH] == []
+
+
+def test_verdict_counts_the_negative_controls_and_names_one_that_did_not_fail():
+    caught = {"mutation": "drop_removals", "cases": 5, "failed": True, "cause": "INGEST_STALE", "expected": "INGEST_STALE"}
+    missed = {**caught, "failed": False, "cause": None}
+    rows = [RowResult("hybrid", "plain", "swa", 10, 0, control=caught),
+            RowResult("hybrid", "plain", "mamba", 10, 0, control=missed)]
+    lines = check_text.verdict(rows, 1.0).splitlines()
+    assert "  negative controls: 1 of 2 failed as they must" in lines
+    assert any("control of hybrid/plain/mamba did not fail" in line and "expected INGEST_STALE" in line for line in lines)
+    assert check_text.controls(rows[:1]) == ["  negative controls: 1 of 1 failed as they must"]
