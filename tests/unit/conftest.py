@@ -6,7 +6,8 @@ to install — they never pass without having run.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -76,3 +77,16 @@ def mm_oracles(router_hasher: RouterHasher, sglang_available: str):
     yield frontend, sglang
     sglang.close()
     frontend.close()
+
+
+@pytest.fixture(scope="module")
+def router_path(sglang_available: str) -> Iterator[Any]:
+    """The in-process relay -> event plane -> KvRouter path (one per test module: its workers keep state)."""
+    from kvalign.oracles.router_path import RouterPath
+
+    try:
+        path = RouterPath()
+    except OracleUnavailable as exc:
+        pytest.skip(f"Dynamo's in-process runtime is unavailable: {exc}")
+    yield path
+    path.close()

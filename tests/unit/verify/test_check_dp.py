@@ -8,27 +8,13 @@ issue history applied to those real objects, and must fail naming its own cause 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from kvalign.model.causes import Cause
-from kvalign.oracles.base import OracleUnavailable
 
 EXAMPLES = 8
-
-
-@pytest.fixture(scope="module")
-def router_path(sglang_available: str) -> Iterator[Any]:
-    from kvalign.oracles.router_path import RouterPath
-
-    try:
-        path = RouterPath()
-    except OracleUnavailable as exc:
-        pytest.skip(f"Dynamo's in-process runtime is unavailable: {exc}")
-    yield path
-    path.close()
 
 
 def _rows(router_path: Any, layouts: tuple[str, ...], examples: int = EXAMPLES, **kw: Any) -> list[Any]:

@@ -20,18 +20,12 @@ SCENARIO = dict(page_size=2, eagle=False, prompts=[[0, 1, 2, 3, 0]], host_evict=
 
 
 @pytest.fixture(scope="module")
-def path(sglang_available: str) -> Iterator[Any]:
-    from kvalign.oracles.base import OracleUnavailable
-    from kvalign.oracles.router_path import RouterPath
+def path(router_path: Any) -> Iterator[Any]:
     from kvalign.verify.tier import TierPath
 
-    try:
-        p = TierPath(RouterPath())
-    except OracleUnavailable as exc:
-        pytest.skip(f"Dynamo's relay / router cannot start here: {exc}")
-    yield p
-    p.close()
-    p.path.close()
+    tiers = TierPath(router_path)
+    yield tiers
+    tiers.close()
 
 
 def _scenario() -> Any:
