@@ -11,3 +11,11 @@ class UsageError(Exception):
 
 class OracleUnavailable(RuntimeError):
     """A real system cannot be loaded here; the message says what to install."""
+
+
+class MissingValue(ValueError):
+    """A value a real system should have given is absent: named, never read as 0, 1 or "ok" (exit 2)."""
+
+    def __init__(self, field: str, where: str) -> None:
+        super().__init__(f"{where} has no {field}: kvalign will not guess it")
+        self.field = field

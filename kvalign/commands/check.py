@@ -13,15 +13,16 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
 
 from kvalign.commands import check_text
 from kvalign.commands.options import positive_int
 from kvalign.verify import props
 from kvalign.verify.check import plan, run_jobs, selected
+from kvalign.verify.impact import blocking
+from kvalign.verify.pool import Pool, usable_cores
 from kvalign.verify.property import Budget, Options
-from kvalign.verify.rows import EVENT_FORMATS, MODES, VARIANTS
-from kvalign.verify.systems import Systems
+from kvalign.verify.rows import EVENT_FORMATS, MODES, VARIANTS, row_json
+from kvalign.verify.systems import SystemsSpec, open_systems
 from kvalign.errors import UsageError
 from kvalign.oracles.sglang import KINDS
 from kvalign.runtime_log import console
@@ -51,8 +52,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "properties run with: default (what dynamo.sglang runs), dynamo (SGLang 0.5.23+), or both "
                         "(dynamo where this SGLang has it)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: derandomized, reproducible)")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="run rows in N worker processes (default: the usable cores); the report is the same for any N")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 1 on any finding, credit-skew advisories included (default: only cache-blind ones)")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, quick_exit=True)
 
 
 def budgets() -> list[Budget]:
@@ -76,6 +81,8 @@ def formats_to_run(asked: str, has_dynamo: bool, version: str) -> tuple[str, ...
 def run(args: argparse.Namespace) -> int:
     if args.examples < 1:
         raise UsageError(f"--examples must be >= 1, got {args.examples}")
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
     caps = {}
     for budget in budgets():
         cap = getattr(args, f"{budget.option}_examples")
@@ -83,37 +90,45 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--{budget.option}-examples must be >= 1, got {cap}")
         if cap is not None:
             caps[budget.option] = cap
-    from kvalign.oracles.dynamo import DynamoRadixTree, dynamo_version, load_router_hasher
-    from kvalign.oracles.sglang import SglangRadixCache, has_dynamo_format, sglang_version
-
-    hasher = load_router_hasher(args.router_hash)
-    versions = {**installed_versions(), "sglang": sglang_version(), "ai-dynamo-runtime": dynamo_version()}
-    # import and build once: fail fast with an install hint, and name the class "default" resolves to
-    kind = SglangRadixCache(1, eagle=False, kind=args.cache).kind
-    formats = formats_to_run(args.event_format, has_dynamo_format(), versions["sglang"])
-    label = args.router_hash or "dynamo._core.compute_block_hash_for_seq"
-    if not args.json:
-        print(check_text.header(label, versions["sglang"], kind, versions["ai-dynamo-runtime"], args.examples,
-                                args.page_size), flush=True)
-    start = time.perf_counter()
-    progress = None if args.json else lambda r: print(check_text.progress_line(r), file=console(), flush=True)
     opts = Options(examples=args.examples, modes=tuple(args.modes or MODES), variants=tuple(VARIANTS), seed=args.seed,
                    page_size=args.page_size, caps=tuple(sorted(caps.items())))
-    missing = None if has_dynamo_format() else no_dynamo_format(versions["sglang"])
-    jobs = plan(selected(args.props), formats, opts, format_missing=lambda fmt: missing if fmt == "dynamo" else None)
-    systems = Systems(hasher, lambda p, eagle: SglangRadixCache(p, eagle=eagle, kind=kind), DynamoRadixTree)
-    by_format = {fmt: systems.with_cache(lambda p, eagle, dyn=fmt == "dynamo": SglangRadixCache(p, eagle=eagle, kind=kind,
-                                                                                                  dynamo_format=dyn))
-                 for fmt in formats}
+    chosen = selected(args.props)
+    asked = EVENT_FORMATS if args.event_format == "both" else (args.event_format,)
+    # at most a worker per job: a run of one job (--property card) starts none and runs in this process
+    workers = min(args.jobs or usable_cores(), len(plan(chosen, asked, opts)))
+    spec = SystemsSpec(args.router_hash, args.cache)
+    pool = systems = None
     try:
-        rows = run_jobs(jobs, by_format.__getitem__, opts, progress)
+        if workers > 1:
+            pool = Pool(workers, spec, opts)
+            facts = pool.facts()
+        else:
+            systems, facts = open_systems(spec)
+        versions = {**installed_versions(), "sglang": facts.sglang, "ai-dynamo-runtime": facts.dynamo}
+        formats = formats_to_run(args.event_format, facts.dynamo_format, facts.sglang)
+        label = args.router_hash or "dynamo._core.compute_block_hash_for_seq"
+        if not args.json:
+            print(check_text.header(label, facts.sglang, facts.kind, facts.dynamo, args.examples, args.page_size),
+                  flush=True)
+        start = time.perf_counter()
+        progress = None if args.json else lambda r: print(check_text.progress_line(r), file=console(), flush=True)
+        missing = None if facts.dynamo_format else no_dynamo_format(facts.sglang)
+        jobs = plan(chosen, formats, opts, format_missing=lambda fmt: missing if fmt == "dynamo" else None)
+        rows = pool.run(jobs, progress) if pool else run_jobs(jobs, systems, opts, progress)
     finally:
-        systems.close()
-    aligned = all(r.ok for r in rows)
+        if pool:
+            pool.close()
+        if systems:
+            systems.close()
+    kind = facts.kind
+    failing = blocking(rows, args.strict)
     if args.json:
-        json.dump({"aligned": aligned, "router_hasher": label, "cache": kind, "page_size": args.page_size,
+        json.dump({"aligned": not blocking(rows), "findings": sum(not r.ok and not r.skipped for r in rows),
+                   "strict": args.strict, "exit": int(bool(failing)),
+                   "not_applicable": [check_text.row_name(r) for r in rows if r.skipped],
+                   "router_hasher": label, "cache": kind, "page_size": args.page_size,
                    "event_formats": list(formats), "versions": versions,
-                   "seconds": round(time.perf_counter() - start, 2), "rows": [asdict(r) for r in rows]},
+                   "seconds": round(time.perf_counter() - start, 2), "rows": [row_json(r) for r in rows]},
                   sys.stdout, default=str, ensure_ascii=False)
         sys.stdout.write("\n")
     else:  # the table in 100 columns, each cause explained once under it (kvalign/commands/check_text.py)
@@ -121,5 +136,8 @@ def run(args: argparse.Namespace) -> int:
         below = check_text.explanations(rows, args.page_size)
         if below:
             print(below)
-        print("\n" + check_text.verdict(rows, time.perf_counter() - start))
-    return 0 if aligned else 1
+        notes = check_text.advisory_lines(rows)
+        if notes:
+            print(notes)
+        print("\n" + check_text.verdict(rows, time.perf_counter() - start, args.strict))
+    return 1 if failing else 0

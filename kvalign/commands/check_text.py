@@ -14,6 +14,8 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 
+from kvalign.model.causes import CACHE_BLIND, CREDIT_SKEW
+from kvalign.verify.impact import advisories, blocking, row_class
 from kvalign.verify.rows import RowResult
 
 #: The widest line ``check`` prints (stdout and stderr alike).
@@ -29,12 +31,13 @@ def fit(text: str, indent: str = "  ") -> str:
 
 
 def short_result(r: RowResult) -> str:
-    """A row's ``result`` cell: ``ok``, ``skipped``, or ``MISALIGNED: CAUSE_NAME`` (explained under the table;
-    so are the causes a row counts apart, which never change its cell)."""
+    """A row's ``result`` cell: ``ok``, ``n/a`` (it did not run), or ``CLASS: CAUSE_NAME`` (``cache-blind``
+    fails ``check``, ``credit-skew`` is an advisory; explained under the table, as are the causes a row
+    counts apart, which never change its cell)."""
     if r.skipped:
-        return "skipped"
+        return "n/a"
     if not r.ok:
-        return f"MISALIGNED: {r.cause_name or 'UNKNOWN'}"
+        return f"{row_class(r)}: {r.cause_name or 'UNKNOWN'}"
     return "ok"
 
 
@@ -85,7 +88,7 @@ def explanations(rows: Sequence[RowResult], page_size: int | None = None) -> str
         first = group[0]
         scopes = list(dict.fromkeys(r.condition for r in group if r.condition))
         scope = "; ".join(f"holds {c}" for c in scopes) if scopes else f"these rows, at {pages(page_size)}"
-        out += ["", fit(f"{name}: {first.cause or name}"),
+        out += ["", fit(f"{name} ({row_class(first)}): {first.cause or name}"),
                 fit(f"  rows: {_names(group)}"),
                 fit(f"  scope: {scope}"),
                 fit(f"  counterexample ({row_name(first)})" + (f": {first.detail}" if first.detail else "")),
@@ -99,7 +102,8 @@ def explanations(rows: Sequence[RowResult], page_size: int | None = None) -> str
         if r.skipped:
             skipped.setdefault(r.skipped, []).append(r)
     for why, group in skipped.items():
-        out += ["", fit(f"skipped {_names(group)}: {why}")]
+        out += ["", fit(f"n/a (did not run) {_names(group)}: {why}")]
+    out += [x for r in rows if r.not_checked and not r.skipped for x in ("", fit(f"partly checked {row_name(r)}: {r.not_checked}"))]
     if by_cause:
         out += ["", fit("(every row's cause, detail and counterexample, whole: kvalign check --json)")]
     return "\n".join(out)
@@ -131,13 +135,31 @@ def apart(rows: Sequence[RowResult]) -> dict[str, int]:
     return totals
 
 
-def verdict(rows: Sequence[RowResult], seconds: float) -> str:
-    """The last lines: the verdict, then the configurations a cause is confined to (a reader deciding
-    whether *their* deployment is affected needs that before the per-row details)."""
-    aligned = all(r.ok for r in rows)
-    line = (f"{'ALIGNED' if aligned else 'MISALIGNED'}: {sum(r.cases for r in rows)} cases in {seconds:.1f}s, "
-            f"{sum(not r.ok for r in rows)} of {len(rows)} rows mismatched")
-    conditions = dict.fromkeys((r.cause_name, r.condition) for r in rows if not r.ok and r.condition)
+def advisory_lines(rows: Sequence[RowResult]) -> str:
+    """Each credit-skew finding once, under the table: its bound and the real router's measured choice."""
+    out: list[str] = []
+    by_cause: dict[str, list[RowResult]] = {}
+    for r in advisories(rows):
+        by_cause.setdefault(r.cause_name or "UNKNOWN", []).append(r)
+    for name, group in by_cause.items():
+        out += ["", fit(f"advisory ({CREDIT_SKEW}, exit 0; --strict fails on it): {name} in {_names(group)}")]
+        out += [fit(f"  {row_name(r)}: {r.impact or 'routing impact not measured'}") for r in group]
+    return "\n".join(out)
+
+
+def verdict(rows: Sequence[RowResult], seconds: float, strict: bool = False) -> str:
+    """The last lines: the verdict (``MISALIGNED`` only on cache-blind findings, or any finding with
+    ``--strict``), then the configurations a cause is confined to (a reader deciding whether *their*
+    deployment is affected needs that before the per-row details)."""
+    failing, skews = blocking(rows, strict), advisories(rows)
+    ran = [r for r in rows if not r.skipped]
+    line = (f"{'MISALIGNED' if failing else 'ALIGNED'}: {sum(r.cases for r in rows)} cases in {seconds:.1f}s, "
+            f"{sum(row_class(r) == CACHE_BLIND for r in rows)} of {len(ran)} rows {CACHE_BLIND}, "
+            f"{len(skews)} {CREDIT_SKEW} (advisory{', failing with --strict' if strict and skews else ''})")
+    na = len(rows) - len(ran)
+    if na:
+        line += f", {na} n/a"
+    conditions = dict.fromkeys((r.cause_name, r.condition) for r in rows if not r.ok and not r.skipped and r.condition)
     return "\n".join([fit(line), *(fit(f"  {name} holds {condition}") for name, condition in conditions),
                       *(fit(f"  {name} counted apart in {n} cases (not a misalignment)") for name, n in apart(rows).items()),
                       *controls(rows)])

@@ -17,6 +17,7 @@ import sys
 
 from kvalign.commands.options import positive_int
 from kvalign.errors import UsageError
+from kvalign.model.causes import cause_class
 from kvalign.streams.diagnose import BlockView, Diagnosis, RouterSettings, diagnose
 from kvalign.streams.diagnose_workers import RoutingDiagnosis, check_worker_names, diagnose_workers
 from kvalign.streams.prompt import load_prompt
@@ -107,7 +108,8 @@ def render(d: Diagnosis) -> str:
             lines.append(_fmt_view("engine", d.engine_block))
         qualifier = f" (k = {d.shift:+d})" if d.shift is not None else ""
         qualifier += f" ({d.confidence})" if d.confidence else ""
-        lines.append(f"cause: {d.cause.value if d.cause else 'unknown'}{qualifier}")
+        klass = f" [{cause_class(d.cause)}]" if d.cause else ""
+        lines.append(f"cause: {d.cause.value if d.cause else 'unknown'}{qualifier}{klass}")
         lines.append(f"  {d.detail}")
     lines += [f"finding: {f}" for f in d.findings]
     lines += [f"note: {n}" for n in d.notes]
@@ -116,7 +118,8 @@ def render(d: Diagnosis) -> str:
 
 def to_json(d: Diagnosis) -> dict:
     out = dataclasses.asdict(d)
-    out["cause"] = None if d.cause is None else {"name": d.cause.name, "text": d.cause.value}
+    out["cause"] = None if d.cause is None else {"name": d.cause.name, "text": d.cause.value,
+                                                 "class": cause_class(d.cause)}
     return out
 
 

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvalign.model.causes import Cause
 from kvalign.commands.options import positive_int
@@ -44,6 +45,16 @@ def _not_found(stderr: str) -> str:
 
     line = next((ln for ln in stderr.splitlines() if ln.startswith("not found: ")), stderr)
     return one_line(line).removeprefix("not found: ")
+
+
+def _shipped(dynamo: str, log: Any) -> str | None:
+    """The SGLang ``ai-dynamo[sglang]==dynamo`` pins (the report's first line says whether the pair is it)."""
+    from kvalign.verify.matrix import MatrixError, one_line, shipped_sglang
+
+    try:
+        return shipped_sglang(dynamo, log=log)
+    except MatrixError as exc:
+        raise UsageError(f"cannot read which SGLang ai-dynamo {dynamo} ships: {one_line(str(exc))}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
 
     data = json.loads(res.stdout.strip().splitlines()[-1])
     mode_flag = f" --mode {data['mode']}"
-    text = render(data, f"kvalign report {args.finding} --dynamo {dynamo} --sglang {sglang}{mode_flag}")
+    shipped = sglang if args.sglang is None else _shipped(dynamo, log)
+    text = render(data, f"kvalign report {args.finding} --dynamo {dynamo} --sglang {sglang}{mode_flag}", shipped)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text, encoding="utf-8")

@@ -97,6 +97,26 @@ class Cause(str, Enum):
     UNKNOWN = "unclassified hash difference"
 
 
+#: What a finding of each cause does to routing (``check``'s exit status, the advisories, the matrix and the
+#: reports read it from here). ``cache-blind``: the router's keys, card or events disagree with the engine's,
+#: so credit is lost or invented without bound; ``credit-skew``: the keys agree, and an engine rule or a
+#: router weight makes the credit differ by an amount the installed packages' constants bound
+#: (:mod:`kvalign.verify.impact` computes it); ``scoped``: counted apart from the mismatches, never failing a row.
+CACHE_BLIND, CREDIT_SKEW, SCOPED = "cache-blind", "credit-skew", "scoped"
+CLASSES = (CACHE_BLIND, CREDIT_SKEW, SCOPED)
+_CREDIT_SKEW = frozenset({Cause.HOST_CREDIT_NOT_SERVABLE})
+#: Causes counted apart: the page past the scheduler's cap (one block per request, every release), the
+#: engine's events arriving after the routing decision (a timing race, not a key).
+_SCOPED = frozenset({Cause.LAST_PAGE_CAPPED, Cause.ENGINE_EVENTS_LATE})
+
+
+def cause_class(cause: Cause | str) -> str:
+    """The class of a cause (its member or its name): anything not known to be bounded is cache-blind, so
+    a new cause fails ``check`` until someone shows its bound."""
+    c = cause if isinstance(cause, Cause) else Cause[cause]
+    return CREDIT_SKEW if c in _CREDIT_SKEW else SCOPED if c in _SCOPED else CACHE_BLIND
+
+
 def _window_b_eagle_count(tokens: Sequence[int], b: int, **kw: Any) -> list[int]:
     """What a router that kept the eagle block count but hashed B-token windows would give."""
     n = max(len(tokens) - 1, 0) // b

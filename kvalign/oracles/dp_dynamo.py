@@ -38,6 +38,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvalign.errors import MissingValue
 from kvalign.oracles.base import OracleUnavailable
 from kvalign.oracles.dp_sglang import LOOPBACK, DpEngine
 from kvalign.oracles.registration import _Args, _dynamo_defaults
@@ -119,7 +120,7 @@ class DpWorker:
         self.block_size = int(self.ds.capacity.kv_event_block_size(self.view))
         try:
             self.path.call(self._start)
-        except OracleUnavailable:
+        except (OracleUnavailable, MissingValue):
             raise
         except Exception as exc:
             raise OracleUnavailable(f"dynamo.sglang cannot start a {self.engine.layout.describe()} worker: "
@@ -140,8 +141,7 @@ class DpWorker:
             logging.disable(logging.NOTSET)
         if card is None:
             raise OracleUnavailable("dynamo.sglang.register.get_runtime_config returned no card")
-        start = int(getattr(card, "data_parallel_start_rank", 0) or 0)
-        self.registered = range(start, start + int(getattr(card, "data_parallel_size", 1) or 1))
+        self.registered = registered_ranks(card)
         await c.register_model(c.ModelInput.Tokens, c.ModelType.TensorBased, endpoint, MODEL,
                                kv_cache_block_size=self.block_size, runtime_config=card,
                                worker_type=c.WorkerType.Aggregated)
@@ -190,6 +190,16 @@ class DpWorker:
         if self._serving is not None:
             self.path._loop.call_soon_threadsafe(self._serving.cancel)
         self._relays.clear()
+
+
+def registered_ranks(card: Any) -> range:
+    """The ranks a worker's card registers for routing. A card without ``data_parallel_size`` is an error
+    naming it: read as 1, it would fabricate DP_RANK_UNREGISTERED for every other rank SGLang runs."""
+    size = getattr(card, "data_parallel_size", None)
+    if size is None:
+        raise MissingValue("data_parallel_size", "the card dynamo.sglang's get_runtime_config built")
+    start = getattr(card, "data_parallel_start_rank", None)
+    return range(int(start or 0), int(start or 0) + int(size))
 
 
 def credited_blocks(rate: float | None, tokens: int, block_size: int) -> int | None:

@@ -25,7 +25,9 @@ from __future__ import annotations
 import ast
 import json
 import logging
+import re
 import tempfile
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -182,8 +184,23 @@ def platform(name: str) -> Iterator[str]:
         yield device
 
 
+#: SGLang's hardware probes (``get_xpu_memory_capacity``, ``get_device_name``, ...). A configuration that fails
+#: inside one failed on kvalign's platform stand-in (a GPU platform presented on a host without that device),
+#: not by a rule of SGLang's: it is not checked, and never counted as SGLang's refusal.
+HARDWARE_PROBE = re.compile(r"^get_\w*(memory_capacity|device_name|device_capability|device_count)\w*$")
+
+
+class StandInFailure(OracleUnavailable):
+    """SGLang's resolution failed in a hardware probe under kvalign's platform stand-in."""
+
+
+def _probe(exc: BaseException) -> str | None:
+    return next((f.name for f in reversed(traceback.extract_tb(exc.__traceback__)) if HARDWARE_PROBE.match(f.name)), None)
+
+
 def resolve(config: WorkerConfig) -> Any:
-    """The resolved ``ServerArgs`` SGLang builds for ``config``, or None when SGLang rejects it."""
+    """The resolved ``ServerArgs`` SGLang builds for ``config``, or None when SGLang rejects it;
+    :class:`StandInFailure` when it failed in a hardware probe of the presented platform instead."""
     _sglang()
     from sglang.srt.server_args import ServerArgs
 
@@ -201,7 +218,11 @@ def resolve(config: WorkerConfig) -> Any:
             server_args = ServerArgs(device=device, **kw)
             try:
                 server_args.resolve_once()
-            except Exception:  # noqa: BLE001 - SGLang refuses the configuration (it would not start)
+            except Exception as exc:  # noqa: BLE001 - SGLang refuses the configuration (it would not start)
+                probe = _probe(exc)
+                if probe is not None:
+                    raise StandInFailure(f"kvalign's platform stand-in: {config.platform} presented on a host without "
+                                         f"that device; SGLang's {probe} raised {type(exc).__name__}: {exc}") from None
                 return None
             return server_args
     finally:

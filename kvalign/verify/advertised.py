@@ -31,7 +31,7 @@ from typing import Any
 from kvalign.model.causes import Cause
 from kvalign.oracles.base import OracleUnavailable
 from kvalign.oracles.page_overrides import (BACKEND_FLAGS, MODELS, PLATFORMS, ROLES, SglangSizes, WorkerConfig, dcp_supported,
-                                            page_overrides, platform, resolve, sglang_sizes)
+                                            StandInFailure, page_overrides, platform, resolve, sglang_sizes)
 from kvalign.oracles.registration import LaunchRefused
 from kvalign.verify.properties import Mismatch
 from kvalign.verify.rows import RowResult
@@ -84,12 +84,20 @@ def models_for(backend: str) -> tuple[str, ...]:
 PLATFORM_OF = {"hpc_ops": "hopper", "intel_xpu": "xpu"}
 
 
+def _accepts(config: WorkerConfig) -> bool:
+    """SGLang resolves ``config`` on its platform (a failure of kvalign's platform stand-in is no acceptance)."""
+    try:
+        return resolve(config) is not None
+    except StandInFailure:
+        return False
+
+
 def platform_for(backend: str) -> str | None:
     """The backend's platform (:data:`PLATFORM_OF`, else the first of :data:`PLATFORMS`) on which SGLang
     accepts ``backend`` at all (None: none)."""
     preferred = PLATFORM_OF.get(backend)
     for name in ([preferred] if preferred else []) + [p for p in PLATFORMS if p != preferred]:
-        if any(resolve(WorkerConfig(backend=backend, backend_flag=flag, role=role, model=m, platform=name)) is not None
+        if any(_accepts(WorkerConfig(backend=backend, backend_flag=flag, role=role, model=m, platform=name))
                for m in models_for(backend) for flag in BACKEND_FLAGS for role in ROLES):
             return name
     return None
@@ -125,10 +133,16 @@ def run_row(derive: Derive, variant: str, configs: list[WorkerConfig]) -> RowRes
     """One row: every configuration SGLang accepts (and Dynamo starts with) through the property."""
     start = time.perf_counter()
     row = RowResult("advertised", "plain", variant)
-    rejected = refused = 0
+    rejected = refused = unchecked = 0
+    standin = ""  # why the first configuration kvalign's platform stand-in could not resolve was not checked
     first: dict[Cause, tuple[str, Any]] = {}  # the first configuration each cause was seen on
     for config in configs:
-        sizes = sglang_sizes(config)
+        try:
+            sizes = sglang_sizes(config)
+        except StandInFailure as exc:  # not SGLang's refusal: this configuration is not checked at all
+            unchecked += 1
+            standin = standin or f"{exc}; first: {config.flags()}"
+            continue
         if sizes is None:
             rejected += 1
             continue
@@ -156,11 +170,17 @@ def run_row(derive: Derive, variant: str, configs: list[WorkerConfig]) -> RowRes
     if not configs:
         row.skipped = (f"SGLang's resolution rejects --attention-backend {variant} on every platform kvalign presents "
                        f"({', '.join(PLATFORMS)}) with every model kind ({', '.join(MODELS)})")
+    elif not row.cases and unchecked:
+        row.skipped = (f"{unchecked} of the {len(configs)} configurations kvalign builds for {variant} not checked "
+                       f"({standin}); {rejected} rejected by SGLang, {refused} refused by Dynamo")
     elif not row.cases:
         row.skipped = (f"SGLang or dynamo.sglang refuses every one of the {len(configs)} configurations kvalign builds "
                        f"for {variant} ({rejected} by SGLang's resolution, {refused} by Dynamo's launch checks)")
     elif row.ok:
         row.detail = f"{rejected} of {len(configs)} configurations rejected by SGLang, {refused} refused by Dynamo"
+    if unchecked and row.cases:
+        row.not_checked = f"{unchecked} of {len(configs)} configurations not checked ({standin})"
+        row.detail = (f"{row.detail}; " if row.detail else "") + row.not_checked
     row.seconds = time.perf_counter() - start
     return row
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from kvalign.verify.impact import assess
 from kvalign.verify.property import Job, Options, Property, row_format
 from kvalign.verify.props import REGISTRY, by_name
 from kvalign.verify.rows import RowResult
@@ -52,24 +53,26 @@ def plan(props: Sequence[Property], formats: Sequence[str], opts: Options, *,
     return jobs
 
 
-def run_job(job: Job, systems: Systems, opts: Options) -> list[RowResult]:
-    """One job's rows, each labelled with the event format its caches published in."""
+def run_job(k: int, job: Job, systems: Systems, opts: Options) -> list[RowResult]:
+    """The rows of ``job``, the ``k``-th of the plan, each labelled with the event format its caches published in."""
     prop = by_name()[job.prop]
+    systems.start_job(k)
     if job.skipped:
         rows = [RowResult(job.prop, m, v, skipped=job.skipped) for m in job.modes for v in job.variants]
     else:
         rows = prop.run(job, systems, opts)
     for row in rows:
         row.event_format = job.event_format if job.skipped else row_format(prop, job.event_format)
+    assess(rows, systems.router_path)  # each finding's class; a credit skew's bound and routing impact, measured here
     return rows
 
 
-def run_jobs(jobs: Sequence[Job], systems_for: Callable[[str], Systems], opts: Options,
+def run_jobs(jobs: Sequence[Job], systems: Systems, opts: Options,
              progress: Callable[[RowResult], None] | None = None) -> list[RowResult]:
     """Run ``jobs`` one after another in this process (``check --jobs 1``)."""
     rows: list[RowResult] = []
-    for job in jobs:
-        for row in run_job(job, systems_for(job.event_format), opts):
+    for k, job in enumerate(jobs):
+        for row in run_job(k, job, systems.for_format(job.event_format), opts):
             rows.append(row)
             if progress:
                 progress(row)
@@ -90,6 +93,6 @@ def run_check(hasher: Any, make_cache: Callable[[int, bool], Any], make_index: C
                    **({"modes": modes} if modes else {}), **({"variants": variants} if variants else {}))
     systems = systems or Systems(hasher, make_cache, make_index)
     try:
-        return run_jobs(plan(selected(props), (event_format,), opts), lambda _fmt: systems, opts, progress)
+        return run_jobs(plan(selected(props), (event_format,), opts), systems, opts, progress)
     finally:
         systems.close()

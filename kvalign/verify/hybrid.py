@@ -13,8 +13,10 @@ a real ``KvRouter``) and for every cached prompt and a cut of it:
   events stored and did not remove. Otherwise the index diverged (``INGEST_STALE`` above it,
   ``EVENTS_DROPPED`` below it, ``ROUTER_EAGLE_ON`` where the keys differ: cache-blind);
 * router ``device_blocks`` == SGLang's reusable prefix (``device_prefix_len``). The router above it
-  with the index right is the hybrid finding: a bounded credit skew, ``SWA_STATE_NOT_REUSABLE`` /
-  ``MAMBA_STATE_NOT_REUSABLE``, whose bound (blocks credited past the reusable prefix) the row keeps.
+  with the index right is the hybrid finding, ``SWA_STATE_NOT_REUSABLE`` / ``MAMBA_STATE_NOT_REUSABLE``:
+  the keys agree, but no event says the state is gone and no constant of the packages bounds the credit
+  (a whole prefix can be credited and none of it reused), so it is cache-blind by
+  :func:`kvalign.model.causes.cause_class`; the row keeps the largest skew seen.
 
 Each row has a negative control: the same search with SGLang's removals dropped before the relay
 (:func:`drop_removals`), which the property must report as ``INGEST_STALE``.
@@ -118,7 +120,7 @@ def judge(component: str, eagle_card: bool, keys_eagle: bool, p: int, router: in
     cause = Cause.SWA_STATE_NOT_REUSABLE if component == "swa" else Cause.MAMBA_STATE_NOT_REUSABLE
     return (cause, f"{what}: {router - u} credited block(s) lie past the last point where SGLang holds the "
             f"{'sliding-window KV' if component == 'swa' else 'Mamba state'} (no removal is published for it); "
-            "class: credit skew (the keys agree)", router - u)
+            "class: cache-blind (the keys agree, but no event says the state is gone; no constant bounds the credit)", router - u)
 
 
 SKEWS = (Cause.SWA_STATE_NOT_REUSABLE, Cause.MAMBA_STATE_NOT_REUSABLE)

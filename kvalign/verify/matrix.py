@@ -35,7 +35,9 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from kvalign.model.causes import CACHE_BLIND, CREDIT_SKEW, cause_class
 from kvalign.releases import local_build
+from kvalign.verify.finding_status import LIVE, NOT_LIVE
 from kvalign.oracles.router_path import STUCK_EXIT_S, STUCK_MARK
 from kvalign.releases.release_env import ReleaseEnvError, cache_root, child_env, install, locked, python_for
 from kvalign.verify import props as registry
@@ -285,6 +287,8 @@ class PairResult:
     #: the KV-event formats the pair's check ran (its ``event_formats``); findings and n/a rows of the
     #: "dynamo" format say so in their ``event_format`` key
     event_formats: list[str] = field(default_factory=list)
+    #: properties whose every row was n/a: not checked on this pair at all (never shown as aligned)
+    not_run: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         row: dict[str, Any] = {"dynamo": self.dynamo, "sglang": self.sglang, "shipped": self.shipped,
@@ -293,6 +297,8 @@ class PairResult:
             row["not_applicable"] = self.not_applicable
         if self.event_formats:
             row["event_formats"] = self.event_formats
+        if self.not_run:
+            row["not_run"] = self.not_run
         if self.verdict == "error":
             row["error"] = one_line(self.error or "unknown error")
         if self.live is not None:
@@ -420,12 +426,16 @@ def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, p
 def pair_result(dynamo: str, sglang: str, report: dict[str, Any], seconds: float = 0.0) -> PairResult:
     """A pair's row from its ``check --json`` report: the failing rows as findings, the skipped ones n/a."""
     findings = [{"property": r["prop"], "mode": r["mode"], "variant": r["variant"], "cause": r["cause_name"] or "UNKNOWN",
-                 "detail": r["detail"] or "", **_format_key(r)} for r in report["rows"] if r["mismatches"]]
+                 "detail": r["detail"] or "", "class": r.get("class") or cause_class(r["cause_name"] or "UNKNOWN"),
+                 **_format_key(r)} for r in report["rows"] if r["mismatches"] and not r.get("skipped")]
     not_applicable = [{"property": r["prop"], "mode": r["mode"], "variant": r["variant"], "reason": r["skipped"],
                        **_format_key(r)} for r in report["rows"] if r.get("skipped")]
-    verdict = "aligned" if report["aligned"] else "misaligned"
+    # misaligned only on a cache-blind finding, as check's own exit status; credit skews are advisories
+    verdict = "misaligned" if any(f["class"] == CACHE_BLIND for f in findings) else "aligned"
+    ran = {r["prop"] for r in report["rows"] if not r.get("skipped")}
+    not_run = sorted({r["prop"] for r in report["rows"]} - ran)
     return PairResult(dynamo, sglang, verdict, findings, seconds=seconds, not_applicable=not_applicable,
-                      event_formats=list(report.get("event_formats") or []))
+                      event_formats=list(report.get("event_formats") or []), not_run=not_run)
 
 
 @dataclass(frozen=True)
@@ -543,10 +553,27 @@ def run_live(dynamo: str, sglang: str, *, log: Callable[[str], None] = lambda _m
     return {"verdict": "error", "detail": one_line(res.stderr or f"exit {res.returncode}"), "seconds": seconds}
 
 
+def _cause(f: dict[str, str]) -> str:
+    """A finding's cause, with its class where it is not cache-blind (a credit skew: an advisory, not a failure)."""
+    klass = f.get("class") or cause_class(f["cause"])
+    return f["cause"] if klass == CACHE_BLIND else f"{f['cause']} ({klass})"
+
+
 def _cell(findings: Sequence[dict[str, str]], not_applicable: Sequence[dict[str, str]] = ()) -> str:
-    """``ok``, or the causes found, then ``n/a`` when a variant could not run (never a bare ``ok`` then)."""
-    parts = [*dict.fromkeys(f["cause"] for f in findings), *(["n/a"] if not_applicable else [])]
+    """``ok``, or the causes found (a credit skew says so), then ``n/a`` when a variant could not run (never a
+    bare ``ok`` then)."""
+    parts = [*dict.fromkeys(_cause(f) for f in findings), *(["n/a"] if not_applicable else [])]
     return ", ".join(parts) if parts else "ok"
+
+
+def shown_verdict(r: PairResult) -> str:
+    """The verdict as the table and markdown show it: ``aligned`` only where every property ran somewhere
+    (a property whose every row was n/a is named: it was not checked), with the advisories counted."""
+    if r.verdict == "error":
+        return r.verdict
+    skews = sum((f.get("class") or cause_class(f["cause"])) == CREDIT_SKEW for f in r.findings)
+    notes = ["credit-skew advisory"] * bool(skews) + [f"not run: {', '.join(r.not_run)}"] * bool(r.not_run)
+    return r.verdict + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _dynamo_format_cell(r: PairResult, props: Sequence[str]) -> str:
@@ -589,7 +616,7 @@ def table(results: Sequence[PairResult], props: Sequence[str] | None = None, mod
                 cells.append(_dynamo_format_cell(r, props))
         if live:
             cells.append((r.live or {}).get("verdict", "-"))
-        body.append([r.dynamo, r.sglang + (" (shipped)" if r.shipped else ""), r.verdict, *cells])
+        body.append([r.dynamo, r.sglang + (" (shipped)" if r.shipped else ""), shown_verdict(r), *cells])
     widths = [max(len(row[i]) for row in (head, *body)) for i in range(len(head))]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, body)])
@@ -605,7 +632,7 @@ VERDICTS = ("aligned", "misaligned", "error")
 FINDING_KEYS = ("property", "mode", "variant", "cause", "detail")
 NOT_APPLICABLE_KEYS = ("property", "mode", "variant", "reason")
 #: A key findings and n/a rows carry only when they are rows of SGLang's "dynamo" event format.
-OPTIONAL_KEYS = ("event_format",)
+OPTIONAL_KEYS = ("event_format", "class")
 
 
 class CellFileError(ValueError):
@@ -662,7 +689,15 @@ def _markdown_causes(r: PairResult) -> str:
         where.setdefault(f["cause"], [])
         if f["property"] not in where[f["cause"]]:
             where[f["cause"]].append(f["property"])
-    parts = [f"{cause} ({', '.join(props)})" for cause, props in where.items()]
+    classes = {f["cause"]: f.get("class") or cause_class(f["cause"]) for f in r.findings}
+
+    def notes(cause: str) -> str:
+        out = [] if classes[cause] == CACHE_BLIND else [classes[cause]]
+        if (cause, r.dynamo, r.sglang) in LIVE and LIVE[(cause, r.dynamo, r.sglang)] is None:
+            out.append(NOT_LIVE)
+        return "".join(f"; {n}" for n in out)
+
+    parts = [f"{cause} ({', '.join(props)}{notes(cause)})" for cause, props in where.items()]
     na = _markdown_not_applicable([n for n in r.not_applicable if n.get("event_format") != "dynamo"])
     dynamo_na = [n for n in r.not_applicable if n.get("event_format") == "dynamo"]
     if dynamo_na and all("KV-event format" in n["reason"] for n in dynamo_na):
@@ -693,7 +728,7 @@ def render_markdown(results: Sequence[PairResult], command: str) -> str:
     for r in results:
         sglang = f"**{r.sglang} (shipped)**" if r.shipped else r.sglang
         live = f"; live: {r.live.get('verdict', '-')}" if r.live is not None else ""
-        out.append(f"| {r.dynamo} | {sglang} | {r.verdict} | {_markdown_causes(r)}{live} |")
+        out.append(f"| {r.dynamo} | {sglang} | {shown_verdict(r)} | {_markdown_causes(r)}{live} |")
     return "\n".join([*out, "", f"`{command}`"])
 
 
@@ -747,12 +782,16 @@ def result_from_row(row: Any) -> PairResult:
     formats = row.get("event_formats", [])
     if not isinstance(formats, list) or not all(isinstance(f, str) for f in formats):
         raise ValueError("row 'event_formats' is not a list of strings")
+    not_run = row.get("not_run", [])
+    if not isinstance(not_run, list) or not all(isinstance(p, str) for p in not_run):
+        raise ValueError("row 'not_run' is not a list of property names")
     extra = set(row) - {"dynamo", "sglang", "shipped", "verdict", "findings", "not_applicable", "error", "live",
-                        "event_formats"}
+                        "event_formats", "not_run"}
     if extra:
         raise ValueError(f"row has unknown keys {sorted(extra)}")
     return PairResult(row["dynamo"], row["sglang"], row["verdict"], list(findings), error=row.get("error"),
-                      shipped=row["shipped"], live=live, not_applicable=list(not_applicable), event_formats=list(formats))
+                      shipped=row["shipped"], live=live, not_applicable=list(not_applicable), event_formats=list(formats),
+                      not_run=list(not_run))
 
 
 def _plan_order(plan: dict[str, Any], r: PairResult) -> tuple[Any, ...]:

@@ -33,7 +33,8 @@ registry, and nothing in :mod:`kvalign.verify.check` branches on a property's na
 
 Most properties are one Hypothesis search per mode x variant; :class:`SearchProperty` builds those
 from a body and a strategy, as Hypothesis composes strategies (``hash``: ``SearchProperty("hash",
-body=..., strategy=...)``). The rest implement ``jobs`` and ``run`` themselves.
+body=..., strategy=...)``). :class:`SetUpOnceProperty` builds one whose rows share a set-up from the
+function that makes them (``card``, ``advertised``, ``mm``). The rest implement ``jobs`` and ``run``.
 """
 
 from __future__ import annotations
@@ -141,29 +142,37 @@ Strategy = Callable[[str, str, int | None], Any]
 
 
 @dataclass(frozen=True)
-class SearchProperty:
+class Declared:
+    """What every property says of itself (the module docstring), for the two builders below; ``cost``:
+    the seconds one job takes at its default example count, measured on the pinned pair (only the
+    longest-first order of ``check --jobs`` reads it)."""
+
+    name: str
+    modes: tuple[str, ...] = MODES
+    default: bool = True
+    events: Events = "each"
+    budget: Budget | None = None
+    cost: float = 1.0
+
+
+@dataclass(frozen=True)
+class SearchProperty(Declared):
     """A property that is one Hypothesis search per mode x variant.
 
     ``body(systems)`` binds the per-example check to the systems under test (it may raise
     :class:`~kvalign.oracles.base.OracleUnavailable`: every row is then ``PATH_UNAVAILABLE``);
     ``strategy(mode, variant, page_size)`` is the row's generated input; ``variants`` the ones it has
-    rows for (None: every variant asked); ``cost`` the seconds one row takes at 200 examples."""
+    rows for (None: every variant asked)."""
 
-    name: str
-    body: Body
-    strategy: Strategy
-    modes: tuple[str, ...] = MODES
-    default: bool = True
-    events: Events = "each"
-    budget: Budget | None = None
+    body: Body = field(kw_only=True)
+    strategy: Strategy = field(kw_only=True)
     variants: tuple[str, ...] | None = None
-    cost: float = 1.0
     #: a note a failing row's detail gets from the systems (e.g. a parameter the release's hasher lacks)
     note: Callable[[Any], str] | None = field(default=None, compare=False)
 
     def jobs(self, opts: Options) -> list[Job]:
         variants = tuple(v for v in opts.variants if self.variants is None or v in self.variants)
-        scale = opts.examples_for(self.budget) / 200
+        scale = opts.examples_for(self.budget) / (self.budget.default if self.budget else Options.examples)
         return [Job(self.name, (m,), (v,), cost=self.cost * scale) for m in self.modes if m in opts.modes for v in variants]
 
     def run(self, job: Job, systems: Any, opts: Options) -> list[RowResult]:
@@ -185,3 +194,21 @@ class SearchProperty:
                 rows.append(row)
         return rows
 
+
+Rows = Callable[[Any, tuple[str, ...], Options], list[RowResult]]
+
+
+@dataclass(frozen=True)
+class SetUpOnceProperty(Declared):
+    """A property whose rows, every mode asked, share one expensive set-up (a registration load, a frontend):
+    one job, whose rows ``rows(systems, modes, opts)`` gives; ``variants`` () when they are known only then."""
+
+    rows: Rows = field(kw_only=True)
+    variants: tuple[str, ...] = ("base",)
+
+    def jobs(self, opts: Options) -> list[Job]:
+        modes = tuple(m for m in self.modes if m in opts.modes)
+        return [Job(self.name, modes, self.variants, cost=self.cost)] if modes else []
+
+    def run(self, job: Job, systems: Any, opts: Options) -> list[RowResult]:
+        return self.rows(systems, job.modes, opts)

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvalign.model.causes import Cause
+from kvalign.model.causes import CREDIT_SKEW, Cause, cause_class
 
 #: The properties searched for a finding, most telling evidence first (``ingest`` has wire bytes).
 SEARCH_ORDER = ("ingest", "overlap", "pages", "hash")
@@ -402,11 +402,13 @@ def replay_servable(example: dict[str, Any]) -> dict[str, Any]:
                 admission = engine.serve(query, *step[2])
                 if i == len(steps) - 1:
                     j = judge(admission, tiers, engine.page_size, eagle=engine.eagle,
-                              threshold=engine.load_back_threshold, best_worker_overlap=best[2])
+                              threshold=engine.load_back_threshold, best_worker_overlap=best[2],
+                              host_weight=tp.path.host_weight)
                     if j.cause is not Cause.HOST_CREDIT_NOT_SERVABLE:
                         raise RuntimeError(f"the replay did not reproduce HOST_CREDIT_NOT_SERVABLE: {j.detail}")
                     outcome = {"admission": admission.as_dict(), "router_tiers": tiers, "best_worker_overlap": best[2],
-                               "load_back_threshold": engine.load_back_threshold, "host_in_cap": j.host_in_cap,
+                               "load_back_threshold": engine.load_back_threshold, "host_weight": tp.path.host_weight,
+                               "host_in_cap": j.host_in_cap,
                                "capped_blocks": j.capped_blocks}
                     break
                 if "+transfers_done" in step:
@@ -454,12 +456,14 @@ def collect(cause: Cause, modes: Sequence[str], examples: int) -> dict[str, Any]
     from kvalign.verify.property import plain as _plain
 
     from kvalign.verify import report_mm
+    from kvalign.verify.mm import describe as describe_mm
 
     if cause in report_mm.MM_CAUSES:
         found, prop, mode, variant, handles = report_mm.search_mm(cause, modes, examples)
         try:
-            return {"cause": cause.name, "cause_text": cause.value, "property": prop, "mode": mode, "variant": variant,
-                    "detail": found.detail, "counterexample": report_mm.describe(found.example),
+            return {"cause": cause.name, "cause_text": cause.value, "class": cause_class(cause), "property": prop,
+                    "mode": mode, "variant": variant,
+                    "detail": found.detail, "counterexample": describe_mm(found.example),
                     "versions": {d: _version(d) for d in ("ai-dynamo", "ai-dynamo-runtime", "sglang")},
                     "anchors": [locate(a) for a in ANCHORS.get(cause, ())],
                     "mm_replay": report_mm.replay_mm(found.example, handles, _wire)}
@@ -476,7 +480,8 @@ def collect(cause: Cause, modes: Sequence[str], examples: int) -> dict[str, Any]
     else:
         found, prop, mode, variant, hasher = search(cause, modes, examples)
     out: dict[str, Any] = {
-        "cause": cause.name, "cause_text": cause.value, "property": prop, "mode": mode, "variant": variant,
+        "cause": cause.name, "cause_text": cause.value, "class": cause_class(cause), "property": prop, "mode": mode,
+        "variant": variant,
         "detail": found.detail, "counterexample": _plain(found.example),
         "versions": {d: _version(d) for d in ("ai-dynamo", "ai-dynamo-runtime", "sglang")},
         "anchors": [locate(a) for a in ANCHORS.get(cause, ())],
@@ -486,11 +491,26 @@ def collect(cause: Cause, modes: Sequence[str], examples: int) -> dict[str, Any]
     if prop == "servable":
         out["condition"] = found.condition
         out["admission"] = getattr(found, "admission", None)
+        out.update(measured_impact(cause, prop, mode, variant, out["admission"]))
         out["tier_replay"] = replay_servable(found.example)
         from kvalign.verify.servable_sequence import worked_cases
 
         out["worked_cases"] = worked_cases()
     return out
+
+
+def measured_impact(cause: Cause, prop: str, mode: str, variant: str, admission: dict[str, Any] | None) -> dict[str, Any]:
+    """A credit skew's bound and the real router's measured choice on the counterexample (as ``check`` prints them)."""
+    if cause_class(cause) != CREDIT_SKEW:
+        return {}
+    from kvalign.oracles.router_path import RouterPath
+    from kvalign.verify.impact import assess_skew
+    from kvalign.verify.rows import RowResult
+
+    row = RowResult(prop, mode, variant, cause=cause.value, cause_name=cause.name, admission=admission)
+    with RouterPath() as path:
+        assess_skew(row, path, {})
+    return {"bound_tokens": row.bound_tokens, "changes_worker": row.changes_worker, "impact": row.impact}
 
 
 def _version(dist: str) -> str | None:
@@ -504,11 +524,14 @@ def _fence(text: str, lang: str = "") -> str:
     return f"```{lang}\n{text}\n```"
 
 
-def render(data: dict[str, Any], command: str) -> str:
-    """The Markdown report for one collected finding; ``command`` reproduces it."""
+def render(data: dict[str, Any], command: str, shipped: str | None) -> str:
+    """The Markdown report for one collected finding; ``command`` reproduces it, ``shipped`` is the SGLang the
+    Dynamo release's ``ai-dynamo[sglang]`` extra pins (the report opens with the pair's status)."""
+    from kvalign.verify.finding_status import opening
+
     v = data["versions"]
     pair = f"ai-dynamo {v['ai-dynamo']} (ai-dynamo-runtime {v['ai-dynamo-runtime']}) × sglang {v['sglang']}"
-    out = [f"# {data['cause']}: {data['cause_text']}", "",
+    out = [f"# {data['cause']}: {data['cause_text']}", "", *opening(data, shipped),
            f"**Pair:** {pair}.  ",
            f"**Found by:** kvalign's `{data['property']}` property, {data['mode']} mode, `{data['variant']}` variant "
            "(Hypothesis search, shrunk).  ",

@@ -5,7 +5,7 @@ check engine, the property modules, the matrix and the report all read, so none 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 MODES = ("plain", "eagle")
@@ -30,8 +30,10 @@ class RowResult:
     counterexample: Any = None
     #: the configurations the row's mismatch is confined to (e.g. HiCache on, page sizes below 10), or None
     condition: str | None = None
-    #: why the row did not run at all (kvalign's own stand-in does not cover this release); the row stays ok
+    #: why the row did not run at all (kvalign's own stand-in does not cover this release): ``n/a``, never ok
     skipped: str | None = None
+    #: what of a row that ran was not checked, and why (e.g. configurations kvalign's platform stand-in cannot resolve)
+    not_checked: str | None = None
     #: the admitted request of a HiCache row's shrunk counterexample, as SGLang's scheduler reports it
     #: (prompt_tokens, device_tokens, host_only_tokens, loaded_tokens, ...), or None
     admission: dict[str, Any] | None = None
@@ -39,10 +41,33 @@ class RowResult:
     scoped: dict[str, Any] | None = None
     #: SGLang's KV-event format the row's events were published in ("any": the property reads no events)
     event_format: str = "default"
+    #: a finding's class (kvalign.model.causes.CLASSES; JSON key ``class``), None for a clean or n/a row
+    finding_class: str | None = None
+    #: a credit skew's bound (KV slots credited and not served per request, from the packages' constants)
+    bound_tokens: int | None = None
+    #: a credit skew's measured routing impact: does the real router pick another worker than the one that reuses most
+    changes_worker: bool | None = None
+    #: the bound and the routing impact, in words
+    impact: str | None = None
     #: the row's negative control, where it runs one beside the search (hybrid, storage): the deliberate
     #: misalignment, its cases, whether the property failed on it and with which cause
     control: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
-        return self.mismatches == 0
+        """No mismatch (a row that did not run is not ok either: it is ``n/a``, :attr:`status`)."""
+        return self.mismatches == 0 and not self.skipped
+
+    @property
+    def status(self) -> str:
+        """``n/a`` (did not run), ``ok``, or ``finding``."""
+        return "n/a" if self.skipped else "ok" if self.mismatches == 0 else "finding"
+
+
+def row_json(r: RowResult) -> dict[str, Any]:
+    """A row as ``check --json`` prints it: every field, ``status``, and ``class`` (for a finding; the
+    bound and routing impact where measured)."""
+    d = asdict(r)
+    d["class"] = d.pop("finding_class")
+    d["status"] = r.status
+    return d

@@ -51,8 +51,10 @@ class Judgement:
 
 
 def judge(admission: Admission, tiers: dict[str, int], page_size: int, *, eagle: bool, threshold: int,
-          best_worker_overlap: Any = None) -> Judgement:
-    """Classify one request: the router's per-tier credit for the whole prompt against SGLang's admission."""
+          best_worker_overlap: Any = None, host_weight: float | None = None) -> Judgement:
+    """Classify one request: the router's per-tier credit for the whole prompt against SGLang's admission.
+    ``host_weight``: the router's configured ``host_cache_hit_weight``, said beside ``best_worker_overlap``
+    (which it weighs); required with it, so the text never states a weight the router was not given."""
     p, unit = page_size, "bigram" if eagle else "token"
     rd, rh = int(tiers[DEVICE]), int(tiers[HOST])
     matched = (admission.device_tokens + admission.host_only_tokens) // p
@@ -63,7 +65,9 @@ def judge(admission: Admission, tiers: dict[str, int], page_size: int, *, eagle:
             f"tokens of it (Req._compute_max_prefix_len): {a.device_tokens} {unit}s on device + {a.host_only_tokens} on "
             f"host only; the router credits {rd} device + {rh} host block(s)")
     if best_worker_overlap is not None:
-        seen += f" (best_worker overlap {best_worker_overlap}, with host weight 0.75)"
+        if host_weight is None:
+            raise ValueError("judge: best_worker_overlap given without the router's host_cache_hit_weight")
+        seen += f" (best_worker overlap {best_worker_overlap}, with host weight {host_weight:g})"
     if a.admitted and host_in_cap and a.loaded_tokens < a.host_only_tokens:
         why = (f"below SGLang's load_back_threshold ({threshold}), so SGLang loaded {a.loaded_tokens} back"
                if a.host_only_tokens < threshold else

@@ -62,7 +62,8 @@ def ask_servable(steps: Sequence[tuple[Any, ...]], *, page_size: int, eagle: boo
                 tiers = tp.path.query_tiers(worker.router, tokens, *tenant)
                 best = tp.path.call(worker.router.best_worker, tokens, **tenant_kwargs(tenant))
                 j = judge(engine.serve(tokens, *tenant), tiers, page_size, eagle=eagle,
-                          threshold=engine.load_back_threshold, best_worker_overlap=best[2])
+                          threshold=engine.load_back_threshold, best_worker_overlap=best[2],
+                          host_weight=tp.path.host_weight)
                 out.append(RequestVerdict(i, list(step[1]), j.as_dict()))
             elif kind == "transfers_done":
                 engine.transfers_done()

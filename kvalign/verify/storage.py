@@ -185,7 +185,7 @@ class StorageRun:
                     "storage", f"prompt {tokens}: SGLang refilled {n} page(s) from its storage tier for the request, "
                     "which the router credited in no tier (0 disk blocks): SGLang publishes nothing for a page written "
                     "to or held in storage; only the refill's host-tier stores reach the router, after routing. Class: "
-                    "credit skew (an under-credit; the keys agree)", Cause.STORAGE_TIER_UNCREDITED, self._example(sc),
+                    "cache-blind (the keys agree, but no event says a page is in storage: credit lost, no constant bound)", Cause.STORAGE_TIER_UNCREDITED, self._example(sc),
                     condition=storage_condition())
 
     def _check_all(self, engine: Any, worker: Any, tap: Any, sc: StorageScenario, shift: Callable[[list[int]], list[int]],

@@ -422,10 +422,10 @@ class TierMachine(RuleBasedStateMachine):
         if self.servable and j.cause is Cause.HOST_CREDIT_NOT_SERVABLE:
             best = self.path.path.call(self.worker.router.best_worker, query, **tenant_kwargs(tenant))
             j = judge(admission, tiers, self.engine.page_size, eagle=self.eagle, threshold=threshold,
-                      best_worker_overlap=best[2])
+                      best_worker_overlap=best[2], host_weight=self.path.path.host_weight)
             exc = Mismatch("servable", j.detail, Cause.HOST_CREDIT_NOT_SERVABLE, self._example(),
                            condition=servable_condition(threshold))
-            exc.admission = admission.as_dict()
+            exc.admission = {**admission.as_dict(), "page_size": self.engine.page_size, "load_back_threshold": threshold}
             raise exc
         return True
 

@@ -17,8 +17,7 @@ import os
 
 import pytest
 
-from kvalign.live.runs.mm import MmLiveOptions, render, run_mm
-from kvalign.model.causes import Cause
+from kvalign.live.runs.mm import MmLiveOptions, render, run_mm, unmet
 
 pytestmark = pytest.mark.e2e
 
@@ -35,17 +34,8 @@ def _wide_pads() -> bool:
 def test_real_engine_mm_image_prompt_credit_matches_the_property(sglang_cpu_engine, sglang_release, live_run_dir):
     result = run_mm(live_run_dir, MmLiveOptions(sglang_version=sglang_release))
     report = render(result)
-    turns = {t.name: t for t in result.turns}
-    # on any release: text credit = engine reuse, and a changed image is reused by no one
-    assert turns["text again"].router_blocks == turns["text again"].engine_pages > 0, report
-    assert turns["pixel"].engine_pages <= result.image_start // 4 and turns["pixel"].router_blocks == 0, report
-    assert turns["repeat"].engine_pages * 4 >= result.image_start + result.image_tokens, report
-    if sglang_release is None and _wide_pads():
-        assert [f.split(":")[0] for f in result.failures] == ["same image prompt again"], report
-        assert turns["repeat"].router_blocks == 0
-        assert result.cause is Cause.MM_PAD_WIDTH and "above u32" in result.cause_detail, report
-    else:
-        assert result.passed, report
+    # what the release does decides the verdict expected (its pad values), never a constant credit
+    assert unmet(result, sglang_release is None and _wide_pads()) == [], report
 
 
 @pytest.mark.nightly

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from kvalign.oracles.base import OracleUnavailable, RouterHasher
+from router_paths import open_router_path
 
 
 @pytest.fixture(scope="session")
@@ -80,13 +81,12 @@ def mm_oracles(router_hasher: RouterHasher, sglang_available: str):
 
 
 @pytest.fixture(scope="module")
-def router_path(sglang_available: str) -> Iterator[Any]:
-    """The in-process relay -> event plane -> KvRouter path (one per test module: its workers keep state)."""
-    from kvalign.oracles.router_path import RouterPath
+def hicache_router_path(sglang_available: str) -> Iterator[Any]:
+    """The real relay -> router path, for a SGLang whose host tier kvalign's HiCache stand-in covers (else skip)."""
+    from kvalign.standins.hicache import version_problem
 
-    try:
-        path = RouterPath()
-    except OracleUnavailable as exc:
-        pytest.skip(f"Dynamo's in-process runtime is unavailable: {exc}")
+    if version_problem(sglang_available):
+        pytest.skip(version_problem(sglang_available))
+    path = open_router_path("real Dynamo router path unavailable")
     yield path
     path.close()

@@ -39,6 +39,7 @@ from kvalign.live.cluster.lifecycle import Cluster, make_plan
 from kvalign.live.cluster.topology import Topology
 from kvalign.live.engines.sglang_cpu import SglangCpuWorkerKind, release_dir
 from kvalign.live.engines.vlm_engine_model import write_vlm_model
+from kvalign.errors import MissingValue
 from kvalign.live.wire.client import stream_chat
 from kvalign.model.causes import Cause
 from kvalign.oracles import vlm_model as vm
@@ -125,13 +126,20 @@ def plan_mm(run_dir: str | Path, opts: MmLiveOptions) -> tuple[Any, SglangCpuWor
 def _ask(cluster: Cluster, name: str, content: Any, opts: MmLiveOptions, label: str) -> Turn:
     before = cluster.capture.count(label) if cluster.capture else 0
     res = stream_chat(cluster.frontend_url, cluster.model, content, max_tokens=opts.max_tokens, timeout_s=120.0)
-    details = res.usage.get("prompt_tokens_details") if isinstance(res.usage.get("prompt_tokens_details"), dict) else {}
-    turn = Turn(name, int(res.usage.get("prompt_tokens") or 0), details.get("cached_tokens"), res.kv_hit_rate,
-                opts.page_size)
+    turn = turn_from_usage(name, res.usage, res.kv_hit_rate, opts.page_size)
     if cluster.capture is not None:  # the request's pages reach the router's index before the next request
         cluster.capture.wait_for(lambda snap: sum(c.label == label for c in snap) > before, 10.0)
         time.sleep(0.5)
     return turn
+
+
+def turn_from_usage(name: str, usage: dict[str, Any], kv_hit_rate: float | None, page_size: int) -> Turn:
+    """A turn from the response's ``usage``. A response without ``prompt_tokens`` is an error naming it: read
+    as 0, it would look exactly like the MM_PAD_WIDTH symptom (an image prompt credited nothing)."""
+    if usage.get("prompt_tokens") is None:
+        raise MissingValue("usage.prompt_tokens", f"the {name!r} turn's response")
+    details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
+    return Turn(name, int(usage["prompt_tokens"]), details.get("cached_tokens"), kv_hit_rate, page_size)
 
 
 def run_mm(run_dir: str | Path, opts: MmLiveOptions, *, progress: Callable[[str], None] = lambda _m: None) -> MmLiveResult:
@@ -181,6 +189,36 @@ def check(result: MmLiveResult, opts: MmLiveOptions) -> None:
     if pixel.engine_pages > before_image or pixel.router_blocks > before_image:
         result.failures.append(f"one pixel changed: the engine reuses {pixel.engine_pages} pages and the router credits "
                                f"{pixel.router_blocks} blocks; only {before_image} precede the image")
+
+
+def unmet(result: MmLiveResult, wide_pads: bool, page_size: int = 4) -> list[str]:
+    """What the live run must show on this release, unmet (each one line; [] when it holds).
+
+    On every release: text credit = engine reuse, the repeated image prompt is reused past the image, and
+    after a one-pixel change neither side credits a page past where the image starts (the pages before it
+    may be credited: they do not hold the image). Where the release keys images by pad values wider than the
+    router's u32 token ids (``wide_pads``: SGLang 0.5.23's ``_compute_pad_values``), the run must show that
+    finding, MM_PAD_WIDTH: the repeated image prompt credited 0 by the router; otherwise it passes."""
+    out: list[str] = []
+    turns = {t.name: t for t in result.turns}
+    text, pixel, repeat = turns["text again"], turns["pixel"], turns["repeat"]
+    before_image = result.image_start // page_size
+    if not (text.router_blocks == text.engine_pages and (text.engine_pages or 0) > 0):
+        out.append(f"text again: router {text.router_blocks} blocks, engine {text.engine_pages} pages")
+    if not ((pixel.engine_pages or 0) <= before_image and (pixel.router_blocks or 0) <= before_image):
+        out.append(f"pixel: engine {pixel.engine_pages} pages, router {pixel.router_blocks} blocks; only "
+                   f"{before_image} precede the image")
+    if (repeat.engine_pages or 0) * page_size < result.image_start + result.image_tokens:
+        out.append(f"repeat: the engine reuses {repeat.engine_pages} pages, not past the image")
+    if wide_pads:
+        if [f.split(":")[0] for f in result.failures] != ["same image prompt again"] or repeat.router_blocks != 0:
+            out.append(f"the release's wide pad values: expected only the repeated image prompt credited 0, got "
+                       f"router {repeat.router_blocks} blocks and failures {result.failures}")
+        if result.cause is not Cause.MM_PAD_WIDTH or "above u32" not in result.cause_detail:
+            out.append(f"the release's wide pad values: diagnose named {result.cause}, not MM_PAD_WIDTH")
+    elif not result.passed:
+        out.append(f"an aligned release failed: {result.failures}")
+    return out
 
 
 def _agree(turn: Turn, b: int) -> bool:

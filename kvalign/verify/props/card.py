@@ -12,8 +12,8 @@ from typing import Any
 
 from kvalign.model.causes import Cause
 from kvalign.oracles.base import OracleUnavailable
-from kvalign.verify.property import Job, Options, unavailable
-from kvalign.verify.rows import MODES, RowResult
+from kvalign.verify.property import SetUpOnceProperty, unavailable
+from kvalign.verify.rows import RowResult
 
 
 def name_set_note(missed: list[str], registered: int) -> str:
@@ -69,19 +69,5 @@ def run_card(systems: Any, modes: tuple[str, ...]) -> list[RowResult]:
     return rows
 
 
-class Card:
-    name = "card"
-    modes = MODES
-    default = True
-    events = "none"
-    budget = None
-
-    def jobs(self, opts: Options) -> list[Job]:
-        modes = tuple(m for m in self.modes if m in opts.modes)
-        return [Job(self.name, modes, cost=3.0)] if modes else []
-
-    def run(self, job: Job, systems: Any, opts: Options) -> list[RowResult]:
-        return run_card(systems, job.modes)
-
-
-PROPERTY = Card()
+PROPERTY = SetUpOnceProperty("card", rows=lambda systems, modes, _opts: run_card(systems, modes), events="none",
+                             cost=1.5)

@@ -24,7 +24,7 @@ class Dp:
         if "plain" not in opts.modes:
             return []
         scale = opts.examples_for(self.budget) / DP_BUDGET.default
-        return [Job(self.name, ("plain",), (layout,), cost=4.0 * scale) for layout in DP_LAYOUTS]
+        return [Job(self.name, ("plain",), (layout,), cost=1.2 * scale) for layout in DP_LAYOUTS]
 
     def run(self, job: Job, systems: Any, opts: Options) -> list[RowResult]:
         from kvalign.verify.dp import run_dp_rows

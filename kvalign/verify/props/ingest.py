@@ -28,4 +28,4 @@ def _strategy(mode: str, variant: str, page_size: int | None) -> Any:
     return ingest_scenarios(eagle=mode == "eagle", lora=lora, namespace=namespace, **sizes)
 
 
-PROPERTY = SearchProperty("ingest", body=_body, strategy=_strategy, budget=INGEST_BUDGET, cost=3.0)
+PROPERTY = SearchProperty("ingest", body=_body, strategy=_strategy, budget=INGEST_BUDGET, cost=0.6)

@@ -16,4 +16,4 @@ def _body(systems: Any) -> Any:
     return lambda sc: overlap_property(systems.hasher, systems.make_cache, systems.make_index, sc)
 
 
-PROPERTY = SearchProperty("overlap", body=_body, strategy=scenario_strategy, cost=2.0, note=missing_parameters)
+PROPERTY = SearchProperty("overlap", body=_body, strategy=scenario_strategy, cost=0.8, note=missing_parameters)

@@ -25,4 +25,4 @@ def scenario_strategy(mode: str, variant: str, page_size: int | None) -> Any:
     return scenarios(eagle=mode == "eagle", lora=lora, namespace=namespace, **sizes)
 
 
-PROPERTY = SearchProperty("pages", body=_body, strategy=scenario_strategy, cost=2.0, note=missing_parameters)
+PROPERTY = SearchProperty("pages", body=_body, strategy=scenario_strategy, cost=0.8, note=missing_parameters)

@@ -10,7 +10,7 @@ from kvalign.verify.props.tier import Tier
 class Servable(Tier):
     name = "servable"
     variants = ("base",)
-    cost = 25.0
+    cost = 6.0
 
 
 PROPERTY = Servable()

@@ -26,4 +26,4 @@ def _strategy(mode: str, variant: str, page_size: int | None) -> Any:
 
 
 PROPERTY = SearchProperty("tenants", body=_body, strategy=_strategy, budget=INGEST_BUDGET,
-                          variants=tuple(v for v in VARIANTS if v != "base"), cost=3.0)
+                          variants=tuple(v for v in VARIANTS if v != "base"), cost=0.6)

@@ -22,7 +22,7 @@ class Tier:
     budget = TIER_BUDGET
     #: the variants it has rows for (None: every variant asked)
     variants: tuple[str, ...] | None = None
-    cost = 6.0
+    cost = 1.0
 
     def jobs(self, opts: Options) -> list[Job]:
         variants = tuple(v for v in opts.variants if self.variants is None or v in self.variants)

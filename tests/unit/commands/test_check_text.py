@@ -54,17 +54,17 @@ def test_no_line_is_wider_than_100_columns():
 
 def test_the_table_names_causes_short_and_each_cause_is_explained_once_under_it():
     table = check_text.table(ROWS).splitlines()
-    assert table[-1].split() == ["servable", "eagle", "base", "106", "18", "MISALIGNED:", "HOST_CREDIT_NOT_SERVABLE"]
-    assert [ln.split()[-1] for ln in table[2:6]] == ["ok", "ok", "skipped", "skipped"]
+    assert table[-1].split() == ["servable", "eagle", "base", "106", "18", "credit-skew:", "HOST_CREDIT_NOT_SERVABLE"]
+    assert [ln.split()[-1] for ln in table[2:6]] == ["ok", "ok", "n/a", "n/a"]
     below = check_text.explanations(ROWS)
-    assert below.count("HOST_CREDIT_NOT_SERVABLE: ") == 1 and below.count("skipped tier/") == 1
+    assert below.count("HOST_CREDIT_NOT_SERVABLE (credit-skew): ") == 1 and below.count("n/a (did not run) tier/") == 1
     text = " ".join(ln.strip() for ln in below.splitlines())  # unwrapped: every piece said whole
-    assert f"HOST_CREDIT_NOT_SERVABLE: {Cause.HOST_CREDIT_NOT_SERVABLE.value}" in text
+    assert f"HOST_CREDIT_NOT_SERVABLE (credit-skew): {Cause.HOST_CREDIT_NOT_SERVABLE.value}" in text
     assert "rows: servable/plain/base, servable/eagle/base" in text
     assert f"scope: holds {CONDITION}" in text
     assert "counterexample (servable/plain/base): page size 2: the prompt's host-only stretch" in text
     assert "shrunk: {'page_size': 2," in text and "('admit', [0, 0], (None, None))]}" in text
-    assert f"skipped tier/plain/lora, tier/eagle/lora: {SKIPPED}" in text
+    assert f"n/a (did not run) tier/plain/lora, tier/eagle/lora: {SKIPPED}" in text
 
 
 def test_an_unconfined_cause_s_scope_is_its_rows_at_the_page_sizes_checked():
@@ -76,10 +76,12 @@ def test_an_unconfined_cause_s_scope_is_its_rows_at_the_page_sizes_checked():
 
 def test_the_verdict_comes_first_then_where_a_cause_holds():
     lines = check_text.verdict(ROWS, 170.3).splitlines()
-    assert lines[0] == "MISALIGNED: 243 cases in 170.3s, 2 of 6 rows mismatched"
+    assert lines[0] == "ALIGNED: 243 cases in 170.3s, 0 of 4 rows cache-blind, 2 credit-skew (advisory), 2 n/a"
+    strict = check_text.verdict(ROWS, 170.3, strict=True).splitlines()[0]
+    assert strict.startswith("MISALIGNED: 243 cases")
     assert " ".join(ln.strip() for ln in lines[1:]) == f"HOST_CREDIT_NOT_SERVABLE holds {CONDITION}"
     ok = ROWS[:2]
-    assert check_text.verdict(ok, 1.0) == "ALIGNED: 31 cases in 1.0s, 0 of 2 rows mismatched"
+    assert check_text.verdict(ok, 1.0) == "ALIGNED: 31 cases in 1.0s, 0 of 2 rows cache-blind, 0 credit-skew (advisory)"
     assert check_text.explanations(ok) == ""
 
 
@@ -103,8 +105,25 @@ def test_a_cause_counted_apart_leaves_the_cell_and_the_verdict_alone_and_is_said
     assert "143 cases: tier/plain/base 3, servable/plain/base 140" in flat
     assert "prompt_tokens 3, device_tokens 0, host_only_tokens 2, loaded_tokens 0" in flat
     assert check_text.verdict(rows[:1], 1.0).splitlines() == [
-        "ALIGNED: 12 cases in 1.0s, 0 of 1 rows mismatched", "  LAST_PAGE_CAPPED counted apart in 3 cases (not a misalignment)"]
+        "ALIGNED: 12 cases in 1.0s, 0 of 1 rows cache-blind, 0 credit-skew (advisory)", "  LAST_PAGE_CAPPED counted apart in 3 cases (not a misalignment)"]
     assert [ln for ln in below.splitlines() if len(ln) > check_text.WIDTH] == []
+
+
+def test_a_credit_skew_is_an_advisory_under_the_table_with_its_bound_and_routing_impact():
+    rows = [_servable("plain"), RowResult("card", "plain", "base", 6, 0, 0.0)]
+    rows[0].impact = "bound: at most 8 host slots per request at page size 2; on the counterexample the router ..."
+    text = " ".join(ln.strip() for ln in check_text.advisory_lines(rows).splitlines())
+    assert "advisory (credit-skew, exit 0; --strict fails on it): HOST_CREDIT_NOT_SERVABLE in servable/plain/base" in text
+    assert "servable/plain/base: bound: at most 8 host slots" in text
+    blind = Cause.ROUTER_EAGLE_OFF
+    assert check_text.advisory_lines([RowResult("hash", "eagle", "base", 3, 1, 0.0, blind.value, blind.name)]) == ""
+
+
+def test_what_a_row_that_ran_did_not_check_is_said_under_the_table():
+    row = RowResult("advertised", "plain", "default", 72, 0, 1.0, not_checked="36 of 108 configurations not checked "
+                    "(kvalign's platform stand-in: xpu presented on a host without that device; ...)")
+    text = " ".join(ln.strip() for ln in check_text.explanations([row]).splitlines())
+    assert "partly checked advertised/plain/default: 36 of 108 configurations not checked (kvalign's platform" in text
 
 
 def test_verdict_counts_the_negative_controls_and_names_one_that_did_not_fail():

@@ -118,9 +118,10 @@ def test_prompt_with_extra_leading_tokens(tmp_path, sglang_publisher, capsys):
     prompt = tmp_path / "prompt.json"
     prompt.write_text(json.dumps(PROMPT))
     assert main(["diagnose", "--capture", path, "--prompt", str(prompt)]) == 1
-    assert "cause: prompt shifted by k tokens (template or BOS drift) (k = +2)" in capsys.readouterr().out
+    assert "cause: prompt shifted by k tokens (template or BOS drift) (k = +2) [cache-blind]" in capsys.readouterr().out
     assert main(["diagnose", "--capture", path, "--prompt", str(prompt), "--json"]) == 1
-    assert json.loads(capsys.readouterr().out)["shift"] == 2
+    report = json.loads(capsys.readouterr().out)
+    assert report["shift"] == 2 and report["cause"]["class"] == "cache-blind"
 
 
 def test_evicted_blocks(tmp_path, sglang_publisher):

@@ -151,3 +151,26 @@ def test_an_sglang_before_arg_groups_gives_one_n_a_row_not_a_crash(registration,
     monkeypatch.setitem(sys.modules, "sglang.srt.arg_groups.choices", None)  # importing it raises ImportError
     (row,) = run_advertised_rows(("plain",), load=lambda: registration)
     assert (row.prop, row.variant) == ("advertised", "base") and "no arg_groups.choices" in row.skipped
+
+
+def test_a_stand_in_failure_is_not_checked_never_sglangs_refusal(registration, rows_of):
+    """SGLang's default page on the XPU platform kvalign presents fails in SGLang's own hardware probe
+    (get_xpu_memory_capacity: this host has no XPU): that is kvalign's platform stand-in failing, so those
+    configurations are "not checked (kvalign's platform stand-in: ...)" and never counted as rejected by
+    SGLang. The control: a configuration SGLang's rules refuse (CuteDSL MLA as a prefill backend) is still
+    its refusal (None)."""
+    from kvalign.oracles.page_overrides import StandInFailure, WorkerConfig, resolve
+    from kvalign.verify.advertised import run_row
+
+    xpu = [c for c in rows_of["default"] if c.platform == "xpu"][:2]
+    assert xpu, "the default row presents the XPU platform"
+    with pytest.raises(StandInFailure, match="kvalign's platform stand-in: xpu presented on a host without"):
+        resolve(xpu[0])
+    assert resolve(WorkerConfig(backend="cutedsl_mla", backend_flag="prefill_attention_backend", model="mla")) is None
+    blackwell = [c for c in rows_of["default"] if c.platform == "blackwell"][:1]
+    row = run_row(registration.derive, "default", blackwell + xpu)
+    assert row.ok and row.cases == 1 and "0 of 3 configurations rejected by SGLang" in row.detail, row.detail
+    assert "2 of 3 configurations not checked (kvalign's platform stand-in: xpu" in row.detail, row.detail
+    assert row.not_checked and row.not_checked in row.detail
+    only = run_row(registration.derive, "default", xpu)
+    assert only.status == "n/a" and "not checked (kvalign's platform stand-in: xpu" in only.skipped, only.skipped

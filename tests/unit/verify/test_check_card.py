@@ -73,6 +73,10 @@ def test_hand_kept_name_set_is_caught_as_the_router_hashing_eagle_off(registrati
     # a card on for EAGLE and off for EAGLE3 is named as the regression, the card's part in the detail
     assert "Dynamo #10982" in eagle.detail and "not for EAGLE3, FROZEN_KV_MTP" in eagle.detail
     assert "CARD_EAGLE_OFF" in eagle.detail
+    # cache-blind: it fails `check` (exit 1) whatever --strict says
+    from kvalign.verify.impact import blocking, row_class
+
+    assert row_class(eagle) == "cache-blind" and blocking([plain, eagle]) == [eagle]
 
 
 def test_a_card_off_for_every_bigram_algorithm_is_not_named_10982(registration, monkeypatch):

@@ -8,13 +8,22 @@ issue history applied to those real objects, and must fail naming its own cause 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from kvalign.model.causes import Cause
+from router_paths import open_router_path
 
 EXAMPLES = 8
+
+
+@pytest.fixture(scope="module")
+def router_path(sglang_available: str) -> Iterator[Any]:
+    path = open_router_path("Dynamo's in-process runtime is unavailable")
+    yield path
+    path.close()
 
 
 def _rows(router_path: Any, layouts: tuple[str, ...], examples: int = EXAMPLES, **kw: Any) -> list[Any]:

@@ -193,7 +193,8 @@ def test_tier_rows_are_skipped_not_failed_without_a_per_tier_answer(tier_paths):
             return types.SimpleNamespace(router=types.SimpleNamespace(best_worker=real.worker(page_size, eagle).router.best_worker))
 
     rows = run_tier_rows(types.SimpleNamespace(router_path=OldRelease), "tier", ("plain",), ("base",), 2)
-    assert [r.ok for r in rows] == [True] and "has no get_overlap_scores" in rows[0].skipped and rows[0].cases == 0
+    assert [r.status for r in rows] == ["n/a"] and "has no get_overlap_scores" in rows[0].skipped and rows[0].cases == 0
+    assert not rows[0].ok  # a row that did not run never counts as aligned
 
 
 def _init_hicache_literal(name: str) -> Any:
@@ -260,8 +261,9 @@ def test_standin_runs_sglangs_own_hicache_set_up_and_events(sglang_available, co
 @pytest.mark.slow  # two `kvalign check` processes through the real router path: 40-90 s
 @pytest.mark.timeout(600)
 def test_check_page_size_decides_the_servable_verdict(sglang_available, tmp_path):
-    """As a user runs it: ``--page-size 4`` fails the servable row naming HOST_CREDIT_NOT_SERVABLE, the
-    configurations it holds in and a shrunk case (exit 1); ``--page-size 16`` is aligned (exit 0)."""
+    """As a user runs it: ``--page-size 4`` finds HOST_CREDIT_NOT_SERVABLE on the servable row, with the
+    configurations it holds in, a shrunk case, its class (credit-skew: exit 0, ``--strict`` exit 1), its bound
+    and the real router's choice on the counterexample; ``--page-size 16`` finds nothing (exit 0)."""
     import json
     import os
     import subprocess
@@ -276,16 +278,21 @@ def test_check_page_size_decides_the_servable_verdict(sglang_available, tmp_path
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
                KVALIGN_LOG_DIR=str(tmp_path))
 
-    def check(page: int) -> tuple[int, dict]:
+    def check(page: int, *more: str) -> tuple[int, dict]:
         res = subprocess.run([sys.executable, "-m", "kvalign", "check", "--property", "servable", "--mode", "plain",
-                              "--tier-examples", "5", "--page-size", str(page), "--json"],
+                              "--tier-examples", "5", "--page-size", str(page), "--json", *more],
                              capture_output=True, text=True, env=env, timeout=300, cwd=root)
         return res.returncode, json.loads(res.stdout)
 
     rc, small = check(4)
     (row,) = small["rows"]
-    assert rc == 1 and small["aligned"] is False and small["page_size"] == 4
+    assert rc == 0 and small["aligned"] is True and small["findings"] == 1 and small["page_size"] == 4
     assert row["cause_name"] == "HOST_CREDIT_NOT_SERVABLE" and row["mismatches"] > 0
+    # its class, its bound at page 4 (2 host pages of 4 slots under SGLang's threshold of 10) and the routing impact
+    assert (row["class"], row["bound_tokens"]) == ("credit-skew", 8) and isinstance(row["changes_worker"], bool)
+    assert "host weight 0.75" in row["impact"] and "router changes the worker" in row["impact"]  # at the bound, at least
+    rc, strict = check(4, "--strict")
+    assert rc == 1 and strict["exit"] == 1 and strict["aligned"] is True
     assert row["condition"].startswith("only with HiCache on and page sizes below SGLang's load_back_threshold (10")
     assert row["counterexample"]["page_size"] == 4 and row["counterexample"]["steps"][-1][0] in ("admit", "cache")
     a = row["admission"]  # the admitted request, as SGLang's scheduler reports it: the cap cannot explain it

@@ -9,6 +9,7 @@ dropped before the relay) must be reported as ``INGEST_STALE``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,8 +20,12 @@ EXAMPLES = 6
 
 
 @pytest.fixture(scope="module")
-def path(router_path: Any) -> Any:
-    return router_path
+def path(sglang_available: str) -> Iterator[Any]:
+    from router_paths import open_router_path
+
+    opened = open_router_path("Dynamo's relay / router cannot start here")
+    yield opened
+    opened.close()
 
 
 def _search(body: Any, component: str, eagle: bool, n: int = EXAMPLES, sizes: tuple[int, ...] | None = None) -> Any:

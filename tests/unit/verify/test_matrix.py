@@ -375,6 +375,7 @@ def test_1_3_1_with_its_shipped_sglang_is_checked_on_radix_cache_and_names_10982
     card = rows["card", "eagle", "base"]
     assert card["cause_name"] == "ROUTER_EAGLE_OFF" and card["counterexample"] == "EAGLE3"
     assert "Dynamo #10982" in card["detail"] and "CARD_EAGLE_OFF" in card["detail"]
+    assert card["class"] == "cache-blind" and report["exit"] == 1  # a real cache-blind regression still fails check
     assert rows["card", "plain", "base"]["mismatches"] == 0
     # SGLang's real RadixCache ran: plain traffic aligned, tenants named by what each side drops
     for mode in ("plain", "eagle"):
@@ -431,3 +432,39 @@ def test_live_rows_say_why_a_pair_cannot_run_live():
     assert live_problem("1.5.1", installed("sglang") or "") is None
     unsupported = live_problem(installed("ai-dynamo") or "", "0.5.17")
     assert unsupported is not None and "supports sglang" in unsupported
+
+
+def test_a_credit_skew_is_an_advisory_and_a_property_that_ran_nowhere_is_never_aligned(monkeypatch):
+    """Issue 36: a pair whose only finding is a credit skew is aligned (exit 0), its cell names the class; a
+    pair whose dp rows were all n/a says "not run: dp", where it once read "aligned" beside an n/a cell."""
+    skew = {"prop": "servable", "mode": "plain", "variant": "base", "mismatches": 3, "cause_name": "HOST_CREDIT_NOT_SERVABLE",
+            "detail": "d", "class": "credit-skew", "event_format": "default"}
+    na = {"prop": "dp", "mode": "plain", "variant": "pure-dp4", "mismatches": 0, "cause_name": None, "detail": None,
+          "skipped": "the release places no DP ranks", "event_format": "default"}
+    blind = {**skew, "prop": "hash", "cause_name": "ROUTER_EAGLE_OFF", "class": "cache-blind"}
+    monkeypatch.setattr(matrix, "ensure_release", lambda kind, version, log=None: None)
+
+    def pair(rows):
+        report = json.dumps({"aligned": True, "rows": rows})
+        monkeypatch.setattr(matrix, "_run_check", lambda cmd, env: subprocess.CompletedProcess(cmd, 0, report + "\n", ""))
+        return matrix.run_pair("1.6.1", "0.5.23", examples=1, ingest_examples=1)
+
+    advisory = pair([skew, na])
+    assert advisory.verdict == "aligned" and matrix.exit_code([advisory]) == 0 and advisory.not_run == ["dp"]
+    assert matrix.shown_verdict(advisory) == "aligned (credit-skew advisory; not run: dp)"
+    lines = table([advisory]).splitlines()
+    cells = dict(zip([c.strip() for c in lines[0].strip("|").split("|")], [c.strip() for c in lines[2].strip("|").split("|")]))
+    assert cells["servable:plain"] == "HOST_CREDIT_NOT_SERVABLE (credit-skew)" and cells["dp:plain"] == "n/a"
+    assert result_from_row(advisory.as_json()).not_run == ["dp"]
+    assert "HOST_CREDIT_NOT_SERVABLE (servable; credit-skew)" in matrix.render_markdown([advisory], "cmd")
+    blinded = pair([skew, blind])
+    assert blinded.verdict == "misaligned" and matrix.exit_code([blinded]) == 1
+
+
+def test_the_1_5_1_dp_findings_say_they_were_not_reproduced_live():
+    row = PairResult("1.5.1", "0.5.23", "misaligned", [
+        {"property": "dp", "mode": "plain", "variant": "pure-dp2", "cause": "DP_RANK_UNSUBSCRIBED", "detail": "x"},
+        {"property": "hash", "mode": "plain", "variant": "base", "cause": "NAMESPACE_DROPPED", "detail": "x"}])
+    text = matrix.render_markdown([row], "cmd")
+    assert "DP_RANK_UNSUBSCRIBED (dp; not reproduced live)" in text and "NAMESPACE_DROPPED (hash)," not in text
+    assert "NAMESPACE_DROPPED (hash) |" in text

@@ -105,6 +105,11 @@ def test_host_credit_report_on_the_installed_pair_installs_nothing(tmp_path, sgl
     assert not [p.name for p in cache.glob("*") if p.name.startswith(("ai-dynamo-", "sglang-"))]
     assert "installing" not in res.stderr
     text = out.read_text()
+    # what a maintainer reads first: the pair's status, the class with its bound and measured routing impact, live
+    head = text.split("**Pair:**")[0]
+    assert "**Status:** not shipped together: ai-dynamo 1.6.1's `sglang` extra pins sglang 0.5.21, not 0.5.23" in head
+    assert "**Class:** credit-skew, an advisory" in head and "bound: at most" in head and "the router" in head
+    assert "**Live:** reproduced live: `kvalign e2e fuzz --engine sglang-cpu --hicache --page-size 4 --json` (" in head
     assert "× sglang 0.5.23" in text and "`servable` property" in text
     steps = text.split("## Each step")[1].split("## The admitted request")[0]
     assert "BlockStored[CPU_PINNED" in steps and "BlockRemoved[GPU" in steps

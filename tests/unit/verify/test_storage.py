@@ -20,12 +20,15 @@ SCENARIO = dict(page_size=2, eagle=False, prompts=[[0, 1, 2, 3, 0]], host_evict=
 
 
 @pytest.fixture(scope="module")
-def path(router_path: Any) -> Iterator[Any]:
+def path(sglang_available: str) -> Iterator[Any]:
+    from router_paths import open_router_path
+
     from kvalign.verify.tier import TierPath
 
-    tiers = TierPath(router_path)
+    tiers = TierPath(open_router_path("Dynamo's relay / router cannot start here"))
     yield tiers
     tiers.close()
+    tiers.path.close()
 
 
 def _scenario() -> Any:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvalign.model.causes import Cause
+from router_paths import open_router_path
 from kvalign.oracles.base import OracleUnavailable
 from kvalign.verify import misaligned_events
 from kvalign.verify.check import run_search
@@ -27,15 +28,11 @@ DOC = [0, 1, 2, 3, 0, 1, 2]  # three pages of 2 (the last token left over)
 
 @pytest.fixture(scope="module")
 def path(sglang_available) -> Iterator[Any]:
-    from kvalign.oracles.router_path import RouterPath
     from kvalign.oracles.sglang import has_dynamo_format
 
     if not has_dynamo_format():
         pytest.skip("this SGLang has no dynamo KV-event format")
-    try:
-        opened = RouterPath()
-    except OracleUnavailable as exc:
-        pytest.skip(f"real Dynamo router path unavailable: {exc}")
+    opened = open_router_path("real Dynamo router path unavailable")
     yield opened
     opened.close()
 
