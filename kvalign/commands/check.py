@@ -16,10 +16,13 @@ import time
 
 from kvalign.commands import check_text
 from kvalign.commands.options import positive_int
-from kvalign.verify.check import run_check
-from kvalign.verify.impact import assess, blocking
-from kvalign.verify.rows import (DEFAULT_PROPERTIES, EVENT_FORMATS, EVENT_PROPERTIES, MODES, PROPERTIES, VARIANTS, RowResult,
-                                 row_json)
+from kvalign.verify import props
+from kvalign.verify.check import plan, run_jobs, selected
+from kvalign.verify.impact import blocking
+from kvalign.verify.pool import Pool, usable_cores
+from kvalign.verify.property import Budget, Options
+from kvalign.verify.rows import EVENT_FORMATS, MODES, VARIANTS, row_json
+from kvalign.verify.systems import SystemsSpec, open_systems
 from kvalign.errors import UsageError
 from kvalign.oracles.sglang import KINDS
 from kvalign.runtime_log import console
@@ -35,18 +38,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache", choices=KINDS, default="default",
                    help="SGLang cache class: the one this release's server builds (default: UnifiedRadixCache from "
                         "0.5.19 on, RadixCache before), UnifiedRadixCache, its Python core, or RadixCache")
-    p.add_argument("--property", dest="props", action="append", choices=PROPERTIES,
-                   help="only these properties (default: all but mm, the image-prompt property, which is opt-in)")
+    p.add_argument("--property", dest="props", action="append", choices=props.names(),
+                   help="only these properties (default: " + ", ".join(props.default_names()) + ")")
     p.add_argument("--mode", dest="modes", action="append", choices=MODES, help="only these modes")
-    p.add_argument("--ingest-examples", type=int, default=25,
-                   help="cap on generated cases per ingest row (each runs the real relay and router; default 25)")
-    p.add_argument("--tier-examples", type=int, default=None,
-                   help="cap on generated state-machine runs per tier / servable row (default 12)")
-    p.add_argument("--dp-examples", type=int, default=None,
-                   help="cap on generated cases per dp row (each caches on every rank and routes; default 20)")
-    p.add_argument("--mm-examples", type=int, default=None,
-                   help="cap on generated image scenarios per mm row (default 25; each runs two chat requests "
-                        "through Dynamo's frontend and SGLang's multimodal path)")
+    for budget in budgets():
+        p.add_argument(f"--{budget.option}-examples", dest=f"{budget.option}_examples", type=int, default=None,
+                       help=budget.help)
     p.add_argument("--page-size", type=positive_int, default=None, metavar="N",
                    help="run every property at this page (block) size only, e.g. your deployment's; "
                         "default: every size the strategies draw")
@@ -55,10 +52,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "properties run with: default (what dynamo.sglang runs), dynamo (SGLang 0.5.23+), or both "
                         "(dynamo where this SGLang has it)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: derandomized, reproducible)")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="run rows in N worker processes (default: the usable cores); the report is the same for any N")
     p.add_argument("--strict", action="store_true",
                    help="exit 1 on any finding, credit-skew advisories included (default: only cache-blind ones)")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, quick_exit=True)
+
+
+def budgets() -> list[Budget]:
+    """Every registered property's example cap, once each (``--NAME-examples``)."""
+    return list({p.budget.option: p.budget for p in props.REGISTRY if p.budget is not None}.values())
 
 
 def no_dynamo_format(version: str) -> str:
@@ -77,45 +81,46 @@ def formats_to_run(asked: str, has_dynamo: bool, version: str) -> tuple[str, ...
 def run(args: argparse.Namespace) -> int:
     if args.examples < 1:
         raise UsageError(f"--examples must be >= 1, got {args.examples}")
-    if args.ingest_examples < 1:
-        raise UsageError(f"--ingest-examples must be >= 1, got {args.ingest_examples}")
-    if args.mm_examples is not None and args.mm_examples < 1:
-        raise UsageError(f"--mm-examples must be >= 1, got {args.mm_examples}")
-    if args.tier_examples is not None and args.tier_examples < 1:
-        raise UsageError(f"--tier-examples must be >= 1, got {args.tier_examples}")
-    if args.dp_examples is not None and args.dp_examples < 1:
-        raise UsageError(f"--dp-examples must be >= 1, got {args.dp_examples}")
-    from kvalign.oracles.dynamo import DynamoRadixTree, dynamo_version, load_router_hasher
-    from kvalign.oracles.sglang import SglangRadixCache, has_dynamo_format, sglang_version
-
-    hasher = load_router_hasher(args.router_hash)
-    versions = {**installed_versions(), "sglang": sglang_version(), "ai-dynamo-runtime": dynamo_version()}
-    # import and build once: fail fast with an install hint, and name the class "default" resolves to
-    kind = SglangRadixCache(1, eagle=False, kind=args.cache).kind
-    formats = formats_to_run(args.event_format, has_dynamo_format(), versions["sglang"])
-    label = args.router_hash or "dynamo._core.compute_block_hash_for_seq"
-    if not args.json:
-        print(check_text.header(label, versions["sglang"], kind, versions["ai-dynamo-runtime"], args.examples,
-                                args.page_size), flush=True)
-    start = time.perf_counter()
-    progress = None if args.json else lambda r: print(check_text.progress_line(r), file=console(), flush=True)
-    props = tuple(args.props or DEFAULT_PROPERTIES)
-    rows: list[RowResult] = []
-    for i, fmt in enumerate(formats):
-        # a property that reads no events runs once, with the first format; the others once per format
-        todo = props if i == 0 else tuple(p for p in props if p in EVENT_PROPERTIES)
-        if fmt == "dynamo" and not has_dynamo_format():
-            rows += [RowResult(p, m, "base", skipped=no_dynamo_format(versions["sglang"]), event_format="dynamo")
-                     for p in todo for m in tuple(args.modes or MODES)]
-            continue
-        make_cache = lambda p, eagle, dyn=fmt == "dynamo": SglangRadixCache(p, eagle=eagle, kind=kind, dynamo_format=dyn)  # noqa: E731
-        rows += run_check(hasher, make_cache, DynamoRadixTree, examples=args.examples,
-                          props=todo, modes=tuple(args.modes or MODES),
-                          variants=tuple(VARIANTS), seed=args.seed, progress=progress,
-                          ingest_examples=args.ingest_examples, tier_examples=args.tier_examples,
-                          page_size=args.page_size, event_format=fmt,
-                          dp_examples=args.dp_examples, mm_examples=args.mm_examples)
-    assess(rows)  # each finding's class; a credit skew's bound and measured routing impact
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
+    caps = {}
+    for budget in budgets():
+        cap = getattr(args, f"{budget.option}_examples")
+        if cap is not None and cap < 1:
+            raise UsageError(f"--{budget.option}-examples must be >= 1, got {cap}")
+        if cap is not None:
+            caps[budget.option] = cap
+    opts = Options(examples=args.examples, modes=tuple(args.modes or MODES), variants=tuple(VARIANTS), seed=args.seed,
+                   page_size=args.page_size, caps=tuple(sorted(caps.items())))
+    chosen = selected(args.props)
+    asked = EVENT_FORMATS if args.event_format == "both" else (args.event_format,)
+    # at most a worker per job: a run of one job (--property card) starts none and runs in this process
+    workers = min(args.jobs or usable_cores(), len(plan(chosen, asked, opts)))
+    spec = SystemsSpec(args.router_hash, args.cache)
+    pool = systems = None
+    try:
+        if workers > 1:
+            pool = Pool(workers, spec, opts)
+            facts = pool.facts()
+        else:
+            systems, facts = open_systems(spec)
+        versions = {**installed_versions(), "sglang": facts.sglang, "ai-dynamo-runtime": facts.dynamo}
+        formats = formats_to_run(args.event_format, facts.dynamo_format, facts.sglang)
+        label = args.router_hash or "dynamo._core.compute_block_hash_for_seq"
+        if not args.json:
+            print(check_text.header(label, facts.sglang, facts.kind, facts.dynamo, args.examples, args.page_size),
+                  flush=True)
+        start = time.perf_counter()
+        progress = None if args.json else lambda r: print(check_text.progress_line(r), file=console(), flush=True)
+        missing = None if facts.dynamo_format else no_dynamo_format(facts.sglang)
+        jobs = plan(chosen, formats, opts, format_missing=lambda fmt: missing if fmt == "dynamo" else None)
+        rows = pool.run(jobs, progress) if pool else run_jobs(jobs, systems, opts, progress)
+    finally:
+        if pool:
+            pool.close()
+        if systems:
+            systems.close()
+    kind = facts.kind
     failing = blocking(rows, args.strict)
     if args.json:
         json.dump({"aligned": not blocking(rows), "findings": sum(not r.ok and not r.skipped for r in rows),

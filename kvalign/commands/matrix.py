@@ -25,7 +25,7 @@ import sys
 import time
 
 from kvalign.releases import local_build
-from kvalign.verify.rows import DEFAULT_PROPERTIES, PROPERTIES
+from kvalign.verify import props as registry
 from kvalign.errors import UsageError
 from kvalign.verify.matrix import (DEFAULT_SGLANG, LIVE_COLUMN, UNKNOWN, CellFileError, MatrixError, PairResult, cache_root,
                                    cell_document, default_dynamo_versions, exit_code, list_cells, merge_cells,
@@ -72,7 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--examples", type=int, default=EXAMPLES, help=f"check --examples per pair (default {EXAMPLES})")
     p.add_argument("--ingest-examples", type=int, default=INGEST_EXAMPLES,
                    help=f"check --ingest-examples per pair (default {INGEST_EXAMPLES})")
-    p.add_argument("--property", dest="props", action="append", choices=PROPERTIES,
+    p.add_argument("--property", dest="props", action="append", choices=registry.names(),
                    help="only these properties (check --property per pair; the table shows only their columns). "
                         "E.g. --property card for a dynamo.sglang change: the card row alone decides it")
     p.add_argument("--live", action="store_true",
@@ -125,7 +125,7 @@ def _plan(args: argparse.Namespace) -> dict[str, object]:
 
 def _props(args: argparse.Namespace) -> list[str]:
     """The properties a run checks, in the table's column order."""
-    return [p for p in PROPERTIES if p in args.props] if args.props else list(DEFAULT_PROPERTIES)
+    return [p for p in registry.names() if p in args.props] if args.props else list(registry.default_names())
 
 
 def _read_json(name: str, what: str) -> object:
@@ -153,7 +153,7 @@ def _merge(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     # merge_cells checked that every cell has this one; with none merged, no plan is known
     plan = docs[0][1]["cell"]["plan"] if docs else {}
-    _print(results, versions, as_json=args.json, props=plan.get("properties") or list(DEFAULT_PROPERTIES),
+    _print(results, versions, as_json=args.json, props=plan.get("properties") or list(registry.default_names()),
            markdown=plan if args.markdown else None)
     err = console()
     print(f"kvalign matrix: merged {len(results) - len(missing)} cells ({sum(r.verdict == 'aligned' for r in results)} "

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvalign.oracles.base import OracleUnavailable
-from kvalign.oracles.router_path import RouterPath, SglangPublisher, configured_host_weight, sentinel_hash
+from kvalign.oracles.router_path import POLL_FIRST_S, RouterPath, SglangPublisher, configured_host_weight, sentinel_hash
 
 #: How long one candidate's published events may take to show in the router's per-tier answer.
 SETTLE_TIMEOUT_S = 6.0
@@ -107,12 +107,13 @@ class RouterPair:
     def settle(self, tokens: Sequence[int], expected: dict[int, tuple[int, int]]) -> None:
         """Wait until the router's per-tier answer for ``tokens`` is ``expected`` on every rank (what each
         engine's tree holds): the choice is then asked of the state the engines published."""
-        deadline, seen = time.monotonic() + SETTLE_TIMEOUT_S, {}
+        deadline, seen, pause = time.monotonic() + SETTLE_TIMEOUT_S, {}, POLL_FIRST_S
         while time.monotonic() < deadline:
             seen = self.tiers(tokens)
             if all(seen.get(r, (0, 0)) == want for r, want in expected.items()):
                 return
-            time.sleep(0.05)
+            time.sleep(pause)  # from 1 ms up: what the engines publish on loopback is indexed within milliseconds
+            pause = min(2 * pause, 0.05)
         raise OracleUnavailable(f"the two-rank router never indexed what the engines hold: expected {expected}, "
                                 f"the router reports {seen} (rank: device, host blocks)")
 

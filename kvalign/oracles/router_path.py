@@ -49,8 +49,15 @@ STUCK_EXIT_S = 90.0
 STUCK_MARK = "Timeout ("
 #: How long to wait for a published batch to show up in the router's index.
 INGEST_TIMEOUT_S = 4.0
+#: A barrier polls the router's index after this long, then twice as long each time up to POLL_MAX_S: a
+#: batch on loopback is indexed within a few milliseconds, and a fixed 20 ms poll made the barriers
+#: (two per ingest example) most of an ingest row's wall time.
+POLL_FIRST_S, POLL_MAX_S = 0.001, 0.02
 #: Width of one example's token range (kvalign's strategies draw ingest tokens from a vocabulary of 4).
 TOKEN_SPACE = 16
+#: Token ranges one ``check`` job may take (:meth:`RouterPath.start_range`): 2**19 examples, so 200 jobs stay
+#: below 2**31 token ids, far under the sentinels'.
+RANGES_PER_BLOCK = 1 << 19
 #: Sentinel pages use token ids from here up (kvalign's strategies draw from a tiny vocabulary); each
 #: sentinel gets its own id, since the router keeps one node per (parent, local hash).
 SENTINEL_BASE = 0xF000_0000
@@ -233,12 +240,13 @@ class IngestWorker:
         k = next(self._sentinels)
         engine_hash = sentinel_hash(k)
         deadline = time.monotonic() + INGEST_TIMEOUT_S
-        sent_at = 0.0
+        sent_at, pause = 0.0, POLL_FIRST_S
         while time.monotonic() < deadline:
             if time.monotonic() - sent_at > 0.5:  # re-send: the first ones may precede the subscription
                 self.publisher.publish([self.publisher.sentinel(k, self.block_size)])
                 sent_at = time.monotonic()
-            time.sleep(0.02)
+            time.sleep(pause)
+            pause = min(pause * 2, POLL_MAX_S)
             if any(h == engine_hash for _p, h, _t in self.dump()):
                 self.indexed_once = True
                 return True
@@ -254,7 +262,7 @@ class IngestWorker:
         example's own clears and removals are still checked (``ingest``'s stale-block diagnosis).
         """
         self._space += 1
-        return self._space * TOKEN_SPACE
+        return self.path.space_base + self._space * TOKEN_SPACE
 
     def overlap(self, tokens: Sequence[int], lora_name: str | None, cache_namespace: str | None) -> int:
         """The router's own overlap answer (device blocks) for a query, with this release's query API."""
@@ -287,6 +295,12 @@ class RouterPath:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="kvalign-router-path")
         self._thread.start()
         self._workers: dict[tuple[int, bool], IngestWorker] = {}
+        #: every call under the STUCK_EXIT_S watchdog, not only the runtime's and a worker's start: the
+        #: deadlock it is for was seen on 1.0.x, and arming it costs about 1 ms a call (cancelling joins its
+        #: thread), which was a third of a servable row's wall time on 1.6.1
+        self._watched = _version_tuple(self.version) < (1, 1)
+        #: where this run's token ranges start (:meth:`start_range`)
+        self.space_base = 0
         self._retired: list[IngestWorker] = []
         #: (block size, eagle) keys whose worker was already replaced once (never again: a relay that
         #: stops twice is a finding, and waiting on it for every example would only cost time)
@@ -324,7 +338,9 @@ class RouterPath:
             result = fn(*args, **kwargs)
             return await result if inspect.isawaitable(result) else result
 
-        faulthandler.dump_traceback_later(STUCK_EXIT_S, exit=True)
+        watched = self._watched or fn in (self._start, self._new_worker)
+        if watched:
+            faulthandler.dump_traceback_later(STUCK_EXIT_S, exit=True)
         try:
             return asyncio.run_coroutine_threadsafe(invoke(), self._loop).result(timeout=CALL_TIMEOUT_S)
         except concurrent.futures.TimeoutError:
@@ -333,7 +349,8 @@ class RouterPath:
                            f"{CALL_TIMEOUT_S:.0f} s (the in-process relay / router path is stuck)")
             raise OracleUnavailable(self.wedged) from None
         finally:
-            faulthandler.cancel_dump_traceback_later()
+            if watched:
+                faulthandler.cancel_dump_traceback_later()
 
     def _set(self, obj: Any, name: str, value: Any) -> None:
         try:
@@ -367,6 +384,16 @@ class RouterPath:
             await asyncio.sleep(0.1)
         router = c.KvRouter(endpoint, block_size, c.KvRouterConfig(use_kv_events=True))
         return relay, router
+
+    def start_range(self, k: int) -> None:
+        """Hand the next examples token ranges of their own, the ``k``-th block of :data:`RANGES_PER_BLOCK`.
+
+        ``check`` starts block ``k`` for its ``k``-th job, so a job's tokens are the same whichever worker
+        process runs it and whatever ran there before (SGLang's eviction among pages of equal access time
+        follows the token values), and no two jobs' ranges meet in a router they share."""
+        self.space_base = k * RANGES_PER_BLOCK * TOKEN_SPACE
+        for worker in self._workers.values():
+            worker._space = 0
 
     def worker(self, block_size: int, eagle: bool, *, fresh: bool = False) -> IngestWorker:
         """The worker for (block size, eagle); ``fresh`` replaces it with a newly registered one.

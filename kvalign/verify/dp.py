@@ -41,14 +41,13 @@ from hypothesis import strategies as st
 
 from kvalign.model.causes import Cause
 from kvalign.oracles.base import OracleUnavailable
+from kvalign.oracles.router_path import POLL_FIRST_S
 from kvalign.oracles.dp_sglang import (DP_LAYOUTS, SGLANG_FAULTS, DpEngine, DpLayout, Scheduler, launch, sentinel_page,
                                        sentinel_tokens)
 from kvalign.verify.properties import Mismatch
 
 #: The page size of the DP rows unless ``check --page-size`` pins one (the worker is launched with it).
 DP_PAGE_SIZE = 4
-#: Generated examples per layout row (each publishes on every rank and waits for the router).
-DP_EXAMPLES = 20
 #: How long one rank's sentinel page may take to show up in the router's answer.
 BARRIER_TIMEOUT_S = 4.0
 #: Token ids of each example live in their own window (the router's index is never emptied).
@@ -143,9 +142,10 @@ class DpRig:
             k = next(self._sentinels)
             pending[rank] = (k, sentinel_tokens(k, self.page_size))
             s.publish([sentinel_page(k, self.page_size)])
-        deadline, sent_at = time.monotonic() + self.barrier_timeout_s, time.monotonic()
+        deadline, sent_at, pause = time.monotonic() + self.barrier_timeout_s, time.monotonic(), POLL_FIRST_S
         while pending and time.monotonic() < deadline:
-            time.sleep(0.01)
+            time.sleep(pause)  # from 1 ms up: a sentinel on loopback is credited within milliseconds
+            pause = min(2 * pause, 0.01)
             if time.monotonic() - sent_at > 0.5:  # re-send: the first ones may precede the relay's subscription
                 for rank, (k, _) in pending.items():
                     self.ranks[rank].publish([sentinel_page(k, self.page_size)])

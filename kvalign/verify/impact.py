@@ -173,22 +173,29 @@ def measure_routing(page_size: int, eagle: bool, device_pages: int, host_pages: 
     return impact
 
 
-def assess(rows: Sequence[RowResult], open_path: Callable[[], Any] | None = None) -> None:
-    """Fill each finding row's class, and for a credit skew its bound and measured routing impact."""
+def assess(rows: Sequence[RowResult], router_path: Callable[[], Any] | None = None) -> None:
+    """Fill each finding row's class, and for a credit skew its bound and measured routing impact.
+
+    ``router_path()``: the run's own router path (``check`` measures on the path of the process that ran
+    the rows, which closes it); None opens one for the call."""
     skews = [r for r in rows if row_class(r) == CREDIT_SKEW]
     for r in rows:
         r.finding_class = row_class(r)
     if not skews:
         return
-    from kvalign.oracles.router_path import RouterPath
+    if router_path is None:
+        from kvalign.oracles.router_path import RouterPath
 
-    path = (open_path or RouterPath)()
+        path = RouterPath()
+    else:
+        path = router_path()
     try:
         measured: dict[tuple[Any, ...], RoutingImpact] = {}
         for r in skews:
             assess_skew(r, path, measured)
     finally:
-        path.close()
+        if router_path is None:
+            path.close()
 
 
 def assess_skew(r: RowResult, path: Any, measured: dict[tuple[Any, ...], RoutingImpact]) -> None:

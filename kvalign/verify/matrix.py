@@ -40,7 +40,8 @@ from kvalign.releases import local_build
 from kvalign.verify.finding_status import LIVE, NOT_LIVE
 from kvalign.oracles.router_path import STUCK_EXIT_S, STUCK_MARK
 from kvalign.releases.release_env import ReleaseEnvError, cache_root, child_env, install, locked, python_for
-from kvalign.verify.rows import DEFAULT_PROPERTIES, EVENT_PROPERTIES, MODES, PROPERTY_MODES
+from kvalign.verify import props as registry
+from kvalign.verify.rows import MODES
 from kvalign.runtime_log import log_dir
 
 DYNAMO_PACKAGES = ("ai-dynamo-runtime", "ai-dynamo")
@@ -419,6 +420,11 @@ def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, p
         err = [ln for ln in res.stderr.splitlines() if ln.strip()]
         return PairResult(dynamo, sglang, "error", seconds=seconds,
                           error=f"check exited {res.returncode} without a JSON report" + (f": {err[-1]}" if err else ""))
+    return pair_result(dynamo, sglang, report, seconds)
+
+
+def pair_result(dynamo: str, sglang: str, report: dict[str, Any], seconds: float = 0.0) -> PairResult:
+    """A pair's row from its ``check --json`` report: the failing rows as findings, the skipped ones n/a."""
     findings = [{"property": r["prop"], "mode": r["mode"], "variant": r["variant"], "cause": r["cause_name"] or "UNKNOWN",
                  "detail": r["detail"] or "", "class": r.get("class") or cause_class(r["cause_name"] or "UNKNOWN"),
                  **_format_key(r)} for r in report["rows"] if r["mismatches"] and not r.get("skipped")]
@@ -573,7 +579,7 @@ def shown_verdict(r: PairResult) -> str:
 def _dynamo_format_cell(r: PairResult, props: Sequence[str]) -> str:
     """The dynamo-format column: ``-`` where the check did not run it (or no property that reads
     events), ``n/a`` where this SGLang has no such format, else ``ok`` or the causes of its rows."""
-    if "dynamo" not in r.event_formats or not set(props) & set(EVENT_PROPERTIES):
+    if "dynamo" not in r.event_formats or not set(props) & set(registry.event_names()):
         return "-"
     findings = [f for f in r.findings if f.get("event_format") == "dynamo"]
     not_applicable = [n for n in r.not_applicable if n.get("event_format") == "dynamo"]
@@ -582,7 +588,7 @@ def _dynamo_format_cell(r: PairResult, props: Sequence[str]) -> str:
     return _cell(findings, not_applicable)
 
 
-def table(results: Sequence[PairResult], props: Sequence[str] = DEFAULT_PROPERTIES, modes: Sequence[str] = MODES) -> str:
+def table(results: Sequence[PairResult], props: Sequence[str] | None = None, modes: Sequence[str] = MODES) -> str:
     """One row per pair, one column per property x mode (the modes a property runs in); a cell is ``ok``
     or the causes found, in SGLang's default event format.
 
@@ -591,7 +597,9 @@ def table(results: Sequence[PairResult], props: Sequence[str] = DEFAULT_PROPERTI
     the release has no such format); with ``--live`` rows, a last column gives the live scenario's verdict."""
     live = any(r.live is not None for r in results)
     fmt = any("dynamo" in r.event_formats for r in results)
-    columns = [(p, m) for p in props for m in modes if m in PROPERTY_MODES.get(p, modes)]
+    props = registry.default_names() if props is None else props
+    known = registry.by_name()
+    columns = [(p, m) for p in props for m in modes if p not in known or m in known[p].modes]
     head = ["dynamo", "sglang", "verdict", *[f"{p}:{m}" for p, m in columns], *([FORMAT_COLUMN] if fmt else []),
             *([LIVE_COLUMN] if live else [])]
     body = []
@@ -651,13 +659,14 @@ def unknown_result(dynamo: str, why: str) -> PairResult:
 
 
 def report_json(results: Sequence[PairResult], versions: dict[str, Any],
-                props: Sequence[str] = DEFAULT_PROPERTIES) -> dict[str, Any]:
+                props: Sequence[str] | None = None) -> dict[str, Any]:
     """``matrix --json``'s document; ``properties`` says which were checked (a row's empty findings
     mean aligned on those only)."""
-    return {"versions": versions, "properties": list(props), "rows": [r.as_json() for r in results]}
+    checked = registry.default_names() if props is None else props
+    return {"versions": versions, "properties": list(checked), "rows": [r.as_json() for r in results]}
 
 
-def render(results: Sequence[PairResult], props: Sequence[str] = DEFAULT_PROPERTIES) -> str:
+def render(results: Sequence[PairResult], props: Sequence[str] | None = None) -> str:
     """``matrix``'s stdout without ``--json``: the table (a column per checked property x mode),
     then one line per error row."""
     out = [table(results, props)]
@@ -731,7 +740,7 @@ def exit_code(results: Sequence[PairResult]) -> int:
 
 
 def cell_document(result: PairResult, versions: dict[str, Any], plan: dict[str, Any],
-                  props: Sequence[str] = DEFAULT_PROPERTIES) -> dict[str, Any]:
+                  props: Sequence[str] | None = None) -> dict[str, Any]:
     """``--cell --json``: the matrix's own document for that one row, plus what a merge needs
     (the cell, and the plan it belongs to: the ``--dynamo``/``--sglang``/``--shipped`` options and
     the example counts; cells of different plans do not merge)."""

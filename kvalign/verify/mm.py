@@ -225,8 +225,6 @@ def run_mm_search(systems: MmSystems, make_cache: Callable[[int, bool], Any], *,
     return run_search(lambda sc: mm_property(systems, make_cache, sc), strategy, examples, seed=seed)
 
 
-#: Generated scenarios per ``mm`` row by default: each runs two requests through both real sides.
-MM_EXAMPLES = 25
 
 
 def run_mm_rows(systems: Any, modes: tuple[str, ...], examples: int, seed: int | None = None,

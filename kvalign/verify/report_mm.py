@@ -23,7 +23,7 @@ def search_mm(cause: Cause, modes: Sequence[str], examples: int) -> tuple[Any, s
     """The shrunk ``mm`` counterexample for ``cause``: (mismatch, prop, mode, variant, mm systems)."""
     from kvalign.oracles.dynamo import DynamoRadixTree, load_router_hasher
     from kvalign.oracles.sglang import SglangRadixCache
-    from kvalign.verify.check import Systems
+    from kvalign.verify.systems import Systems
     from kvalign.verify.mm import close_mm_systems, open_mm_systems, run_mm_search
     from kvalign.verify.mm_strategies import MM_PAGE_SIZES
 

@@ -1,5 +1,6 @@
-"""A ``check`` row and the table it is drawn from: the leaf that the check engine, the tier rows,
-the matrix and the report all read, so none of them imports another for a type.
+"""A ``check`` row, and the modes, variants and event formats rows are drawn from: the leaf that the
+check engine, the property modules, the matrix and the report all read, so none imports another for a type.
+(Which properties there are, and what each runs: :data:`kvalign.verify.props.REGISTRY`.)
 """
 
 from __future__ import annotations
@@ -7,20 +8,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-PROPERTIES = ("card", "advertised", "hash", "pages", "overlap", "ingest", "tenants", "tier", "servable", "dp", "mm")
-#: What ``check`` and ``matrix`` run without ``--property``: ``mm`` is opt-in, since it starts Dynamo's
-#: frontend and SGLang's multimodal processor (20-40 s on two cores) and needs both releases' multimodal paths.
-DEFAULT_PROPERTIES = tuple(p for p in PROPERTIES if p != "mm")
 MODES = ("plain", "eagle")
-#: Properties that do not run in every mode (the page size a worker registers does not depend on EAGLE's keys;
-#: no DP rank decision reads the key mode).
-PROPERTY_MODES = {"advertised": ("plain",), "dp": ("plain",)}
-#: SGLang's KV-event formats (``KVEventsConfig.format``; "dynamo" from 0.5.23), and the properties whose rows
-#: read SGLang's events (run once per format); the others carry ``event_format`` "any".
+#: SGLang's KV-event formats (``KVEventsConfig.format``; "dynamo" from 0.5.23).
 EVENT_FORMATS = ("default", "dynamo")
-EVENT_PROPERTIES = ("pages", "overlap", "ingest", "tier", "servable", "tenants", "mm")
-#: Properties that read SGLang's events from caches of their own, in the default format (run once).
-DEFAULT_FORMAT_PROPERTIES = ("dp",)
 VARIANTS = {"base": (False, False), "lora": (True, False), "namespace": (False, True), "lora+namespace": (True, True)}
 
 
@@ -59,6 +49,9 @@ class RowResult:
     changes_worker: bool | None = None
     #: the bound and the routing impact, in words
     impact: str | None = None
+    #: the row's negative control, where it runs one beside the search (hybrid, storage): the deliberate
+    #: misalignment, its cases, whether the property failed on it and with which cause
+    control: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:

@@ -545,8 +545,6 @@ def run_tier_search(path: TierPath, *, eagle: bool, lora: bool, namespace: bool,
     return calls, failures[0], found
 
 
-#: Generated examples per tier / servable row (each runs up to STEPS steps through the real path).
-TIER_EXAMPLES = 12
 #: servable rows run the base tenant only: load-back does not depend on the tenant.
 SERVABLE_VARIANTS = ("base",)
 #: servable rows run this many times the tier examples: a finding needs a request cached, its pages

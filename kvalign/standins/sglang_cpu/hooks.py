@@ -34,7 +34,7 @@ PATCHES: dict[str, tuple[Callable[[], None], ...]] = {
 #: HiCache's host pool on CPU (:mod:`kvalign.standins.hicache_cpu`), for the releases it supports.
 HICACHE_PATCHES: dict[str, tuple[Callable[[], None], ...]] = {
     "sglang.srt.mem_cache.pool_host.common": (hicache_patches.host_register_on_cpu,),
-    "sglang.srt.mem_cache.pool_host.mha": (hicache_patches.kvcacheio_on_cpu,),
+    "sglang.srt.mem_cache.pool_host.mha": (hicache_patches.kvcacheio_on_cpu, hicache_patches.storage_scratch_on_cpu),
 }
 
 

@@ -28,8 +28,9 @@ def test_a_missing_value_exits_2_with_one_line_naming_it(monkeypatch, capsys):
     def raise_missing(*_a, **_k):
         raise MissingValue("data_parallel_size", "the card dynamo.sglang's get_runtime_config built")
 
-    # raised where the check starts reading the real systems (before SGLang is imported: the test stays cheap)
+    # raised where the check starts reading the real systems (before SGLang is imported: the test stays cheap);
+    # --jobs 1: in this process, where the patch is (a spawned worker would import the real one)
     monkeypatch.setattr("kvalign.oracles.dynamo.load_router_hasher", raise_missing)
-    assert main(["check", "--property", "dp", "--examples", "1"]) == 2
+    assert main(["check", "--property", "dp", "--examples", "1", "--jobs", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no data_parallel_size" in err[0] and "Traceback" not in err[0], err

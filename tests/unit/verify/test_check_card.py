@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from kvalign.model.causes import Cause
-from kvalign.verify.check import Systems, run_card
+from kvalign.verify.props.card import run_card
+from kvalign.verify.systems import Systems
 from kvalign.oracles.base import OracleUnavailable
 from kvalign.verify.properties import Mismatch, card_property
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from kvalign.model.causes import Cause
-from kvalign.verify.check import Systems
+from kvalign.verify.systems import Systems
 from kvalign.verify.mm import MmSystems, run_mm_search
 from kvalign.verify.mm_controls import CONTROLS, aligned_baseline, controlled
 

@@ -1,0 +1,146 @@
+"""Benchmark: ``kvalign check``'s wall time at this tree against an earlier commit, paired, and its peak memory.
+
+``kvalign check`` is the job users run in CI on every change; this is how a change to its cost is
+shown. For each case (the default run, and ``--page-size 16``), each round runs the check once at
+the commit REF (A) and once at this tree (B), alternating the order (A B, then B A, so a drift in
+the machine's load hits both sides alike); the report is the median of the per-round ratios B / A
+with their spread (``bench/paired.py``'s :class:`Paired`), each side's median wall seconds, and the
+load average each round started at. REF is exported with ``git archive`` into a temporary directory
+and run from there with that directory first on ``PYTHONPATH``, so it imports its own ``kvalign``;
+the installed packages (Dynamo, SGLang) are shared.
+
+Peak memory is that of the *whole* run: the resident set of the ``kvalign`` process and every
+process under it (``check --jobs`` workers), summed, sampled every 0.1 s from ``/proc``; the report
+gives each side's highest sum over all its runs.
+
+A run must exit 0 or 1 (aligned, or a finding): anything else stops the benchmark with its stderr.
+
+Usage: .venv/bin/python bench/bench_check.py --against REF [--rounds 3] [--case default --case page16]
+The last line of each case is ``<case>: B / A wall ratio: X``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fast_tier import export  # noqa: E402
+from paired import Paired, parse_rounds, rounds_parser  # noqa: E402
+
+CASES = {"default": [], "page16": ["--page-size", "16"]}
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from ``/proc/<pid>/stat`` (field 4 is the parent)."""
+    tree: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        tree.setdefault(ppid, []).append(int(entry.name))
+    return tree
+
+
+def tree_rss(pid: int) -> int:
+    """Bytes resident in ``pid`` and every process under it, now."""
+    tree, total, todo = _children(), 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += tree.get(p, [])
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * PAGE
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+@dataclass
+class Run:
+    wall: float
+    peak_rss: int
+
+
+@dataclass(frozen=True)
+class Side:
+    label: str
+    tree: Path
+
+    def run(self, extra: list[str]) -> Run:
+        env = dict(os.environ)
+        if self.tree != ROOT:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.tree), env.get("PYTHONPATH")]))
+        start = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "kvalign", "check", *extra], cwd=self.tree, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        peak, done = [0], threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], tree_rss(proc.pid))
+                done.wait(0.1)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        out, err = proc.communicate()
+        took = time.perf_counter() - start
+        done.set()
+        sampler.join()
+        if proc.returncode not in (0, 1):
+            sys.exit(f"check {' '.join(extra)} failed ({self.label}, exit {proc.returncode}):\n{err[-3000:]}")
+        return Run(took, peak[0])
+
+
+def measure(a: Side, b: Side, extra: list[str], rounds: int, case: str) -> tuple[Paired, int, int]:
+    ratios, a_walls, b_walls, a_peak, b_peak = [], [], [], 0, 0
+    for r in range(rounds):
+        load = os.getloadavg()
+        order = (a, b) if r % 2 == 0 else (b, a)
+        runs = {side.label: side.run(extra) for side in order}
+        ra, rb = runs[a.label], runs[b.label]
+        a_walls.append(ra.wall)
+        b_walls.append(rb.wall)
+        a_peak, b_peak = max(a_peak, ra.peak_rss), max(b_peak, rb.peak_rss)
+        ratios.append(rb.wall / ra.wall)
+        print(f"{case} round {r + 1} (load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, {order[0].label} first): "
+              f"A {ra.wall:.1f}s, B {rb.wall:.1f}s, ratio {ratios[-1]:.2f}; peak RSS A {ra.peak_rss / 2**20:.0f} MiB, "
+              f"B {rb.peak_rss / 2**20:.0f} MiB", flush=True)
+    return Paired(ratios, statistics.median(a_walls), statistics.median(b_walls)), a_peak, b_peak
+
+
+def main() -> int:
+    ap = rounds_parser(__doc__, 3)
+    ap.add_argument("--against", metavar="REF", required=True, help="A is the commit REF, B this tree")
+    ap.add_argument("--case", action="append", choices=tuple(CASES),
+                    help="default (kvalign check) and/or page16 (kvalign check --page-size 16); default: both")
+    args = parse_rounds(ap)
+    with tempfile.TemporaryDirectory(prefix="bench-check-") as tmp:
+        a = Side(f"A = {args.against}", export(args.against, Path(tmp)))
+        b = Side("B = this tree", ROOT)
+        print(f"{a.label}; {b.label}; {os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} usable", flush=True)
+        lines = []
+        for case in args.case or list(CASES):
+            p, a_peak, b_peak = measure(a, b, CASES[case], args.rounds, case)
+            lines += [f"{case}: median wall: A {p.a_seconds:.1f}s, B {p.b_seconds:.1f}s; spread: {p.spread()}; "
+                      f"peak RSS of the whole run: A {a_peak / 2**20:.0f} MiB, B {b_peak / 2**20:.0f} MiB",
+                      f"{case}: B / A wall ratio: {p.median:.2f}"]
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
