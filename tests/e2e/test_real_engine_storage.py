@@ -9,7 +9,8 @@ again: SGLang reports the reuse as ``storage`` in ``cached_tokens_details``, and
 the refilled pages on the host tier (``CPU_PINNED``) after their host removal, while no event ever
 named a storage medium: what the ``storage`` property's ``STORAGE_TIER_UNCREDITED`` says, on the
 real engine. Without the scratch-page stand-in the refill fails ("pin_memory=True requires a CUDA or
-other accelerator backend") and the reuse is 0. Not through Dynamo: ``e2e fuzz --storage`` does not exist.
+other accelerator backend") and the reuse is 0. SGLang's server alone; through Dynamo's router, the same
+refill is ``e2e fuzz --hicache --storage file`` (``test_fuzz_storage.py``).
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ class SglangCpuWorkerKind:
         if worker.role == "decode":
             argv += self.decode_args()
         elif self.hicache is not None:
-            argv += self.hicache.args()
+            argv += [*self.hicache.args(), *self.hicache.storage_args(plan.topology.page_size)]
         if worker.role != "prefill":
             argv += ["--decode-log-interval", "1"]
         if worker.eagle:
@@ -172,6 +172,8 @@ class SglangCpuWorkerKind:
             **({SERVER_INFO_ENV: str(server_info_path(plan, worker))} if recording else {}),
             **self.extra_env,
         }
+        if self.hicache is not None and worker.role != "decode":
+            env.update(self.hicache.storage_env(storage_dir(plan, worker)))
         if dp > 1:
             env["SGLANG_CPU_OMP_THREADS_BIND"] = threads_bind(dp)
         if worker.publishes_kv_events and not self.release.kv_events_bind:
@@ -196,6 +198,11 @@ class SglangCpuWorkerKind:
     def device_env(self, worker: WorkerSpec) -> dict[str, str]:
         """The CPU stand-in, loaded through the worker's ``PYTHONPATH``."""
         return sglang_cpu_standin.worker_env(None if self.sglang_dir else os.environ.get("PYTHONPATH") or None)
+
+
+def storage_dir(plan: ClusterPlan, worker: WorkerSpec) -> Path:
+    """The worker's own directory for HiCache's ``file`` storage tier (a restart finds its pages there)."""
+    return Path(plan.run_dir) / "storage" / worker.name
 
 
 def server_info_path(plan: ClusterPlan, worker: WorkerSpec) -> Path:

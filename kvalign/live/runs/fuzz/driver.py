@@ -151,7 +151,9 @@ class FuzzOptions:
                 "replica_sync": self.replica_sync, "router_mode": self.router_mode, "approx_policy": self.approx_policy,
                 "router_ttl": self.router_ttl, **({"publisher_faults": True} if self.publisher_faults else {}),
                 "hicache": None if self.hicache is None else {"write_policy": self.hicache.write_policy,
-                                                              "ratio": self.hicache.ratio},
+                                                              "ratio": self.hicache.ratio,
+                                                              **({"storage": self.hicache.storage}
+                                                                 if self.hicache.storage else {})},
                 "event_format": self.event_format, "spec_window": self.spec_window,
                 **({"dp_size": self.dp_size} if self.dp_size > 1 else {}),
                 **({"dp_attention": True} if self.dp_attention else {}),
@@ -160,6 +162,10 @@ class FuzzOptions:
 
 def engine_problem(opts: FuzzOptions) -> str | None:
     """Why ``opts.engine`` cannot run the fuzz on this machine (None when it can)."""
+    if opts.hicache is not None and opts.hicache.storage is not None and (opts.engine != "sglang-cpu"
+                                                                         or opts.topology != "agg"):
+        return ("--storage runs on --engine sglang-cpu with aggregated workers (the storage refill is judged on the "
+                "worker's own reuse report)")
     if opts.engine == "sglang-gpu":
         if opts.sglang is not None or opts.dp_size > 1 or opts.publisher_faults or opts.event_format != "default":
             return ("--engine sglang-gpu runs the bundled SGLang with one rank per worker and SGLang's own publisher: "
@@ -277,9 +283,12 @@ class FuzzDriver:
         self.example_failed = False  # a step raised: the example's open speculation windows are not judged
         self._rss_at = float("-inf")  # when peak_rss_bytes was last sampled
         self.host_requeries: list[dict[str, Any]] = []
-        self.host_evictions_in_example = 0
+        self.host_evictions_in_example = self.storage_refills_in_example = 0
+        self.storage_refills: list[dict[str, Any]] = []  # each request SGLang served partly from storage
         if self.opts.hicache:
             self.counts.update(dict.fromkeys(hicache_rules.COUNTS, 0))
+        if self.opts.hicache and self.opts.hicache.storage:
+            self.counts.update(dict.fromkeys(tiers_check.STORAGE_COUNTS, 0))
         self.history: list[Sent] = []
         self.served: list[str | None] = []  # the worker each history prompt ran on
         self.steps: list[dict[str, Any]] = []
@@ -582,7 +591,7 @@ class FuzzDriver:
         if self.example_failed or self.speculation.open:  # its windows, and counters its unjudged requests moved
             self.speculation.discard()
         self.example_failed = False
-        self.restarts_in_example = self.host_evictions_in_example = 0
+        self.restarts_in_example = self.host_evictions_in_example = self.storage_refills_in_example = 0
         self.hop.dropped.clear()
         self._corrupted.clear()
         self.examples += 1
@@ -777,6 +786,9 @@ class FuzzDriver:
         assert self.engine_tiers is not None
         obs.engine_split = self.engine_tiers.split(obs.label, before[1].get(obs.label), engine.get(obs.label),
                                                    obs.engine_tokens)
+        if self.opts.hicache is not None and self.opts.hicache.storage:
+            obs.storage = self.engine_tiers.storage(obs.label, before[1].get(obs.label), engine.get(obs.label),
+                                                    obs.engine_tokens)
 
     def _arm(self, fault: tuple[str, dict[str, Any] | None] | None, labels: list[str]) -> tuple[int, str] | None:
         """Arm a script's publisher fault on ``labels``: (its id, its name)."""
