@@ -161,4 +161,18 @@ def verdict(rows: Sequence[RowResult], seconds: float, strict: bool = False) -> 
         line += f", {na} n/a"
     conditions = dict.fromkeys((r.cause_name, r.condition) for r in rows if not r.ok and not r.skipped and r.condition)
     return "\n".join([fit(line), *(fit(f"  {name} holds {condition}") for name, condition in conditions),
-                      *(fit(f"  {name} counted apart in {n} cases (not a misalignment)") for name, n in apart(rows).items())])
+                      *(fit(f"  {name} counted apart in {n} cases (not a misalignment)") for name, n in apart(rows).items()),
+                      *controls(rows)])
+
+
+def controls(rows: Sequence[RowResult]) -> list[str]:
+    """The rows that ran a negative control beside their search: how many failed as they must, and each
+    that did not (a property that cannot fail on a deliberate misalignment proves nothing)."""
+    ran = [r for r in rows if r.control]
+    if not ran:
+        return []
+    missed = [r for r in ran if not r.control["failed"]]
+    out = [fit(f"  negative controls: {len(ran) - len(missed)} of {len(ran)} failed as they must")]
+    out += [fit(f"  control of {row_name(r)} did not fail ({r.control['mutation']}): got {r.control['cause']}, "
+                f"expected {r.control['expected']}") for r in missed]
+    return out

@@ -44,6 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_options(run)
     run.add_argument("--run-dir", default=None, help="logs, discovery store (default: out/e2e/run-<time>)")
     run.add_argument("--keep-logs", action="store_true", help="keep the run dir after a pass (always kept on failure)")
+    run.add_argument("--json", action="store_true",
+                     help="print one JSON object: the run, each assertion's values and the machine (torch, GPU, releases)")
     run.set_defaults(run=run_run)
     fuzz.register(actions)
     e2e_mm.register(actions)
@@ -212,16 +214,26 @@ def run_run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc).splitlines()[0]) from None
     specs = plan_specs(plan, kind)
     progress(f"starting {len(specs)} processes ({', '.join(s.name for s in specs)}); logs under {run_dir / 'logs'}")
+    t0 = time.monotonic()
     try:
         with Cluster(plan, kind, startup_timeout_s=opts.startup_timeout_s, keep_logs=True) as cluster:
+            started = time.monotonic() - t0
             progress("cluster ready: " + ", ".join(
                 f"{n}={h.instance_id} (enable_eagle={h.enable_eagle})" for n, h in cluster.workers.items()))
             result = disagg_eagle.run(cluster, opts, progress)
     except (ProcessExited, TimeoutError, SseError) as exc:
         raise UsageError(f"{str(exc).splitlines()[0]} (logs kept under {run_dir / 'logs'})") from None
-    print(result.report())
+    if args.json:
+        from kvalign.live.engines.gpu import environment
+
+        print(json.dumps({"description": opts.describe(), "engine": opts.engine, "page_size": opts.page_size,
+                          "prefill": opts.prefill, "decode": opts.decode, "environment": environment(),
+                          "cluster_start_s": round(started, 1), "run_s": round(time.monotonic() - t0 - started, 1),
+                          **result.as_json()}, indent=1))
+    else:
+        print(result.report())
     if result.passed and not args.keep_logs:
         shutil.rmtree(run_dir, ignore_errors=True)
     else:
-        print(f"logs kept under {run_dir / 'logs'}")
+        print(f"logs kept under {run_dir / 'logs'}", file=sys.stderr if args.json else sys.stdout)
     return 0 if result.passed else 1

@@ -92,6 +92,7 @@ def register(actions: argparse._SubParsersAction) -> None:
     p.add_argument("--page-size", type=int, default=None,
                    help="KV page / router block size (default 16, or the replayed script's)")
     hicache_option.add(p)
+    hicache_option.add_storage(p)
     p.add_argument("--max-total-tokens", type=int, default=512,
                    help="each worker's KV pool in tokens; small so the scheduler evicts (default 512)")
     p.add_argument("--routers", type=int, default=None,

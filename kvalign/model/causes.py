@@ -86,6 +86,14 @@ class Cause(str, Enum):
     MM_EAGLE_WINDOW = ("EAGLE: the router's B+1-token window of the page ending where an image starts differs from "
                        "SGLang's bigram page, which reaches one token into the image")
     MM_IMAGE_REUSED = "a changed image was credited: its pad values did not change with its pixels"
+    SWA_STATE_NOT_REUSABLE = ("router credits full-attention blocks whose sliding-window KV SGLang no longer holds "
+                              "(evicted without a removal): SGLang reuses the prefix only up to where the window survives")
+    MAMBA_STATE_NOT_REUSABLE = ("router credits full-attention blocks past the last Mamba state SGLang holds on the "
+                                "prompt's path (a state evicted without a removal, or never kept mid-node)")
+    STORAGE_TIER_UNCREDITED = "SGLang holds pages in its storage tier (L3) that the router credits in no tier"
+    STORAGE_KEY_MISMATCH = "SGLang's storage backend wrote pages under other keys than SGLang's own storage key function"
+    TENANT_STORAGE_REUSE = ("a second tenant (cache_salt / LoRA) reused the first tenant's pages from a tier: a "
+                            "cross-tenant leak")
     UNKNOWN = "unclassified hash difference"
 
 

@@ -169,6 +169,18 @@ def lora_id_for(lora_name: str) -> str:
     return uuid.uuid5(uuid.NAMESPACE_URL, "kvalign-lora:" + lora_name).hex
 
 
+def request_key(tokens: Sequence[int], lora_name: str | None, cache_salt: str | None, lora_names: Any) -> Any:
+    """The ``RadixKey`` SGLang's scheduler builds for a request of this tenant on a release whose key has a
+    ``cache_salt`` (0.5.19+): ``extra_key`` the LoRA id, the name recorded in ``lora_names`` as admission
+    does (``_record_kv_event_lora_name``), so that its events carry it."""
+    m = _modules()
+    extra_key = None
+    if lora_name:
+        extra_key = lora_id_for(lora_name)
+        lora_names.register(types.SimpleNamespace(lora_id=extra_key, extra_key=extra_key), lora_name)
+    return m.RadixKey(array("q", [int(t) for t in tokens]), extra_key, cache_salt=cache_salt or None)
+
+
 def _metadata_salt(metadata: Any) -> str | None:
     """``cache_salt`` from an event's metadata: a map (0.5.23) or a ``BlockStoredMetadata`` struct (0.5.19)."""
     if metadata is None:

@@ -21,6 +21,9 @@ LIVE: dict[tuple[str, str, str], tuple[str, str] | None] = {
     ("HOST_CREDIT_NOT_SERVABLE", "1.6.1", "0.5.23"):
         ("kvalign e2e fuzz --engine sglang-cpu --hicache --page-size 4 --json",
          "exit 1, HOST_CREDIT_NOT_SERVABLE: docs/live-fuzz.md"),
+    ("STORAGE_TIER_UNCREDITED", "1.6.1", "0.5.23"):
+        ("kvalign e2e fuzz --engine sglang-cpu --hicache --storage file --json",
+         "exit 1, STORAGE_TIER_UNCREDITED: docs/live-fuzz.md"),
     ("MM_PAD_WIDTH", "1.6.1", "0.5.23"): ("kvalign e2e mm", "tests/e2e/test_mm_live.py, docs/multimodal.md"),
     ("DP_RANK_UNSUBSCRIBED", "1.5.1", "0.5.23"): None,
     ("DP_RANK_UNREGISTERED", "1.5.1", "0.5.23"): None,

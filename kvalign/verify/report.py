@@ -64,6 +64,27 @@ ANCHORS: dict[Cause, tuple[Anchor, ...]] = {
                "KvEventPublisher.publish_stored take lora_name; the relay itself is compiled Rust in dynamo._core); "
                "an event without a name is hashed as a base-model block", dist="ai-dynamo-runtime"),
     ),
+    Cause.SWA_STATE_NOT_REUSABLE: (
+        Anchor("sglang", "srt/mem_cache/unified_cache/components/swa.py",
+               "When SWA data is evicted from an internal node the node is tombstoned",
+               "SGLang evicts a node's sliding-window KV alone and keeps its full-attention pages: no BlockRemoved, "
+               "so the router keeps crediting them"),
+        Anchor("sglang", "srt/mem_cache/unified_cache/components/swa.py", "def create_match_validator(",
+               "while match_prefix stops at the last point where the window's KV survives"),
+    ),
+    Cause.MAMBA_STATE_NOT_REUSABLE: (
+        Anchor("sglang", "srt/mem_cache/unified_cache/components/mamba.py", "def create_match_validator(",
+               "SGLang reuses a Mamba tree's prefix only up to a node holding Mamba state (a node end), while the "
+               "router credits every full-attention page stored"),
+        Anchor("sglang", "srt/mem_cache/unified_cache/components/mamba.py", "def evict_component(",
+               "and evicts a node's Mamba state alone, publishing no removal for its full-attention pages"),
+    ),
+    Cause.STORAGE_TIER_UNCREDITED: (
+        Anchor("sglang", "srt/disaggregation/kv_events.py", 'DISK = "DISK"  # L3: SSD / NVMe',
+               "the event schema has a storage medium, which the unified cache never publishes"),
+        Anchor("sglang", "srt/mem_cache/unified_radix_cache.py", "def write_backup_storage(",
+               "a page written to storage is recorded by no event; only the refill's host stores reach the router"),
+    ),
     Cause.HOST_CREDIT_NOT_SERVABLE: (
         Anchor("sglang", "srt/mem_cache/unified_radix_cache.py", "self.load_back_threshold = 10",
                "SGLang's init_hicache sets the load-back threshold to 10 KV slots (tokens, or bigrams under EAGLE)"),
@@ -448,8 +469,13 @@ def collect(cause: Cause, modes: Sequence[str], examples: int) -> dict[str, Any]
                     "mm_replay": report_mm.replay_mm(found.example, handles, _wire)}
         finally:
             report_mm.close(handles)
+    from kvalign.verify import report_hybrid
+
     if cause in TIER_CAUSES:
         found, prop, mode, variant = search_servable(modes, examples)
+        hasher = None
+    elif cause in report_hybrid.CAUSES:
+        found, prop, mode, variant = report_hybrid.search(cause, modes, examples)
         hasher = None
     else:
         found, prop, mode, variant, hasher = search(cause, modes, examples)

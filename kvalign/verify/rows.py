@@ -49,6 +49,9 @@ class RowResult:
     changes_worker: bool | None = None
     #: the bound and the routing impact, in words
     impact: str | None = None
+    #: the row's negative control, where it runs one beside the search (hybrid, storage): the deliberate
+    #: misalignment, its cases, whether the property failed on it and with which cause
+    control: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:

@@ -33,7 +33,7 @@ from kvalign.live.runs import disagg_eagle
 from kvalign.live.cluster.lifecycle import Cluster
 from kvalign.live.runs.disagg_eagle import E2eOptions, E2eResult
 from kvalign.live.wire.metrics import MIN_TOKENS_PER_VERIFY
-from kvalign.live.engines.sglang_worker import ROUTER_EAGLE_ENV, default_models, router_eagle_from
+from kvalign.live.engines.sglang_worker import ROUTER_EAGLE_ENV, TINY_MODEL, EagleConfig, default_models, router_eagle_from
 from kvalign.live.cluster.topology import CpuWorkerKind
 
 pytestmark = [pytest.mark.e2e]
@@ -46,7 +46,7 @@ def router_eagle(request: pytest.FixtureRequest) -> bool:
     return router_eagle_from(value if value is not None else os.environ.get(ROUTER_EAGLE_ENV))
 
 
-def _run_on_gpus(opts: E2eOptions, run_dir: Path) -> None:
+def _run_on_gpus(opts: E2eOptions, run_dir: Path) -> E2eResult:
     pre = disagg_eagle.prerequisites(opts)
     if pre is not None and pre.skip_reason:
         pytest.skip(pre.skip_reason)
@@ -56,6 +56,22 @@ def _run_on_gpus(opts: E2eOptions, run_dir: Path) -> None:
     print(result.report())
     if not result.passed:
         pytest.fail(result.report(), pytrace=False)
+    if opts.model == TINY_MODEL:  # kvalign's tiny pair: the CPU scenario's exact assertions hold too
+        _assert_exact(result, accept_length=float(EagleConfig().num_draft_tokens))
+    return result
+
+
+def _assert_exact(result: E2eResult, accept_length: float) -> None:
+    """What a tiny-model run must show beyond the four assertions: every request on one prefill worker,
+    decode on a decode worker, the router's kv_hit_rate equal to kvalign's prediction from the captured
+    events on every request, and every draft token accepted (the zero-head draft agrees)."""
+    records, window = result.records, result.window
+    assert {r.worker for r in records} <= result.worker_ids["prefill"] and len({r.worker for r in records}) == 1
+    assert {r.result.decode_worker_id for r in records} <= result.worker_ids["decode"]
+    assert records[0].observed == 0.0 and all(r.observed > 0 for r in records[1:]), result.report()
+    assert [r.observed for r in records] == pytest.approx([r.predicted for r in records], abs=1e-9), result.report()
+    assert window.verify_calls > 0 and window.tokens_per_verify > MIN_TOKENS_PER_VERIFY, result.report()
+    assert window.accept_length == pytest.approx(accept_length), result.report()
 
 
 # ---- sglang-gpu: the nightly ------------------------------------------------------------------
@@ -72,6 +88,7 @@ def test_router_decisions_sglang_disagg_eagle(live_run_dir, router_eagle):
 @pytest.mark.nightly
 @pytest.mark.timeout(1800)
 def test_router_decisions_sglang_disagg_eagle_single_gpu(live_run_dir, router_eagle):
+    """One GPU: 2 prefill + 1 decode workers on GPU 0 (kvalign's tiny pair: SGLang's ``fake`` transfer)."""
     model, draft = default_models()
     _run_on_gpus(E2eOptions(model=model, draft_model=draft, single_gpu=True, router_eagle=router_eagle), live_run_dir)
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from kvalign.live.engines.sglang_worker import TINY_MODEL
+
 
 @dataclass(frozen=True)
 class Gpu:
@@ -144,7 +146,10 @@ def resolve_model_dir(model: str) -> tuple[Path | None, str | None]:
 
 
 def model_problem(model: str, role: str = "model") -> str | None:
-    """``model`` resolves to a directory with ``config.json`` and weights."""
+    """``model`` resolves to a directory with ``config.json`` and weights (kvalign's tiny pair is
+    written by the run itself)."""
+    if model == TINY_MODEL:
+        return None
     path, why = resolve_model_dir(model)
     if path is None:
         return f"{role} {model}: {why}"
@@ -177,4 +182,33 @@ def check_prereqs(gpus_needed: int, model: str, draft_model: str, *, import_chec
     if import_check:
         problems.append(dynamo_sglang_problem())
     problems += [model_problem(model, "model"), model_problem(draft_model, "draft model")]
+    if model == TINY_MODEL and not problems[1]:  # kvalign's tiny pair runs the bundled, stood-in SGLang
+        from kvalign.standins.sglang_gpu import version_problem
+
+        problems.append(version_problem())
     return Prereqs(tuple(gpus), tuple(p for p in problems if p))
+
+
+def environment() -> dict[str, object]:
+    """The machine a live run ran on, for its record: Python, torch and CUDA, each visible GPU, and the
+    releases of SGLang, its kernel and Dynamo (None where one is not installed)."""
+    import platform
+    from importlib import metadata
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    try:
+        import torch
+
+        torch_facts = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    except ImportError:
+        torch_facts = {"torch": None, "cuda": None}
+    gpus, why_none = visible_gpus()
+    return {"python": platform.python_version(), **torch_facts,
+            "gpus": [{"index": g.index, "name": g.name, "memory_mib": g.memory_mib} for g in gpus],
+            **({"no_gpu": why_none} if not gpus else {}),
+            **{dist: version(dist) for dist in ("sglang", "sglang-kernel", "ai-dynamo", "ai-dynamo-runtime")}}

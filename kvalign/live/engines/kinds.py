@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from kvalign.live.engines import sglang_cpu as sglang_cpu_worker
+from kvalign.live.engines import sglang_gpu as sglang_gpu_worker
 from kvalign.live.cluster.lifecycle import make_plan
 from kvalign.live.engines.gpu import Prereqs, check_prereqs, resolve_model_dir
-from kvalign.live.engines.sglang_worker import SglangWorkerKind, gpu_topology
+from kvalign.live.engines.sglang_worker import TINY_MODEL, SglangWorkerKind, gpu_topology
 from kvalign.live.cluster.topology import ClusterPlan, CpuWorkerKind, Topology, WorkerKind
 from kvalign.live.engines.run_options import RunOptions
 
@@ -81,9 +82,10 @@ def _only_cpu_engine_options(name: str, opts: RunOptions) -> None:
     if opts.sglang is not None:
         raise ValueError(f"--sglang picks the real CPU engine's SGLang release: it needs --engine sglang-cpu, not {name}")
     if opts.draft != "agree":
-        raise ValueError("--draft disagree builds the tiny CPU draft: it needs --engine sglang-cpu")
+        raise ValueError("--draft disagree builds kvalign's tiny draft: it needs --engine sglang-cpu or sglang-gpu")
     if opts.hicache is not None:
-        raise ValueError(f"--hicache runs SGLang's host tier on the real CPU engine: it needs --engine sglang-cpu, not {name}")
+        raise ValueError(f"--hicache runs SGLang's host tier on the real engine: it needs --engine sglang-cpu or "
+                         f"sglang-gpu, not {name}")
 
 
 def _cpu_topology(opts: RunOptions) -> Topology:
@@ -164,7 +166,8 @@ class SglangCpuEngine:
 
 
 class SglangGpuEngine:
-    """``sglang-gpu``: real ``dynamo.sglang`` on GPUs with the configured model + EAGLE3 draft."""
+    """``sglang-gpu``: real ``dynamo.sglang`` on GPUs: kvalign's tiny pair written on the machine
+    (:mod:`.sglang_gpu`, the ``fake`` transfer backend), or a downloaded model + EAGLE3 draft (NIXL)."""
 
     name: EngineName = "sglang-gpu"
     cpu = False
@@ -172,7 +175,11 @@ class SglangGpuEngine:
     live_startup_timeout_s = 900.0
 
     def validate(self, opts: RunOptions) -> None:
-        _only_cpu_engine_options(self.name, opts)
+        if opts.sglang is not None:
+            raise ValueError(f"--sglang picks the real CPU engine's SGLang release: it needs --engine sglang-cpu, not {self.name}")
+        if opts.model != TINY_MODEL and (opts.draft != "agree" or opts.hicache is not None):
+            raise ValueError("--draft disagree and --hicache on --engine sglang-gpu run kvalign's tiny models "
+                             f"(--model {TINY_MODEL}), not {opts.model}")
         _environment_dynamo_only(self.name, opts)
 
     def gpus_needed(self, opts: RunOptions) -> int:
@@ -184,12 +191,19 @@ class SglangGpuEngine:
 
     def describe(self, opts: RunOptions) -> str:
         dgpu = 0 if opts.single_gpu else 1
-        return f"{opts.prefill} prefill (GPU 0) + {opts.decode} decode (GPU {dgpu}), EAGLE3"
+        tiny = (f" (tiny Llama, {opts.draft}ing draft, fake transfer)" if opts.model == TINY_MODEL else "")
+        tier = "" if opts.hicache is None else f", {opts.hicache.describe()} on the prefill workers"
+        return f"{opts.prefill} prefill (GPU 0) + {opts.decode} decode (GPU {dgpu}), EAGLE3{tiny}{tier}"
 
     def model_lines(self, opts: RunOptions, plan: ClusterPlan) -> list[str]:
+        if opts.model == TINY_MODEL:
+            return [f"models: tiny Llama target + {opts.draft}ing EAGLE3 draft (bf16), written under RUN_DIR/models"]
         return [f"model:       {opts.model} -> --model-path {plan.model_path}", f"draft model: {opts.draft_model}"]
 
     def plan(self, topology: Topology, run_dir: str | Path, opts: RunOptions) -> tuple[ClusterPlan, WorkerKind]:
+        if opts.model == TINY_MODEL:
+            return sglang_gpu_worker.plan_cluster(topology, run_dir, draft=opts.draft, control_plane=opts.control_plane,
+                                                  hicache=opts.hicache, cuda_graph=opts.cuda_graph)
         model_dir, _ = resolve_model_dir(opts.model)
         draft_dir, _ = resolve_model_dir(opts.draft_model)
         plan = make_plan(topology, run_dir, str(model_dir or opts.model), model_name=Path(opts.model).name,

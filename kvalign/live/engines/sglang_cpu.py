@@ -142,8 +142,7 @@ class SglangCpuWorkerKind:
         entry = ["-m", "kvalign.live.engines.sglang_worker"] if wrapped else ["-m", "dynamo.sglang"]
         argv = [
             self._python(plan), *entry, "--model-path", plan.model_path, "--served-model-name", plan.model_name,
-            "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-            "--disable-overlap-schedule", "--page-size", str(plan.topology.page_size),
+            *self.device_args(worker, plan), "--page-size", str(plan.topology.page_size),
             "--max-total-tokens", str(self.decode_max_total_tokens if worker.role == "decode" and self.decode_max_total_tokens
                                      else self.max_total_tokens), "--host", "127.0.0.1", "--enable-metrics",
             *(["--nccl-port", str(ports.nccl)] if dp == 1 or attention else []),
@@ -155,25 +154,26 @@ class SglangCpuWorkerKind:
                 config = json.dumps({**json.loads(config), "format": self.event_format})
             argv += ["--kv-events-config", config]
         if worker.role != "agg":
-            argv += ["--disaggregation-mode", worker.role, "--disaggregation-transfer-backend", "fake",
+            argv += ["--disaggregation-mode", worker.role, "--disaggregation-transfer-backend", self.transfer_backend,
                      "--disaggregation-bootstrap-port", str(ports.bootstrap)]
         if worker.role == "decode":
-            argv += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+            argv += self.decode_args()
         elif self.hicache is not None:
-            argv += self.hicache.args()
+            argv += [*self.hicache.args(), *self.hicache.storage_args(plan.topology.page_size)]
         if worker.role != "prefill":
             argv += ["--decode-log-interval", "1"]
         if worker.eagle:
             argv += self.eagle.args(str(self.draft_model))
         env = {
-            **plan.worker_env(worker),
-            **sglang_cpu_standin.worker_env(None if self.sglang_dir else os.environ.get("PYTHONPATH") or None),
+            **plan.worker_env(worker), **self.device_env(worker),
             "OMP_NUM_THREADS": str(self.threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "TORCH_EXTENSIONS_DIR": torch_extensions_dir(self.sglang_version),
             **({ROUTER_EAGLE_ENV: "off"} if forced_off else {}), **({RELAY_SUBSCRIBE_ENV: hop} if hop else {}),
             **({SERVER_INFO_ENV: str(server_info_path(plan, worker))} if recording else {}),
             **self.extra_env,
         }
+        if self.hicache is not None and worker.role != "decode":
+            env.update(self.hicache.storage_env(storage_dir(plan, worker)))
         if dp > 1:
             env["SGLANG_CPU_OMP_THREADS_BIND"] = threads_bind(dp)
         if worker.publishes_kv_events and not self.release.kv_events_bind:
@@ -181,6 +181,28 @@ class SglangCpuWorkerKind:
         if worker.publishes_kv_events and self.publisher_faults_dir is not None:
             env[sglang_cpu_standin.PUBLISHER_FAULTS_ENV] = str(self.publisher_faults_dir / f"{worker.name}.json")
         return ProcessSpec(worker.name, argv, env)
+
+    #: SGLang's transfer backend between prefill and decode: ``fake`` moves no KV bytes (the target's
+    #: zero LM head makes decode's output independent of its KV, :mod:`.engine_model`)
+    transfer_backend = "fake"
+
+    def device_args(self, worker: WorkerSpec, plan: ClusterPlan) -> list[str]:
+        """The flags that put SGLang on this CPU (the module docstring says why each)."""
+        return ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+                "--disable-overlap-schedule"]
+
+    def decode_args(self) -> list[str]:
+        """A decode worker's own flags: the default retraction backup calls ``torch.cuda.cudart()``."""
+        return ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+
+    def device_env(self, worker: WorkerSpec) -> dict[str, str]:
+        """The CPU stand-in, loaded through the worker's ``PYTHONPATH``."""
+        return sglang_cpu_standin.worker_env(None if self.sglang_dir else os.environ.get("PYTHONPATH") or None)
+
+
+def storage_dir(plan: ClusterPlan, worker: WorkerSpec) -> Path:
+    """The worker's own directory for HiCache's ``file`` storage tier (a restart finds its pages there)."""
+    return Path(plan.run_dir) / "storage" / worker.name
 
 
 def server_info_path(plan: ClusterPlan, worker: WorkerSpec) -> Path:

@@ -36,8 +36,11 @@ from dataclasses import dataclass
 from kvalign.live.cluster.processes import ProcessSpec
 from kvalign.live.cluster.topology import ClusterPlan, Topology, WorkerSpec
 
-DEFAULT_MODEL = "Qwen/Qwen3-8B"
-DEFAULT_DRAFT_MODEL = "Tengyunw/qwen3_8b_eagle3"
+#: kvalign's tiny target and EAGLE3 draft (:mod:`.engine_model`), written on the machine that runs them:
+#: the default, since a GPU machine reaches no model hub. ``KVALIGN_MODEL`` / ``KVALIGN_DRAFT_MODEL``
+#: name a real pair instead (e.g. Qwen/Qwen3-8B with Tengyunw/qwen3_8b_eagle3, already downloaded).
+TINY_MODEL = "kvalign-tiny"
+DEFAULT_MODEL = DEFAULT_DRAFT_MODEL = TINY_MODEL
 MODEL_ENV, DRAFT_MODEL_ENV = "KVALIGN_MODEL", "KVALIGN_DRAFT_MODEL"
 ROUTER_EAGLE_ENV = "KVALIGN_ROUTER_EAGLE"
 
@@ -46,7 +49,7 @@ GPU_MEMORY_BUDGET = 0.8
 
 
 def default_models(env: Mapping[str, str] | None = None) -> tuple[str, str]:
-    """Model and draft model: ``KVALIGN_MODEL`` / ``KVALIGN_DRAFT_MODEL`` or the PR's pair."""
+    """Model and draft model: ``KVALIGN_MODEL`` / ``KVALIGN_DRAFT_MODEL`` or kvalign's tiny pair."""
     env = os.environ if env is None else env
     return env.get(MODEL_ENV) or DEFAULT_MODEL, env.get(DRAFT_MODEL_ENV) or DEFAULT_DRAFT_MODEL
 

@@ -40,6 +40,7 @@ from kvalign.live.engines.hicache import HiCache
 from kvalign.live.engines.kinds import ENGINE_KINDS, EngineKind, EngineName
 from kvalign.live.engines.gpu import Prereqs
 from kvalign.live.wire.metrics import (
+    MIN_TOKENS_PER_VERIFY,
     MetricsSnapshot,
     SpecDecodeWindow,
     accept_failures,
@@ -153,6 +154,26 @@ class E2eResult:
     @property
     def passed(self) -> bool:
         return not self.failures
+
+    def as_json(self) -> dict[str, Any]:
+        """Every assertion's inputs: each request's routing row, the decode window's figures, the verdict."""
+        def window(w: SpecDecodeWindow | None) -> dict[str, Any] | None:
+            return None if w is None else {
+                "verify_calls": w.verify_calls, "generation_tokens": w.generation_tokens,
+                "finished_requests": w.finished_requests, "accept_lengths": list(w.accept_lengths),
+                "accept_length": w.accept_length, "accept_rate": w.accept_rate,
+                "tokens_per_verify": w.tokens_per_verify, "naive_tokens_per_verify": w.naive_tokens_per_verify}
+
+        return {
+            "passed": self.passed, "failures": self.failures, "notes": self.notes,
+            "requests": [{**r.row(), "router_eagle": r.router_eagle,
+                          "kv_transfer_estimated_latency_ms": r.result.timing.get("kv_transfer_estimated_latency_ms"),
+                          "decode_window": window(self.per_request[i] if i < len(self.per_request) else None)}
+                         for i, r in enumerate(self.records)],
+            "decode_window": window(self.window), "min_tokens_per_verify": MIN_TOKENS_PER_VERIFY,
+            "worker_ids": {role: sorted(ids) for role, ids in self.worker_ids.items()},
+            "peak_rss_bytes": self.peak_rss_bytes,
+        }
 
     def table(self) -> str:
         """The shared routing table plus spec-decode and transfer columns per request."""

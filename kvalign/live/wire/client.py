@@ -107,12 +107,15 @@ def parse_sse(lines: Iterable[str | bytes]) -> ChatResult:
 
 
 def chat_payload(model: str, content: str | list[dict[str, Any]], *, max_tokens: int, extra_fields: Sequence[str] = EXTRA_FIELDS) -> dict[str, Any]:
-    """The streaming request of Dynamo's router e2e tests, plus usage for the prompt length."""
+    """The streaming request of Dynamo's router e2e tests, plus usage for the prompt length, greedy: the
+    tiny target's constant logits decode to its leading word only under argmax (SGLang's CPU path verifies
+    greedily whatever the request says; its CUDA path samples unless the temperature is 0)."""
     return {
         "model": model,
         "messages": [{"role": "user", "content": content}],
         "stream": True,
         "max_tokens": max_tokens,
+        "temperature": 0.0,
         "stream_options": {"include_usage": True},
         "nvext": {"extra_fields": list(extra_fields)},
     }

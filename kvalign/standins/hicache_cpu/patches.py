@@ -16,6 +16,7 @@ only), each after checking that the SGLang code still looks as written for:
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 from kvalign.standins.sglang_cpu.patches import _require
 
@@ -51,3 +52,25 @@ def kvcacheio_on_cpu() -> None:
     for name in called:
         _require(not hasattr(mha, name), f"pool_host/mha.py already binds {name} on this machine")
         setattr(mha, name, getattr(kvcacheio, name))
+
+
+def storage_scratch_on_cpu() -> None:
+    """``MHATokenToKVPoolHost.get_dummy_flat_data_page`` (the scratch page a storage read lands in when
+    a page is not wanted) allocates with ``pin_memory=self.pin_memory``; CPU torch has no pinned
+    allocator and raises, so every refill from a storage backend fails ("HiCache prefetch transfer
+    failed"). On a CPU the host is the device: SGLang's own allocation runs with the flag off."""
+    from sglang.srt.mem_cache.pool_host import mha
+
+    cls = mha.MHATokenToKVPoolHost
+    original = cls.get_dummy_flat_data_page
+    _require("pin_memory=self.pin_memory" in inspect.getsource(original),
+             "pool_host/mha.py's get_dummy_flat_data_page no longer allocates with pin_memory=self.pin_memory")
+
+    def get_dummy_flat_data_page(self: Any) -> Any:
+        pinned, self.pin_memory = self.pin_memory, False
+        try:
+            return original(self)
+        finally:
+            self.pin_memory = pinned
+
+    cls.get_dummy_flat_data_page = get_dummy_flat_data_page

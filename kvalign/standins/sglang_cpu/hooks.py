@@ -34,7 +34,7 @@ PATCHES: dict[str, tuple[Callable[[], None], ...]] = {
 #: HiCache's host pool on CPU (:mod:`kvalign.standins.hicache_cpu`), for the releases it supports.
 HICACHE_PATCHES: dict[str, tuple[Callable[[], None], ...]] = {
     "sglang.srt.mem_cache.pool_host.common": (hicache_patches.host_register_on_cpu,),
-    "sglang.srt.mem_cache.pool_host.mha": (hicache_patches.kvcacheio_on_cpu,),
+    "sglang.srt.mem_cache.pool_host.mha": (hicache_patches.kvcacheio_on_cpu, hicache_patches.storage_scratch_on_cpu),
 }
 
 
@@ -61,7 +61,7 @@ def release_patches(version: str) -> dict[str, tuple[Callable[[], None], ...]]:
     return table
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
+class PatchOnImport(importlib.abc.MetaPathFinder):
     def __init__(self, table: dict[str, tuple[Callable[[], None], ...]]) -> None:
         self.table = table
 
@@ -84,16 +84,21 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 TORCHVISION_SHIM = ("torchvision._meta_registrations", "torchvision._autograd_registrations")
 
 
-def install() -> None:
-    """Refuse a different SGLang, shim torchvision, then patch SGLang's modules as they load."""
-    problem = version_problem()
-    if problem:  # site.py would turn SystemExit into a traceback: leave with one line instead
+def leave_if(problem: str | None) -> None:
+    """Stop a worker process that a stand-in cannot serve, with one line: ``site.py`` would turn a
+    ``SystemExit`` raised from ``sitecustomize`` into a traceback."""
+    if problem:
         sys.stderr.write(f"kvalign: {problem}\n")
         sys.stderr.flush()
         os._exit(2)
+
+
+def install() -> None:
+    """Refuse a different SGLang, shim torchvision, then patch SGLang's modules as they load."""
+    leave_if(version_problem())
     for name in TORCHVISION_SHIM:
         sys.modules.setdefault(name, ModuleType(name))
-    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+    if not any(isinstance(f, PatchOnImport) for f in sys.meta_path):
         from importlib import metadata
 
         table = release_patches(metadata.version("sglang"))
@@ -103,4 +108,4 @@ def install() -> None:
         if os.environ.get(sglang_scalar_pads.ENABLE_ENV) == "1":  # the live multimodal control: 0.5.21's pad rule
             module = "sglang.srt.managers.schedule_batch"
             table[module] = (*table.get(module, ()), sglang_scalar_pads.install_in_module)
-        sys.meta_path.insert(0, _PatchOnImport(table))
+        sys.meta_path.insert(0, PatchOnImport(table))

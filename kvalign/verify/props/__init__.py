@@ -7,7 +7,7 @@ nor SGLang (the CLI builds ``--property``'s choices from it); a property loads t
 from __future__ import annotations
 
 from kvalign.verify.property import Property
-from kvalign.verify.props import advertised, card, dp, hash, ingest, mm, overlap, pages, servable, tenants, tier
+from kvalign.verify.props import advertised, card, dp, hash, hybrid, ingest, mm, overlap, pages, servable, storage, tenants, tier
 
 #: Every property, in the order ``check`` prints its rows and ``matrix`` its columns.
 REGISTRY: list[Property] = [
@@ -22,6 +22,8 @@ REGISTRY: list[Property] = [
     servable.PROPERTY,
     dp.PROPERTY,
     mm.PROPERTY,
+    hybrid.PROPERTY,
+    storage.PROPERTY,
 ]
 
 

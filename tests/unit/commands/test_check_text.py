@@ -124,3 +124,14 @@ def test_what_a_row_that_ran_did_not_check_is_said_under_the_table():
                     "(kvalign's platform stand-in: xpu presented on a host without that device; ...)")
     text = " ".join(ln.strip() for ln in check_text.explanations([row]).splitlines())
     assert "partly checked advertised/plain/default: 36 of 108 configurations not checked (kvalign's platform" in text
+
+
+def test_verdict_counts_the_negative_controls_and_names_one_that_did_not_fail():
+    caught = {"mutation": "drop_removals", "cases": 5, "failed": True, "cause": "INGEST_STALE", "expected": "INGEST_STALE"}
+    missed = {**caught, "failed": False, "cause": None}
+    rows = [RowResult("hybrid", "plain", "swa", 10, 0, control=caught),
+            RowResult("hybrid", "plain", "mamba", 10, 0, control=missed)]
+    lines = check_text.verdict(rows, 1.0).splitlines()
+    assert "  negative controls: 1 of 2 failed as they must" in lines
+    assert any("control of hybrid/plain/mamba did not fail" in line and "expected INGEST_STALE" in line for line in lines)
+    assert check_text.controls(rows[:1]) == ["  negative controls: 1 of 1 failed as they must"]

@@ -23,23 +23,35 @@ def _blocks(out: str) -> dict[str, str]:
 
 
 def test_default_plan_is_two_prefill_on_gpu0_and_decode_on_gpu1(capsys):
+    """kvalign's tiny pair on SGLang's CUDA path (the GPU stand-in on the workers' path only)."""
     out = _plan(capsys)
     blocks = _blocks(out)
     assert list(blocks) == ["broker", "prefill0", "prefill1", "decode0", "frontend"]
+    assert out.startswith("kvalign e2e plan: 2 prefill (GPU 0) + 1 decode (GPU 1), EAGLE3 (tiny Llama, agreeing draft, "
+                          "fake transfer), page size 16")
+    for name, gpu in (("prefill0", "0"), ("prefill1", "0"), ("decode0", "1")):
+        b = " ".join(blocks[name].replace("\\\n", " ").split())  # one line: flags and their values together
+        assert f"CUDA_VISIBLE_DEVICES={gpu}" in b and "standins/sglang_gpu/site" in b and "HF_HUB_OFFLINE=1" in b
+        assert "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python" in b and "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1" in b
+        assert "-m dynamo.sglang" in b and "--host 127.0.0.1" in b and "--page-size 16" in b
+        assert "--device cuda --attention-backend triton --dtype bfloat16" in b and "--disaggregation-transfer-backend fake" in b
+        assert "--speculative-algorithm EAGLE3" in b and "--speculative-draft-model-path $RUN_DIR/models/draft-agree" in b
+        assert "--speculative-num-steps 3" in b and "--speculative-num-draft-tokens 4" in b
+        assert "--enable-metrics" in b and "sglang_cpu" not in b
+    assert "standins/sglang_gpu" not in blocks["frontend"] + blocks["broker"]
+
+
+def test_plan_with_a_downloaded_model_runs_nixl_between_gpus(capsys):
+    out = _plan(capsys, "--model", "Qwen/Qwen3-8B", "--draft-model", "Tengyunw/qwen3_8b_eagle3")
+    blocks = _blocks(out)
     assert out.startswith("kvalign e2e plan: 2 prefill (GPU 0) + 1 decode (GPU 1), EAGLE3, page size 16")
     for name, gpu in (("prefill0", "0"), ("prefill1", "0"), ("decode0", "1")):
         b = blocks[name]
         assert f"CUDA_VISIBLE_DEVICES={gpu} " in b and "UCX_TLS='^mm'" in b and "HF_HUB_OFFLINE=1" in b
         assert "-m dynamo.sglang" in b and "--host 0.0.0.0" in b and "--page-size 16" in b
         assert "--speculative-algorithm EAGLE3" in b and "--speculative-draft-model-path Tengyunw/qwen3_8b_eagle3" in b
+        assert "--disaggregation-transfer-backend nixl" in b
         assert ("--enable-metrics" in b and "--decode-log-interval 1" in b) == (name == "decode0")
-    for line in ("DYN_DISCOVERY_BACKEND=file", "DYN_REQUEST_PLANE=tcp", "DYN_EVENT_PLANE=zmq", "PYTHONHASHSEED=0",
-                 "DYN_FILE_KV=$RUN_DIR/discovery", "SGLANG_HOST_IP=127.0.0.1"):
-        assert f"\n  {line}\n" in out, line
-    assert "--kv-cache-block-size 16" in blocks["frontend"]
-    ports = [re.search(pattern, blocks[n]).group(1) for n in ("prefill0", "prefill1", "decode0")
-             for pattern in (r"--disaggregation-bootstrap-port (\d+)", r"DYN_SYSTEM_PORT=(\d+)", r"tcp://\*:(\d+)")]
-    assert len(set(ports)) == 9
 
 
 def test_single_gpu_plan_puts_everything_on_gpu0(capsys):
@@ -120,7 +132,8 @@ def test_sglang_cpu_plan_runs_the_real_engine_with_the_stand_in(capsys):
 @pytest.mark.parametrize("args,message", [
     (["--engine", "sglang-cpu", "--single-gpu"], "--single-gpu applies to --engine sglang-gpu"),
     (["--engine", "sglang-cpu", "--cpu"], "--cpu means --engine fake-cpu"),
-    (["--draft", "disagree"], "it needs --engine sglang-cpu"),
+    (["--cpu", "--draft", "disagree"], "it needs --engine sglang-cpu or sglang-gpu"),
+    (["--model", "Qwen/Qwen3-8B", "--hicache"], "run kvalign's tiny models"),
     (["--prefill", "0"], "need at least 1 prefill and 1 decode worker"),
     (["--requests", "1"], "at least 2 requests"),
     (["--page-size", "0"], "--page-size must be >= 1"),

@@ -55,8 +55,11 @@ def test_options_describe_and_validate():
     assert not E2eOptions(engine="fake-cpu").speculates and E2eOptions(engine="sglang-cpu").speculates
     assert "[NEGATIVE CONTROL: the draft never agrees with the target]" in E2eOptions(
         engine="sglang-cpu", draft="disagree").describe()
-    with pytest.raises(ValueError, match="sglang-cpu"):
-        E2eOptions(draft="disagree")
+    with pytest.raises(ValueError, match="needs --engine sglang-cpu or sglang-gpu"):
+        E2eOptions(engine="fake-cpu", draft="disagree")
+    with pytest.raises(ValueError, match="kvalign's tiny models"):  # a downloaded model has no disagreeing twin
+        E2eOptions(model="Qwen/Qwen3-8B", draft="disagree")
+    assert "disagreeing draft" in E2eOptions(draft="disagree").describe()  # the tiny pair on the GPU engine
     with pytest.raises(ValueError, match="engine must be one of"):
         E2eOptions(engine="tpu")
     assert "[NEGATIVE CONTROL: router eagle forced off]" in E2eOptions(router_eagle=False).describe()

@@ -304,3 +304,29 @@ def test_a_failure_reports_every_invariant_the_request_failed(tmp_path: Path) ->
     res = run_fuzz(d, examples=20, steps=10, seed=1, shrink_seconds=10, script_path=tmp_path / "f.json",
                    report=lambda _m: None)
     assert res.failure.as_json()["failing"] == ["router_matches_prediction"]
+
+
+class StorageRecordingDriver(HiCacheRecordingDriver):
+    def __init__(self) -> None:
+        from kvalign.live.engines.hicache import HiCache
+
+        super().__init__()
+        self.opts, self.storage_refills_in_example = FuzzOptions(hicache=HiCache(storage="file")), 0
+
+    def begin_example(self) -> None:
+        super().begin_example()
+        self.storage_refills_in_example = 0
+
+
+def test_with_a_storage_tier_the_hicache_seed_also_draws_refill_storage_once_per_example() -> None:
+    d = StorageRecordingDriver()
+    run_fuzz(d, examples=3, steps=10, seed=HICACHE_SEED, shrink_seconds=5, script_path=Path("/nonexistent"),
+             report=lambda _m: None)
+    drawn = Counter(s["rule"] for ex in d.all_steps for s in ex)
+    assert drawn["refill_storage"] >= 1, drawn
+    assert all(sum(s["rule"] == "refill_storage" for s in ex) <= 1 for ex in d.all_steps)
+    # negative control: the HiCache run without storage draws it never (HiCacheRecordingDriver, above)
+    plain = HiCacheRecordingDriver()
+    run_fuzz(plain, examples=3, steps=10, seed=HICACHE_SEED, shrink_seconds=5, script_path=Path("/nonexistent"),
+             report=lambda _m: None)
+    assert "refill_storage" not in {s["rule"] for ex in plain.all_steps for s in ex}

@@ -38,11 +38,11 @@ def test_negative_control_without_the_flag_no_worker_gets_a_host_tier(tmp_path, 
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["live", "plan", "--engine", "fake-cpu", "--hicache"], "--hicache runs SGLang's host tier on the real CPU engine"),
+    (["live", "plan", "--engine", "fake-cpu", "--hicache"], "--hicache runs SGLang's host tier on the real engine"),
     (["live", "plan", "--engine", "sglang-cpu", "--hicache-ratio", "3"], "--hicache-ratio sizes the host tier: it needs --hicache"),
     (["live", "plan", "--engine", "sglang-cpu", "--hicache", "--hicache-ratio", "0"], "--hicache-ratio must be > 0"),
     (["live", "plan", "--engine", "sglang-cpu", "--hicache", "write_sometimes"], "invalid choice"),
-    (["e2e", "plan", "--engine", "fake-cpu", "--hicache"], "it needs --engine sglang-cpu, not fake-cpu"),
+    (["e2e", "plan", "--engine", "fake-cpu", "--hicache"], "it needs --engine sglang-cpu or sglang-gpu, not fake-cpu"),
     (["e2e", "fuzz", "--hicache-ratio", "2"], "--hicache-ratio sizes the host tier: it needs --hicache"),
     (["e2e", "fuzz", "--hicache", "--page-size", "0"], "--page-size must be >= 1, got 0"),
     (["e2e", "fuzz", "--engine", "fake-cpu", "--hicache"], "cannot run here: --engine fake-cpu"),

@@ -11,6 +11,9 @@ def test_the_1_5_1_dp_findings_are_not_reproduced_live_and_the_live_ones_name_th
     assert live_note("DP_RANK_UNSUBSCRIBED", "1.5.1", "0.5.23") == NOT_LIVE
     assert live_note("DP_RANK_UNREGISTERED", "1.5.1", "0.5.23") == NOT_LIVE
     assert live_note("MM_PAD_WIDTH", "1.6.1", "0.5.23").startswith("reproduced live: `kvalign e2e mm`")
+    assert live_note("STORAGE_TIER_UNCREDITED", "1.6.1", "0.5.23").startswith(
+        "reproduced live: `kvalign e2e fuzz --engine sglang-cpu --hicache --storage file --json`")
+    assert live_note("STORAGE_TIER_UNCREDITED", "1.6.1", "0.5.21") == NOT_LIVE
     assert live_note("LORA_NOT_IN_EVENTS", "1.6.1", "0.5.21") == NOT_LIVE  # no live run recorded: never assumed
     assert all(v is None or v[0].startswith("kvalign ") for v in LIVE.values())
 

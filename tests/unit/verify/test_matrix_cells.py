@@ -348,7 +348,7 @@ def test_the_workflow_uploads_every_cell_result_and_runs_the_gpu_tests_on_a_name
     gpu = next(j for j in jobs if j.startswith("gpu:"))
     assert "runs-on: ${{ fromJSON(github.event.inputs.gpu_runner_labels || vars.KVALIGN_GPU_RUNNER_LABELS) }}" in gpu
     assert 'pytest -m "gpu_1 or gpu_2"' in gpu and 'KVALIGN_REQUIRE_GPU: "1"' in gpu
-    assert "This job has never run" in gpu
+    assert "scripts/gpu/requirements-gpu.txt" in gpu and "torch==2.11.0" in gpu  # the set that ran on the H100
 
 
 @pytest.mark.slow

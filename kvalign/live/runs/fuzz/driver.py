@@ -151,7 +151,9 @@ class FuzzOptions:
                 "replica_sync": self.replica_sync, "router_mode": self.router_mode, "approx_policy": self.approx_policy,
                 "router_ttl": self.router_ttl, **({"publisher_faults": True} if self.publisher_faults else {}),
                 "hicache": None if self.hicache is None else {"write_policy": self.hicache.write_policy,
-                                                              "ratio": self.hicache.ratio},
+                                                              "ratio": self.hicache.ratio,
+                                                              **({"storage": self.hicache.storage}
+                                                                 if self.hicache.storage else {})},
                 "event_format": self.event_format, "spec_window": self.spec_window,
                 **({"dp_size": self.dp_size} if self.dp_size > 1 else {}),
                 **({"dp_attention": True} if self.dp_attention else {}),
@@ -160,9 +162,17 @@ class FuzzOptions:
 
 def engine_problem(opts: FuzzOptions) -> str | None:
     """Why ``opts.engine`` cannot run the fuzz on this machine (None when it can)."""
+    if opts.hicache is not None and opts.hicache.storage is not None and (opts.engine != "sglang-cpu"
+                                                                         or opts.topology != "agg"):
+        return ("--storage runs on --engine sglang-cpu with aggregated workers (the storage refill is judged on the "
+                "worker's own reuse report)")
     if opts.engine == "sglang-gpu":
-        return ("the fuzz on --engine sglang-gpu needs the GPU worker kind with a lossy hop, which the gpu_2 "
-                "nightly does not provide yet; run --engine sglang-cpu")
+        if opts.sglang is not None or opts.dp_size > 1 or opts.publisher_faults or opts.event_format != "default":
+            return ("--engine sglang-gpu runs the bundled SGLang with one rank per worker and SGLang's own publisher: "
+                    "--sglang, --dp-size, publisher faults and --event-format dynamo run on --engine sglang-cpu")
+        from kvalign.live.engines.sglang_gpu import engine_problem as gpu_problem
+
+        return gpu_problem()
     if opts.engine == "fake-cpu":
         return ("--engine fake-cpu has no engine reuse report (cached_tokens) and no "
                 "speculative decoder; the fuzz needs the real engine: run --engine sglang-cpu")
@@ -202,10 +212,16 @@ def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Clust
     Aggregated workers cache their own generated tokens and publish them, so a follow-up reuses
     them; prefill workers do not (they never decode), which a follow-up on ``disagg`` checks live.
     """
-    from kvalign.live.engines.sglang_cpu import plan_cluster
-
     topo = fuzz_topology(opts)
-    plan, kind = plan_cluster(topo, run_dir, draft=opts.draft, sglang_version=opts.sglang, hicache=opts.hicache)
+    if opts.engine == "sglang-gpu":
+        from kvalign.live.engines import sglang_gpu
+
+        plan, kind = sglang_gpu.plan_cluster(topo, run_dir, draft=opts.draft, hicache=opts.hicache)
+    else:
+        from kvalign.live.engines import sglang_cpu
+
+        plan, kind = sglang_cpu.plan_cluster(topo, run_dir, draft=opts.draft, sglang_version=opts.sglang,
+                                             hicache=opts.hicache)
     plan = with_routers(plan, opts.router_setup())
     sources = ranks.sources(plan)  # one per publishing worker, or per rank of a data-parallel one
     labels = list(sources)
@@ -267,9 +283,12 @@ class FuzzDriver:
         self.example_failed = False  # a step raised: the example's open speculation windows are not judged
         self._rss_at = float("-inf")  # when peak_rss_bytes was last sampled
         self.host_requeries: list[dict[str, Any]] = []
-        self.host_evictions_in_example = 0
+        self.host_evictions_in_example = self.storage_refills_in_example = 0
+        self.storage_refills: list[dict[str, Any]] = []  # each request SGLang served partly from storage
         if self.opts.hicache:
             self.counts.update(dict.fromkeys(hicache_rules.COUNTS, 0))
+        if self.opts.hicache and self.opts.hicache.storage:
+            self.counts.update(dict.fromkeys(tiers_check.STORAGE_COUNTS, 0))
         self.history: list[Sent] = []
         self.served: list[str | None] = []  # the worker each history prompt ran on
         self.steps: list[dict[str, Any]] = []
@@ -572,7 +591,7 @@ class FuzzDriver:
         if self.example_failed or self.speculation.open:  # its windows, and counters its unjudged requests moved
             self.speculation.discard()
         self.example_failed = False
-        self.restarts_in_example = self.host_evictions_in_example = 0
+        self.restarts_in_example = self.host_evictions_in_example = self.storage_refills_in_example = 0
         self.hop.dropped.clear()
         self._corrupted.clear()
         self.examples += 1
@@ -767,6 +786,9 @@ class FuzzDriver:
         assert self.engine_tiers is not None
         obs.engine_split = self.engine_tiers.split(obs.label, before[1].get(obs.label), engine.get(obs.label),
                                                    obs.engine_tokens)
+        if self.opts.hicache is not None and self.opts.hicache.storage:
+            obs.storage = self.engine_tiers.storage(obs.label, before[1].get(obs.label), engine.get(obs.label),
+                                                    obs.engine_tokens)
 
     def _arm(self, fault: tuple[str, dict[str, Any] | None] | None, labels: list[str]) -> tuple[int, str] | None:
         """Arm a script's publisher fault on ``labels``: (its id, its name)."""

@@ -23,6 +23,16 @@ view predicts and its split must show (``engine_matches_index``), and what the r
 credit (``router_credits_engine_reuse``: a declined stretch the router credited is
 ``HOST_CREDIT_NOT_SERVABLE``). ``router_tiers_match_engine`` holds the router's (device, host) to
 the engine's residency.
+
+With a storage tier (``--storage file``) SGLang's split has a third source, ``storage``: pages it
+refilled from L3 after the request arrived (its prefetch), which no event named at the routing mark
+(SGLang publishes nothing for a page held only in storage; the refill publishes host stores
+afterwards). The engine view therefore expects its events' device and host reuse *plus* the
+storage tokens SGLang's own split reports (:attr:`TierObservation.storage`), and the split must add
+up to the reported reuse, or the surface is missing. The router credits what the events said, so a
+refill the router did not credit fails ``router_credits_engine_reuse`` with the cause
+``STORAGE_TIER_UNCREDITED`` when the storage tokens account for the whole shortfall
+(:func:`cause`): what ``check --property storage`` finds in-process, on the live engine.
 """
 
 from __future__ import annotations
@@ -52,6 +62,9 @@ SELECTED = "router_kv_selected_cached_prefix_tokens_total"
 #: SGLang's per-tier reuse counter, by ``cache_source``.
 ENGINE_CACHED = "sglang:cached_tokens_total"
 COUNTS = ("evicted_to_host", "host_requeried", "loaded_back", "host_evicted_requeried")
+#: With a storage tier: requests SGLang served partly from storage, the pages it refilled for them, and
+#: the ``refill_storage`` steps whose prompt had left device and host when it was asked for again.
+STORAGE_COUNTS = ("storage_requeried", "storage_refilled_pages", "storage_evicted_requeried")
 INVARIANT = "router_tiers_match_engine"
 #: The order a HiCache request's invariants are evaluated in (the first failure names the run's):
 #: :func:`kvalign.live.runs.fuzz.invariants.evaluate`'s, with the tier check after the credit check, and
@@ -101,6 +114,7 @@ class TierObservation(Observation):
     router_raw: float | None = None  # the router's raw credited tokens (its counter's delta)
     weight: float = 0.75  # the router's host weight
     engine_split: tuple[int, int] | None = None  # (device, host) tokens the engine reported reusing
+    storage: int | None = None  # tokens the engine reported refilling from storage (None: no storage tier)
 
     @property
     def router_split(self) -> tuple[int, int] | None:
@@ -127,7 +141,7 @@ class TierObservation(Observation):
         when the engine's split says it loaded it (all of it, or the request does not match)."""
         d, h = self.capped()
         b = self.block_size
-        return b * d + (b * h if self.loaded else 0)
+        return b * d + (b * h if self.loaded else 0) + (self.storage or 0)
 
     @property
     def declined(self) -> bool:
@@ -140,7 +154,8 @@ class TierObservation(Observation):
         return (super().numbers() + f"; router tiers {split} (device, host blocks; raw {self.router_raw} tokens, "
                 f"host weight {self.weight}), engine residency {self.residency.device} device + {self.residency.host} "
                 f"host-only pages ({d} + {h} inside the scheduler's cap), engine split {self.engine_split} "
-                "(device, host tokens)")
+                "(device, host tokens)" + ("" if self.storage is None else f" + {self.storage} storage tokens (refilled "
+                                           "from L3, in no event at the routing mark)"))
 
 
 def evaluate_tiers(obs: TierObservation, tally: Tally) -> list[tuple[str, str]]:
@@ -163,6 +178,8 @@ def cause(obs: Observation) -> str | None:
     """The HiCache cause of a failure on ``obs``, when it has one."""
     if not isinstance(obs, TierObservation):
         return None
+    if storage_uncredited(obs):
+        return Cause.STORAGE_TIER_UNCREDITED.name
     if obs.declined and obs.router_tokens is not None and obs.engine_tokens is not None \
             and obs.router_tokens > obs.engine_tokens:
         return Cause.HOST_CREDIT_NOT_SERVABLE.name
@@ -170,6 +187,13 @@ def cause(obs: Observation) -> str | None:
     if split is not None and sum(split) == obs.residency.held and split != (obs.residency.device, obs.residency.host):
         return Cause.TIER_RESIDENCY.name
     return None
+
+
+def storage_uncredited(obs: TierObservation) -> bool:
+    """The router credited less than the engine reused, and the pages SGLang refilled from storage
+    account for the whole shortfall: they were in no tier the router indexes when it routed."""
+    rt, et = obs.router_tokens, obs.engine_tokens
+    return bool(obs.storage) and rt is not None and et is not None and 0 < et - rt <= (obs.storage or 0)
 
 
 def requery_record(obs: TierObservation) -> dict[str, Any]:
@@ -212,6 +236,21 @@ class EngineTiers:
         was = before or {}
         return (round(after.get("device", 0) - was.get("device", 0)), round(after.get("host", 0) - was.get("host", 0)))
 
+    def storage(self, label: str, before: dict[str, float] | None, after: dict[str, float] | None,
+                engine_tokens: int | None) -> int:
+        """Tokens ``label`` reported refilling from storage between two snapshots. SGLang counts a
+        source only when it is above 0, so a storage count of 0 is read only where the split it belongs
+        to is there and adds up: device + host + storage must equal the reported reuse, else the
+        surface is missing (never a refill of 0)."""
+        device, host = self.split(label, before, after, engine_tokens)
+        was = before or {}
+        storage = round((after or {}).get("storage", 0) - was.get("storage", 0))
+        if engine_tokens is not None and device + host + storage != engine_tokens:
+            raise SurfaceMissing(f"{self.urls[label]}'s {ENGINE_CACHED} moved by device {device} + host {host} + "
+                                 f"storage {storage} tokens, but the worker reported reusing {engine_tokens}: SGLang's "
+                                 "per-tier split (storage included) cannot be read for this request")
+        return storage
+
 
 def by_label(snap: MetricsSnapshot, name: str, key: str) -> dict[str, float]:
     out: dict[str, float] = {}
@@ -245,6 +284,11 @@ class RouterCredit:
             raise SurfaceMissing(f"{self.url} exports no {SELECTED} after a routed request: the router's raw credit "
                                  "per tier cannot be read")
         return value or 0.0
+
+
+def storage_pages(tokens: int, block_size: int) -> int:
+    """Pages a storage refill of ``tokens`` covers (SGLang refills whole pages; the cap may clip the last)."""
+    return -(-tokens // block_size)
 
 
 def tier_counts(batches_by_label: dict[str, list[Any]], block_size: int) -> dict[str, int]:

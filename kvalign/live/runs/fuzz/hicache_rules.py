@@ -12,6 +12,10 @@ HiCache draw exactly what they drew before). Each is one JSON-able step, replaya
   ``ext * B``, and ``tail`` 0 puts its last page under the scheduler's cap.
 * ``evict_host``: a prompt pushed to host, then fresh prompts until the engine's events show it
   evicted from the host tier too (bounded); then the prompt again: nothing of it may be credited.
+* ``refill_storage`` (``--storage`` only): a prompt long enough for SGLang's storage prefetch, then
+  fresh prompts until the engine's events show it gone from device *and* host while the worker's
+  storage directory holds pages (written there on the way down); then the prompt again: SGLang
+  refills it from storage, which its split reports and no event named when the router routed it.
 
 The host tier's size is SGLang's (``--hicache-ratio`` x the device pool), so the bounds follow the
 pool: pressure prompts of a third of the device pool, at most ``4 * (1 + ratio)`` of them.
@@ -25,7 +29,9 @@ from typing import Any, Protocol
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from kvalign.live.runs.fuzz.hicache import COUNTS, LOAD_BACK_THRESHOLD, TierObservation, requery_record
+from kvalign.live.runs.fuzz.hicache import (
+    COUNTS, LOAD_BACK_THRESHOLD, TierObservation, requery_record, storage_pages,
+)
 from kvalign.live.runs.fuzz.prompts import MAX_PROMPT, new_tokens
 from kvalign.live.runs.fuzz.tiers import Residency
 
@@ -42,6 +48,9 @@ class FuzzDriver(Protocol):
     engine_views: Any
     host_requeries: list[dict[str, Any]]
     host_evictions_in_example: int
+    storage_refills_in_example: int
+    storage_refills: list[dict[str, Any]]
+    cluster: Any
 
     def progress(self, msg: str) -> None: ...
     def engine_eagle(self, label: str) -> bool: ...
@@ -67,6 +76,15 @@ def record(driver: FuzzDriver, obs: Any) -> None:
     """Counts and the host re-query record of one checked request (called for every request)."""
     if not isinstance(obs, TierObservation) or obs.label is None:
         return
+    if obs.storage:
+        driver.counts["storage_requeried"] += 1
+        driver.counts["storage_refilled_pages"] += storage_pages(obs.storage, obs.block_size)
+        d, h = obs.engine_split or (None, None)
+        driver.storage_refills.append({"request": obs.request, "prompt_tokens": obs.n, "engine_device_tokens": d,
+                                       "engine_host_tokens": h, "engine_storage_tokens": obs.storage,
+                                       "engine_tokens": obs.engine_tokens, "router_tokens": obs.router_tokens,
+                                       "router_tiers": obs.router_split,
+                                       "residency_at_routing": [obs.residency.device, obs.residency.host]})
     if obs.capped()[1] > 0:
         driver.counts["host_requeried"] += 1
         driver.host_requeries.append(requery_record(obs))
@@ -156,6 +174,34 @@ def evict_host(driver: FuzzDriver, step: dict[str, Any]) -> None:
                         f"{first.stored_pages} pages left in any tier")
 
 
+def storage_files(driver: FuzzDriver, label: str) -> int:
+    """Files SGLang's ``file`` backend holds for ``label`` (its pages written to storage)."""
+    from kvalign.live.engines.sglang_cpu import storage_dir
+
+    plan = driver.cluster.plan
+    worker = next(w for w in plan.topology.workers if w.name == label)
+    where = storage_dir(plan, worker)
+    return sum(1 for p in where.iterdir() if p.is_file()) if where.is_dir() else 0
+
+
+def refill_storage(driver: FuzzDriver, step: dict[str, Any]) -> None:
+    b, label = driver.opts.page_size, driver.labels[step.get("worker", 0) % len(driver.labels)]
+    tokens = new_tokens(2**40 + step["seed"], step["pages"] * b + int(driver.engine_eagle(label)))
+    driver.progress(f"refill_storage: {step['pages']} page(s) on {label}, then pressure until they leave device and "
+                    "host (their copies in the storage tier)")
+    first = driver._request(tokens, 1, pin=label)
+    for i in range(2 * max_pressure(driver)):
+        if _residency(driver, label, tokens).held == 0:
+            break
+        driver._request(new_tokens(PRESSURE_SEEDS + 2**21 + step["seed"] * 64 + i, pressure_length(driver)), 1, pin=label)
+    left, files = _residency(driver, label, tokens), storage_files(driver, label)
+    if left.held == 0 and first.stored_pages:  # counted before the re-query, which may fail the run
+        driver.counts["storage_evicted_requeried"] += 1
+    driver.progress(f"refill_storage: {label} holds {left.held} of the prompt's {first.stored_pages} pages in device or "
+                    f"host, {files} file(s) in its storage tier; the prompt again")
+    driver._request(tokens, 1, pin=label)
+
+
 def machine_class(base: type[RuleBasedStateMachine], driver: FuzzDriver) -> type[RuleBasedStateMachine]:
     """``base`` plus the HiCache rules (``--hicache`` only)."""
     n = len(driver.labels)
@@ -173,8 +219,18 @@ def machine_class(base: type[RuleBasedStateMachine], driver: FuzzDriver) -> type
             driver.host_evictions_in_example += 1
             driver.run_step({"rule": "evict_host", "seed": seed, "pages": pages, "worker": w})
 
-    return HiCacheFuzz
+    if not (driver.opts.hicache and driver.opts.hicache.storage):
+        return HiCacheFuzz
+
+    class StorageFuzz(HiCacheFuzz):  # type: ignore[misc, valid-type]
+        @precondition(lambda self: driver.storage_refills_in_example == 0)  # as long as evict_host: once per example
+        @rule(seed=st.integers(0, 2**16), pages=st.integers(2, 6), w=st.integers(0, n - 1))
+        def refill_storage(self, seed: int, pages: int, w: int) -> None:
+            driver.storage_refills_in_example += 1
+            driver.run_step({"rule": "refill_storage", "seed": seed, "pages": pages, "worker": w})
+
+    return StorageFuzz
 
 
-RULES = {"offload": offload, "evict_host": evict_host}
+RULES = {"offload": offload, "evict_host": evict_host, "refill_storage": refill_storage}
 __all__ = ["COUNTS", "RULES", "machine_class", "record"]

@@ -81,6 +81,7 @@ class FuzzResult:
             "last_page_overcredits": d.tally.last_page_overcredits, "unattributable": d.tally.unattributable,
             "hop_faulted": d.tally.hop_faulted,
             **({"host_requeries": d.host_requeries} if d.opts.hicache else {}),
+            **({"storage_refills": d.storage_refills} if d.opts.hicache and d.opts.hicache.storage else {}),
             "failure": None if self.failure is None else self.failure.as_json(),
             "options": d.opts.as_json(), "startup_s": round(self.startup_s, 1), "seconds": round(self.seconds, 1),
             "requests_per_minute": round(60 * d.requests / self.seconds, 1) if self.seconds > 0 else None,

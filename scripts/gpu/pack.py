@@ -1,0 +1,285 @@
+"""Build the GPU bundle: everything the GPU machine lacks for kvalign's live layer, in carry-sized chunks.
+
+The GPU machine (one H100, Python 3.12, torch 2.11.0+cu130, no package registry) has torch, Triton,
+numpy, transformers' own dependencies and CUDA; it lacks SGLang, its CUDA kernels, Dynamo and the
+server stack. Files reach it only as part of one command's carry (64 MiB with the working tree), and
+it is given back after 30 s idle, so the bundle is a few chunks carried by commands made back to back
+and unpacked into one ``--target`` tree (``/tmp/site``) that goes first on ``PYTHONPATH``.
+
+What it does, from the pinned list ``scripts/gpu/requirements-gpu.txt`` (name==version, cp312):
+
+1. ``pip download`` the cp312 manylinux wheels (cached in ``--wheels``);
+2. ``pip install --no-deps --target`` them into one staging tree, as Python 3.12 on x86-64 would;
+3. trim what the live layer never loads (:data:`TRIMS`): ``sglang-kernel``'s other architectures and
+   its 1 GB FA3 ``flash_ops`` (the live layer runs SGLang's triton attention), SGLang's
+   ``multimodal_gen`` and test trees, and Dynamo's ``_core.abi3.so`` symbol tables (``strip``);
+4. pack each distribution's files (from its ``RECORD``) as one reproducible ``tar.xz``, and place the
+   archives into chunks of at most :data:`CHUNK_LIMIT` bytes (largest first), so that a chunk plus
+   the working tree fits one command's carry;
+5. write ``scripts/gpu/manifest.json`` (committed): each distribution's name, version, wheel
+   SHA-256, archive SHA-256 and size, and chunk. ``tests/unit/suite/test_gpu_bundle.py`` holds it.
+
+``scripts/gpu/unpack.sh`` is the other half, run on the GPU machine.
+
+Usage: ``python3 scripts/gpu/pack.py [--out .gpu-bundle] [--wheels ~/.cache/kvalign/gpu-wheels]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+REQUIREMENTS = HERE / "requirements-gpu.txt"
+MANIFEST = HERE / "manifest.json"
+
+PYTHON_VERSION = "3.12"
+#: Tags pip may take for the device's CPython 3.12 on x86-64 (glibc 2.35 or newer there).
+PLATFORMS = ("manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64",
+             "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux1_x86_64")
+MIB = 1 << 20
+#: What one device command carries at most (the working tree included), and the room left for the tree.
+CALL_LIMIT = 64 * MIB
+TREE_ROOM = 8 * MIB
+CHUNK_LIMIT = CALL_LIMIT - TREE_ROOM
+
+#: Extra Debian packages unpacked beside the tree (``dpkg -x``): OpenSSL's headers, which SGLang's
+#: KV-event hash extension (``mem_cache/cpp_utils/hash_binding.cpp``, JIT-built on first use) needs
+#: where the device image has none. The version is this machine's Debian's; only headers are used.
+DEBS = ("libssl-dev",)
+
+
+@dataclass(frozen=True)
+class Trim:
+    """Paths (relative to the tree) of one distribution that the live layer never loads."""
+
+    drop_prefixes: tuple[str, ...] = ()
+    keep_only_so: tuple[str, ...] | None = None  # of the distribution's .so files, only these
+    strip: tuple[str, ...] = ()  # shared objects whose symbol tables are stripped
+    why: str = ""
+
+
+TRIMS: dict[str, Trim] = {
+    "sglang-kernel": Trim(
+        keep_only_so=("sgl_kernel/sm90/common_ops.abi3.so", "sgl_kernel/spatial_ops.abi3.so"),
+        why="Hopper (sm90) common ops only: FA3 flash_ops (1.1 GB), FlashMLA, InfLLM and sm100 are never loaded "
+            "with --attention-backend triton"),
+    "sglang": Trim(
+        drop_prefixes=("sglang/multimodal_gen/", "sglang/test/", "sglang/benchmark/",
+                       "sglang/srt/rust_extensions/_bench."),
+        why="diffusion models, SGLang's own tests and benchmarks: not imported by the text server"),
+    "ai-dynamo-runtime": Trim(strip=("dynamo/_core.abi3.so",), why="symbol tables (216 MiB -> ~80 MiB raw)"),
+}
+
+
+@dataclass
+class Dist:
+    name: str
+    version: str
+    wheel: Path
+    files: list[str] = field(default_factory=list)  # relative to the staging tree
+
+
+def canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def read_requirements(path: Path = REQUIREMENTS) -> dict[str, str]:
+    """name -> version from ``name==version`` lines (comments and blank lines ignored)."""
+    pins: dict[str, str] = {}
+    for raw in path.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, sep, version = line.partition("==")
+        if not sep or not version.strip():
+            raise SystemExit(f"{path.name}: every line pins one version (name==version), got {raw!r}")
+        pins[canonical(name.strip())] = version.strip()
+    return pins
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def pip(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args], check=True)
+
+
+def platform_args() -> list[str]:
+    out = ["--only-binary=:all:", "--python-version", PYTHON_VERSION, "--implementation", "cp"]
+    for plat in PLATFORMS:
+        out += ["--platform", plat]
+    return out
+
+
+def download(pins: dict[str, str], wheels: Path) -> dict[str, Path]:
+    """The wheel of each pin (downloaded once into ``wheels``)."""
+    wheels.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as req:
+        req.write("".join(f"{n}=={v}\n" for n, v in pins.items()))
+    try:
+        pip("download", "--no-deps", *platform_args(), "-d", str(wheels), "-r", req.name)
+    finally:
+        os.unlink(req.name)
+    found: dict[str, Path] = {}
+    for whl in wheels.glob("*.whl"):
+        name, version = whl.name.split("-")[:2]
+        if pins.get(canonical(name)) == version:
+            found[canonical(name)] = whl
+    missing = sorted(set(pins) - set(found))
+    if missing:
+        raise SystemExit(f"no cp{PYTHON_VERSION.replace('.', '')} wheel downloaded for: {', '.join(missing)}")
+    return found
+
+
+def install(wheels: dict[str, Path], stage: Path) -> None:
+    pip("install", "--no-deps", "--no-compile", *platform_args(), "--target", str(stage), *map(str, wheels.values()))
+
+
+def dist_files(stage: Path, pins: dict[str, str], wheels: dict[str, Path]) -> list[Dist]:
+    """Each pinned distribution with the files its RECORD lists (paths inside ``stage``)."""
+    dists = []
+    for info in sorted(stage.glob("*.dist-info")):
+        name, version = info.name[: -len(".dist-info")].rsplit("-", 1)
+        key = canonical(name)
+        if key not in pins:
+            continue
+        files = []
+        for line in (info / "RECORD").read_text().splitlines():
+            rel = line.rsplit(",", 2)[0]
+            if rel and not rel.startswith("..") and (stage / rel).is_file():
+                files.append(rel)
+        dists.append(Dist(key, version, wheels[key], sorted(set(files))))
+    missing = sorted(set(pins) - {d.name for d in dists})
+    if missing:
+        raise SystemExit(f"installed no dist-info for: {', '.join(missing)}")
+    return dists
+
+
+def trim(dist: Dist, stage: Path) -> None:
+    rule = TRIMS.get(dist.name)
+    if rule is None:
+        return
+    kept = []
+    for rel in dist.files:
+        dropped = rel.startswith(rule.drop_prefixes) if rule.drop_prefixes else False
+        if rule.keep_only_so is not None and rel.endswith(".so") and rel not in rule.keep_only_so:
+            dropped = True
+        (stage / rel).unlink() if dropped else kept.append(rel)
+    for rel in rule.strip:
+        if rel not in kept:
+            raise SystemExit(f"{dist.name}: {rel} is not in the wheel (the trim rule is stale)")
+        subprocess.run(["strip", "--strip-unneeded", str(stage / rel)], check=True)
+    dist.files = kept
+
+
+def pack(files: Iterable[str], stage: Path, archive: Path) -> None:
+    """A reproducible tar.xz (sorted names, fixed mtime and owner) of ``files`` under ``stage``."""
+    def norm(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+        return info
+
+    with tarfile.open(archive, "w:xz", preset=6) as tar:
+        for rel in sorted(files):
+            tar.add(stage / rel, arcname=rel, filter=norm, recursive=False)
+
+
+def place(sizes: dict[str, int], limit: int = CHUNK_LIMIT) -> list[list[str]]:
+    """First-fit decreasing: archive names into chunks of at most ``limit`` bytes each."""
+    chunks: list[list[str]] = []
+    room: list[int] = []
+    for name, size in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
+        if size > limit:
+            raise SystemExit(f"{name} is {size / MIB:.1f} MiB, over one chunk's {limit / MIB:.0f} MiB")
+        for i, free in enumerate(room):
+            if size <= free:
+                chunks[i].append(name)
+                room[i] -= size
+                break
+        else:
+            chunks.append([name])
+            room.append(limit - size)
+    return chunks
+
+
+def fetch_debs(out: Path) -> list[dict[str, object]]:
+    entries = []
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(["apt-get", "download", *DEBS], cwd=tmp, check=True, capture_output=True)
+        for deb in sorted(Path(tmp).glob("*.deb")):
+            name, version = deb.name.split("_")[:2]
+            shutil.copy(deb, out / deb.name)
+            entries.append({"name": name, "version": version, "file": deb.name, "bytes": deb.stat().st_size,
+                            "sha256": sha256(deb)})
+    return entries
+
+
+def build(out: Path, wheels_dir: Path) -> dict[str, object]:
+    pins = read_requirements()
+    wheels = download(pins, wheels_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    archives = out / "archives"
+    archives.mkdir(parents=True)
+    with tempfile.TemporaryDirectory(prefix="kvalign-gpu-stage-") as tmp:
+        stage = Path(tmp)
+        install(wheels, stage)
+        dists = dist_files(stage, pins, wheels)
+        for dist in dists:
+            trim(dist, stage)
+            pack(dist.files, stage, archives / f"{dist.name}.tar.xz")
+    debs = fetch_debs(archives)
+    sizes = {p.name: p.stat().st_size for p in archives.iterdir()}
+    chunks = place(sizes)
+    chunk_of = {name: f"chunk-{i + 1}" for i, names in enumerate(chunks) for name in names}
+    for name, chunk in chunk_of.items():
+        (out / chunk).mkdir(exist_ok=True)
+        (archives / name).rename(out / chunk / name)
+    archives.rmdir()
+    return {
+        "python": PYTHON_VERSION, "platforms": list(PLATFORMS), "chunk_limit": CHUNK_LIMIT, "call_limit": CALL_LIMIT,
+        "distributions": [
+            {"name": d.name, "version": d.version, "wheel": d.wheel.name, "wheel_sha256": sha256(d.wheel),
+             "archive": f"{d.name}.tar.xz", "archive_bytes": sizes[f"{d.name}.tar.xz"],
+             "archive_sha256": sha256(out / chunk_of[f"{d.name}.tar.xz"] / f"{d.name}.tar.xz"),
+             "chunk": chunk_of[f"{d.name}.tar.xz"], **({"trim": TRIMS[d.name].why} if d.name in TRIMS else {})}
+            for d in dists],
+        "debs": [{**e, "chunk": chunk_of[str(e["file"])]} for e in debs],
+        "chunks": [{"name": f"chunk-{i + 1}", "bytes": sum(sizes[n] for n in names), "files": sorted(names)}
+                   for i, names in enumerate(chunks)],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=ROOT / ".gpu-bundle", help="where the chunks go (git-ignored)")
+    p.add_argument("--wheels", type=Path, default=Path.home() / ".cache" / "kvalign" / "gpu-wheels",
+                   help="the downloaded wheels (kept between builds)")
+    args = p.parse_args(argv)
+    manifest = build(args.out, args.wheels)
+    MANIFEST.write_text(json.dumps(manifest, indent=1) + "\n")
+    for chunk in manifest["chunks"]:
+        print(f"{chunk['name']}: {chunk['bytes'] / MIB:.1f} MiB, {len(chunk['files'])} archives")
+    print(f"manifest: {MANIFEST.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

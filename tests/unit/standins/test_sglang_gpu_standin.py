@@ -1,0 +1,112 @@
+"""The GPU stand-in against SGLang 0.5.23's own sources (installed here, importable up to ``cutlass``).
+
+``sglang.kernels.ops.gemm.cutedsl_dual_gemm`` cannot be imported without nvidia-cutlass-dsl, on this
+machine as on the GPU machine, so it is read as source: the stand-in must expose the same names with
+the same values and signature, and the original must answer False on Hopper before anything else
+(its shape contract starts with ``is_sm100_supported()``), which is the answer the stand-in gives.
+The hooks are run in a child process, where importing SGLang's module must fail without them
+(the reason they exist) and give the stand-in with them.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from kvalign.standins import sglang_gpu
+from kvalign.standins.sglang_gpu import cutedsl_dual_gemm as standin
+
+ORIGINAL = "sglang.kernels.ops.gemm.cutedsl_dual_gemm"
+
+
+def original_source() -> ast.Module:
+    """SGLang's module as installed (found without importing SGLang's kernel packages)."""
+    root = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
+    return ast.parse((root / "kernels" / "ops" / "gemm" / "cutedsl_dual_gemm.py").read_text())
+
+
+def surface(tree: ast.Module) -> dict[str, object]:
+    """The names callers import: the enum's members, the token cap, the predicate's parameters."""
+    out: dict[str, object] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "DualGemmQuantMode":
+            out["enum"] = {t.targets[0].id: ast.literal_eval(t.value) for t in node.body if isinstance(t, ast.Assign)}
+            out["properties"] = sorted(f.name for f in node.body if isinstance(f, ast.FunctionDef))
+        elif isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "MAX_DUAL_GEMM_DECODE_TOKENS":
+            out["max_tokens"] = ast.literal_eval(node.value)
+        elif isinstance(node, ast.FunctionDef) and node.name == "can_use_dual_gemm":
+            out["params"] = [a.arg for a in node.args.args]
+    return out
+
+
+def standin_surface() -> dict[str, object]:
+    return surface(ast.parse(Path(standin.__file__).read_text()))
+
+
+def test_stand_in_exposes_the_originals_names_values_and_signature():
+    assert sglang_gpu.version_problem(kernel=sglang_gpu.SGLANG_KERNEL_VERSION) is None  # the pinned release is here
+    assert standin_surface() == surface(original_source())
+
+
+def test_a_stand_in_with_another_enum_value_is_caught():
+    """Negative control: the comparison sees a drifted stand-in."""
+    drifted = ast.parse(Path(standin.__file__).read_text().replace("UNQUANT = 4", "UNQUANT = 5"))
+    assert surface(drifted) != surface(original_source())
+
+
+def test_the_original_refuses_the_dual_gemm_off_sm100_before_any_shape_check():
+    func = next(n for n in original_source().body if isinstance(n, ast.FunctionDef) and n.name == "can_use_dual_gemm")
+    first = func.body[1] if isinstance(func.body[0], ast.Expr) else func.body[0]  # after the docstring
+    conjuncts = ast.unparse(first.value).split(" and ")
+    assert "is_sm100_supported()" in conjuncts and "if not shape_supported" in ast.unparse(func.body[2])
+
+
+def test_stand_in_answers_false_off_sm100_and_refuses_on_sm100(monkeypatch):
+    from kvalign.standins.sglang_cpu.hooks import TORCHVISION_SHIM
+
+    for name in TORCHVISION_SHIM:  # PyPI's torchvision is a CUDA build (the CPU stand-in's shim)
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    import sglang.srt.utils as utils
+
+    monkeypatch.setattr(utils, "is_sm100_supported", lambda *a, **k: False)
+    assert standin.can_use_dual_gemm(1, 128, 128, standin.DualGemmQuantMode.UNQUANT) is False
+    monkeypatch.setattr(utils, "is_sm100_supported", lambda *a, **k: True)
+    with pytest.raises(RuntimeError, match="Hopper only"):
+        standin.can_use_dual_gemm(1, 128, 128, standin.DualGemmQuantMode.UNQUANT)
+    assert list(inspect.signature(standin.can_use_dual_gemm).parameters) == surface(original_source())["params"]
+
+
+def _import_in_child(hooks: bool) -> subprocess.CompletedProcess:
+    """Import SGLang's module in a fresh process, with or without the stand-in's finder (and the CPU
+    environment's torchvision shim: PyPI's torchvision is a CUDA build, :mod:`.sglang_cpu.hooks`)."""
+    code = ("from kvalign.standins.sglang_gpu import hooks; import sys, types; "
+            "from kvalign.standins.sglang_cpu.hooks import TORCHVISION_SHIM; "
+            "[sys.modules.setdefault(n, types.ModuleType(n)) for n in TORCHVISION_SHIM]; "
+            "sys.meta_path[:0] = [hooks.Replace()] if %r else []; " % hooks +
+            f"import {ORIGINAL} as m; print(m.__file__)")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow  # two children importing SGLang's kernel packages (about 20 s)
+def test_hooks_serve_the_stand_in_where_sglangs_module_cannot_import():
+    without = _import_in_child(False)
+    # why the stand-in exists: the original imports cuda-python's driver bindings, then cutlass
+    assert without.returncode != 0 and "ModuleNotFoundError: No module named 'cu" in without.stderr, without.stderr
+    served = _import_in_child(True)
+    assert served.returncode == 0, served.stderr
+    assert served.stdout.strip() == standin.__file__
+
+
+def test_version_pin_names_what_differs():
+    assert "sglang-kernel 0.4.10" in sglang_gpu.version_problem(sglang="0.5.23", kernel="0.4.10")
+    assert "not sglang 0.5.21" in sglang_gpu.version_problem(sglang="0.5.21", kernel="0.4.5")
+    env = sglang_gpu.worker_env("/x")
+    assert env["PYTHONPATH"] == f"{sglang_gpu.SITE_DIR}:/x" and env[sglang_gpu.ENABLE_ENV] == "1"
+    assert env["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] == "python" and env["SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"] == "1"

@@ -1,0 +1,95 @@
+"""The ``storage`` property against the real systems, and its negative controls.
+
+SGLang's real HiCache controller with the ``file`` backend (:class:`~kvalign.oracles.storage.StorageEngine`),
+SGLang's real publisher, Dynamo's real relay and a real ``KvRouter``. Tier rows: the under-credit of
+pages refilled from storage is found, and dropping the refill's host stores must fail the tier check.
+Tenant rows: a second tenant reuses nothing, and a tenant B sent with tenant A's namespace on purpose
+must be reported as a cross-tenant leak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvalign.model.causes import Cause
+
+SCENARIO = dict(page_size=2, eagle=False, prompts=[[0, 1, 2, 3, 0]], host_evict=None)
+
+
+@pytest.fixture(scope="module")
+def path(sglang_available: str) -> Iterator[Any]:
+    from router_paths import open_router_path
+
+    from kvalign.verify.tier import TierPath
+
+    tiers = TierPath(open_router_path("Dynamo's relay / router cannot start here"))
+    yield tiers
+    tiers.close()
+    tiers.path.close()
+
+
+def _scenario() -> Any:
+    from kvalign.verify.storage import StorageScenario
+
+    return StorageScenario(**SCENARIO)
+
+
+def test_refilled_pages_are_credited_in_no_tier(path: Any) -> None:
+    from kvalign.verify.storage import StorageRun
+
+    body = StorageRun(path, False, "base")
+    body(_scenario())  # the refill's events reach the router's host tier: nothing raised
+    assert body.finding is not None and body.finding.cause is Cause.STORAGE_TIER_UNCREDITED
+    assert body.bound == 2 and body.refilled_examples == 1
+
+
+def test_negative_control_refill_events_dropped(path: Any) -> None:
+    from kvalign.verify.properties import Mismatch
+    from kvalign.verify.storage import TIER_CAUSES, StorageRun, drop_host_stores
+
+    with pytest.raises(Mismatch) as found:
+        StorageRun(path, False, "base", mutate=drop_host_stores)(_scenario())
+    assert found.value.cause in TIER_CAUSES
+
+
+@pytest.mark.parametrize("variant", ["lora", "namespace", "lora+namespace"])
+def test_second_tenant_reuses_nothing(path: Any, variant: str) -> None:
+    from kvalign.verify.storage import StorageRun
+
+    body = StorageRun(path, False, variant)
+    body(_scenario())
+    assert body.refilled_examples == 1  # tenant A's own pages did come back from storage
+
+
+@pytest.mark.parametrize("variant", ["lora", "namespace"])
+def test_negative_control_shared_namespace(path: Any, variant: str) -> None:
+    from kvalign.verify.properties import Mismatch
+    from kvalign.verify.storage import StorageRun
+
+    with pytest.raises(Mismatch) as found:
+        StorageRun(path, False, variant, shared_namespace=True)(_scenario())
+    assert found.value.cause is Cause.TENANT_STORAGE_REUSE
+    assert "refilled 2 page(s)" in found.value.detail or "host" in found.value.detail
+
+
+@pytest.mark.slow  # fast tier: the negative controls and the fixed counterexamples
+def test_generated_tenant_row_and_its_control(path: Any) -> None:
+    from kvalign.verify.search import run_search
+    from kvalign.verify.storage import StorageRun, storage_scenarios
+
+    calls, failures, found = run_search(StorageRun(path, True, "lora+namespace"), storage_scenarios(True), 4)
+    assert calls == 4 and failures == 0 and found is None
+    _c, _f, found = run_search(StorageRun(path, True, "lora+namespace", shared_namespace=True), storage_scenarios(True), 4)
+    assert found is not None and found.cause is Cause.TENANT_STORAGE_REUSE
+
+
+@pytest.mark.slow  # a fresh router path and a search: the report's own path
+def test_report_finds_the_storage_finding(sglang_available: str) -> None:
+    from kvalign.verify.report import collect
+
+    data = collect(Cause.STORAGE_TIER_UNCREDITED, ("plain",), 4)
+    assert (data["property"], data["variant"]) == ("storage", "base")
+    assert all(a.get("line") for a in data["anchors"])  # every source anchor is found in the installed release
