@@ -9,9 +9,11 @@ load average each round started at. REF is exported with ``git archive`` into a 
 and run from there with that directory first on ``PYTHONPATH``, so it imports its own ``kvalign``;
 the installed packages (Dynamo, SGLang) are shared.
 
-Peak memory is that of the *whole* run: the resident set of the ``kvalign`` process and every
-process under it (``check --jobs`` workers), summed, sampled every 0.1 s from ``/proc``; the report
-gives each side's highest sum over all its runs.
+Peak memory is that of the *whole* run: the ``kvalign`` process and every process under it (``check
+--jobs``'s fork server and workers), sampled every 0.1 s from ``/proc``, as two sums: RSS (each
+process's resident set, so a page the workers share with the fork server counts once per process)
+and PSS (a page shared by n processes counts 1/n in each: the memory the run holds). The report gives
+each side's highest sums over all its runs.
 
 A run must exit 0 or 1 (aligned, or a finding): anything else stops the benchmark with its stderr.
 
@@ -55,24 +57,28 @@ def _children() -> dict[int, list[int]]:
     return tree
 
 
-def tree_rss(pid: int) -> int:
-    """Bytes resident in ``pid`` and every process under it, now."""
-    tree, total, todo = _children(), 0, [pid]
+def tree_memory(pid: int) -> tuple[int, int]:
+    """Bytes of ``pid`` and every process under it, now: (resident, summed over the processes; proportional,
+    each page shared by n of them counted 1/n in each: the memory the run holds, once)."""
+    tree, rss, pss, todo = _children(), 0, 0, [pid]
     while todo:
         p = todo.pop()
         todo += tree.get(p, [])
         try:
             with open(f"/proc/{p}/statm") as f:
-                total += int(f.read().split()[1]) * PAGE
-        except (OSError, IndexError, ValueError):
+                rss += int(f.read().split()[1]) * PAGE
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                pss += next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("Pss:"))
+        except (OSError, IndexError, ValueError, StopIteration):
             continue
-    return total
+    return rss, pss
 
 
 @dataclass
 class Run:
     wall: float
     peak_rss: int
+    peak_pss: int
 
 
 @dataclass(frozen=True)
@@ -87,11 +93,12 @@ class Side:
         start = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "kvalign", "check", *extra], cwd=self.tree, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        peak, done = [0], threading.Event()
+        peak, done = [0, 0], threading.Event()
 
         def sample() -> None:
             while not done.is_set():
-                peak[0] = max(peak[0], tree_rss(proc.pid))
+                rss, pss = tree_memory(proc.pid)
+                peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
                 done.wait(0.1)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -102,11 +109,12 @@ class Side:
         sampler.join()
         if proc.returncode not in (0, 1):
             sys.exit(f"check {' '.join(extra)} failed ({self.label}, exit {proc.returncode}):\n{err[-3000:]}")
-        return Run(took, peak[0])
+        return Run(took, peak[0], peak[1])
 
 
-def measure(a: Side, b: Side, extra: list[str], rounds: int, case: str) -> tuple[Paired, int, int]:
-    ratios, a_walls, b_walls, a_peak, b_peak = [], [], [], 0, 0
+def measure(a: Side, b: Side, extra: list[str], rounds: int, case: str) -> tuple[Paired, Run, Run]:
+    ratios, a_walls, b_walls = [], [], []
+    a_peak, b_peak = Run(0, 0, 0), Run(0, 0, 0)  # the highest memory of each side's runs
     for r in range(rounds):
         load = os.getloadavg()
         order = (a, b) if r % 2 == 0 else (b, a)
@@ -114,12 +122,17 @@ def measure(a: Side, b: Side, extra: list[str], rounds: int, case: str) -> tuple
         ra, rb = runs[a.label], runs[b.label]
         a_walls.append(ra.wall)
         b_walls.append(rb.wall)
-        a_peak, b_peak = max(a_peak, ra.peak_rss), max(b_peak, rb.peak_rss)
+        a_peak = Run(0, max(a_peak.peak_rss, ra.peak_rss), max(a_peak.peak_pss, ra.peak_pss))
+        b_peak = Run(0, max(b_peak.peak_rss, rb.peak_rss), max(b_peak.peak_pss, rb.peak_pss))
         ratios.append(rb.wall / ra.wall)
         print(f"{case} round {r + 1} (load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, {order[0].label} first): "
-              f"A {ra.wall:.1f}s, B {rb.wall:.1f}s, ratio {ratios[-1]:.2f}; peak RSS A {ra.peak_rss / 2**20:.0f} MiB, "
-              f"B {rb.peak_rss / 2**20:.0f} MiB", flush=True)
+              f"A {ra.wall:.1f}s, B {rb.wall:.1f}s, ratio {ratios[-1]:.2f}; peak memory A {_mib(ra)}, B {_mib(rb)}",
+              flush=True)
     return Paired(ratios, statistics.median(a_walls), statistics.median(b_walls)), a_peak, b_peak
+
+
+def _mib(run: Run) -> str:
+    return f"RSS {run.peak_rss / 2**20:.0f} MiB / PSS {run.peak_pss / 2**20:.0f} MiB"
 
 
 def main() -> int:
@@ -136,7 +149,7 @@ def main() -> int:
         for case in args.case or list(CASES):
             p, a_peak, b_peak = measure(a, b, CASES[case], args.rounds, case)
             lines += [f"{case}: median wall: A {p.a_seconds:.1f}s, B {p.b_seconds:.1f}s; spread: {p.spread()}; "
-                      f"peak RSS of the whole run: A {a_peak / 2**20:.0f} MiB, B {b_peak / 2**20:.0f} MiB",
+                      f"peak memory of the whole run: A {_mib(a_peak)}, B {_mib(b_peak)}",
                       f"{case}: B / A wall ratio: {p.median:.2f}"]
     print("\n".join(lines))
     return 0

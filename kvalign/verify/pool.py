@@ -1,14 +1,20 @@
 """``check --jobs N``: the planned jobs run in N worker processes, the rows come back in plan order.
 
 Rows are independent (each drives its own real router worker and real SGLang caches with its own
-generated inputs), so a run on two cores can use both. Each worker is a fresh interpreter
-(``spawn``: forking a process that holds Dynamo's runtime threads is not safe) that imports Dynamo
-and SGLang once, builds its own systems (:func:`kvalign.verify.systems.open_systems`) and then
-takes jobs from the parent one at a time; the parent hands them out longest first (the property's
-``cost``), so the long rows start early and the short ones fill in. The parent imports neither
-Dynamo nor SGLang: what the header says of them (versions, the cache class) comes from the first
-worker's ``ready``. Every job runs with the same options and seed as under ``--jobs 1``, and its
-rows are put back in plan order, so the report is the same whichever worker ran what.
+generated inputs), so a run on two cores can use both. The workers are forked by a fork server
+(``multiprocessing``'s ``forkserver``: a fresh interpreter, so no thread of the parent's is forked)
+that first imports kvalign's modules as the parent has them, in its order, and then Dynamo's
+binding and SGLang's cache classes (:mod:`kvalign.verify.warm`): SGLang's import, seconds of CPU, is
+paid once instead of once per worker, and the workers share those pages. The same state matters for
+the rows: the tier rows' engine picks among pages of equal access time in an order that follows the
+process's state (with kvalign's other commands imported or not, one seeded tier row ran 10 or 13
+cases), and a worker must give the rows ``--jobs 1`` gives. Each worker builds its own systems
+(:func:`kvalign.verify.systems.open_systems`) and takes jobs from the parent one at a time; the
+parent hands them out longest first (the property's ``cost``), so the long rows start early and the
+short ones fill in. The parent imports neither Dynamo nor SGLang: what the header says of them
+(versions, the cache class) comes from the first worker's ``ready``. Every job runs with the same
+options and seed as under ``--jobs 1``, and its rows are put back in plan order, so the report is the
+same whichever worker ran what.
 
 A worker that cannot start, raises, or dies is a :class:`WorkerError` naming the row it was
 running (the command exits 2); the parent never waits on a dead worker: it watches each process's
@@ -17,7 +23,6 @@ sentinel beside its pipe.
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing
 import os
 import sys
@@ -44,15 +49,9 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _worker(conn: Connection, spec: SystemsSpec, opts: Options, preload: tuple[str, ...]) -> None:
+def _worker(conn: Connection, spec: SystemsSpec, opts: Options) -> None:
     """A worker's life: build the systems (Dynamo and SGLang imported once), then run jobs until told to stop."""
     os.dup2(2, 1)  # the runtimes' prints go where their logs go (fd 2, the run's log file); stdout is the report's
-    # kvalign's modules as the parent had them, in its order, before SGLang: the tier rows' engine picks
-    # among pages of equal access time in an order that follows the process's state (with kvalign's other
-    # commands imported or not, one seeded tier row ran 10 or 13 cases), and a worker must give the rows
-    # that ``--jobs 1`` gives.
-    for name in preload:
-        importlib.import_module(name)
     from kvalign.verify.check import run_job
     from kvalign.verify.systems import open_systems
 
@@ -75,27 +74,28 @@ def _worker(conn: Connection, spec: SystemsSpec, opts: Options, preload: tuple[s
                 conn.send(("error", index, f"{type(exc).__name__}: {exc}"))
                 break
     finally:
-        systems.close()
+        # No orderly shutdown of the router path nor the interpreter's teardown of torch, SGLang and Dynamo:
+        # their exit handlers (the runtime's shutdown, a publisher's 1 s shutdown each) held a finished worker
+        # for seconds while the parent waits for it. Everything it had to say has been sent, the runtimes'
+        # log lines are written unbuffered, and its sockets and threads end with the process.
         conn.close()
-        # Skip the interpreter's teardown of torch, SGLang and Dynamo: their exit handlers (a publisher's
-        # 1 s shutdown each, the runtimes' threads) held a finished worker for seconds, and the parent waits
-        # for it. Everything it had to say has been sent; the runtimes' log lines are written unbuffered.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
 
 
 class Pool:
-    """``workers`` spawned worker processes; start them early, :meth:`facts` waits for the first to be ready."""
+    """``workers`` worker processes, forked by the fork server; start them early, :meth:`facts` waits for the first to be ready."""
 
     def __init__(self, workers: int, spec: SystemsSpec, opts: Options) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        preload = tuple(name for name in list(sys.modules) if name.startswith("kvalign."))
+        ctx = multiprocessing.get_context("forkserver")
+        kvalign_modules = [name for name in list(sys.modules) if name.startswith("kvalign.")]
+        ctx.set_forkserver_preload([*kvalign_modules, "kvalign.verify.warm"])
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         for _ in range(workers):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(child, spec, opts, preload), daemon=True)
+            proc = ctx.Process(target=_worker, args=(child, spec, opts), daemon=True)
             proc.start()
             child.close()
             self._procs.append(proc)
