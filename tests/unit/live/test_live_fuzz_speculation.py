@@ -164,3 +164,20 @@ def test_a_window_of_no_request_is_refused(cluster):
     windows, *_ = cluster
     with pytest.raises(ValueError, match="--spec-window must be >= 1"):
         windows(size=0)
+
+
+def test_a_window_whose_requests_all_stopped_before_a_decode_step_is_not_judged(cluster):
+    """A request asked for enough tokens that stopped after its prefill token (seen in CI: 1 token of 6) ran
+    no verify step: there is no acceptance to measure, so its window is left unjudged, not failed. The
+    control: the same empty counters under a request that decoded tokens fail, naming it."""
+    windows, workers, _served, publish = cluster
+    spec, judged = windows(size=1)
+    run(spec, workers, publish, "w0", 1, decoded=1, max_tokens=6)
+    assert judged == [] and spec.tally.checked["decode_keeps_speculating"] == 0
+    before = spec.before_request(6)
+    workers["w0"].c[None]["gen"] += 6  # six tokens decoded, not one verify step
+    workers["w0"].c[None]["fin"] += 1
+    publish()
+    with pytest.raises(InvariantFailed) as exc:
+        spec.add("w0", Member(2, "w0", 6), before["w0"])
+    assert exc.value.request == 2 and "no verify step" in exc.value.detail

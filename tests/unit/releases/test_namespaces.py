@@ -26,7 +26,8 @@ from kvalign.releases.namespaces import foreign, namespace_portions
 CHILD = Path(__file__).with_name("origins_child.py")
 ROOT = Path(__file__).resolve().parents[3]
 #: A check that imports every piece of the path (card, hasher, radix cache, relay + router, HiCache) cheaply.
-CHECK = ["check", "--examples", "2", "--ingest-examples", "1", "--tier-examples", "1", "--page-size", "4"]
+#: in this process (``--jobs 1``): the child reports the modules its own interpreter imported
+CHECK = ["check", "--jobs", "1", "--examples", "2", "--ingest-examples", "1", "--tier-examples", "1", "--page-size", "4"]
 
 
 def _fake_release(where: Path) -> Path:

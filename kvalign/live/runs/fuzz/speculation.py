@@ -157,6 +157,8 @@ class SpecWindows:
         failed: list[Judged] = []
         for rank, members in by_rank.items():
             win = spec_window(rank_samples(window.before, rank), [rank_samples(after, rank)])
+            if win.verify_calls <= 0 and all(m.decoded < MIN_SPEC_TOKENS for m in members):
+                continue  # every request stopped early, before a decode step: no verify step could run to judge
             judged = Judged(worker, rank, tuple(m.request for m in members), win, tuple(accept_failures(win)))
             self.tally.checked[INVARIANT] += 1
             if judged.problems:
