@@ -84,6 +84,14 @@ ANCHORS: dict[Cause, tuple[Anchor, ...]] = {
                "the event schema has a storage medium, which the unified cache never publishes"),
         Anchor("sglang", "srt/mem_cache/unified_radix_cache.py", "def write_backup_storage(",
                "a page written to storage is recorded by no event; only the refill's host stores reach the router"),
+        Anchor("dynamo", "_core.pyi", "disk_cache_hit_weight: float = 0.25,",
+               "the router has a disk tier and would credit a page published with that medium at 0.25 of a device "
+               "block: the credit is lost on SGLang's side of the wire, not for want of a router tier",
+               dist="ai-dynamo-runtime"),
+        Anchor("dynamo", "common/configuration/groups/kv_router_args.py", "'hicache': query Mooncake master directly",
+               "Dynamo's other route to L3 credit (--shared-cache-type hicache, experimental) queries a Mooncake "
+               "master, so it does not serve the file backend here; kvalign did not drive it (it needs a Mooncake "
+               "master) and checked the storage keys against SGLang's own key function instead"),
     ),
     Cause.HOST_CREDIT_NOT_SERVABLE: (
         Anchor("sglang", "srt/mem_cache/unified_radix_cache.py", "self.load_back_threshold = 10",

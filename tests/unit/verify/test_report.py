@@ -85,6 +85,21 @@ def test_host_credit_anchors_are_found_in_the_installed_pair(sglang_available):
     assert ("_core.pyi", "KvRouterConfig.__init__") in where
 
 
+def test_storage_anchors_are_found_in_the_installed_pair(sglang_available):
+    """The STORAGE_TIER_UNCREDITED report quotes the storage medium SGLang never publishes, the write that
+    records no event, the router's disk weight and Dynamo's Mooncake-only L3 route: each exists in the
+    installed 1.6.1 x 0.5.23 wheels, so the report cannot cite a line that moved."""
+    from kvalign.standins.hicache import version_problem
+
+    if version_problem(sglang_available):
+        pytest.skip(version_problem(sglang_available))
+    found = [locate(a) for a in ANCHORS[Cause.STORAGE_TIER_UNCREDITED]]
+    assert all(f["line"] and f["text"] in f["source"] for f in found), [f for f in found if not f["line"]]
+    where = {(f["path"], f["function"]) for f in found}
+    assert ("_core.pyi", "KvRouterConfig.__init__") in where
+    assert ("srt/mem_cache/unified_radix_cache.py", "UnifiedRadixCache.write_backup_storage") in where
+
+
 @pytest.mark.slow  # a search of the HiCache state machine and a replay through the real router: 60-90 s
 @pytest.mark.timeout(900)
 def test_host_credit_report_on_the_installed_pair_installs_nothing(tmp_path, sglang_available):
