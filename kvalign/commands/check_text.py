@@ -96,6 +96,8 @@ def explanations(rows: Sequence[RowResult], page_size: int | None = None) -> str
         if first.admission:
             out.append(fit("    admitted request, as SGLang's scheduler reports it: "
                            + ", ".join(f"{k} {v}" for k, v in first.admission.items()), indent="  "))
+        if first.impact and row_class(first) == CACHE_BLIND:  # a credit skew's impact is under the table
+            out.append(fit(f"  routing impact (measured): {first.impact}"))
     out += _scoped(rows)
     skipped: dict[str, list[RowResult]] = {}
     for r in rows:

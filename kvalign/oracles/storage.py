@@ -59,6 +59,7 @@ class StorageEngine:
         self._own_dir = storage_dir is None
         self.storage_dir = storage_dir or tempfile.mkdtemp(prefix="kvalign-hicache-")
         self._handles = 0
+        self._scheduler: Any = None
         before = pinned_ranges()
         self._closers: list[Callable[[], None]] = [lambda: release_pinned(before)]
         try:
@@ -75,7 +76,7 @@ class StorageEngine:
     def _build(self, prefetch_threshold: int) -> None:
         import torch
         from sglang.srt.environ import envs
-        from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.events import KvEventLoraNames
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -89,8 +90,11 @@ class StorageEngine:
         self.pool = ReqToTokenPool(size=10, max_context_len=512, device="cpu", enable_memory_saver=False)
         self.kv = MHATokenToKVPool(size=KV_TOKENS, page_size=p, dtype=torch.bfloat16, head_num=2, head_dim=64,
                                    layer_num=4, device="cpu", enable_memory_saver=False)
-        self.allocator = TokenToKVPoolAllocator(size=KV_TOKENS, dtype=torch.bfloat16, device="cpu", kvcache=self.kv,
-                                                need_sort=False)
+        # the allocator SGLang's model runner picks for the page size (the scheduler's extend needs the paged one)
+        self.allocator = (PagedTokenToKVPoolAllocator(size=KV_TOKENS, page_size=p, dtype=torch.bfloat16, device="cpu",
+                                                      kvcache=self.kv, need_sort=False) if p > 1 else
+                          TokenToKVPoolAllocator(size=KV_TOKENS, dtype=torch.bfloat16, device="cpu", kvcache=self.kv,
+                                                 need_sort=False))
         self.lora_names = KvEventLoraNames()
         params = CacheInitParams(req_to_token_pool=self.pool, token_to_kv_pool_allocator=self.allocator, page_size=p,
                                  disable=False, tree_components=(ComponentType.FULL,), enable_kv_cache_events=True,
@@ -174,6 +178,28 @@ class StorageEngine:
             raise OracleUnavailable(f"SGLang's storage prefetch did not finish within {PUMP_TIMEOUT_S:.0f} s")
         after = self.cache.match_prefix(self._m.bpc.MatchPrefixParams(key=key))
         return max(0, int(after.device_prefix_len) + int(after.host_hit_length) - matched)
+
+    @property
+    def load_back_threshold(self) -> int:
+        """Set by SGLang's own ``init_hicache`` (10 tokens in 0.5.23): a shorter host stretch is re-prefilled."""
+        return int(self.cache.load_back_threshold)
+
+    def serve(self, tokens: Sequence[int], lora_name: str | None = None, cache_salt: str | None = None) -> Any:
+        """The request admitted, prefilled and finished by SGLang's scheduler code
+        (:class:`~kvalign.oracles.admission.Scheduler`): its cap, the load-back of the host stretch a refill
+        left (declined below :attr:`load_back_threshold`) and ``cached_tokens``, what the engine reuses."""
+        if self._scheduler is None:
+            from kvalign.oracles.admission import Scheduler
+            from kvalign.standins.scheduler import scheduler_context
+
+            self._scheduler = Scheduler(self.cache, self.allocator, self.pool, self.page_size, self.eagle,
+                                        scheduler_context(self.page_size, "write_through"), self.lora_names)
+        admission = self._scheduler.serve(tokens, lora_name, cache_salt)
+        c = self.cache
+        c.ready_to_load_host_cache()  # the scheduler starts the batch's load-back before its forward pass
+        if not self.pump(lambda: not (c.ongoing_load_back or c.ongoing_write_through or c.ongoing_backup)):
+            raise OracleUnavailable(f"SGLang's load-back and write-through did not finish within {PUMP_TIMEOUT_S:.0f} s")
+        return admission
 
     # -- what SGLang holds ------------------------------------------------------------------
     def storage_keys(self, tokens: Sequence[int], lora_name: str | None = None, cache_salt: str | None = None) -> list[str]:

@@ -62,6 +62,8 @@ def opening(data: dict[str, Any], shipped: str | None) -> list[str]:
     else:
         what = ("the router's keys, card or events disagree with the engine's: credit is lost or invented without "
                 "bound (`kvalign check` exits 1)")
-    return [f"**Status:** {pair_status(dynamo, sglang, shipped)}.  ",
-            f"**Class:** {klass}, {what}.  ",
-            f"**Live:** {live_note(data['cause'], dynamo, sglang)}.  "]
+    lines = [f"**Status:** {pair_status(dynamo, sglang, shipped)}.  ",
+             f"**Class:** {klass}, {what}.  "]
+    if klass not in (CREDIT_SKEW, SCOPED) and data.get("impact"):
+        lines.append(f"**Routing impact (measured):** {data['impact']}.  ")
+    return [*lines, f"**Live:** {live_note(data['cause'], dynamo, sglang)}.  "]

@@ -494,6 +494,8 @@ def collect(cause: Cause, modes: Sequence[str], examples: int) -> dict[str, Any]
         "versions": {d: _version(d) for d in ("ai-dynamo", "ai-dynamo-runtime", "sglang")},
         "anchors": [locate(a) for a in ANCHORS.get(cause, ())],
     }
+    if cause is Cause.STORAGE_TIER_UNCREDITED:  # counted while the search goes on, not raised: not shrunk
+        out.update(storage_impact(mode, variant, found.example), shrunk=False)
     if prop == "ingest":
         out["replay"] = replay_ingest(found.example, hasher)
     if prop == "servable":
@@ -521,6 +523,19 @@ def measured_impact(cause: Cause, prop: str, mode: str, variant: str, admission:
     return {"bound_tokens": row.bound_tokens, "changes_worker": row.changes_worker, "impact": row.impact}
 
 
+def storage_impact(mode: str, variant: str, example: dict[str, Any]) -> dict[str, Any]:
+    """The storage finding's routing impact, measured at its counterexample as ``check`` measures it."""
+    from kvalign.oracles.router_path import RouterPath
+    from kvalign.verify.impact import assess_storage
+    from kvalign.verify.rows import RowResult
+
+    c = Cause.STORAGE_TIER_UNCREDITED
+    row = RowResult("storage", mode, variant, cause=c.value, cause_name=c.name, counterexample=example)
+    with RouterPath() as path:
+        assess_storage(row, path)
+    return {"changes_worker": row.changes_worker, "impact": row.impact}
+
+
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -542,10 +557,10 @@ def render(data: dict[str, Any], command: str, shipped: str | None) -> str:
     out = [f"# {data['cause']}: {data['cause_text']}", "", *opening(data, shipped),
            f"**Pair:** {pair}.  ",
            f"**Found by:** kvalign's `{data['property']}` property, {data['mode']} mode, `{data['variant']}` variant "
-           "(Hypothesis search, shrunk).  ",
+           f"(Hypothesis search, {'shrunk' if data.get('shrunk', True) else 'the first example with the largest, not shrunk'}).  ",
            f"**Reproduce:** `{command}`", "",
            "## What goes wrong", "", data["detail"], "",
-           "## Shrunk counterexample", "", _fence(json.dumps(data["counterexample"], ensure_ascii=False), "json"), ""]
+           f"## {'Shrunk counterexample' if data.get('shrunk', True) else 'Counterexample'}", "", _fence(json.dumps(data["counterexample"], ensure_ascii=False), "json"), ""]
     replay = data.get("replay")
     if replay:
         out += ["The replay below sends this example once more through the real path: SGLang's "

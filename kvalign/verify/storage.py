@@ -13,10 +13,13 @@ call. SGLang's events go through the ``tier`` path (SGLang's publisher -> Dynamo
 * after every step the router's device and host credit equal SGLang's device and host residency
   (``TIER_RESIDENCY``, ``TIER_MISFILED``, ``EVENTS_DROPPED``, ``INGEST_STALE`` as in ``tier``): in
   particular after a refill, whose host-medium stores are the only events the storage tier causes;
-* before a refill, the pages SGLang then refills from storage against the router's disk credit:
-  SGLang publishes no event for a page written to or held in storage, so the router credits them
-  in no tier: ``STORAGE_TIER_UNCREDITED``, an under-credit bounded by the refilled pages, reported
-  when nothing above failed.
+* the request is then served by SGLang's scheduler code (``StorageEngine.serve``: its prefix cap and
+  the load-back of the refilled host stretch, which it declines below ``load_back_threshold`` and
+  re-prefills); the pages it refilled from storage *and loaded back* are held against the router's
+  disk credit before the refill: SGLang publishes no event for a page written to or held in storage,
+  so the router credits them in no tier: ``STORAGE_TIER_UNCREDITED``, an under-credit bounded by the
+  refilled pages, reported when nothing above failed. A declined refill is counted, never a finding
+  (the engine reused nothing the router missed).
 
 **Tenant rows** (``lora``, ``namespace``, ``lora+namespace``): tenant A's prompt written to storage
 and evicted from device and host; tenant B (another LoRA / ``cache_salt``) asks for the same tokens.
@@ -71,8 +74,10 @@ def storage_scenarios(draw: st.DrawFn, eagle: bool, page_sizes: tuple[int, ...] 
         if sc.prompts and draw(st.booleans(), label="extends"):
             doc = draw(st.sampled_from(sc.prompts))
             prefix = doc[: draw(st.integers(0, len(doc)), label="cut")]
-        sc.prompts.append(prefix + draw(st.lists(st.integers(0, 3), min_size=p + eagle + 1, max_size=4 * p + eagle + 1),
-                                        label="new"))
+        # 1 to 6 new pages, drawn evenly: at page size 2 a refilled stretch of 5 or more reaches SGLang's
+        # load_back_threshold (10 tokens), below which its scheduler re-prefills what was refilled
+        n = draw(st.integers(1, 6), label="pages") * p + eagle + 1
+        sc.prompts.append(prefix + draw(st.lists(st.integers(0, 3), min_size=n, max_size=n), label="new"))
     sc.host_evict = draw(st.one_of(st.none(), st.integers(1, 4)), label="host_evict")
     if sc.host_evict is not None:
         sc.host_evict *= p
@@ -98,6 +103,8 @@ class StorageRun:
         #: examples with a refill (the storage path exercised), examples in which SGLang refilled pages the
         #: router credited in no tier, the most such pages for one request, and that example's finding
         self.refilled_examples, self.uncredited, self.bound = 0, 0, 0
+        #: refills SGLang's scheduler then declined to load back (a stretch below its load_back_threshold)
+        self.declined = 0
         self.finding: Mismatch | None = None
 
     def tenants(self) -> tuple[Tenant, Tenant]:
@@ -163,29 +170,39 @@ class StorageRun:
         if tenant_rows:
             self._tenant_b(engine, worker, tap, sc, shift, expected, a, b)
             return
-        uncredited: tuple[int, list[int]] | None = None
+        uncredited: tuple[int, list[int], Any] | None = None
         any_refill = False
         for tokens in sc.prompts:
             q = shift(tokens)
-            before = self.path.path.query_tiers(worker.router, q, None, None)
-            refilled = engine.refill(q) // sc.page_size
+            before = self.path.path.query_tiers(worker.router, q, None, None)  # what the router routes this request on
+            refilled = engine.refill(q)
+            self._publish(engine, worker, tap, sc, expected)
+            self._check_all(engine, worker, tap, sc, shift, expected, a)
+            admitted = engine.serve(q)  # the scheduler loads the refilled stretch back, or declines it
             self._publish(engine, worker, tap, sc, expected)
             self._check_all(engine, worker, tap, sc, shift, expected, a)
             any_refill = any_refill or refilled > 0
-            missing = refilled - before["disk_extension_blocks"]
+            if refilled and not admitted.loaded_tokens:
+                self.declined += 1  # below SGLang's load_back_threshold: re-prefilled, no reuse lost
+            served = min(refilled, admitted.loaded_tokens) // sc.page_size  # storage pages SGLang reused
+            missing = served - before["disk_extension_blocks"]
             if missing > 0 and (uncredited is None or missing > uncredited[0]):
-                uncredited = (missing, tokens)
+                uncredited = (missing, tokens, admitted)
         self.refilled_examples += any_refill
         if uncredited is not None:  # counted, not raised: the search goes on checking the refills' events
-            n, tokens = uncredited
+            n, tokens, admitted = uncredited
             self.uncredited += 1
             if n > self.bound:
                 self.bound = n
                 self.finding = Mismatch(
-                    "storage", f"prompt {tokens}: SGLang refilled {n} page(s) from its storage tier for the request, "
-                    "which the router credited in no tier (0 disk blocks): SGLang publishes nothing for a page written "
-                    "to or held in storage; only the refill's host-tier stores reach the router, after routing. Class: "
-                    "cache-blind (the keys agree, but no event says a page is in storage: credit lost, no constant bound)", Cause.STORAGE_TIER_UNCREDITED, self._example(sc),
+                    "storage", f"prompt {tokens}: SGLang refilled {n} page(s) from its storage tier for the request and "
+                    f"its scheduler loaded them back (cached_tokens {admitted.cached_tokens} of "
+                    f"{admitted.prompt_tokens}; load_back_threshold {engine.load_back_threshold}), which the router "
+                    "credited in no tier (0 disk blocks): SGLang publishes nothing for a page written to or held in "
+                    "storage; only the refill's host-tier stores reach the router, after routing. Class: cache-blind "
+                    "(the keys agree, but no event says a page is in storage: credit lost, no constant bound)",
+                    Cause.STORAGE_TIER_UNCREDITED, {**self._example(sc), "uncredited_pages": n,
+                                                    "admission": admitted.as_dict()},
                     condition=storage_condition())
 
     def _check_all(self, engine: Any, worker: Any, tap: Any, sc: StorageScenario, shift: Callable[[list[int]], list[int]],
@@ -268,7 +285,9 @@ def run_storage_rows(systems: Any, modes: tuple[str, ...], variants: tuple[str, 
                     found, row.mismatches = body.finding, body.uncredited
                     found.detail += (f"; bound seen: up to {body.bound} refilled page(s) per request credited in no tier "
                                      f"(at most the prompt's pages in storage, up to its prefix cap); in {body.uncredited} "
-                                     f"of {calls} example(s) (the example is the first with the largest, not shrunk)")
+                                     f"of {calls} example(s) (the example is the first with the largest, not shrunk); "
+                                     f"{body.declined} refill(s) SGLang's scheduler declined to load back (below its "
+                                     "load_back_threshold: re-prefilled, so not counted)")
                 if found is not None:
                     row.cause, row.cause_name, row.detail = found.cause.value, found.cause.name, found.detail
                     row.counterexample, row.condition = found.example, found.condition

@@ -89,3 +89,42 @@ def test_negative_control_an_engine_that_loads_every_stretch_back_is_picked_righ
 
     impact = measure_routing(4, False, 2, 2, path=hicache_router_path, make_engine=loads_everything)
     assert not impact.changes_worker, impact.says()
+
+
+def _storage_engine(threshold: int | None = None) -> Any:
+    from kvalign.oracles.storage import StorageEngine
+
+    def make(page_size: int, **kw: Any) -> Any:
+        engine = StorageEngine(page_size, **kw)
+        if threshold is not None:
+            engine.cache.load_back_threshold = threshold
+        return engine
+
+    return make
+
+
+@pytest.mark.slow  # two candidates x 4 trials of SGLang's storage tier under a real router: 20-30 s
+def test_storage_only_pages_change_the_routers_choice_on_private_and_on_shared_storage(hicache_router_path):
+    """3 pages (page 4) only in storage: the router credits them nowhere. With private storage it picks the
+    candidate holding k < 3 pages on device, which reuses 4k where the first reuses 12 (k=0: a tie it
+    breaks away from the storage); with one shared directory the other refills the rest, which SGLang loads
+    back only when it is at least load_back_threshold (10) tokens: k=1, 2 leave 8 and 4, declined."""
+    from kvalign.verify.impact import measure_storage_routing
+
+    private = measure_storage_routing(4, False, 3, shared=False, path=hicache_router_path)
+    assert [t.reused for t in private.trials] == [(12, 0), (12, 4), (12, 8), (12, 12)], private.says()
+    assert [t.changed for t in private.trials][1:] == [True, True, False], private.says()
+    shared = measure_storage_routing(4, False, 3, shared=True, path=hicache_router_path)
+    assert [t.reused for t in shared.trials] == [(12, 12), (12, 4), (12, 8), (12, 12)], shared.says()
+    assert shared.changes_worker and not shared.trials[0].changed, shared.says()
+
+
+@pytest.mark.slow
+def test_negative_control_shared_storage_loaded_back_at_any_length_never_changes_the_choice(hicache_router_path):
+    """The same shared set-up with SGLang's load_back_threshold set to 1: the other candidate loads back every
+    remainder it refills, so no choice reuses less: the shared-storage flips come from the threshold."""
+    from kvalign.verify.impact import measure_storage_routing
+
+    shared = measure_storage_routing(4, False, 3, shared=True, path=hicache_router_path,
+                                     make_engine=_storage_engine(threshold=1))
+    assert not shared.changes_worker and all(t.reused == (12, 12) for t in shared.trials), shared.says()

@@ -16,7 +16,10 @@ import pytest
 
 from kvalign.model.causes import Cause
 
-SCENARIO = dict(page_size=2, eagle=False, prompts=[[0, 1, 2, 3, 0]], host_evict=None)
+#: 6 pages of 2 (12 tokens): SGLang loads the refilled stretch back (its load_back_threshold is 10 tokens)
+SCENARIO = dict(page_size=2, eagle=False, prompts=[[0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0]], host_evict=None)
+#: 2 pages of 2 (4 tokens): refilled, then declined by SGLang's scheduler and re-prefilled
+SHORT = dict(page_size=2, eagle=False, prompts=[[0, 1, 2, 3, 0]], host_evict=None)
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +34,10 @@ def path(sglang_available: str) -> Iterator[Any]:
     tiers.path.close()
 
 
-def _scenario() -> Any:
+def _scenario(spec: dict[str, Any] = SCENARIO) -> Any:
     from kvalign.verify.storage import StorageScenario
 
-    return StorageScenario(**SCENARIO)
+    return StorageScenario(**spec)
 
 
 def test_refilled_pages_are_credited_in_no_tier(path: Any) -> None:
@@ -43,7 +46,20 @@ def test_refilled_pages_are_credited_in_no_tier(path: Any) -> None:
     body = StorageRun(path, False, "base")
     body(_scenario())  # the refill's events reach the router's host tier: nothing raised
     assert body.finding is not None and body.finding.cause is Cause.STORAGE_TIER_UNCREDITED
-    assert body.bound == 2 and body.refilled_examples == 1
+    assert body.bound == 6 and body.refilled_examples == 1 and body.declined == 0
+    admitted = body.finding.example["admission"]
+    assert admitted["loaded_tokens"] == admitted["cached_tokens"] == 12, admitted  # SGLang's scheduler reused them
+
+
+def test_a_refill_sglang_declines_to_load_back_is_not_a_finding(path: Any) -> None:
+    """4 refilled tokens, below SGLang's load_back_threshold: its scheduler re-prefills them, so the router's
+    0 credit lost nothing (the published counterexample must obey the engine's own threshold)."""
+    from kvalign.verify.storage import StorageRun
+
+    body = StorageRun(path, False, "base")
+    body(_scenario(SHORT))
+    assert body.refilled_examples == 1 and body.declined == 1
+    assert body.finding is None and body.uncredited == 0
 
 
 def test_negative_control_refill_events_dropped(path: Any) -> None:
