@@ -90,13 +90,22 @@ def drop_removals(raw: list[Any]) -> list[Any]:
     return [ev for ev in raw if type(ev).__name__ != "BlockRemoved"]
 
 
+#: The token a query goes on with past its cut (outside the drawn alphabet 0..3, so it never extends a cached page).
+TAIL_TOKEN = 4
+
+
 def _cuts(prompts: list[list[int]], p: int, eagle: bool) -> list[list[int]]:
-    """Every cached prompt and every page-aligned prefix of it: a prefix ending at or inside a node
-    whose window / Mamba state is gone (or never kept) is where the two sides part."""
+    """Every cached prompt and every page-aligned prefix of it, each followed by one more token: a prefix
+    ending at or inside a node whose window / Mamba state is gone (or never kept) is where the two sides
+    part. The extra token is a request going on past the prefix: SGLang's scheduler matches at most all but
+    a prompt's last token (``Req._compute_max_prefix_len``), so a query ending on a page boundary could never
+    reuse its last page whatever the state, and the router's credit for it is the scoped
+    ``LAST_PAGE_CAPPED``, not a hybrid finding. With it, every page the router credits is one SGLang's
+    scheduler would reuse were the state there (the router's block count is unchanged by one token)."""
     out: dict[tuple[int, ...], None] = {}
     for t in prompts:
         for n in [*range(p + eagle, len(t), p), len(t)]:
-            out[tuple(t[:n])] = None
+            out[(*t[:n], TAIL_TOKEN)] = None
     return [list(t) for t in out]
 
 
