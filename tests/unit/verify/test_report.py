@@ -69,35 +69,27 @@ def test_lora_report_on_the_shipped_pair_1_6_1_x_0_5_21(tmp_path):
     assert "kvalign report LORA_NOT_IN_EVENTS --dynamo 1.6.1 --sglang 0.5.21" in text
 
 
-def test_host_credit_anchors_are_found_in_the_installed_pair(sglang_available):
-    """Every source line the HOST_CREDIT_NOT_SERVABLE report quotes exists in the installed 1.6.1 x 0.5.23
-    wheels (the threshold, its check, the scheduler's call, the host medium, the router's host weight)."""
+@pytest.mark.parametrize(("cause", "places"), [
+    # the threshold, its check, the scheduler's cap, the router's host weight
+    (Cause.HOST_CREDIT_NOT_SERVABLE, [("srt/mem_cache/unified_radix_cache.py", "UnifiedRadixCache.init_hicache"),
+                                      ("srt/mem_cache/unified_radix_cache.py", "UnifiedRadixCache._load_back_transfers"),
+                                      ("srt/managers/schedule_batch.py", "Req._compute_max_prefix_len"),
+                                      ("_core.pyi", "KvRouterConfig.__init__")]),
+    # the write that records no event, the router's disk weight (and the medium, Dynamo's Mooncake-only route)
+    (Cause.STORAGE_TIER_UNCREDITED, [("srt/mem_cache/unified_radix_cache.py", "UnifiedRadixCache.write_backup_storage"),
+                                     ("_core.pyi", "KvRouterConfig.__init__")]),
+], ids=["host-credit", "storage"])
+def test_report_anchors_are_found_in_the_installed_pair(sglang_available, cause, places):
+    """Every source line the report quotes exists in the installed 1.6.1 x 0.5.23 wheels, in the function
+    it names: a report cannot cite a line that moved."""
     from kvalign.standins.hicache import version_problem
 
     if version_problem(sglang_available):
         pytest.skip(version_problem(sglang_available))
-    found = [locate(a) for a in ANCHORS[Cause.HOST_CREDIT_NOT_SERVABLE]]
+    found = [locate(a) for a in ANCHORS[cause]]
     assert all(f["line"] and f["text"] in f["source"] for f in found), [f for f in found if not f["line"]]
     where = {(f["path"], f["function"]) for f in found}
-    assert ("srt/mem_cache/unified_radix_cache.py", "UnifiedRadixCache.init_hicache") in where
-    assert ("srt/mem_cache/unified_radix_cache.py", "UnifiedRadixCache._load_back_transfers") in where
-    assert ("srt/managers/schedule_batch.py", "Req._compute_max_prefix_len") in where
-    assert ("_core.pyi", "KvRouterConfig.__init__") in where
-
-
-def test_storage_anchors_are_found_in_the_installed_pair(sglang_available):
-    """The STORAGE_TIER_UNCREDITED report quotes the storage medium SGLang never publishes, the write that
-    records no event, the router's disk weight and Dynamo's Mooncake-only L3 route: each exists in the
-    installed 1.6.1 x 0.5.23 wheels, so the report cannot cite a line that moved."""
-    from kvalign.standins.hicache import version_problem
-
-    if version_problem(sglang_available):
-        pytest.skip(version_problem(sglang_available))
-    found = [locate(a) for a in ANCHORS[Cause.STORAGE_TIER_UNCREDITED]]
-    assert all(f["line"] and f["text"] in f["source"] for f in found), [f for f in found if not f["line"]]
-    where = {(f["path"], f["function"]) for f in found}
-    assert ("_core.pyi", "KvRouterConfig.__init__") in where
-    assert ("srt/mem_cache/unified_radix_cache.py", "UnifiedRadixCache.write_backup_storage") in where
+    assert set(places) <= where, where
 
 
 @pytest.mark.slow  # a search of the HiCache state machine and a replay through the real router: 60-90 s
