@@ -18,6 +18,7 @@ stage_cmd() {
     pytest) echo "python3 -m pytest -m 'gpu_1 or gpu_2' tests/e2e/test_disagg_eagle.py -n 0 -p no:randomly -rs -v" ;;
     fuzz) echo "${K[*]} e2e fuzz --engine sglang-gpu --examples 12 --steps 12 --shrink-seconds 60 --json --run-dir /tmp/kvalign-gpu/fuzz" ;;
     fuzz-disagg) echo "${K[*]} e2e fuzz --engine sglang-gpu --topology disagg --examples 8 --steps 12 --shrink-seconds 60 --json --run-dir /tmp/kvalign-gpu/fuzz-disagg" ;;
+    fuzz-disagg4) echo "${K[*]} e2e fuzz --engine sglang-gpu --topology disagg --examples 4 --steps 12 --shrink-seconds 60 --json --run-dir /tmp/kvalign-gpu/fuzz-disagg4" ;;
     hicache4) echo "${K[*]} e2e fuzz --engine sglang-gpu --hicache --page-size 4 --shrink-seconds 60 --json --run-dir /tmp/kvalign-gpu/hicache4" ;;
     hicache16) echo "${K[*]} e2e fuzz --engine sglang-gpu --hicache --page-size 16 --json --run-dir /tmp/kvalign-gpu/hicache16" ;;
     *) return 1 ;;
