@@ -4,7 +4,7 @@ Runs the differential properties over the whole router path of the installed pai
 ``dynamo.sglang`` registers, the router hasher (default: the installed Dynamo binding), SGLang's
 real radix cache, and SGLang's published events through Dynamo's real worker relay into a real
 router — in plain and EAGLE mode, with LoRA / namespace variants. Exit 0 aligned, 1 misaligned,
-2 usage or environment error.
+2 usage or environment error, or a negative control that did not fail (its row proves nothing).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 
 from kvalign.commands import check_text
 from kvalign.commands.options import positive_int
@@ -21,7 +22,7 @@ from kvalign.verify.check import plan, run_jobs, selected
 from kvalign.verify.impact import blocking
 from kvalign.verify.pool import Pool, usable_cores
 from kvalign.verify.property import Budget, Options
-from kvalign.verify.rows import EVENT_FORMATS, MODES, VARIANTS, row_json
+from kvalign.verify.rows import EVENT_FORMATS, MODES, VARIANTS, RowResult, row_json
 from kvalign.verify.systems import SystemsSpec, open_systems
 from kvalign.errors import UsageError
 from kvalign.oracles.sglang import KINDS
@@ -78,6 +79,19 @@ def formats_to_run(asked: str, has_dynamo: bool, version: str) -> tuple[str, ...
     return EVENT_FORMATS if asked == "both" else (asked,)
 
 
+def control_error(rows: Sequence[RowResult]) -> str | None:
+    """The one line that ends a run in exit 2 where a row's negative control did not fail, naming each such
+    control and row; None where every control failed as it must. A property that passes a deliberate
+    misalignment would pass a real one too, so neither ALIGNED (exit 0) nor a finding (exit 1) may
+    stand on that row."""
+    missed = check_text.missed_controls(rows)
+    if not missed:
+        return None
+    return (f"{len(missed)} negative control(s) did not fail, so their rows prove nothing: "
+            + "; ".join(f"{check_text.row_name(r)}: control {r.control['mutation']} got {r.control['cause']}, "
+                        f"expected {r.control['expected']}" for r in missed))
+
+
 def run(args: argparse.Namespace) -> int:
     if args.examples < 1:
         raise UsageError(f"--examples must be >= 1, got {args.examples}")
@@ -122,9 +136,10 @@ def run(args: argparse.Namespace) -> int:
             systems.close()
     kind = facts.kind
     failing = blocking(rows, args.strict)
+    error = control_error(rows)
     if args.json:
         json.dump({"aligned": not blocking(rows), "findings": sum(not r.ok and not r.skipped for r in rows),
-                   "strict": args.strict, "exit": int(bool(failing)),
+                   "strict": args.strict, "exit": 2 if error else int(bool(failing)), "error": error,
                    "not_applicable": [check_text.row_name(r) for r in rows if r.skipped],
                    "router_hasher": label, "cache": kind, "page_size": args.page_size,
                    "event_formats": list(formats), "versions": versions,
@@ -140,4 +155,6 @@ def run(args: argparse.Namespace) -> int:
         if notes:
             print(notes)
         print("\n" + check_text.verdict(rows, time.perf_counter() - start, args.strict))
+    if error:  # after the report, which shows every row and control; the CLI says it in one line, exit 2
+        raise UsageError(error)
     return 1 if failing else 0

@@ -151,11 +151,13 @@ def advisory_lines(rows: Sequence[RowResult]) -> str:
 
 def verdict(rows: Sequence[RowResult], seconds: float, strict: bool = False) -> str:
     """The last lines: the verdict (``MISALIGNED`` only on cache-blind findings, or any finding with
-    ``--strict``), then the configurations a cause is confined to (a reader deciding whether *their*
-    deployment is affected needs that before the per-row details)."""
+    ``--strict``; ``INCONCLUSIVE``, never ``ALIGNED``, where a negative control did not fail: the run exits
+    2), then the configurations a cause is confined to (a reader deciding whether *their* deployment is
+    affected needs that before the per-row details)."""
     failing, skews = blocking(rows, strict), advisories(rows)
     ran = [r for r in rows if not r.skipped]
-    line = (f"{'MISALIGNED' if failing else 'ALIGNED'}: {sum(r.cases for r in rows)} cases in {seconds:.1f}s, "
+    word = "MISALIGNED" if failing else "INCONCLUSIVE" if missed_controls(rows) else "ALIGNED"
+    line = (f"{word}: {sum(r.cases for r in rows)} cases in {seconds:.1f}s, "
             f"{sum(row_class(r) == CACHE_BLIND for r in rows)} of {len(ran)} rows {CACHE_BLIND}, "
             f"{len(skews)} {CREDIT_SKEW} (advisory{', failing with --strict' if strict and skews else ''})")
     na = len(rows) - len(ran)
@@ -167,13 +169,19 @@ def verdict(rows: Sequence[RowResult], seconds: float, strict: bool = False) -> 
                       *controls(rows)])
 
 
+def missed_controls(rows: Sequence[RowResult]) -> list[RowResult]:
+    """The rows whose negative control did not fail: a property that cannot fail on a deliberate
+    misalignment proves nothing, so such a row's ``ok`` says nothing (``check`` exits 2)."""
+    return [r for r in rows if r.control and not r.control["failed"]]
+
+
 def controls(rows: Sequence[RowResult]) -> list[str]:
     """The rows that ran a negative control beside their search: how many failed as they must, and each
-    that did not (a property that cannot fail on a deliberate misalignment proves nothing)."""
+    that did not."""
     ran = [r for r in rows if r.control]
     if not ran:
         return []
-    missed = [r for r in ran if not r.control["failed"]]
+    missed = missed_controls(ran)
     out = [fit(f"  negative controls: {len(ran) - len(missed)} of {len(ran)} failed as they must")]
     out += [fit(f"  control of {row_name(r)} did not fail ({r.control['mutation']}): got {r.control['cause']}, "
                 f"expected {r.control['expected']}") for r in missed]

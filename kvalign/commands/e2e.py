@@ -24,6 +24,8 @@ from kvalign.errors import UsageError
 from kvalign.live.runs import disagg_eagle
 from kvalign.live.cluster.lifecycle import Cluster, plan_specs
 from kvalign.live.wire.client import SseError
+from kvalign.live.engines.engine_model import PAIRS
+from kvalign.live.engines.sglang_cpu import TRANSFER_BACKENDS
 from kvalign.live.runs.disagg_eagle import ENGINES, E2eOptions
 from kvalign.live.cluster.processes import ProcessExited, ProcessSpec
 from kvalign.live.cluster.topology import CONTROL_PLANES, ClusterPlan, control_plane_missing
@@ -86,6 +88,20 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control-plane", choices=CONTROL_PLANES, default="file",
                    help="file: file discovery + zmq events, no service (default); etcd-nats: start etcd + "
                         "nats-server on loopback, etcd discovery + NATS events")
+    p.add_argument("--transfer", choices=TRANSFER_BACKENDS, default=None,
+                   help="real engines: SGLang's prefill->decode transfer backend (sglang-cpu default nixl: the KV "
+                        "moves over UCX/TCP on 127.0.0.1, SGLang's checksum verifies it; fake = negative control, "
+                        "decode without the KV; sglang-gpu default fake)")
+    p.add_argument("--pair", choices=PAIRS, default="kv",
+                   help="real engines, tiny models: kv = the target's output depends on the prompt's KV and the "
+                        "draft's acceptance on its own state (default); zero-head = constant output, every draft "
+                        "token accepted")
+    p.add_argument("--no-compare-aggregated", dest="compare_aggregated", action="store_false",
+                   help="real engines: skip assertion 5 (the same prompts on one aggregated worker, outputs and "
+                        "speculation compared request by request)")
+    p.add_argument("--checksum-mismatch-prob", type=float, default=0.0, metavar="P",
+                   help="real engines: SGLang's own KV-checksum mismatch injector on decode "
+                        "(SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB; negative control of assertion 6)")
     hicache_option.add(p)
 
 
@@ -112,7 +128,9 @@ def _options(args: argparse.Namespace, eagle: bool, engine: str) -> E2eOptions:
         mem_fraction_static=args.mem_fraction_static, context_length=args.context_length or None,
         cuda_graph=args.cuda_graph, startup_timeout_s=args.startup_timeout, control_plane=args.control_plane,
         sglang=release_version(args.sglang), dynamo=release_version(args.dynamo, "--dynamo"),
-        hicache=hicache_option.hicache_from(args),
+        hicache=hicache_option.hicache_from(args), transfer=getattr(args, "transfer", None),
+        pair=getattr(args, "pair", "kv"), compare_aggregated=getattr(args, "compare_aggregated", True),
+        checksum_mismatch_prob=getattr(args, "checksum_mismatch_prob", 0.0),
     )
 
 
@@ -221,6 +239,12 @@ def run_run(args: argparse.Namespace) -> int:
             progress("cluster ready: " + ", ".join(
                 f"{n}={h.instance_id} (enable_eagle={h.enable_eagle})" for n, h in cluster.workers.items()))
             result = disagg_eagle.run(cluster, opts, progress)
+        if opts.decode_half:
+            reference = None
+            if opts.compare_aggregated:
+                progress("the same prompts on one aggregated worker (assertion 5's reference)")
+                reference = disagg_eagle.reference(opts, run_dir / "aggregated", progress)
+            disagg_eagle.judge_decode_half(result, reference)
     except (ProcessExited, TimeoutError, SseError) as exc:
         raise UsageError(f"{str(exc).splitlines()[0]} (logs kept under {run_dir / 'logs'})") from None
     if args.json:

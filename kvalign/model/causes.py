@@ -94,6 +94,17 @@ class Cause(str, Enum):
     STORAGE_KEY_MISMATCH = "SGLang's storage backend wrote pages under other keys than SGLang's own storage key function"
     TENANT_STORAGE_REUSE = ("a second tenant (cache_salt / LoRA) reused the first tenant's pages from a tier: a "
                             "cross-tenant leak")
+    # The decode half of prefill/decode disaggregation (kvalign.live.runs.disagg_invisible): what the
+    # prefill->decode hand-off lost, named from the transfer's own surfaces and an aggregated run.
+    KV_NOT_TRANSFERRED = ("decode ran the request without the prompt's KV: the prefill->decode transfer moved no "
+                          "byte (SGLang's fake backend, or a transfer that never ran)")
+    KV_CHECKSUM_MISMATCH = ("the KV pages decode received are not the ones prefill sent (SGLang's KV checksum "
+                            "failed): decode aborted the request")
+    DRAFT_STATE_NOT_TRANSFERRED = ("decode's EAGLE draft accepted fewer draft tokens than one aggregated worker's on "
+                                   "the same output: the draft's own state did not arrive intact")
+    DECODE_OUTPUT_DIVERGED = ("decode's output differs from one aggregated worker's on the same prompt although the "
+                              "KV arrived and was verified: the hand-off's other state (first token, EAGLE hidden "
+                              "states) or decode itself differs")
     UNKNOWN = "unclassified hash difference"
 
 

@@ -1,19 +1,43 @@
-"""The tiny Llama target and EAGLE3 draft that the real SGLang engine serves on CPU, built offline.
+"""The tiny Llama targets and EAGLE3 drafts that the real SGLang engine serves on CPU, built offline.
 
 No model hub is reachable in CI, so the real-engine layer builds its own weights: a
 ``LlamaForCausalLM`` (hidden 64, 4 layers — EAGLE3 captures aux layers [0, 1, 2], and SGLang's
 default capture ``[2, L//2, L-3]`` breaks below 4 layers — 4 heads, 2 KV heads, head dim 16,
 vocab 512) and a one-layer ``LlamaForCausalLMEagle3`` draft (``fc`` 3H -> H, attention input 2H),
-both ``0.05 * randn`` with a fixed seed, written as safetensors next to the word-level tokenizer
-of :mod:`kvalign.live.cluster.model_dir` (so kvalign tokenises prompts exactly as the frontend does).
+written as safetensors next to the word-level tokenizer of :mod:`kvalign.live.cluster.model_dir`
+(so kvalign tokenises prompts exactly as the frontend does). Two pairs of them (:data:`PAIRS`),
+each for what the other cannot show:
 
-The *target's LM head is zero*: its logits are constant, so greedy decoding always emits id 0
-(the word ``ok``). That makes acceptance a property of the draft alone:
+``pair="zero-head"`` (the default) — both ``0.05 * randn`` with a fixed seed, and the *target's LM
+head is zero*: its logits are constant, so greedy decoding always emits id 0 (the word ``ok``),
+whatever its KV cache holds. That makes acceptance a property of the draft alone (the "draft
+agrees" scenario), independent of what a prefill -> decode transfer moved:
 
 * ``draft="agree"`` — the draft's head is zero too, so every draft token is accepted
   (tokens per verify = ``--speculative-num-draft-tokens``);
 * ``draft="disagree"`` — a random draft head proposes tokens the target never emits, so almost
   nothing is accepted (tokens per verify ~ 1): the live negative control for assertion 4.
+
+``pair="kv"`` — a target whose greedy output depends on every page of the prompt's KV, and a draft
+that agrees with it only when the draft's own KV is right. A transfer that moves nothing (or the
+wrong pages) changes the decoded text; one that drops the draft's state drops acceptance (measured
+by SGLang, never forced). How (SGLang 0.5.23's ``models/llama.py`` / ``llama_eagle3.py``):
+
+* target: layer 0 is the only effective layer. Its ``q_proj`` is zero, so every attention score is
+  0 and causal attention is the *uniform mean* of ``V`` over positions ``0..p`` (RoPE drops out);
+  its ``o_proj`` is large, so that mean dominates the residual; its MLP and layers 1..3 add nothing
+  (``o_proj`` / ``down_proj`` zero). Plain words have small random embeddings, special tokens zero
+  ones (``V = 0``: the chat framing token every prompt starts with contributes nothing). So
+  ``h(p) = e(x_p) + Wo · mean_{j<=p} Wv·n(e(x_j))``, and the LM head — random on the rows of plain
+  vocabulary words only, so greedy output is always a plain word (never EOS) — reads ``n(h(p))``:
+  change any page's ``V`` and the mean, hence the output, changes;
+* ``draft="agree"`` (the *mirror*): ``fc`` and ``q_proj`` zero (uniform over the draft's own KV),
+  ``v_proj = [Wv | 0]`` on the ``[input_layernorm(embeds), hidden_norm(fc(features))]`` input,
+  ``o_proj = Wo``, MLP zero, LM head and embedding the target's. The draft at position ``i`` holds
+  ``V(x_{j+1})`` for ``j <= i``, so it reads ``n(Wo · sum_{j=1..i+1} V(x_j))`` — the direction the
+  target reads at ``i + 1`` (``V(x_0) = 0``) up to the tiny embedding: it agrees when its KV is
+  right, and not when that KV is zeroed or another prompt's;
+* ``draft="disagree"``: the mirror with a random head, the never-agreeing negative control.
 """
 
 from __future__ import annotations
@@ -23,19 +47,38 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from kvalign.live.cluster.model_dir import write_model_dir
+from kvalign.live.cluster.model_dir import WORDS, vocab, write_model_dir
 
 if TYPE_CHECKING:  # torch is imported when weights are built, not by every kvalign command
     import torch
 
 Draft = Literal["agree", "disagree"]
 DRAFTS: tuple[Draft, ...] = ("agree", "disagree")
+Pair = Literal["zero-head", "kv"]
+PAIRS: tuple[Pair, ...] = ("zero-head", "kv")
 
 TARGET_NAME = "kvalign-tiny-llama"
 LEADING_WORD = "ok"  # id 0: what the zero LM head always generates
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 128, 4, 4, 2, 16, 512
 AUX_LAYERS = [0, 1, 2]
 SEED = 0
+KV_SEED = 2  # the kv pair's generator (the zero-head pair's seeds are SEED and SEED + 1)
+#: kv pair: the embedding scale of the tokens with one (small: the residual ``e(x_p)`` hardly moves
+#: ``h(p)``; RMSNorm makes ``V`` independent of it, and it stays well above ``rms_norm_eps``) and
+#: ``o_proj``'s (large: the attention mean dominates that residual, ~1e-3 of it).
+KV_EMBED_SCALE, KV_O_SCALE = 0.01, 100.0
+#: kv pair: the tokens a prompt opens with (BOS, the chat roles a conversation starts with) have a zero
+#: embedding, so ``V(x_0) = 0`` — the one token the draft never holds (its position j holds x_{j+1}).
+#: The other special tokens have one: every chat prompt ends ``<|end|> <|assistant|>``, and a last
+#: page holding only those must change the output too — so those two share one embedding (two random
+#: ones can all but cancel: with this seed their ``V`` sum was a fifth of one token's).
+KV_ZERO_EMBED = ("<s>", "<|user|>", "<|system|>")
+KV_CLOSING = ("<|end|>", "<|assistant|>")
+#: kv draft: its final norm's weight (with ``norm_output``: the aux hidden state a draft-decode step
+#: hands the next is ``norm(h)``, this small against the attention term, so multi-step drafting reads
+#: the same mean as the first step; its head is the target's over this, the same argmax).
+KV_DRAFT_NORM = 1e-3
+RMS_NORM_EPS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -94,8 +137,16 @@ def _ones(n: int) -> torch.Tensor:
     return torch.ones(n)
 
 
-def target_weights(s: Shapes = CPU) -> dict[str, torch.Tensor]:
-    """The target's tensors (HF Llama names), LM head zero."""
+def _check_pair(pair: Pair) -> None:
+    if pair not in PAIRS:
+        raise ValueError(f"pair must be one of {PAIRS}, got {pair!r}")
+
+
+def target_weights(s: Shapes = CPU, *, pair: Pair = "zero-head") -> dict[str, torch.Tensor]:
+    """The target's tensors (HF Llama names): LM head zero ("zero-head") or KV-dependent ("kv")."""
+    _check_pair(pair)
+    if pair == "kv":
+        return _kv_target_weights(s)
     import torch
 
     gen = torch.Generator().manual_seed(SEED)
@@ -107,10 +158,14 @@ def target_weights(s: Shapes = CPU) -> dict[str, torch.Tensor]:
     return w
 
 
-def draft_weights(draft: Draft, s: Shapes = CPU) -> dict[str, torch.Tensor]:
-    """The EAGLE3 draft's tensors (SGLang's ``midlayer.*`` names); head zero or random."""
+def draft_weights(draft: Draft, s: Shapes = CPU, *, pair: Pair = "zero-head") -> dict[str, torch.Tensor]:
+    """The EAGLE3 draft's tensors (SGLang's ``midlayer.*`` names); head zero or random ("zero-head"),
+    the target's mirror or random ("kv")."""
     if draft not in DRAFTS:
         raise ValueError(f"draft must be one of {DRAFTS}, got {draft!r}")
+    _check_pair(pair)
+    if pair == "kv":
+        return _kv_draft_weights(draft, s)
     import torch
 
     gen = torch.Generator().manual_seed(SEED + 1)
@@ -122,6 +177,92 @@ def draft_weights(draft: Draft, s: Shapes = CPU) -> dict[str, torch.Tensor]:
     return w
 
 
+def plain_word_ids() -> list[int]:
+    """Token ids of the plain vocabulary words (:data:`~kvalign.live.cluster.model_dir.WORDS`, the
+    leading word included): the only rows of the kv target's LM head that are not zero."""
+    v = vocab(LEADING_WORD)
+    return sorted(v[w] for w in WORDS)
+
+
+def _kv_head(gen: torch.Generator, s: Shapes, w: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The kv target's LM head: the plain words' rows evenly spaced unit vectors on a circle of a random
+    plane, every other row zero. Greedy output is the word nearest the angle of ``n(h)``'s projection
+    on that plane, every word is reachable, and one token's ``V`` turns that angle by about a word's
+    width (a random head in H dimensions let a page's worth of ``V`` change ``h`` without changing
+    the argmax). Words take the slots opposite their own ``V``'s direction, so a generated word pushes
+    the next away from itself (with random slots, a word whose ``V`` points to its own slot repeats
+    for ever, and a changed page no longer shows)."""
+    import math
+
+    import torch
+
+    words = torch.tensor(plain_word_ids())
+    plane, _ = torch.linalg.qr(torch.randn(s.hidden, 2, generator=gen))
+    e = w["model.embed_tokens.weight"][words]
+    v = (e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + RMS_NORM_EPS)) @ w["model.layers.0.self_attn.v_proj.weight"].T
+    v = v.view(len(words), s.kv_heads, s.head_dim).repeat_interleave(s.heads // s.kv_heads, dim=1).flatten(1)
+    u = v @ w["model.layers.0.self_attn.o_proj.weight"].T @ plane  # each word's turn of the angle
+    rank = torch.atan2(u[:, 1], u[:, 0]).argsort().argsort().double()
+    angles = 2 * math.pi * rank / len(words) + float(__import__("os").environ.get("KVOFF", "3.14159"))
+    head = torch.zeros(VOCAB, s.hidden)
+    head[words] = torch.stack([angles.cos(), angles.sin()], 1).float() @ plane.T
+    return head
+
+
+def _kv_target_weights(s: Shapes) -> dict[str, torch.Tensor]:
+    """The kv target (module docstring): layer 0's uniform attention mean is the whole model."""
+    import torch
+
+    gen = torch.Generator().manual_seed(KV_SEED)
+    v = vocab(LEADING_WORD)
+    qkv_out, attn_out = s.kv_heads * s.head_dim, s.heads * s.head_dim
+    embed = torch.zeros(VOCAB, s.hidden)  # ids past the tokenizer's and KV_ZERO_EMBED: V = 0
+    embed[: len(v)] = KV_EMBED_SCALE * torch.randn(len(v), s.hidden, generator=gen)
+    embed[torch.tensor([v[t] for t in KV_ZERO_EMBED])] = 0
+    embed[v[KV_CLOSING[1]]] = embed[v[KV_CLOSING[0]]]
+    w = {"model.embed_tokens.weight": embed}
+    for i in range(s.layers):
+        layer = _layer(gen, f"model.layers.{i}", s.hidden, s)
+        layer[f"model.layers.{i}.mlp.down_proj.weight"] = torch.zeros(s.hidden, s.intermediate)
+        if i == 0:
+            layer["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(attn_out, s.hidden)
+            layer["model.layers.0.self_attn.v_proj.weight"] = (
+                torch.randn(qkv_out, s.hidden, generator=gen) / s.hidden ** 0.5)
+            layer["model.layers.0.self_attn.o_proj.weight"] = (
+                KV_O_SCALE * torch.randn(s.hidden, attn_out, generator=gen) / attn_out ** 0.5)
+        else:  # identity: the residual passes through
+            layer[f"model.layers.{i}.self_attn.o_proj.weight"] = torch.zeros(s.hidden, attn_out)
+        w |= layer
+    w["model.norm.weight"] = torch.ones(s.hidden)
+    w["lm_head.weight"] = _kv_head(gen, s, w)  # EOS and the other special tokens are never generated
+    return w
+
+
+def _kv_draft_weights(draft: Draft, s: Shapes) -> dict[str, torch.Tensor]:
+    """The kv pair's EAGLE3 draft: the target's layer 0 read from the draft's own KV (module docstring)."""
+    import torch
+
+    t = _kv_target_weights(s)
+    gen = torch.Generator().manual_seed(KV_SEED + 1)
+    qkv_out, attn_out = s.kv_heads * s.head_dim, s.heads * s.head_dim
+    w = _layer(gen, "midlayer", 2 * s.hidden, s)
+    w["midlayer.self_attn.q_proj.weight"] = torch.zeros(attn_out, 2 * s.hidden)
+    # attention input is cat([input_layernorm(embeds), hidden_norm(fc(features))]): V reads the embeds half
+    w["midlayer.self_attn.v_proj.weight"] = torch.cat(
+        [t["model.layers.0.self_attn.v_proj.weight"], torch.zeros(qkv_out, s.hidden)], dim=1)
+    w["midlayer.self_attn.o_proj.weight"] = t["model.layers.0.self_attn.o_proj.weight"].clone()
+    w["midlayer.mlp.down_proj.weight"] = torch.zeros(s.hidden, s.intermediate)
+    w["midlayer.hidden_norm.weight"] = torch.ones(s.hidden)
+    w["fc.weight"] = torch.zeros(s.hidden, 3 * s.hidden)  # the draft's residual is 0
+    w["norm.weight"] = torch.full((s.hidden,), KV_DRAFT_NORM)  # with "norm_output": the aux it hands on
+    # SGLang shares the target's embedding with an EAGLE3 draft of the same hidden size (set_embed);
+    # the draft carries it too, for a loader that reads the draft's own.
+    w["embed_tokens.weight"] = t["model.embed_tokens.weight"].clone()
+    w["lm_head.weight"] = (t["lm_head.weight"] / KV_DRAFT_NORM if draft == "agree"
+                           else _randn(gen, VOCAB, s.hidden) * 20 / KV_DRAFT_NORM)
+    return w
+
+
 def _save(weights: dict[str, torch.Tensor], root: Path, s: Shapes) -> None:
     import torch
     from safetensors.torch import save_file
@@ -130,27 +271,43 @@ def _save(weights: dict[str, torch.Tensor], root: Path, s: Shapes) -> None:
     save_file({k: v.to(dtype).contiguous() for k, v in weights.items()}, str(root / "model.safetensors"))
 
 
-def write_target(path: str | Path, s: Shapes = CPU) -> Path:
+def target_name(pair: Pair = "zero-head") -> str:
+    """The target's ``_name_or_path`` (the engine serves either as :data:`TARGET_NAME`)."""
+    _check_pair(pair)
+    return TARGET_NAME if pair == "zero-head" else f"{TARGET_NAME}-{pair}"
+
+
+def write_target(path: str | Path, s: Shapes = CPU, *, pair: Pair = "zero-head") -> Path:
     """The target model directory (config, tokenizer, chat template, weights)."""
-    root = write_model_dir(path, name=TARGET_NAME, leading_word=LEADING_WORD, config=s.config())
-    _save(target_weights(s), root, s)
+    config = s.config() if pair == "zero-head" else {**s.config(), "rms_norm_eps": RMS_NORM_EPS}
+    root = write_model_dir(path, name=target_name(pair), leading_word=LEADING_WORD, config=config)
+    _save(target_weights(s, pair=pair), root, s)
     return root
 
 
-def write_draft(path: str | Path, draft: Draft = "agree", s: Shapes = CPU) -> Path:
-    """The EAGLE3 draft directory for ``draft`` ("agree" or "disagree")."""
+def write_draft(path: str | Path, draft: Draft = "agree", s: Shapes = CPU, *, pair: Pair = "zero-head") -> Path:
+    """The EAGLE3 draft directory for ``draft`` ("agree" or "disagree") of ``pair``."""
+    _check_pair(pair)
     config = {
         **s.config(), "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
         "draft_vocab_size": VOCAB, "target_hidden_size": s.hidden,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX_LAYERS},
     }
-    root = write_model_dir(path, name=f"{TARGET_NAME}-eagle3-{draft}", leading_word=LEADING_WORD, config=config)
-    _save(draft_weights(draft, s), root, s)
-    (root / "kvalign-draft.json").write_text(json.dumps({"draft": draft}))
+    if pair != "zero-head":  # norm_output: the aux hidden state of a draft step is norm(h) (KV_DRAFT_NORM)
+        config |= {"rms_norm_eps": RMS_NORM_EPS, "norm_output": True}
+    root = write_model_dir(path, name=f"{target_name(pair)}-eagle3-{draft}", leading_word=LEADING_WORD, config=config)
+    _save(draft_weights(draft, s, pair=pair), root, s)
+    meta = {"draft": draft} if pair == "zero-head" else {"draft": draft, "pair": pair}
+    (root / "kvalign-draft.json").write_text(json.dumps(meta))
     return root
 
 
-def write_models(path: str | Path, draft: Draft = "agree", s: Shapes = CPU) -> tuple[Path, Path]:
-    """Target and draft under ``path`` (``target/``, ``draft-<draft>/``); returns both dirs."""
+def write_models(path: str | Path, draft: Draft = "agree", s: Shapes = CPU, *,
+                 pair: Pair = "zero-head") -> tuple[Path, Path]:
+    """Target and draft under ``path`` (``target/``, ``draft-<draft>/``; the kv pair ``target-kv/``,
+    ``draft-kv-<draft>/``); returns both dirs."""
+    _check_pair(pair)
     root = Path(path)
-    return write_target(root / "target", s), write_draft(root / f"draft-{draft}", draft, s)
+    tag = "" if pair == "zero-head" else f"-{pair}"
+    return (write_target(root / f"target{tag}", s, pair=pair),
+            write_draft(root / f"draft{tag}-{draft}", draft, s, pair=pair))

@@ -41,6 +41,8 @@ class EngineKind(Protocol):
     speculates: bool
     #: ``kvalign live up``'s default start-up budget, seconds
     live_startup_timeout_s: float
+    #: SGLang's prefill->decode transfer backend when the run names none (None: no real engine)
+    default_transfer: str | None
 
     def validate(self, opts: RunOptions) -> None:
         """Raise ValueError (one line) for an option this engine does not take."""
@@ -86,6 +88,9 @@ def _only_cpu_engine_options(name: str, opts: RunOptions) -> None:
     if opts.hicache is not None:
         raise ValueError(f"--hicache runs SGLang's host tier on the real engine: it needs --engine sglang-cpu or "
                          f"sglang-gpu, not {name}")
+    if opts.transfer is not None or opts.checksum_mismatch_prob:
+        raise ValueError(f"--transfer and --checksum-mismatch-prob pick SGLang's prefill->decode transfer: they need "
+                         f"--engine sglang-cpu or sglang-gpu, not {name}")
 
 
 def _cpu_topology(opts: RunOptions) -> Topology:
@@ -100,6 +105,7 @@ class FakeCpuEngine:
     cpu = True
     speculates = False
     live_startup_timeout_s = 120.0
+    default_transfer = None
 
     def validate(self, opts: RunOptions) -> None:
         _only_cpu_engine_options(self.name, opts)
@@ -135,6 +141,8 @@ class SglangCpuEngine:
     cpu = True
     speculates = True
     live_startup_timeout_s = 400.0
+    #: NIXL over host memory (UCX/TCP on 127.0.0.1), SGLang's checksum on both sides
+    default_transfer = "nixl"
 
     def validate(self, opts: RunOptions) -> None:
         """Every option but another Dynamo release applies (the SGLang release is checked against the
@@ -151,14 +159,17 @@ class SglangCpuEngine:
         release = f" {opts.sglang} (wheel cache)" if opts.sglang else ""
         tier = "" if opts.hicache is None else f", {opts.hicache.describe()} on the prefill workers"
         return (f"{opts.prefill} prefill + {opts.decode} decode real SGLang{release} CPU workers, EAGLE3 "
-                f"(tiny Llama, {opts.draft}ing draft){tier}")
+                f"(tiny Llama, {opts.pair} pair, {opts.draft}ing draft), {opts.transfer_backend} transfer{tier}")
 
     def model_lines(self, opts: RunOptions, plan: ClusterPlan) -> list[str]:
-        return [f"models: tiny Llama target + {opts.draft}ing EAGLE3 draft, built offline under RUN_DIR/models"]
+        return [f"models: tiny Llama target ({opts.pair} pair) + {opts.draft}ing EAGLE3 draft, built offline under "
+                "RUN_DIR/models"]
 
     def plan(self, topology: Topology, run_dir: str | Path, opts: RunOptions) -> tuple[ClusterPlan, WorkerKind]:
         return sglang_cpu_worker.plan_cluster(topology, run_dir, draft=opts.draft, control_plane=opts.control_plane,
-                                              sglang_version=opts.sglang, hicache=opts.hicache)
+                                              sglang_version=opts.sglang, hicache=opts.hicache, pair=opts.pair,
+                                              transfer=opts.transfer_backend or self.default_transfer,
+                                              checksum_mismatch_prob=opts.checksum_mismatch_prob)
 
     def prerequisites(self, opts: RunOptions, *, import_check: bool = True) -> Prereqs | None:
         problem = sglang_cpu_worker.engine_problem(opts.sglang)
@@ -173,6 +184,8 @@ class SglangGpuEngine:
     cpu = False
     speculates = True
     live_startup_timeout_s = 900.0
+    #: the tiny pair on one GPU: ``fake`` until a NIXL build travels in the GPU bundle (``--transfer nixl``)
+    default_transfer = "fake"
 
     def validate(self, opts: RunOptions) -> None:
         if opts.sglang is not None:
@@ -191,9 +204,10 @@ class SglangGpuEngine:
 
     def describe(self, opts: RunOptions) -> str:
         dgpu = 0 if opts.single_gpu else 1
-        tiny = (f" (tiny Llama, {opts.draft}ing draft, fake transfer)" if opts.model == TINY_MODEL else "")
+        tiny = (f" (tiny Llama, {opts.pair} pair, {opts.draft}ing draft)" if opts.model == TINY_MODEL else "")
         tier = "" if opts.hicache is None else f", {opts.hicache.describe()} on the prefill workers"
-        return f"{opts.prefill} prefill (GPU 0) + {opts.decode} decode (GPU {dgpu}), EAGLE3{tiny}{tier}"
+        return (f"{opts.prefill} prefill (GPU 0) + {opts.decode} decode (GPU {dgpu}), EAGLE3{tiny}, "
+                f"{opts.transfer_backend} transfer{tier}")
 
     def model_lines(self, opts: RunOptions, plan: ClusterPlan) -> list[str]:
         if opts.model == TINY_MODEL:
@@ -203,7 +217,9 @@ class SglangGpuEngine:
     def plan(self, topology: Topology, run_dir: str | Path, opts: RunOptions) -> tuple[ClusterPlan, WorkerKind]:
         if opts.model == TINY_MODEL:
             return sglang_gpu_worker.plan_cluster(topology, run_dir, draft=opts.draft, control_plane=opts.control_plane,
-                                                  hicache=opts.hicache, cuda_graph=opts.cuda_graph)
+                                                  hicache=opts.hicache, cuda_graph=opts.cuda_graph, pair=opts.pair,
+                                                  transfer=opts.transfer_backend or self.default_transfer,
+                                                  checksum_mismatch_prob=opts.checksum_mismatch_prob)
         model_dir, _ = resolve_model_dir(opts.model)
         draft_dir, _ = resolve_model_dir(opts.draft_model)
         plan = make_plan(topology, run_dir, str(model_dir or opts.model), model_name=Path(opts.model).name,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from kvalign.live.cluster.topology import ControlPlane
-from kvalign.live.engines.engine_model import Draft
+from kvalign.live.engines.engine_model import Draft, Pair
 from kvalign.live.engines.hicache import HiCache
 
 
@@ -49,3 +49,11 @@ class RunOptions(Protocol):
     def dynamo(self) -> str | None: ...
     @property
     def hicache(self) -> HiCache | None: ...
+    @property
+    def transfer(self) -> str | None: ...
+    @property
+    def transfer_backend(self) -> str | None: ...
+    @property
+    def pair(self) -> Pair: ...
+    @property
+    def checksum_mismatch_prob(self) -> float: ...

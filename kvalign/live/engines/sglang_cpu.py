@@ -37,10 +37,12 @@ from kvalign.releases.release_env import python_for
 from kvalign.standins import sglang_cpu as sglang_cpu_standin
 from kvalign.live.cluster.lifecycle import make_plan
 from kvalign.live.engines.dp_workers import dp_args, dp_problem, threads_bind
-from kvalign.live.engines.engine_model import TARGET_NAME, Draft, write_models
+from kvalign.live.engines.engine_model import TARGET_NAME, Draft, Pair, write_models
 from kvalign.live.engines.hicache import HiCache
 from kvalign.live.cluster.processes import ProcessSpec
 from kvalign.live.engines.sglang_worker import RELAY_SUBSCRIBE_ENV, ROUTER_EAGLE_ENV, SERVER_INFO_ENV
+from kvalign.live.cluster.ports import LOOPBACK
+from kvalign.standins.sglang_cpu.kv_transfer import CHECKSUM_LEDGER_ENV
 from kvalign.oracles.sglang import torch_extensions_dir
 from kvalign.live.cluster.topology import ClusterPlan, ControlPlane, Topology, WorkerSpec
 
@@ -78,8 +80,12 @@ class SglangCpuWorkerKind:
                  threads: int = 2, sglang_version: str = sglang_cpu_standin.SGLANG_VERSION,
                  sglang_dir: Path | None = None, relay_subscribe: Mapping[str, str] | None = None,
                  sleep_on_idle: bool = True, hicache: HiCache | None = None,
-                 extra_env: Mapping[str, str] | None = None) -> None:
+                 extra_env: Mapping[str, str] | None = None, transfer: str = "nixl") -> None:
+        if transfer not in TRANSFER_BACKENDS:
+            raise ValueError(f"transfer backend must be one of {', '.join(TRANSFER_BACKENDS)}, got {transfer!r}")
         self.draft_model, self.eagle = draft_model, eagle
+        #: SGLang's transfer backend between prefill and decode (:data:`TRANSFER_BACKENDS`)
+        self.transfer_backend = transfer
         #: SGLang's host tier on the workers that cache prompts (aggregated and prefill), or None
         self.hicache = hicache
         #: SGLang's ``--sleep-on-idle`` (0.5.19, 0.5.21, 0.5.23): without it each scheduler spins a core
@@ -156,6 +162,8 @@ class SglangCpuWorkerKind:
         if worker.role != "agg":
             argv += ["--disaggregation-mode", worker.role, "--disaggregation-transfer-backend", self.transfer_backend,
                      "--disaggregation-bootstrap-port", str(ports.bootstrap)]
+            if self.transfer_backend != "fake":  # fake sends no digest: there is nothing to verify
+                argv += ["--disaggregation-enable-kv-checksum"]
         if worker.role == "decode":
             argv += self.decode_args()
         elif self.hicache is not None:
@@ -172,6 +180,8 @@ class SglangCpuWorkerKind:
             **({SERVER_INFO_ENV: str(server_info_path(plan, worker))} if recording else {}),
             **self.extra_env,
         }
+        if worker.role != "agg":
+            env.update(self.transfer_env(worker, plan))
         if self.hicache is not None and worker.role != "decode":
             env.update(self.hicache.storage_env(storage_dir(plan, worker)))
         if dp > 1:
@@ -182,9 +192,16 @@ class SglangCpuWorkerKind:
             env[sglang_cpu_standin.PUBLISHER_FAULTS_ENV] = str(self.publisher_faults_dir / f"{worker.name}.json")
         return ProcessSpec(worker.name, argv, env)
 
-    #: SGLang's transfer backend between prefill and decode: ``fake`` moves no KV bytes (the target's
-    #: zero LM head makes decode's output independent of its KV, :mod:`.engine_model`)
-    transfer_backend = "fake"
+    def transfer_env(self, worker: WorkerSpec, plan: ClusterPlan) -> dict[str, str]:
+        """A disaggregated worker's transfer settings: every address SGLang advertises or binds for
+        the hand-off is 127.0.0.1 (its own choice may be a LAN address), NIXL's UCX runs over TCP on
+        the loopback device, and the decode worker records each checksum verification."""
+        env = {"SGLANG_HOST_IP": LOOPBACK}
+        if self.transfer_backend == "nixl":
+            env |= {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
+        if worker.role == "decode":
+            env[CHECKSUM_LEDGER_ENV] = str(checksum_ledger_path(plan, worker))
+        return env
 
     def device_args(self, worker: WorkerSpec, plan: ClusterPlan) -> list[str]:
         """The flags that put SGLang on this CPU (the module docstring says why each)."""
@@ -198,6 +215,19 @@ class SglangCpuWorkerKind:
     def device_env(self, worker: WorkerSpec) -> dict[str, str]:
         """The CPU stand-in, loaded through the worker's ``PYTHONPATH``."""
         return sglang_cpu_standin.worker_env(None if self.sglang_dir else os.environ.get("PYTHONPATH") or None)
+
+
+#: SGLang's prefill->decode transfer backends the CPU workers run: ``nixl`` moves the KV pages (host
+#: memory, UCX over TCP on 127.0.0.1, :mod:`kvalign.standins.sglang_cpu.kv_transfer`) and both sides
+#: run SGLang's KV checksum; ``fake`` moves nothing (the negative control: decode without the KV).
+TRANSFER_BACKENDS = ("nixl", "fake")
+
+
+def checksum_ledger_path(plan: ClusterPlan, worker: WorkerSpec) -> Path:
+    """Where ``worker`` (decode) records SGLang's checksum verifications, one JSON line a request."""
+    path = plan.run_dir / "kv" / f"{worker.name}.checksums.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def storage_dir(plan: ClusterPlan, worker: WorkerSpec) -> Path:
@@ -253,9 +283,11 @@ def release_dir(sglang_version: str | None) -> tuple[str, Path | None]:
 
 def plan_cluster(topology: Topology, run_dir: str | Path, *, draft: Draft = "agree",
                  control_plane: ControlPlane = "file", sglang_version: str | None = None,
-                 hicache: HiCache | None = None) -> tuple[ClusterPlan, SglangCpuWorkerKind]:
-    """Plan a real-engine CPU run: the tiny models are built under ``run_dir/models`` (a few
-    hundred KB, so every run builds its own) and served as :data:`TARGET_NAME`."""
+                 hicache: HiCache | None = None, pair: Pair = "zero-head", transfer: str = "nixl",
+                 checksum_mismatch_prob: float = 0.0) -> tuple[ClusterPlan, SglangCpuWorkerKind]:
+    """Plan a real-engine CPU run: the tiny models (``pair``) are built under ``run_dir/models`` (a few
+    hundred KB, so every run builds its own) and served as :data:`TARGET_NAME`; ``transfer`` is SGLang's
+    prefill->decode backend and ``checksum_mismatch_prob`` SGLang's own checksum-mismatch injector."""
     version, sglang_dir = release_dir(sglang_version)
     if hicache is not None:
         from kvalign.live.engines.hicache import problem
@@ -265,6 +297,17 @@ def plan_cluster(topology: Topology, run_dir: str | Path, *, draft: Draft = "agr
     if (why := dp_problem(version, topology.dp_size)) is not None:
         raise RuntimeError(why)
     run = Path(run_dir).resolve()
-    target, draft_dir = write_models(run / "models", draft)
+    target, draft_dir = write_models(run / "models", draft, pair=pair)
     plan = make_plan(topology, run, str(target), model_name=TARGET_NAME, control_plane=control_plane)
-    return plan, SglangCpuWorkerKind(str(draft_dir), sglang_version=version, sglang_dir=sglang_dir, hicache=hicache)
+    return plan, SglangCpuWorkerKind(str(draft_dir), sglang_version=version, sglang_dir=sglang_dir, hicache=hicache,
+                                     transfer=transfer, extra_env=mismatch_env(checksum_mismatch_prob))
+
+
+def mismatch_env(prob: float) -> dict[str, str]:
+    """SGLang's own test knob that makes decode's KV checksum fail with probability ``prob`` (read in
+    ``disaggregation/decode.py``; 0 sets nothing)."""
+    return {CHECKSUM_MISMATCH_ENV: f"{prob:g}"} if prob else {}
+
+
+#: SGLang's checksum-mismatch injector (``sglang.srt.environ``): the negative control of a verified transfer.
+CHECKSUM_MISMATCH_ENV = "SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB"

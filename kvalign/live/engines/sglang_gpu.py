@@ -26,9 +26,9 @@ from pathlib import Path
 
 from kvalign.live.cluster.lifecycle import make_plan
 from kvalign.live.cluster.topology import ClusterPlan, ControlPlane, Topology, WorkerSpec
-from kvalign.live.engines.engine_model import GPU, TARGET_NAME, Draft, write_models
+from kvalign.live.engines.engine_model import GPU, TARGET_NAME, Draft, Pair, write_models
 from kvalign.live.engines.hicache import HiCache
-from kvalign.live.engines.sglang_cpu import SglangCpuWorkerKind
+from kvalign.live.engines.sglang_cpu import SglangCpuWorkerKind, mismatch_env
 from kvalign.live.engines.sglang_worker import GPU_MEMORY_BUDGET, EagleConfig
 from kvalign.standins import sglang_gpu as sglang_gpu_standin
 
@@ -45,8 +45,9 @@ class SglangGpuWorkerKind(SglangCpuWorkerKind):
     name = "sglang-gpu"
 
     def __init__(self, draft_model: str | None, *, eagle: EagleConfig = EagleConfig(), cuda_graph: bool = False,
-                 hicache: HiCache | None = None) -> None:
-        super().__init__(draft_model, sglang_version=sglang_gpu_standin.SGLANG_VERSION, hicache=hicache)
+                 hicache: HiCache | None = None, transfer: str = "fake", extra_env: dict[str, str] | None = None) -> None:
+        super().__init__(draft_model, sglang_version=sglang_gpu_standin.SGLANG_VERSION, hicache=hicache,
+                         transfer=transfer, extra_env=extra_env)
         self.eagle, self.cuda_graph = eagle, cuda_graph
 
     def device_args(self, worker: WorkerSpec, plan: ClusterPlan) -> list[str]:
@@ -57,6 +58,13 @@ class SglangGpuWorkerKind(SglangCpuWorkerKind):
     def decode_args(self) -> list[str]:
         return []
 
+    def transfer_env(self, worker: WorkerSpec, plan: ClusterPlan) -> dict[str, str]:
+        """The CPU kind's, less its UCX restriction to TCP: on a GPU, NIXL's UCX picks ``cuda_ipc`` /
+        ``cuda_copy`` between two processes on one device."""
+        env = super().transfer_env(worker, plan)
+        env.pop("UCX_TLS", None)
+        return env
+
     def device_env(self, worker: WorkerSpec) -> dict[str, str]:
         return {**sglang_gpu_standin.worker_env(os.environ.get("PYTHONPATH") or None),
                 "CUDA_VISIBLE_DEVICES": str(worker.gpu or 0)}
@@ -64,13 +72,15 @@ class SglangGpuWorkerKind(SglangCpuWorkerKind):
 
 def plan_cluster(topology: Topology, run_dir: str | Path, *, draft: Draft = "agree",
                  control_plane: ControlPlane = "file", hicache: HiCache | None = None,
-                 cuda_graph: bool = False) -> tuple[ClusterPlan, SglangGpuWorkerKind]:
+                 cuda_graph: bool = False, pair: Pair = "zero-head", transfer: str = "fake",
+                 checksum_mismatch_prob: float = 0.0) -> tuple[ClusterPlan, SglangGpuWorkerKind]:
     """Plan a real-engine GPU run: the tiny models (GPU shapes, bf16) are written under
     ``run_dir/models`` and served as :data:`TARGET_NAME`."""
     run = Path(run_dir).resolve()
-    target, draft_dir = write_models(run / "models", draft, GPU)
+    target, draft_dir = write_models(run / "models", draft, GPU, pair=pair)
     plan = make_plan(topology, run, str(target), model_name=TARGET_NAME, control_plane=control_plane)
-    return plan, SglangGpuWorkerKind(str(draft_dir), hicache=hicache, cuda_graph=cuda_graph)
+    return plan, SglangGpuWorkerKind(str(draft_dir), hicache=hicache, cuda_graph=cuda_graph, transfer=transfer,
+                                     extra_env=mismatch_env(checksum_mismatch_prob))
 
 
 def engine_problem() -> str | None:

@@ -35,7 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from kvalign.live.runs import scenario
-from kvalign.live.engines.engine_model import Draft
+from kvalign.live.engines.engine_model import PAIRS, Draft, Pair
+from kvalign.live.runs import decode_half
+from kvalign.live.runs.disagg_invisible import DecodeRecord, TransferRecord, invisible_failures, transfer_failures
 from kvalign.live.engines.hicache import HiCache
 from kvalign.live.engines.kinds import ENGINE_KINDS, EngineKind, EngineName
 from kvalign.live.engines.gpu import Prereqs
@@ -82,6 +84,18 @@ class E2eOptions:
     sglang: str | None = None  # sglang-cpu: the SGLang release the workers run (None: the environment's)
     dynamo: str | None = None  # fake-cpu: the Dynamo release every process runs (None: the environment's)
     hicache: HiCache | None = None  # sglang-cpu: SGLang's host tier on the prefill workers
+    #: real engines: SGLang's prefill->decode transfer backend (None: the engine's default,
+    #: :meth:`EngineKind.default_transfer`); ``fake`` moves no KV byte (the decode half's control)
+    transfer: str | None = None
+    #: real engines, tiny models: ``kv`` (output depends on the KV, acceptance on the draft's state)
+    #: or ``zero-head`` (constant output; acceptance a property of the draft alone)
+    pair: Pair = "kv"
+    #: real engines: answer the same prompts on one aggregated worker and require equal outputs and
+    #: speculation, request by request (assertion 5)
+    compare_aggregated: bool = True
+    #: SGLang's own checksum-mismatch injector on decode (``SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB``):
+    #: a negative control of assertion 6
+    checksum_mismatch_prob: float = 0.0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -93,6 +107,20 @@ class E2eOptions:
             raise ValueError(f"the scenario needs at least 2 requests (request 2 is the first cache hit), got {self.requests}")
         if self.max_tokens < 2:
             raise ValueError(f"--max-tokens must be >= 2 so decode runs verify steps, got {self.max_tokens}")
+        if self.pair not in PAIRS:
+            raise ValueError(f"--pair must be one of {', '.join(PAIRS)}, got {self.pair!r}")
+        if not 0.0 <= self.checksum_mismatch_prob <= 1.0:
+            raise ValueError(f"--checksum-mismatch-prob must be in [0, 1], got {self.checksum_mismatch_prob}")
+
+    @property
+    def transfer_backend(self) -> str | None:
+        """The transfer backend the real engine's prefill and decode workers run (None: not a real engine)."""
+        return self.transfer or (self.kind.default_transfer if self.speculates else None)
+
+    @property
+    def decode_half(self) -> bool:
+        """The run judges the decode half (assertions 5 and 6): a real engine, disaggregated."""
+        return self.speculates and self.prefill > 0 and self.decode > 0
 
     @property
     def kind(self) -> EngineKind:
@@ -150,6 +178,12 @@ class E2eResult:
     notes: list[str] = field(default_factory=list)
     peak_rss_bytes: int = 0  # all processes of the run, sampled after start-up and after each request
     worker_ids: dict[str, set[int]] = field(default_factory=dict)  # role -> Dynamo instance ids
+    #: the decode half (real engines): each request's transfer, its answer on the cluster, and the
+    #: aggregated worker's answer to the same prompt (None until :func:`judge_decode_half` ran)
+    transfers: list[TransferRecord] = field(default_factory=list)
+    decoded: list[DecodeRecord] = field(default_factory=list)
+    reference: list[DecodeRecord] | None = None
+    transfer_backend: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -173,7 +207,20 @@ class E2eResult:
             "decode_window": window(self.window), "min_tokens_per_verify": MIN_TOKENS_PER_VERIFY,
             "worker_ids": {role: sorted(ids) for role, ids in self.worker_ids.items()},
             "peak_rss_bytes": self.peak_rss_bytes,
+            **({} if self.transfer_backend is None else {"decode_half": self.decode_half_json()}),
         }
+
+    def decode_half_json(self) -> dict[str, Any]:
+        """The transfer backend, what moved per request, and the comparison with the aggregated run."""
+        def answers(rs: list[DecodeRecord] | None) -> list[dict[str, Any]] | None:
+            return None if rs is None else [
+                {"request": r.request, "token_ids": list(r.token_ids), "verify_calls": r.verify_calls,
+                 "generation_tokens": r.generation_tokens, **({"error": r.error} if r.error else {})} for r in rs]
+
+        return {"transfer_backend": self.transfer_backend, "transfers": decode_half.transfer_rows(self.transfers),
+                "disaggregated": answers(self.decoded), "aggregated": answers(self.reference),
+                "equal_to_aggregated": None if self.reference is None else not any(
+                    f.startswith("assertion 5 ") for f in self.failures)}
 
     def table(self) -> str:
         """The shared routing table plus spec-decode and transfer columns per request."""
@@ -216,17 +263,24 @@ def run(cluster: Any, opts: E2eOptions, progress: Callable[[str], None] = lambda
     before = snapshot() if urls else None
     snaps: list[MetricsSnapshot] = []
     peak = rss_bytes(run_pids(RUN_MARKER_ENV, str(cluster.plan.run_dir)))
+    probe = decode_half.TransferProbe(cluster.plan, str(opts.transfer_backend)) if opts.decode_half else None
+    transfers: list[TransferRecord] = []
+    if probe is not None:
+        probe.start()
 
     def after(rec: scenario.RequestRecord) -> None:
         nonlocal peak
         peak = max(peak, rss_bytes(run_pids(RUN_MARKER_ENV, str(cluster.plan.run_dir))))
         if urls:
             snaps.append(snapshot())
+        if probe is not None:
+            transfers.append(probe.record(rec.index + 1))
         progress(f"request {rec.index + 1}/{opts.requests}: {len(rec.tokens)} prompt tokens, prefill worker "
                  f"{rec.worker}, decode worker {rec.result.decode_worker_id}, kv_hit_rate {rec.observed} "
                  f"(kvalign predicted {rec.predicted})")
 
-    records = scenario.run_prefix_extension(cluster, opts.requests, max_tokens=opts.max_tokens, after_each=after)
+    records = scenario.run_prefix_extension(cluster, opts.requests, max_tokens=opts.max_tokens, after_each=after,
+                                            extra_fields=decode_half.TOKEN_IDS_FIELDS if probe else scenario.EXTRA_FIELDS)
     window = spec_window(before, snaps) if before is not None else None
     per_request: list[SpecDecodeWindow | None] = (
         [spec_window(prev, [cur]) for prev, cur in zip([before, *snaps[:-1]], snaps)] if before is not None
@@ -234,8 +288,43 @@ def run(cluster: Any, opts: E2eOptions, progress: Callable[[str], None] = lambda
     )
     result = E2eResult(records, window, per_request, peak_rss_bytes=peak,
                        worker_ids={role: cluster.ids_by_role(role) for role in ("prefill", "decode")})
+    if probe is not None and before is not None:
+        result.transfer_backend, result.transfers = probe.backend, transfers
+        result.decoded = [decode_half.decode_record(r, prev, cur)
+                          for r, prev, cur in zip(records, [before, *snaps[:-1]], snaps)]
     check(cluster, opts, result)
     return result
+
+
+def reference(opts: E2eOptions, run_dir: str | Path, progress: Callable[[str], None] = lambda _m: None) -> list[DecodeRecord]:
+    """The scenario's prompts on one aggregated worker of the same engine and models (assertion 5's reference)."""
+    return decode_half.reference_run(lambda topology, d: opts.kind.plan(topology, d, opts), requests=opts.requests,
+                                     max_tokens=opts.max_tokens, page_size=opts.page_size, run_dir=Path(run_dir),
+                                     startup_timeout_s=opts.startup_timeout_s, progress=progress)
+
+
+def judge_decode_half(result: E2eResult, reference_records: list[DecodeRecord] | None) -> None:
+    """Assertions 5 (disaggregation is invisible: tokens and speculation equal to the aggregated
+    worker's, request by request) and 6 (each request's KV moved over the backend, and SGLang's checksum
+    verified it where it runs), each failure naming its request and cause."""
+    if result.transfer_backend is None:
+        return
+    moved = transfer_failures(result.transfers, checksum=result.transfer_backend != "fake")
+    if moved:
+        result.failures.append("assertion 6 (each request's KV moved prefill -> decode and its checksum verified): "
+                               + "; ".join(d.line() for d in moved))
+    if reference_records is None:
+        result.notes.append("assertion 5 not run: no aggregated reference (--no-compare-aggregated)")
+        return
+    result.reference = reference_records
+    try:
+        diverged = invisible_failures(result.decoded, reference_records, result.transfers)
+    except ValueError as exc:
+        result.failures.append(f"assertion 5 (disaggregation is invisible): cannot compare: {exc}")
+        return
+    if diverged:
+        result.failures.append("assertion 5 (disaggregation is invisible: output tokens and speculation equal to one "
+                               "aggregated worker's): " + "; ".join(d.line() for d in diverged))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -39,6 +39,9 @@ class ChatResult:
     usage: dict[str, Any] = field(default_factory=dict)
     chunks: int = 0
     done: bool = False
+    #: the engine's output token ids (each chunk's ``nvext.completion_token_ids``, asked for with that
+    #: extra field, concatenated; None when the stream carried none)
+    token_ids: list[int] | None = None
 
     @property
     def kv_hit_rate(self) -> float | None:
@@ -101,6 +104,11 @@ def parse_sse(lines: Iterable[str | bytes]) -> ChatResult:
             _absorb_worker_ids(res, nvext["worker_id"])
         if isinstance(nvext.get("timing"), dict):
             res.timing = nvext["timing"]
+        if "completion_token_ids" in nvext:
+            ids = nvext["completion_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise SseError(f"nvext.completion_token_ids is not a list of integers: {ids!r:.80}")
+            res.token_ids = [*(res.token_ids or []), *ids]  # each chunk carries its own tokens' ids
         if isinstance(chunk.get("usage"), dict):
             res.usage = chunk["usage"]
     return res
@@ -122,11 +130,12 @@ def chat_payload(model: str, content: str | list[dict[str, Any]], *, max_tokens:
 
 
 def stream_chat(base_url: str, model: str, content: str | list[dict[str, Any]], *, max_tokens: int = 8,
-                timeout_s: float = 60.0) -> ChatResult:
+                timeout_s: float = 60.0, extra_fields: Sequence[str] = EXTRA_FIELDS) -> ChatResult:
     """POST one streaming chat completion and parse it; HTTP errors raise with the body. ``content``:
     a string, or OpenAI content parts (text and ``image_url`` parts)."""
     with requests.post(
-        f"{base_url}/v1/chat/completions", json=chat_payload(model, content, max_tokens=max_tokens),
+        f"{base_url}/v1/chat/completions",
+        json=chat_payload(model, content, max_tokens=max_tokens, extra_fields=extra_fields),
         stream=True, timeout=(5.0, timeout_s),
     ) as resp:
         if resp.status_code != 200:

@@ -33,6 +33,10 @@ FINISHED_REQUESTS = "sglang:num_requests_total"
 SPEC_ACCEPT_LENGTH = "sglang:spec_accept_length"
 SPEC_ACCEPT_RATE = "sglang:spec_accept_rate"
 SPEC_NUM_DRAFT_TOKENS = "sglang:spec_num_draft_tokens"
+#: Prefill's own record of each request it handed to decode over a real backend (one observation per
+#: request; SGLang's ``fake`` backend observes nothing): histograms, read as ``_count`` / ``_sum``.
+KV_TRANSFER_TOTAL_MB = "sglang:kv_transfer_total_mb"
+KV_TRANSFER_LATENCY_MS = "sglang:kv_transfer_latency_ms"
 
 MIN_TOKENS_PER_VERIFY = 1.2
 

@@ -18,7 +18,7 @@ from typing import Any
 from kvalign.standins import hicache_cpu
 from kvalign.standins.hicache_cpu import patches as hicache_patches
 from kvalign.standins import sglang_scalar_pads
-from kvalign.standins.sglang_cpu import SUPPORTED, patches, publisher_faults, version_problem
+from kvalign.standins.sglang_cpu import SUPPORTED, kv_transfer, patches, publisher_faults, version_problem
 
 #: module -> patches to run once it has executed, in every supported release (each release's own
 #: extra ones come from ``SUPPORTED[version].patches``).
@@ -28,7 +28,9 @@ PATCHES: dict[str, tuple[Callable[[], None], ...]] = {
     "sglang.srt.layers.rotary_embedding.base": (patches.rotary_empty_batch,),
     "sglang.srt.arg_groups.pd_disaggregation_hook": (patches.fake_transfer_prefill_check,),
     "sglang.srt.managers.disagg_service": (patches.fake_transfer_bootstrap,),
-    "sglang.srt.disaggregation.decode": (patches.fake_transfer_decode,),
+    "sglang.srt.disaggregation.decode": (patches.fake_transfer_decode, kv_transfer.record_checksum_verifications),
+    "sglang.srt.disaggregation.nixl.conn": (kv_transfer.nixl_host_memory,),
+    "sglang.srt.disaggregation.checksum": (kv_transfer.kv_checksum_on_cpu,),
 }
 
 #: HiCache's host pool on CPU (:mod:`kvalign.standins.hicache_cpu`), for the releases it supports.

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvalign.standins.sglang_cpu import patches
+from kvalign.standins.sglang_cpu import kv_transfer, patches
 from kvalign.standins.sglang_cpu.hooks import PatchOnImport, leave_if
 from kvalign.standins.sglang_gpu import cutedsl_dual_gemm, version_problem
 
@@ -25,7 +25,7 @@ REPLACED = {"sglang.kernels.ops.gemm.cutedsl_dual_gemm": cutedsl_dual_gemm.__fil
 PATCHES = {
     "sglang.srt.arg_groups.pd_disaggregation_hook": (patches.fake_transfer_prefill_check,),
     "sglang.srt.managers.disagg_service": (patches.fake_transfer_bootstrap,),
-    "sglang.srt.disaggregation.decode": (patches.fake_transfer_decode,),
+    "sglang.srt.disaggregation.decode": (patches.fake_transfer_decode, kv_transfer.record_checksum_verifications),
 }
 
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import msgpack
 import pytest
+from router_paths import open_router_path
 
 from kvalign.verify.check import run_search
-from kvalign.oracles.base import OracleUnavailable
 from kvalign.verify.properties import ingest_property
 from kvalign.verify.strategies import ingest_scenarios
 
@@ -62,12 +62,7 @@ def drop_bigram_batches(frames: list[bytes]) -> list[bytes] | None:
 
 
 def _open(transform: Callable[[list[bytes]], Any] | None) -> Any:
-    from kvalign.oracles.router_path import RouterPath
-
-    try:
-        return RouterPath(transform)
-    except OracleUnavailable as exc:
-        pytest.skip(f"real Dynamo router path unavailable: {exc}")
+    return open_router_path("real Dynamo router path unavailable", transform)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from router_paths import open_router_path
 
 from kvalign.oracles.base import OracleUnavailable
 
@@ -54,7 +55,6 @@ unknown_host_medium_everywhere = _rewrite_medium("CPU_PINNED", "HOST_PINNED", se
 def tier_paths(sglang_available) -> Iterator[Callable[[Any], Any]]:
     """``tier_paths(transform)``: one real RouterPath (wrapped for the tier machine) per hop kind."""
     from kvalign.standins.hicache import version_problem
-    from kvalign.oracles.router_path import RouterPath
     from kvalign.verify.tier import TierPath
 
     problem = version_problem(sglang_available)
@@ -64,10 +64,7 @@ def tier_paths(sglang_available) -> Iterator[Callable[[Any], Any]]:
 
     def get(transform: Any = None) -> Any:
         if transform not in opened:
-            try:
-                opened[transform] = TierPath(RouterPath(transform))
-            except OracleUnavailable as exc:
-                pytest.skip(f"real Dynamo router path unavailable: {exc}")
+            opened[transform] = TierPath(open_router_path("real Dynamo router path unavailable", transform))
         return opened[transform]
 
     yield get
