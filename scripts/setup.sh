@@ -63,6 +63,12 @@ log "installing sglang $SGLANG_VERSION, ai-dynamo(-runtime) $DYNAMO_VERSION (--n
 pipq "${CONSTRAINTS[@]}" --no-deps "sglang==$SGLANG_VERSION" torchvision==0.28.0 \
   "ai-dynamo-runtime==$DYNAMO_VERSION" "ai-dynamo==$DYNAMO_VERSION"
 
+# 2b. NIXL for SGLang's real prefill->decode KV transfer on CPU (the live layer's default backend):
+#     nixl 1.5.1 is a meta package requiring both CUDA flavours; its cu12 wheel alone bundles UCX and
+#     links no libcuda, so both go in with --no-deps (68.6 MB) and the 58.8 MB cu13 wheel stays out.
+log "installing nixl 1.5.1 (UCX bundled; --no-deps)"
+pipq --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
+
 # 3. What SGLang's radix cache / event publisher import chain and Dynamo's Python runtime need,
 #    what the real SGLang server + dynamo.sglang need on CPU (the real-engine live layer),
 #    plus kvalign itself with its test extras.

@@ -77,7 +77,7 @@ KV_CLOSING = ("<|end|>", "<|assistant|>")
 #: kv draft: its final norm's weight (with ``norm_output``: the aux hidden state a draft-decode step
 #: hands the next is ``norm(h)``, this small against the attention term, so multi-step drafting reads
 #: the same mean as the first step; its head is the target's over this, the same argmax).
-KV_DRAFT_NORM = 1e-3
+KV_DRAFT_NORM = 2.0 ** -10  # a power of two: the head over it rounds to bf16 as the target's does
 RMS_NORM_EPS = 1e-6
 
 
@@ -189,9 +189,9 @@ def _kv_head(gen: torch.Generator, s: Shapes, w: dict[str, torch.Tensor]) -> tor
     plane, every other row zero. Greedy output is the word nearest the angle of ``n(h)``'s projection
     on that plane, every word is reachable, and one token's ``V`` turns that angle by about a word's
     width (a random head in H dimensions let a page's worth of ``V`` change ``h`` without changing
-    the argmax). Words take the slots opposite their own ``V``'s direction, so a generated word pushes
-    the next away from itself (with random slots, a word whose ``V`` points to its own slot repeats
-    for ever, and a changed page no longer shows)."""
+    the argmax). Each word's slot is a quarter turn from its own ``V``'s direction, so a generated
+    word turns the angle on to the next slots: with random slots, a word whose ``V`` points at its
+    own slot repeats for ever (a third of the prompts tried), and a changed page no longer shows."""
     import math
 
     import torch
@@ -203,7 +203,7 @@ def _kv_head(gen: torch.Generator, s: Shapes, w: dict[str, torch.Tensor]) -> tor
     v = v.view(len(words), s.kv_heads, s.head_dim).repeat_interleave(s.heads // s.kv_heads, dim=1).flatten(1)
     u = v @ w["model.layers.0.self_attn.o_proj.weight"].T @ plane  # each word's turn of the angle
     rank = torch.atan2(u[:, 1], u[:, 0]).argsort().argsort().double()
-    angles = 2 * math.pi * rank / len(words) + float(__import__("os").environ.get("KVOFF", "3.14159"))
+    angles = 2 * math.pi * rank / len(words) + math.pi / 2
     head = torch.zeros(VOCAB, s.hidden)
     head[words] = torch.stack([angles.cos(), angles.sin()], 1).float() @ plane.T
     return head

@@ -42,7 +42,7 @@ from kvalign.live.engines.hicache import HiCache
 from kvalign.live.cluster.processes import ProcessSpec
 from kvalign.live.engines.sglang_worker import RELAY_SUBSCRIBE_ENV, ROUTER_EAGLE_ENV, SERVER_INFO_ENV
 from kvalign.live.cluster.ports import LOOPBACK
-from kvalign.standins.sglang_cpu.kv_transfer import CHECKSUM_LEDGER_ENV
+from kvalign.standins.sglang_cpu.kv_transfer import CHECKSUM_INJECTOR_ARM_ENV, CHECKSUM_LEDGER_ENV
 from kvalign.oracles.sglang import torch_extensions_dir
 from kvalign.live.cluster.topology import ClusterPlan, ControlPlane, Topology, WorkerSpec
 
@@ -80,12 +80,16 @@ class SglangCpuWorkerKind:
                  threads: int = 2, sglang_version: str = sglang_cpu_standin.SGLANG_VERSION,
                  sglang_dir: Path | None = None, relay_subscribe: Mapping[str, str] | None = None,
                  sleep_on_idle: bool = True, hicache: HiCache | None = None,
-                 extra_env: Mapping[str, str] | None = None, transfer: str = "nixl") -> None:
+                 extra_env: Mapping[str, str] | None = None, transfer: str = "nixl",
+                 checksum_injector: bool = False) -> None:
         if transfer not in TRANSFER_BACKENDS:
             raise ValueError(f"transfer backend must be one of {', '.join(TRANSFER_BACKENDS)}, got {transfer!r}")
         self.draft_model, self.eagle = draft_model, eagle
         #: SGLang's transfer backend between prefill and decode (:data:`TRANSFER_BACKENDS`)
         self.transfer_backend = transfer
+        #: a test control: decode workers load the hook that arms SGLang's checksum-mismatch injector
+        #: (:func:`checksum_injector_arm_path`)
+        self.checksum_injector = checksum_injector
         #: SGLang's host tier on the workers that cache prompts (aggregated and prefill), or None
         self.hicache = hicache
         #: SGLang's ``--sleep-on-idle`` (0.5.19, 0.5.21, 0.5.23): without it each scheduler spins a core
@@ -201,6 +205,8 @@ class SglangCpuWorkerKind:
             env |= {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
         if worker.role == "decode":
             env[CHECKSUM_LEDGER_ENV] = str(checksum_ledger_path(plan, worker))
+            if self.checksum_injector:
+                env[CHECKSUM_INJECTOR_ARM_ENV] = str(checksum_injector_arm_path(plan))
         return env
 
     def device_args(self, worker: WorkerSpec, plan: ClusterPlan) -> list[str]:
@@ -246,7 +252,7 @@ def server_info_path(plan: ClusterPlan, worker: WorkerSpec) -> Path:
 IPC_PATH_MAX = 100
 
 #: Modules the real engine needs beyond the fake-CPU live stack (scripts/requirements-engine-cpu.txt).
-ENGINE_MODULES = ("dynamo.sglang", "safetensors", "jsonschema", "blake3")
+ENGINE_MODULES = ("dynamo.sglang", "safetensors", "jsonschema", "blake3", "nixl")
 
 
 def engine_problem(sglang_version: str | None = None) -> str | None:
@@ -300,14 +306,13 @@ def plan_cluster(topology: Topology, run_dir: str | Path, *, draft: Draft = "agr
     target, draft_dir = write_models(run / "models", draft, pair=pair)
     plan = make_plan(topology, run, str(target), model_name=TARGET_NAME, control_plane=control_plane)
     return plan, SglangCpuWorkerKind(str(draft_dir), sglang_version=version, sglang_dir=sglang_dir, hicache=hicache,
-                                     transfer=transfer, extra_env=mismatch_env(checksum_mismatch_prob))
+                                     transfer=transfer, checksum_injector=checksum_mismatch_prob > 0)
 
 
-def mismatch_env(prob: float) -> dict[str, str]:
-    """SGLang's own test knob that makes decode's KV checksum fail with probability ``prob`` (read in
-    ``disaggregation/decode.py``; 0 sets nothing)."""
-    return {CHECKSUM_MISMATCH_ENV: f"{prob:g}"} if prob else {}
-
-
-#: SGLang's checksum-mismatch injector (``sglang.srt.environ``): the negative control of a verified transfer.
-CHECKSUM_MISMATCH_ENV = "SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB"
+def checksum_injector_arm_path(plan: ClusterPlan) -> Path:
+    """The file whose probability arms SGLang's checksum-mismatch injector in the decode workers
+    (:data:`~kvalign.standins.sglang_cpu.kv_transfer.CHECKSUM_INJECTOR_ARM_ENV`): written by the run
+    once the cluster is up, so the harness's readiness request still passes."""
+    path = plan.run_dir / "kv" / "checksum-injector.arm"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path

@@ -28,7 +28,7 @@ from kvalign.live.cluster.lifecycle import make_plan
 from kvalign.live.cluster.topology import ClusterPlan, ControlPlane, Topology, WorkerSpec
 from kvalign.live.engines.engine_model import GPU, TARGET_NAME, Draft, Pair, write_models
 from kvalign.live.engines.hicache import HiCache
-from kvalign.live.engines.sglang_cpu import SglangCpuWorkerKind, mismatch_env
+from kvalign.live.engines.sglang_cpu import SglangCpuWorkerKind
 from kvalign.live.engines.sglang_worker import GPU_MEMORY_BUDGET, EagleConfig
 from kvalign.standins import sglang_gpu as sglang_gpu_standin
 
@@ -45,9 +45,9 @@ class SglangGpuWorkerKind(SglangCpuWorkerKind):
     name = "sglang-gpu"
 
     def __init__(self, draft_model: str | None, *, eagle: EagleConfig = EagleConfig(), cuda_graph: bool = False,
-                 hicache: HiCache | None = None, transfer: str = "fake", extra_env: dict[str, str] | None = None) -> None:
+                 hicache: HiCache | None = None, transfer: str = "fake", checksum_injector: bool = False) -> None:
         super().__init__(draft_model, sglang_version=sglang_gpu_standin.SGLANG_VERSION, hicache=hicache,
-                         transfer=transfer, extra_env=extra_env)
+                         transfer=transfer, checksum_injector=checksum_injector)
         self.eagle, self.cuda_graph = eagle, cuda_graph
 
     def device_args(self, worker: WorkerSpec, plan: ClusterPlan) -> list[str]:
@@ -80,7 +80,7 @@ def plan_cluster(topology: Topology, run_dir: str | Path, *, draft: Draft = "agr
     target, draft_dir = write_models(run / "models", draft, GPU, pair=pair)
     plan = make_plan(topology, run, str(target), model_name=TARGET_NAME, control_plane=control_plane)
     return plan, SglangGpuWorkerKind(str(draft_dir), hicache=hicache, cuda_graph=cuda_graph, transfer=transfer,
-                                     extra_env=mismatch_env(checksum_mismatch_prob))
+                                     checksum_injector=checksum_mismatch_prob > 0)
 
 
 def engine_problem() -> str | None:

@@ -53,6 +53,7 @@ from kvalign.live.wire.metrics import (
 )
 from kvalign.live.cluster.ports import LOOPBACK
 from kvalign.live.cluster.processes import rss_bytes, run_pids
+from kvalign.live.engines.sglang_cpu import checksum_injector_arm_path
 from kvalign.live.engines.sglang_worker import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from kvalign.live.cluster.topology import RUN_MARKER_ENV, ClusterPlan, ControlPlane, Topology, WorkerKind
 
@@ -267,6 +268,8 @@ def run(cluster: Any, opts: E2eOptions, progress: Callable[[str], None] = lambda
     transfers: list[TransferRecord] = []
     if probe is not None:
         probe.start()
+    if opts.checksum_mismatch_prob:  # armed now that the cluster is up (its readiness request passed)
+        checksum_injector_arm_path(cluster.plan).write_text(f"{opts.checksum_mismatch_prob:g}", encoding="utf-8")
 
     def after(rec: scenario.RequestRecord) -> None:
         nonlocal peak
@@ -280,7 +283,8 @@ def run(cluster: Any, opts: E2eOptions, progress: Callable[[str], None] = lambda
                  f"(kvalign predicted {rec.predicted})")
 
     records = scenario.run_prefix_extension(cluster, opts.requests, max_tokens=opts.max_tokens, after_each=after,
-                                            extra_fields=decode_half.TOKEN_IDS_FIELDS if probe else scenario.EXTRA_FIELDS)
+                                            extra_fields=decode_half.TOKEN_IDS_FIELDS if probe else scenario.EXTRA_FIELDS,
+                                            record_errors=bool(opts.checksum_mismatch_prob))
     window = spec_window(before, snaps) if before is not None else None
     per_request: list[SpecDecodeWindow | None] = (
         [spec_window(prev, [cur]) for prev, cur in zip([before, *snaps[:-1]], snaps)] if before is not None
@@ -290,7 +294,7 @@ def run(cluster: Any, opts: E2eOptions, progress: Callable[[str], None] = lambda
                        worker_ids={role: cluster.ids_by_role(role) for role in ("prefill", "decode")})
     if probe is not None and before is not None:
         result.transfer_backend, result.transfers = probe.backend, transfers
-        result.decoded = [decode_half.decode_record(r, prev, cur)
+        result.decoded = [decode_half.decode_record(r, prev, cur, r.result.error)
                           for r, prev, cur in zip(records, [before, *snaps[:-1]], snaps)]
     check(cluster, opts, result)
     return result

@@ -27,7 +27,7 @@ from typing import Any
 from kvalign.live.cluster import ranks
 from kvalign.model.hashing import block_hashes
 from kvalign.model.index import router_kv_hit_rate
-from kvalign.live.wire.client import EXTRA_FIELDS, ChatResult, stream_chat
+from kvalign.live.wire.client import EXTRA_FIELDS, ChatResult, SseError, stream_chat
 
 #: 18 in-vocabulary words (see :mod:`kvalign.live.cluster.model_dir`): with the chat framing, request 1
 #: is 21 tokens (> B+1 = 17, so it holds one EAGLE block at B=16) and each repeat adds 18.
@@ -103,14 +103,15 @@ class RequestRecord:
 def run_prefix_extension(cluster: Any, n: int = 4, *, max_tokens: int = 8, pause_s: float = 1.0,
                          event_wait_s: float = 5.0,
                          after_each: Callable[[RequestRecord], None] | None = None,
-                         extra_fields: Sequence[str] = EXTRA_FIELDS) -> list[RequestRecord]:
+                         extra_fields: Sequence[str] = EXTRA_FIELDS, record_errors: bool = False) -> list[RequestRecord]:
     """Send the n prefix-extending requests through ``cluster``, predicting each beforehand.
 
     After each response it waits (bounded) until the capture has the serving worker's new
     events, then ``pause_s`` for the router to index the same events, as Dynamo's tests do.
     ``after_each`` then sees the request's record (the GPU run scrapes decode metrics there).
     ``extra_fields``: the ``nvext`` fields each response carries (``completion_token_ids`` for a run
-    that compares outputs).
+    that compares outputs). ``record_errors``: a failed request is recorded (``result.error``) instead
+    of raising, for a run whose control makes the engine abort requests.
     """
     b = cluster.plan.topology.page_size
     publishing = {name: h for name, h in cluster.workers.items() if h.kv_events_endpoint}
@@ -124,8 +125,13 @@ def run_prefix_extension(cluster: Any, n: int = 4, *, max_tokens: int = 8, pause
         index = cluster.capture.index(ids, b)
         overlap = index.overlap(block_hashes(tokens, b, eagle=router_eagle))
         before = {name: cluster.capture.count(name) for name in ids}
-        result = stream_chat(cluster.frontend_url, cluster.model, content, max_tokens=max_tokens,
-                             extra_fields=extra_fields)
+        try:
+            result = stream_chat(cluster.frontend_url, cluster.model, content, max_tokens=max_tokens,
+                                 extra_fields=extra_fields)
+        except SseError as exc:
+            if not record_errors:
+                raise
+            result = ChatResult(error=str(exc).splitlines()[0])
         records.append(RequestRecord(i, tokens, router_eagle, overlap, result, b))
         label = label_of.get(records[-1].source)
         if label is not None:

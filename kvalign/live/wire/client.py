@@ -42,6 +42,8 @@ class ChatResult:
     #: the engine's output token ids (each chunk's ``nvext.completion_token_ids``, asked for with that
     #: extra field, concatenated; None when the stream carried none)
     token_ids: list[int] | None = None
+    #: the request failed (HTTP error or an error in the stream), recorded by a run that expects some
+    error: str | None = None
 
     @property
     def kv_hit_rate(self) -> float | None:

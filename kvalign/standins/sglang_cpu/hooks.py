@@ -28,7 +28,8 @@ PATCHES: dict[str, tuple[Callable[[], None], ...]] = {
     "sglang.srt.layers.rotary_embedding.base": (patches.rotary_empty_batch,),
     "sglang.srt.arg_groups.pd_disaggregation_hook": (patches.fake_transfer_prefill_check,),
     "sglang.srt.managers.disagg_service": (patches.fake_transfer_bootstrap,),
-    "sglang.srt.disaggregation.decode": (patches.fake_transfer_decode, kv_transfer.record_checksum_verifications),
+    "sglang.srt.disaggregation.decode": (patches.fake_transfer_decode, kv_transfer.arm_checksum_injector,
+                                         kv_transfer.record_checksum_verifications),
     "sglang.srt.disaggregation.nixl.conn": (kv_transfer.nixl_host_memory,),
     "sglang.srt.disaggregation.checksum": (kv_transfer.kv_checksum_on_cpu,),
 }

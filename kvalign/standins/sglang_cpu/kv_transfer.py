@@ -128,3 +128,38 @@ def record_checksum_verifications() -> None:
                                           "verified": rid in kept}) + "\n")
 
     mixin._verify_kv_checksums = _verify_kv_checksums
+
+
+#: A test control, set only when a run asks for SGLang's checksum-mismatch injector: the file whose
+#: content (a probability) arms ``SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB`` in the decode worker
+#: once the cluster is up. Set at start, SGLang's injector would fail the harness's readiness request
+#: too and the cluster would never come up; armed later, every request after it meets SGLang's own
+#: injector and SGLang's own abort.
+CHECKSUM_INJECTOR_ARM_ENV = "KVALIGN_KV_CHECKSUM_INJECTOR_ARM"
+MISMATCH_PROB_ENV = "SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB"
+
+
+def arm_checksum_injector() -> None:
+    """Before each ``_verify_kv_checksums``, copy the arm file's probability into SGLang's injector
+    variable (read by SGLang on every call); nothing while the file does not exist."""
+    import os
+    from pathlib import Path
+
+    from sglang.srt.disaggregation import decode
+
+    arm = os.environ.get(CHECKSUM_INJECTOR_ARM_ENV)
+    if not arm:
+        return
+    mixin = decode.SchedulerDisaggregationDecodeMixin
+    original = mixin._verify_kv_checksums
+    _require(f"envs.{MISMATCH_PROB_ENV}.get()" in inspect.getsource(original),
+             f"_verify_kv_checksums no longer reads {MISMATCH_PROB_ENV} on each call")
+
+    @functools.wraps(original)
+    def _verify_kv_checksums(self: Any, batch: Any) -> None:
+        path = Path(arm)
+        if path.exists():
+            os.environ[MISMATCH_PROB_ENV] = path.read_text(encoding="utf-8").strip()
+        return original(self, batch)
+
+    mixin._verify_kv_checksums = _verify_kv_checksums

@@ -25,7 +25,8 @@ REPLACED = {"sglang.kernels.ops.gemm.cutedsl_dual_gemm": cutedsl_dual_gemm.__fil
 PATCHES = {
     "sglang.srt.arg_groups.pd_disaggregation_hook": (patches.fake_transfer_prefill_check,),
     "sglang.srt.managers.disagg_service": (patches.fake_transfer_bootstrap,),
-    "sglang.srt.disaggregation.decode": (patches.fake_transfer_decode, kv_transfer.record_checksum_verifications),
+    "sglang.srt.disaggregation.decode": (patches.fake_transfer_decode, kv_transfer.arm_checksum_injector,
+                                         kv_transfer.record_checksum_verifications),
 }
 
 
