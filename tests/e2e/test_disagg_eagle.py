@@ -9,13 +9,17 @@
   on machines without the GPUs, a CUDA SGLang, ``dynamo.sglang`` or the weights. Negative
   control: ``KVALIGN_ROUTER_EAGLE=off`` (or ``--kvalign-router-eagle off``) must fail assertion 2.
 * ``sglang-cpu`` (CI): the same real ``dynamo.sglang`` on this CPU with the tiny offline Llama +
-  EAGLE3 draft; one cluster per scenario, shared by the tests that read it. The aligned scenario
-  runs in CI; its two real-engine controls and the shipped release's cluster run in the nightly
+  EAGLE3 draft (the KV-dependent pair: the target's output depends on every page of the prompt's
+  KV, the draft's acceptance on its own state). Prefill hands each request's KV to decode over
+  SGLang's NIXL backend (UCX/TCP on 127.0.0.1) and SGLang's KV checksum verifies it; one
+  aggregated worker answers the same prompts as the reference (assertion 5: disaggregation is
+  invisible; assertion 6: the KV moved and was verified). CI runs the aligned scenario and the
+  decode half's negative control (``fake``: decode without the KV, KV_NOT_TRANSFERRED); the
+  routing and draft controls and the shipped release's cluster run in the nightly
   (``KVALIGN_NIGHTLY=1``): CI holds the same controls on the real engine through the fuzz
-  (``test_fuzz.py::TestBlindCluster``, ``TestShippedPair``). What stays GPU-only:
-  real KV transfer (NIXL/Mooncake RDMA; CPU prefill/decode uses SGLang's ``fake`` backend, so no
-  KV bytes move), multi-step / tree EAGLE (CPU runs num-steps 1, topk 1, 2 draft tokens), CUDA
-  graphs and the production attention kernels.
+  (``test_fuzz.py::TestBlindCluster``, ``TestShippedPair``). What stays GPU-only: multi-step /
+  tree EAGLE (CPU runs num-steps 1, topk 1, 2 draft tokens), CUDA graphs and the production
+  attention kernels.
 * ``fake-cpu`` (CI): kvalign's fake workers (SGLang's real radix cache, no model, no speculation),
   on the session's shared cluster of each configuration (the aligned one is also
   ``test_router_cpu``'s bootstrap-endpoint prefill/decode cluster).
@@ -32,6 +36,7 @@ from kvalign.model.causes import Cause
 from kvalign.live.runs import disagg_eagle
 from kvalign.live.cluster.lifecycle import Cluster
 from kvalign.live.runs.disagg_eagle import E2eOptions, E2eResult
+from kvalign.live.runs.disagg_invisible import DecodeRecord
 from kvalign.live.wire.metrics import MIN_TOKENS_PER_VERIFY
 from kvalign.live.engines.sglang_worker import ROUTER_EAGLE_ENV, TINY_MODEL, EagleConfig, default_models, router_eagle_from
 from kvalign.live.cluster.topology import CpuWorkerKind
@@ -81,7 +86,7 @@ def _assert_exact(result: E2eResult, accept_length: float) -> None:
 @pytest.mark.timeout(1800)
 def test_router_decisions_sglang_disagg_eagle(live_run_dir, router_eagle):
     model, draft = default_models()
-    _run_on_gpus(E2eOptions(model=model, draft_model=draft, router_eagle=router_eagle), live_run_dir)
+    _run_on_gpus(E2eOptions(model=model, draft_model=draft, router_eagle=router_eagle, pair="zero-head"), live_run_dir)
 
 
 @pytest.mark.gpu_1
@@ -90,24 +95,44 @@ def test_router_decisions_sglang_disagg_eagle(live_run_dir, router_eagle):
 def test_router_decisions_sglang_disagg_eagle_single_gpu(live_run_dir, router_eagle):
     """One GPU: 2 prefill + 1 decode workers on GPU 0 (kvalign's tiny pair: SGLang's ``fake`` transfer)."""
     model, draft = default_models()
-    _run_on_gpus(E2eOptions(model=model, draft_model=draft, single_gpu=True, router_eagle=router_eagle), live_run_dir)
+    _run_on_gpus(E2eOptions(model=model, draft_model=draft, single_gpu=True, router_eagle=router_eagle, pair="zero-head"),
+                 live_run_dir)
 
 
 # ---- sglang-cpu: the real engine on this CPU (CI) ---------------------------------------------
 
-def _run_sglang_cpu(opts: E2eOptions, run_dir: Path) -> E2eResult:
+def _run_sglang_cpu(opts: E2eOptions, run_dir: Path, reference: list[DecodeRecord] | None = None) -> E2eResult:
     plan, kind = disagg_eagle.build(opts, run_dir)
     with Cluster(plan, kind, startup_timeout_s=opts.startup_timeout_s) as cluster:
         result = disagg_eagle.run(cluster, opts, print)
+    if opts.decode_half:
+        disagg_eagle.judge_decode_half(result, reference)
     print(result.report())
     return result
 
 
 @pytest.fixture(scope="module")
-def sglang_cpu_aligned(sglang_cpu_engine: None, sglang_release: str | None, module_run_dir: Path) -> E2eResult:
-    """The seed scenario on real SGLang CPU workers, router and engine aligned."""
+def sglang_cpu_reference(sglang_cpu_engine: None, sglang_release: str | None, module_run_dir: Path) -> list[DecodeRecord]:
+    """The scenario's prompts on one aggregated worker (the KV-dependent pair): what every
+    disaggregated run below must answer, token for token (shared: the prompts and models are the same)."""
+    return disagg_eagle.reference(E2eOptions(engine="sglang-cpu", startup_timeout_s=400, sglang=sglang_release),
+                                  module_run_dir / "aggregated", print)
+
+
+@pytest.fixture(scope="module")
+def sglang_cpu_aligned(sglang_cpu_reference: list[DecodeRecord], sglang_release: str | None,
+                       module_run_dir: Path) -> E2eResult:
+    """The seed scenario on real SGLang CPU workers, router and engine aligned, the KV moved by NIXL."""
     return _run_sglang_cpu(E2eOptions(engine="sglang-cpu", startup_timeout_s=400, sglang=sglang_release),
-                           module_run_dir / "aligned")
+                           module_run_dir / "aligned", sglang_cpu_reference)
+
+
+@pytest.fixture(scope="module")
+def sglang_cpu_fake_transfer(sglang_cpu_reference: list[DecodeRecord], sglang_release: str | None,
+                             module_run_dir: Path) -> E2eResult:
+    """The decode half's negative control: SGLang's ``fake`` backend, decode without the prompt's KV."""
+    opts = E2eOptions(engine="sglang-cpu", transfer="fake", startup_timeout_s=400, sglang=sglang_release)
+    return _run_sglang_cpu(opts, module_run_dir / "fake-transfer", sglang_cpu_reference)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +141,7 @@ def sglang_cpu_controls(sglang_cpu_engine: None, sglang_release: str | None, mod
     assertion): workers register ``enable_eagle`` off, and the draft never agrees with the
     target. 5-token outputs make the naive gen/verify ratio 5/4 = 1.25 at zero acceptance."""
     opts = E2eOptions(engine="sglang-cpu", router_eagle=False, draft="disagree", max_tokens=5, startup_timeout_s=400,
-                      sglang=sglang_release)
+                      sglang=sglang_release, compare_aggregated=False)
     return _run_sglang_cpu(opts, module_run_dir / "controls")
 
 
@@ -128,7 +153,8 @@ def test_real_engine_cpu_on_the_shipped_sglang_release(shipped_release, module_r
     """The seed scenario with the workers on the SGLang that Dynamo 1.6.1 deploys (0.5.21: no
     ``bind`` in its KV-events config, so its events reach the relay through the loopback
     forwarder; a paged allocator without a CPU path, so the stand-in's per-release patch)."""
-    result = _run_sglang_cpu(E2eOptions(engine="sglang-cpu", startup_timeout_s=400, sglang=shipped_release),
+    result = _run_sglang_cpu(E2eOptions(engine="sglang-cpu", startup_timeout_s=400, sglang=shipped_release,
+                                        pair="zero-head", compare_aggregated=False),
                              module_run_dir / f"shipped-{shipped_release}")
     assert result.passed, result.report()
     records = result.records
@@ -151,9 +177,30 @@ def test_real_engine_cpu_routes_by_prefix_and_keeps_speculating(sglang_cpu_align
     # (2) the router's kv_hit_rate is kvalign's prediction from the captured events, exactly
     assert records[0].observed == 0.0 and all(r.observed > 0 for r in records[1:]), result.report()
     assert [r.observed for r in records] == pytest.approx([r.predicted for r in records], abs=1e-9), result.report()
-    # (3) decode ran verify steps; (4) every draft token was accepted: 2 tokens per verify
-    assert window.verify_calls > 0
-    assert window.accept_length == pytest.approx(2.0) and window.tokens_per_verify > MIN_TOKENS_PER_VERIFY
+    # (3) decode ran verify steps; (4) the draft's tokens were accepted (measured: the KV pair's draft
+    # mirrors the target's attention, so it agrees only with its own state intact)
+    assert window.verify_calls > 0 and window.tokens_per_verify > MIN_TOKENS_PER_VERIFY
+    # (5) disaggregation is invisible: each answer and its verify steps equal the aggregated worker's
+    assert [r.token_ids for r in result.decoded] == [r.token_ids for r in result.reference], result.report()
+    assert [r.verify_calls for r in result.decoded] == [r.verify_calls for r in result.reference], result.report()
+    assert len({r.token_ids for r in result.decoded}) == len(records), "the KV pair answers each prompt its own way"
+    # (6) every request's KV moved over NIXL and SGLang's checksum verified it on decode
+    for t in result.transfers:
+        assert t.backend == "nixl" and t.transfers == 1 and t.bytes_moved > 0 and t.latency_ms > 0, result.report()
+        assert t.checksums == (True,) and t.checksum_tokens == records[t.request - 1].result.prompt_tokens
+
+
+@pytest.mark.timeout(420)
+def test_real_engine_cpu_fake_transfer_fails_naming_decode_without_kv(sglang_cpu_fake_transfer):
+    """The negative control of the decode half: nothing moves, so decode answers from pages it never
+    received; routing (assertions 1-2) and speculation (3-4) still pass, the decode half fails."""
+    result = sglang_cpu_fake_transfer
+    assert not any(_failure(result, n) for n in (1, 2, 3, 4)), result.report()
+    [fifth], [sixth] = _failure(result, 5), _failure(result, 6)
+    cause = f"cause: {Cause.KV_NOT_TRANSFERRED.name}"
+    assert "request 1: output token ids differ from the aggregated worker's at position 0" in fifth, result.report()
+    assert fifth.count(cause) == len(result.records) and sixth.count(cause) == len(result.records), result.report()
+    assert all(t.transfers == 0 and not t.exported and not t.checksums for t in result.transfers)
 
 
 @pytest.mark.nightly

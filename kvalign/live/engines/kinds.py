@@ -41,8 +41,9 @@ class EngineKind(Protocol):
     speculates: bool
     #: ``kvalign live up``'s default start-up budget, seconds
     live_startup_timeout_s: float
-    #: SGLang's prefill->decode transfer backend when the run names none (None: no real engine)
-    default_transfer: str | None
+    def default_transfer(self, opts: RunOptions) -> str | None:
+        """SGLang's prefill->decode transfer backend when the run names none (None: no real engine)."""
+        ...
 
     def validate(self, opts: RunOptions) -> None:
         """Raise ValueError (one line) for an option this engine does not take."""
@@ -105,7 +106,9 @@ class FakeCpuEngine:
     cpu = True
     speculates = False
     live_startup_timeout_s = 120.0
-    default_transfer = None
+
+    def default_transfer(self, opts: RunOptions) -> str | None:
+        return None
 
     def validate(self, opts: RunOptions) -> None:
         _only_cpu_engine_options(self.name, opts)
@@ -141,8 +144,14 @@ class SglangCpuEngine:
     cpu = True
     speculates = True
     live_startup_timeout_s = 400.0
-    #: NIXL over host memory (UCX/TCP on 127.0.0.1), SGLang's checksum on both sides
-    default_transfer = "nixl"
+
+    def default_transfer(self, opts: RunOptions) -> str | None:
+        """NIXL over host memory (UCX/TCP on 127.0.0.1), SGLang's checksum on both sides, where the
+        stand-in supports it for the workers' release (0.5.23); ``fake`` on the older ones."""
+        from kvalign.standins import sglang_cpu as standin
+
+        release = standin.SUPPORTED.get(opts.sglang or standin.SGLANG_VERSION)
+        return release.transfer if release is not None else "fake"
 
     def validate(self, opts: RunOptions) -> None:
         """Every option but another Dynamo release applies (the SGLang release is checked against the
@@ -168,7 +177,7 @@ class SglangCpuEngine:
     def plan(self, topology: Topology, run_dir: str | Path, opts: RunOptions) -> tuple[ClusterPlan, WorkerKind]:
         return sglang_cpu_worker.plan_cluster(topology, run_dir, draft=opts.draft, control_plane=opts.control_plane,
                                               sglang_version=opts.sglang, hicache=opts.hicache, pair=opts.pair,
-                                              transfer=opts.transfer_backend or self.default_transfer,
+                                              transfer=opts.transfer_backend,
                                               checksum_mismatch_prob=opts.checksum_mismatch_prob)
 
     def prerequisites(self, opts: RunOptions, *, import_check: bool = True) -> Prereqs | None:
@@ -184,8 +193,11 @@ class SglangGpuEngine:
     cpu = False
     speculates = True
     live_startup_timeout_s = 900.0
-    #: the tiny pair on one GPU: ``fake`` until a NIXL build travels in the GPU bundle (``--transfer nixl``)
-    default_transfer = "fake"
+
+    def default_transfer(self, opts: RunOptions) -> str | None:
+        """A downloaded model: NIXL; kvalign's tiny pair: ``fake`` until a NIXL build travels in the GPU
+        bundle (``--transfer nixl``)."""
+        return "fake" if opts.model == TINY_MODEL else "nixl"
 
     def validate(self, opts: RunOptions) -> None:
         if opts.sglang is not None:
@@ -218,7 +230,7 @@ class SglangGpuEngine:
         if opts.model == TINY_MODEL:
             return sglang_gpu_worker.plan_cluster(topology, run_dir, draft=opts.draft, control_plane=opts.control_plane,
                                                   hicache=opts.hicache, cuda_graph=opts.cuda_graph, pair=opts.pair,
-                                                  transfer=opts.transfer_backend or self.default_transfer,
+                                                  transfer=opts.transfer_backend,
                                                   checksum_mismatch_prob=opts.checksum_mismatch_prob)
         model_dir, _ = resolve_model_dir(opts.model)
         draft_dir, _ = resolve_model_dir(opts.draft_model)
@@ -227,6 +239,7 @@ class SglangGpuEngine:
         kind = SglangWorkerKind(
             str(draft_dir or opts.draft_model), bind_host=opts.bind_host, mem_fraction_static=opts.mem_fraction_static,
             context_length=opts.context_length, cuda_graph=opts.cuda_graph,
+            transfer_backend=opts.transfer_backend or "nixl",
         )
         return plan, kind
 

@@ -203,7 +203,7 @@ class SglangCpuWorkerKind:
         env = {"SGLANG_HOST_IP": LOOPBACK}
         if self.transfer_backend == "nixl":
             env |= {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
-        if worker.role == "decode":
+        if worker.role == "decode" and self.transfer_backend != "fake":  # fake: no checksum runs
             env[CHECKSUM_LEDGER_ENV] = str(checksum_ledger_path(plan, worker))
             if self.checksum_injector:
                 env[CHECKSUM_INJECTOR_ARM_ENV] = str(checksum_injector_arm_path(plan))
@@ -289,11 +289,12 @@ def release_dir(sglang_version: str | None) -> tuple[str, Path | None]:
 
 def plan_cluster(topology: Topology, run_dir: str | Path, *, draft: Draft = "agree",
                  control_plane: ControlPlane = "file", sglang_version: str | None = None,
-                 hicache: HiCache | None = None, pair: Pair = "zero-head", transfer: str = "nixl",
+                 hicache: HiCache | None = None, pair: Pair = "zero-head", transfer: str | None = None,
                  checksum_mismatch_prob: float = 0.0) -> tuple[ClusterPlan, SglangCpuWorkerKind]:
     """Plan a real-engine CPU run: the tiny models (``pair``) are built under ``run_dir/models`` (a few
     hundred KB, so every run builds its own) and served as :data:`TARGET_NAME`; ``transfer`` is SGLang's
-    prefill->decode backend and ``checksum_mismatch_prob`` SGLang's own checksum-mismatch injector."""
+    prefill->decode backend (None: the release's, :attr:`~kvalign.standins.sglang_cpu.Release.transfer`) and
+    ``checksum_mismatch_prob`` SGLang's own checksum-mismatch injector."""
     version, sglang_dir = release_dir(sglang_version)
     if hicache is not None:
         from kvalign.live.engines.hicache import problem
@@ -306,7 +307,8 @@ def plan_cluster(topology: Topology, run_dir: str | Path, *, draft: Draft = "agr
     target, draft_dir = write_models(run / "models", draft, pair=pair)
     plan = make_plan(topology, run, str(target), model_name=TARGET_NAME, control_plane=control_plane)
     return plan, SglangCpuWorkerKind(str(draft_dir), sglang_version=version, sglang_dir=sglang_dir, hicache=hicache,
-                                     transfer=transfer, checksum_injector=checksum_mismatch_prob > 0)
+                                     transfer=transfer or sglang_cpu_standin.SUPPORTED[version].transfer,
+                                     checksum_injector=checksum_mismatch_prob > 0)
 
 
 def checksum_injector_arm_path(plan: ClusterPlan) -> Path:

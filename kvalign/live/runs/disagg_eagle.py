@@ -86,7 +86,7 @@ class E2eOptions:
     dynamo: str | None = None  # fake-cpu: the Dynamo release every process runs (None: the environment's)
     hicache: HiCache | None = None  # sglang-cpu: SGLang's host tier on the prefill workers
     #: real engines: SGLang's prefill->decode transfer backend (None: the engine's default,
-    #: :meth:`EngineKind.default_transfer`); ``fake`` moves no KV byte (the decode half's control)
+    #: ``EngineKind.default_transfer``); ``fake`` moves no KV byte (the decode half's control)
     transfer: str | None = None
     #: real engines, tiny models: ``kv`` (output depends on the KV, acceptance on the draft's state)
     #: or ``zero-head`` (constant output; acceptance a property of the draft alone)
@@ -116,7 +116,7 @@ class E2eOptions:
     @property
     def transfer_backend(self) -> str | None:
         """The transfer backend the real engine's prefill and decode workers run (None: not a real engine)."""
-        return self.transfer or (self.kind.default_transfer if self.speculates else None)
+        return self.transfer or (self.kind.default_transfer(self) if self.speculates else None)
 
     @property
     def decode_half(self) -> bool:

@@ -45,6 +45,10 @@ class Release:
 
     kv_events_bind: bool
     patches: tuple[tuple[str, str], ...] = ()
+    #: the prefill->decode transfer backend its workers run by default: ``nixl`` where
+    #: :mod:`.kv_transfer` was written and tested (SGLang's NIXL path on host memory, its KV checksum),
+    #: ``fake`` elsewhere (no KV byte moves)
+    transfer: str = "fake"
 
 
 #: Before 0.5.23: the publisher binds the harness's IPC socket (no ``bind``), and the paged
@@ -55,7 +59,7 @@ _BEFORE_0_5_23 = (("sglang.srt.disaggregation.kv_events", "kv_events_local_publi
 SUPPORTED: dict[str, Release] = {
     "0.5.19": Release(kv_events_bind=False, patches=_BEFORE_0_5_23),  # the gpu_2 nightly's release
     "0.5.21": Release(kv_events_bind=False, patches=_BEFORE_0_5_23),  # the one ai-dynamo[sglang]==1.6.1 pins
-    "0.5.23": Release(kv_events_bind=True),
+    "0.5.23": Release(kv_events_bind=True, transfer="nixl"),
 }
 
 #: Put first on PYTHONPATH of real-engine worker processes (and nowhere else).

@@ -82,11 +82,17 @@ def nixl_host_memory() -> None:
 
     @functools.wraps(original)
     def __init__(self: Any, args: Any, disaggregation_mode: Any, server_args: Any, *rest: Any, **kwargs: Any) -> None:
-        if str(getattr(server_args, "device", "")) == "cpu":
-            args.kv_data_mem_kinds = ["DRAM"] * len(args.kv_data_ptrs)
+        label_host_memory(args, server_args)
         original(self, args, disaggregation_mode, server_args, *rest, **kwargs)
 
     manager.__init__ = __init__
+
+
+def label_host_memory(args: Any, server_args: Any) -> None:
+    """On a CPU device every KV buffer SGLang hands NIXL is host memory: label it ``DRAM`` (whatever
+    SGLang set or left unset); on any other device leave SGLang's labels as they are."""
+    if str(getattr(server_args, "device", "")) == "cpu":
+        args.kv_data_mem_kinds = ["DRAM"] * len(args.kv_data_ptrs)
 
 
 #: Set in a decode worker's environment (CPU or GPU) to a file path: each request whose KV SGLang's

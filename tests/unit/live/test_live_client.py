@@ -105,3 +105,18 @@ def test_malformed_completion_bodies_raise_one_clear_error(body, msg):
 
     with pytest.raises(SseError, match=msg):
         parse_completion(body)
+
+
+def test_each_chunks_completion_token_ids_are_concatenated_in_order():
+    """The frontend sends each chunk's own output ids (SGLang's speculative decode streams several per
+    chunk); the answer's ids are their concatenation, and a stream without them says None, not []."""
+    chunks = [{"choices": [{"delta": {"content": "a b"}}], "nvext": {"completion_token_ids": [28, 24]}},
+              {"choices": [{"delta": {"content": " c"}, "finish_reason": "length"}],
+               "nvext": {"completion_token_ids": [27]}}]
+    res = parse_sse([f"data: {json.dumps(c)}" for c in chunks] + ["data: [DONE]"])
+    assert res.token_ids == [28, 24, 27]
+    assert parse_sse(["data: {\"choices\": []}", "data: [DONE]"]).token_ids is None
+    with pytest.raises(SseError, match="completion_token_ids is not a list of integers"):
+        parse_sse(['data: {"nvext": {"completion_token_ids": [1, "x"]}}'])
+    payload = chat_payload("m", "hi", max_tokens=4, extra_fields=("worker_id", "timing", "completion_token_ids"))
+    assert payload["nvext"]["extra_fields"] == ["worker_id", "timing", "completion_token_ids"]

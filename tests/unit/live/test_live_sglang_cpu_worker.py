@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from kvalign.standins import sglang_cpu as sglang_cpu_standin
 from kvalign.live.engines import engine_model
 from kvalign.live.runs.scenario import prompt_tokens
-from kvalign.live.engines.sglang_cpu import CpuEagle, plan_cluster
+from kvalign.live.engines.sglang_cpu import CpuEagle, checksum_injector_arm_path, plan_cluster
+from kvalign.standins.sglang_cpu.kv_transfer import CHECKSUM_INJECTOR_ARM_ENV, CHECKSUM_LEDGER_ENV
 from kvalign.live.cluster.topology import Topology
 
 
@@ -36,14 +37,34 @@ def test_disaggregated_commands(tmp_path):
         assert spec.argv[1:3] == ["-m", "dynamo.sglang"]
         assert f["--nccl-port"] == str(plan.worker_ports[name].nccl)  # never SGLang's own ephemeral pick
         assert f["--device"] == "cpu" and f["--attention-backend"] == "torch_native" and f["--host"] == "127.0.0.1"
-        assert f["--disaggregation-transfer-backend"] == "fake" and f["--speculative-algorithm"] == "EAGLE3"
+        assert f["--disaggregation-transfer-backend"] == "nixl" and f["--speculative-algorithm"] == "EAGLE3"
+        assert "--disaggregation-enable-kv-checksum" in f  # SGLang's own checksum, the Adler-32 kernel stood in
+        # every address the hand-off advertises or binds is the loopback; UCX runs over TCP on lo
+        assert spec.env["SGLANG_HOST_IP"] == "127.0.0.1" and spec.env["UCX_NET_DEVICES"] == "lo"
         assert (f["--speculative-num-steps"], f["--speculative-eagle-topk"], f["--speculative-num-draft-tokens"]) == ("1", "1", "2")
         assert spec.env["PYTHONPATH"].split(":")[0] == str(sglang_cpu_standin.SITE_DIR)
         assert spec.env["SGLANG_USE_CPU_ENGINE"] == "1" and spec.env[sglang_cpu_standin.ENABLE_ENV] == "1"
         assert json.loads(f["--kv-events-config"] or "null") if name.startswith("prefill") else "--kv-events-config" not in f
     decode = _flags(specs["decode0"].argv)
     assert decode["--disaggregation-decode-retraction-backup"] == "cpu_tensor" and decode["--decode-log-interval"] == "1"
+    assert specs["decode0"].env[CHECKSUM_LEDGER_ENV].endswith("decode0.checksums.jsonl")
+    assert CHECKSUM_LEDGER_ENV not in specs["prefill0"].env
     assert json.loads(_flags(specs["prefill0"].argv)["--kv-events-config"])["endpoint"].startswith("tcp://127.0.0.1:")
+
+
+def test_the_fake_backend_runs_no_checksum_and_the_injector_is_armed_only_when_asked(tmp_path):
+    """``fake`` sends no digest (nothing to verify); the injector's arm file is named only for a control run."""
+    plan, kind = plan_cluster(Topology.disaggregated(1, 1, eagle=True), tmp_path / "f", transfer="fake")
+    for w in plan.topology.workers:
+        spec = kind.command(w, plan)
+        assert "--disaggregation-enable-kv-checksum" not in spec.argv and "fake" in spec.argv
+        assert CHECKSUM_INJECTOR_ARM_ENV not in spec.env
+    plan, kind = plan_cluster(Topology.disaggregated(1, 1, eagle=True), tmp_path / "i", checksum_mismatch_prob=0.5)
+    env = {w.role: kind.command(w, plan).env for w in plan.topology.workers}
+    assert env["decode"][CHECKSUM_INJECTOR_ARM_ENV] == str(checksum_injector_arm_path(plan))
+    assert CHECKSUM_INJECTOR_ARM_ENV not in env["prefill"] and "SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB" not in env["decode"]
+    with pytest.raises(ValueError, match="transfer backend must be one of nixl, fake"):
+        plan_cluster(Topology.disaggregated(1, 1, eagle=True), tmp_path / "m", transfer="mooncake")
 
 
 def test_negative_control_worker_forces_the_card_off_and_plain_workers_have_no_draft(tmp_path):

@@ -35,7 +35,32 @@ def test_every_pin_is_in_the_manifest_at_its_version_and_nothing_else():
     listed = {d["name"]: d["version"] for d in MANIFEST["distributions"]}
     assert listed == pins
     assert MANIFEST["python"] == pack.PYTHON_VERSION
-    assert {"sglang": "0.5.23", "sglang-kernel": "0.4.5", "ai-dynamo": "1.6.1", "ai-dynamo-runtime": "1.6.1"}.items() <= listed.items()
+    assert {"sglang": "0.5.23", "sglang-kernel": "0.4.5", "ai-dynamo": "1.6.1", "ai-dynamo-runtime": "1.6.1",
+            "nixl": "1.5.1", "nixl-cu13": "1.5.1"}.items() <= listed.items()
+
+
+def test_nixl_travels_for_cuda_13_only_and_without_its_torch_2_12_plus_ep_modules():
+    """The meta package ``nixl`` picks ``nixl_cu13`` from torch's CUDA 13; its cu12 half (the CPU
+    environment's) would be a second ~60 MB the GPU never loads, and NIXL EP is built for torch 2.12+."""
+    pins = pack.read_requirements()
+    assert "nixl-cu12" not in pins
+    assert pack.TRIMS["nixl-cu13"].drop_prefixes == ("nixl_ep_cu13/",)
+    entry = next(d for d in MANIFEST["distributions"] if d["name"] == "nixl-cu13")
+    assert entry["trim"] == pack.TRIMS["nixl-cu13"].why
+    assert entry["archive_bytes"] <= pack.CHUNK_LIMIT
+
+
+def test_every_stage_the_gpu_docs_run_is_a_stage_of_run_sh():
+    """docs/gpu/README.md's ``run.sh STAGE:SECONDS`` lines and each table row's command name stages
+    that ``scripts/gpu/run.sh`` knows (an unknown stage stops the whole command there: device time lost)."""
+    import re
+
+    run_sh = (ROOT / "scripts" / "gpu" / "run.sh").read_text()
+    known = set(re.findall(r"^    ([a-z0-9-]+)\) ", run_sh, re.M))
+    assert {"scenario", "nixl-scenario", "nixl-fake", "nixl-injector", "nixl-graphs", "fuzz-disagg-nixl"} <= known
+    docs = (ROOT / "docs" / "gpu" / "README.md").read_text()
+    named = {m.split(":")[0] for line in re.findall(r"run\.sh ((?:[a-z0-9-]+:\d+ ?)+)", docs) for m in line.split()}
+    assert named and named <= known, sorted(named - known)
 
 
 def test_each_chunk_with_the_working_tree_fits_one_command():
