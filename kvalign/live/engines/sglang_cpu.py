@@ -13,10 +13,14 @@ Settings and why (sglang-cpu-engine.md):
 * EAGLE3 with ``--speculative-num-steps 1 --speculative-eagle-topk 1
   --speculative-num-draft-tokens 2``: num-steps >= 2 needs a multi-step draft-decode attention
   backend and topk > 1 a tree mask, neither of which torch_native has;
-* prefill/decode with ``--disaggregation-transfer-backend fake`` (no KV bytes move; the target's
-  zero LM head makes outputs independent of the decode worker's KV) and decode
-  ``--disaggregation-decode-retraction-backup cpu_tensor`` (the default host pool calls
-  ``torch.cuda.cudart()``);
+* prefill/decode with ``--disaggregation-transfer-backend nixl`` (SGLang's NIXL path moves each
+  request's KV pages between the processes' host memory, UCX over TCP on 127.0.0.1,
+  ``SGLANG_HOST_IP=127.0.0.1`` so nothing advertises a LAN address) and
+  ``--disaggregation-enable-kv-checksum`` on both sides (SGLang digests the pages on prefill and
+  verifies them on decode; :mod:`kvalign.standins.sglang_cpu.kv_transfer` stands in for the CUDA
+  digest kernel and the VRAM label); ``--transfer fake`` moves nothing (the decode half's negative
+  control); decode ``--disaggregation-decode-retraction-backup cpu_tensor`` (the default host pool
+  calls ``torch.cuda.cudart()``);
 * ``--host 127.0.0.1`` and the KV-event PUB bound on loopback; ``--enable-metrics
   --decode-log-interval 1`` so the spec gauges refresh every verify step;
 * ``--nccl-port`` from the cluster's port pool: SGLang before 0.5.23 takes an ephemeral port for

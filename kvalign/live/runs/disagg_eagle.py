@@ -211,6 +211,16 @@ class E2eResult:
             **({} if self.transfer_backend is None else {"decode_half": self.decode_half_json()}),
         }
 
+    def decode_half_line(self) -> str:
+        """One line: what moved, what SGLang's checksum verified, and whether the answers matched."""
+        moved = [t.bytes_moved for t in self.transfers]
+        verified = sum(t.verified for t in self.transfers)
+        same = ("not compared" if self.reference is None else
+                f"{sum(a.token_ids == b.token_ids for a, b in zip(self.decoded, self.reference))} of "
+                f"{len(self.reference)} answers equal to the aggregated worker's")
+        return (f"decode half: {self.transfer_backend} transfer, bytes moved per request {moved}, checksum verified "
+                f"{verified} of {len(self.transfers)}; {same}")
+
     def decode_half_json(self) -> dict[str, Any]:
         """The transfer backend, what moved per request, and the comparison with the aggregated run."""
         def answers(rs: list[DecodeRecord] | None) -> list[dict[str, Any]] | None:
@@ -246,6 +256,8 @@ class E2eResult:
                        f"Δfinished {w.finished_requests:g}; spec_accept_length {acc} "
                        f"(readings {list(w.accept_lengths)}); (Δgen − Δfinished)/Δverify {tpv}; "
                        f"naive Δgen/Δverify {naive} (not asserted: counts each prefill hand-off token)")
+        if self.transfer_backend is not None:
+            out.append(self.decode_half_line())
         if self.peak_rss_bytes:
             out.append(f"peak RSS of the run's processes: {self.peak_rss_bytes / 2**30:.2f} GiB "
                        "(sampled after start-up and after each request)")

@@ -19,8 +19,8 @@ CPU build of sgl-kernel):
   does for a verify batch, the prefix is ``seq_lens`` and each request extends by its
   ``num_draft_tokens`` draft tokens (a chain: ``--speculative-eagle-topk 1``), attended causally.
 
-Prefill/decode disaggregation with the ``fake`` transfer backend (moves no KV bytes; every RDMA /
-NIXL / Mooncake backend needs hardware or wildcard sockets):
+Prefill/decode disaggregation with the ``fake`` transfer backend (moves no KV bytes: the decode
+half's negative control; the real transfer is SGLang's NIXL backend, :mod:`.kv_transfer`):
 
 * :func:`fake_transfer_prefill_check` — ``handle_pd_disaggregation`` rejects ``fake`` on prefill;
   that one check is skipped. :func:`fake_transfer_bootstrap` — ``fake`` has no bootstrap server
