@@ -47,12 +47,16 @@ class TransferProbe:
     """One :class:`TransferRecord` per request: call :meth:`start` before the first request and
     :meth:`record` after each one (requests are sequential, so each delta is that request's)."""
 
-    def __init__(self, plan: ClusterPlan, backend: str) -> None:
-        self.backend = backend
-        self.urls = metrics_urls(plan, "prefill")
-        self.ledgers = [checksum_ledger_path(plan, w) for w in plan.topology.by_role("decode")]
+    def __init__(self, urls: Sequence[str], ledgers: Sequence[Path], backend: str) -> None:
+        self.backend, self.urls, self.ledgers = backend, list(urls), list(ledgers)
         self._snap: MetricsSnapshot | None = None
         self._lines = 0
+
+    @classmethod
+    def of(cls, plan: ClusterPlan, backend: str) -> TransferProbe:
+        """The probe of a planned cluster: its prefill workers' metrics, its decode workers' ledgers."""
+        return cls(metrics_urls(plan, "prefill"), [checksum_ledger_path(plan, w) for w in plan.topology.by_role("decode")],
+                   backend)
 
     def _scrape(self) -> MetricsSnapshot:
         return merge_snapshots(scrape(u, only=("kv_transfer",)) for u in self.urls)

@@ -276,7 +276,7 @@ def run(cluster: Any, opts: E2eOptions, progress: Callable[[str], None] = lambda
     before = snapshot() if urls else None
     snaps: list[MetricsSnapshot] = []
     peak = rss_bytes(run_pids(RUN_MARKER_ENV, str(cluster.plan.run_dir)))
-    probe = decode_half.TransferProbe(cluster.plan, str(opts.transfer_backend)) if opts.decode_half else None
+    probe = decode_half.TransferProbe.of(cluster.plan, str(opts.transfer_backend)) if opts.decode_half else None
     transfers: list[TransferRecord] = []
     if probe is not None:
         probe.start()
