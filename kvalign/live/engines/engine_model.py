@@ -29,7 +29,7 @@ by SGLang, never forced). How (SGLang 0.5.23's ``models/llama.py`` / ``llama_eag
   (``o_proj`` / ``down_proj`` zero). Tokens have small random embeddings, except those a prompt
   opens with (:data:`KV_ZERO_EMBED`: ``V(x_0) = 0``). So
   ``h(p) = e(x_p) + Wo · mean_{j<=p} Wv·n(e(x_j))``, and the LM head reads ``n(h(p))``: its rows of
-  plain vocabulary words are evenly spaced on a circle of one plane (:func:`_kv_head`), every other
+  plain vocabulary words are evenly spaced on a circle of one plane (:func:`_kv_target_weights`), every other
   row zero, so greedy output is always a plain word (never EOS) and one token's ``V`` turns the
   output by about a word: zero any page's ``V`` and the output changes (on random 33-90 token chat
   prompts, within 10 decoded tokens for all but ~0.2% of pages);
@@ -67,15 +67,15 @@ HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 128, 4, 4, 
 AUX_LAYERS = [0, 1, 2]
 SEED = 0
 KV_SEED = 2  # the kv pair's generator (the zero-head pair's seeds are SEED and SEED + 1)
-#: kv pair: the embedding scale of the tokens with one (small: the residual ``e(x_p)`` hardly moves
-#: ``h(p)``; RMSNorm makes ``V`` independent of it, and it stays well above ``rms_norm_eps``) and
-#: ``o_proj``'s (large: the attention mean dominates that residual, ~1e-3 of it).
+#: kv pair: the embeddings' RMS (small: the residual ``e(x_p)`` hardly moves ``h(p)``; RMSNorm makes
+#: ``V`` independent of it, and it stays well above ``rms_norm_eps``) and ``o_proj``'s scale (large:
+#: the attention mean dominates that residual, which is ~1e-3 of it on 40-200 token prompts).
 KV_EMBED_SCALE, KV_O_SCALE = 0.01, 100.0
 #: kv pair: the tokens a prompt opens with (BOS, the chat roles a conversation starts with) have a zero
 #: embedding, so ``V(x_0) = 0`` — the one token the draft never holds (its position j holds x_{j+1}).
 #: The other special tokens have one: every chat prompt ends ``<|end|> <|assistant|>``, and a last
 #: page holding only those must change the output too — so those two share one embedding (two random
-#: ones can all but cancel: with this seed their ``V`` sum was a fifth of one token's).
+#: ones can all but cancel: with an earlier seed their turns summed to a fifth of one token's).
 KV_ZERO_EMBED = ("<s>", "<|user|>", "<|system|>")
 KV_CLOSING = ("<|end|>", "<|assistant|>")
 #: kv draft: its final norm's weight (with ``norm_output``: the aux hidden state a draft-decode step
@@ -191,43 +191,49 @@ def plain_word_ids() -> list[int]:
     return sorted(v[w] for w in WORDS)
 
 
-def _kv_head(gen: torch.Generator, s: Shapes, w: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The kv target's LM head: the plain words' rows evenly spaced unit vectors on a circle of a random
-    plane, every other row zero. Greedy output is the word nearest the angle of ``n(h)``'s projection
-    on that plane, every word is reachable, and one token's ``V`` turns that angle by about a word's
-    width (a random head in H dimensions let a page's worth of ``V`` change ``h`` without changing
-    the argmax). Each word's slot is a quarter turn from its own ``V``'s direction, so a generated
-    word turns the angle on to the next slots: with random slots, a word whose ``V`` points near its
-    own slot can repeat for ever, and a changed page then no longer shows."""
-    import math
+def _kv_turns(s: Shapes, w: dict[str, torch.Tensor], plane: torch.Tensor) -> torch.Tensor:
+    """``M`` (2 x H): what a token's normed embedding adds, through layer 0's ``V`` (each KV head read by
+    its ``heads // kv_heads`` query heads) and ``o_proj``, to the output plane: its *turn* ``u``."""
+    wv = w["model.layers.0.self_attn.v_proj.weight"].view(s.kv_heads, s.head_dim, s.hidden)
+    wv = wv.repeat_interleave(s.heads // s.kv_heads, dim=0).reshape(s.heads * s.head_dim, s.hidden)
+    return plane.T @ w["model.layers.0.self_attn.o_proj.weight"] @ wv
 
+
+def _kv_embed(gen: torch.Generator, s: Shapes, m: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """Embeddings whose turns ``u = M · n(e)`` all have one length, at the angles ``alpha``: the part of
+    ``e`` in ``M``'s row space is the least-norm solution, the rest random, the norm fixed. (Random
+    embeddings give turns of random lengths, and a word whose turn is short can keep the output on
+    itself for good: a changed page then no longer shows.)"""
     import torch
 
-    words = torch.tensor(plain_word_ids())
-    plane, _ = torch.linalg.qr(torch.randn(s.hidden, 2, generator=gen))
-    e = w["model.embed_tokens.weight"][words]
-    v = (e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + RMS_NORM_EPS)) @ w["model.layers.0.self_attn.v_proj.weight"].T
-    v = v.view(len(words), s.kv_heads, s.head_dim).repeat_interleave(s.heads // s.kv_heads, dim=1).flatten(1)
-    u = v @ w["model.layers.0.self_attn.o_proj.weight"].T @ plane  # each word's turn of the angle
-    rank = torch.atan2(u[:, 1], u[:, 0]).argsort().argsort().double()
-    angles = 2 * math.pi * rank / len(words) + math.pi / 2
-    head = torch.zeros(VOCAB, s.hidden)
-    head[words] = torch.stack([angles.cos(), angles.sin()], 1).float() @ plane.T
-    return head
+    left, sigma, rows = torch.linalg.svd(m.double(), full_matrices=False)  # rows: 2 x H
+    turns = torch.stack([alpha.cos(), alpha.sin()], 1).double()
+    d = turns @ left @ torch.diag(1 / sigma) @ rows  # M d = turn, d in M's row space
+    z = torch.randn(len(alpha), s.hidden, generator=gen).double()
+    z -= (z @ rows.T) @ rows
+    norm = KV_EMBED_SCALE * s.hidden ** 0.5
+    d *= 0.7 * norm / d.norm(dim=1).max()
+    z *= ((norm ** 2 - d.pow(2).sum(1, keepdim=True)) / z.pow(2).sum(1, keepdim=True)).sqrt()
+    return (d + z).float()
 
 
 def _kv_target_weights(s: Shapes) -> dict[str, torch.Tensor]:
-    """The kv target (module docstring): layer 0's uniform attention mean is the whole model."""
+    """The kv target (module docstring): layer 0's uniform attention mean is the whole model.
+
+    Its LM head: the plain words' rows are evenly spaced unit vectors on a circle of a random plane,
+    every other row zero, so greedy output is the word nearest the angle of ``n(h)``'s projection on
+    that plane, and every word is reachable (a random head in H dimensions let a page's worth of ``V``
+    change ``h`` without changing the argmax). Every token turns that projection by the same length
+    (:func:`_kv_embed`), a word in the direction a quarter turn from its own slot: the output moves on
+    from each word it emits instead of settling on one, and one token turns it by about a word."""
+    import math
+
     import torch
 
     gen = torch.Generator().manual_seed(KV_SEED)
     v = vocab(LEADING_WORD)
     qkv_out, attn_out = s.kv_heads * s.head_dim, s.heads * s.head_dim
-    # every id (those past the tokenizer's too: token-id prompts use them) but KV_ZERO_EMBED's: V != 0
-    embed = KV_EMBED_SCALE * torch.randn(VOCAB, s.hidden, generator=gen)
-    embed[torch.tensor([v[t] for t in KV_ZERO_EMBED])] = 0
-    embed[v[KV_CLOSING[1]]] = embed[v[KV_CLOSING[0]]]
-    w = {"model.embed_tokens.weight": embed}
+    w: dict[str, torch.Tensor] = {}
     for i in range(s.layers):
         layer = _layer(gen, f"model.layers.{i}", s.hidden, s)
         layer[f"model.layers.{i}.mlp.down_proj.weight"] = torch.zeros(s.hidden, s.intermediate)
@@ -241,7 +247,19 @@ def _kv_target_weights(s: Shapes) -> dict[str, torch.Tensor]:
             layer[f"model.layers.{i}.self_attn.o_proj.weight"] = torch.zeros(s.hidden, attn_out)
         w |= layer
     w["model.norm.weight"] = torch.ones(s.hidden)
-    w["lm_head.weight"] = _kv_head(gen, s, w)  # EOS and the other special tokens are never generated
+    plane, _ = torch.linalg.qr(torch.randn(s.hidden, 2, generator=gen))
+    words = torch.tensor(plain_word_ids())
+    alpha = 2 * math.pi * torch.rand(VOCAB, generator=gen, dtype=torch.float64)
+    alpha[words] = 2 * math.pi * torch.randperm(len(words), generator=gen).double() / len(words)
+    # every id (those past the tokenizer's too: token-id prompts use them) but KV_ZERO_EMBED's: V != 0
+    embed = _kv_embed(gen, s, _kv_turns(s, w, plane), alpha)
+    embed[torch.tensor([v[t] for t in KV_ZERO_EMBED])] = 0
+    embed[v[KV_CLOSING[1]]] = embed[v[KV_CLOSING[0]]]
+    w["model.embed_tokens.weight"] = embed
+    head = torch.zeros(VOCAB, s.hidden)  # EOS and the other special tokens are never generated
+    slots = alpha[words] + math.pi / 2
+    head[words] = torch.stack([slots.cos(), slots.sin()], 1).float() @ plane.T
+    w["lm_head.weight"] = head
     return w
 
 
