@@ -16,3 +16,8 @@ if [ ! -f /usr/include/openssl/sha.h ] && [ -f "$DEBS/usr/include/openssl/sha.h"
     export LIBRARY_PATH="$DEBS/lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
   fi
 fi
+# NIXL's UCX CUDA module (nixl-cu13) needs libcudart.so.13: torch's process has it loaded already, and
+# this finds it for any other (torch's nvidia-cuda-runtime wheel), appended so nothing else is shadowed.
+cudart=$(python3 -c 'import glob, os, nvidia; print(next(iter(sorted({os.path.dirname(p) for d in nvidia.__path__ for p in glob.glob(d + "/**/libcudart.so.13", recursive=True)})), ""))' 2>/dev/null)
+[ -n "$cudart" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$cudart"
+unset cudart

@@ -12,7 +12,8 @@ What it does, from the pinned list ``scripts/gpu/requirements-gpu.txt`` (name==v
 2. ``pip install --no-deps --target`` them into one staging tree, as Python 3.12 on x86-64 would;
 3. trim what the live layer never loads (:data:`TRIMS`): ``sglang-kernel``'s other architectures and
    its 1 GB FA3 ``flash_ops`` (the live layer runs SGLang's triton attention), SGLang's
-   ``multimodal_gen`` and test trees, and Dynamo's ``_core.abi3.so`` symbol tables (``strip``);
+   ``multimodal_gen`` and test trees, Dynamo's ``_core.abi3.so`` symbol tables (``strip``), and NIXL EP
+   (``nixl_ep_cu13``, built for torch 2.12+ only; SGLang's NIXL transfer uses UCX and the bindings);
 4. pack each distribution's files (from its ``RECORD``) as one reproducible ``tar.xz``, and place the
    archives into chunks of at most :data:`CHUNK_LIMIT` bytes (largest first), so that a chunk plus
    the working tree fits one command's carry;
@@ -81,6 +82,10 @@ TRIMS: dict[str, Trim] = {
                        "sglang/srt/rust_extensions/_bench."),
         why="diffusion models, SGLang's own tests and benchmarks: not imported by the text server"),
     "ai-dynamo-runtime": Trim(strip=("dynamo/_core.abi3.so",), why="symbol tables (216 MiB -> ~80 MiB raw)"),
+    "nixl-cu13": Trim(
+        drop_prefixes=("nixl_ep_cu13/",),
+        why="NIXL EP (expert-parallel all-to-all, 91 MiB): built for torch 2.12-2.14 only, never loaded by "
+            "SGLang's KV transfer; UCX, the UCX plugin and the bindings stay"),
 }
 
 

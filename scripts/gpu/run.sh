@@ -21,6 +21,15 @@ stage_cmd() {
     fuzz-disagg4) echo "${K[*]} e2e fuzz --engine sglang-gpu --topology disagg --examples 4 --steps 12 --shrink-seconds 60 --json --run-dir /tmp/kvalign-gpu/fuzz-disagg4" ;;
     hicache4) echo "${K[*]} e2e fuzz --engine sglang-gpu --hicache --page-size 4 --shrink-seconds 60 --json --run-dir /tmp/kvalign-gpu/hicache4" ;;
     hicache16) echo "${K[*]} e2e fuzz --engine sglang-gpu --hicache --page-size 16 --json --run-dir /tmp/kvalign-gpu/hicache16" ;;
+    # the decode half with a real transfer: SGLang's NIXL backend (nixl-cu13 from the bundle, UCX over
+    # cuda_ipc/cuda_copy between the two processes on GPU 0), the KV checksum on both engines
+    nixl-import) echo 'python3 -c "import torch, nixl; from nixl._api import nixl_agent, nixl_agent_config; a = nixl_agent(\"probe\", nixl_agent_config(backends=[\"UCX\"])); t = torch.ones(1 << 20, device=\"cuda\"); print(nixl._pkg.__name__, nixl._pkg.__file__, a.plugin_list, a.register_memory(t) is not None)"' ;;
+    nixl-scenario) echo "${K[*]} e2e run --engine sglang-gpu --single-gpu --transfer nixl --json --keep-logs --run-dir /tmp/kvalign-gpu/nixl-scenario" ;;
+    nixl-fake) echo "${K[*]} e2e run --engine sglang-gpu --single-gpu --transfer fake --json --keep-logs --run-dir /tmp/kvalign-gpu/nixl-fake" ;;
+    nixl-injector) echo "${K[*]} e2e run --engine sglang-gpu --single-gpu --transfer nixl --checksum-mismatch-prob 1 --no-compare-aggregated --json --keep-logs --run-dir /tmp/kvalign-gpu/nixl-injector" ;;
+    nixl-graphs) echo "${K[*]} e2e run --engine sglang-gpu --single-gpu --transfer nixl --cuda-graph --json --keep-logs --run-dir /tmp/kvalign-gpu/nixl-graphs" ;;
+    # e2e fuzz takes no --transfer: the disaggregated fuzz runs on the engine's default (fake on sglang-gpu)
+    fuzz-disagg-nixl) echo "${K[*]} e2e fuzz --engine sglang-gpu --topology disagg --examples 4 --steps 12 --shrink-seconds 60 --json --run-dir /tmp/kvalign-gpu/fuzz-disagg-nixl" ;;
     *) return 1 ;;
   esac
 }
