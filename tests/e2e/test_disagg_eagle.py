@@ -193,9 +193,11 @@ def test_real_engine_cpu_routes_by_prefix_and_keeps_speculating(sglang_cpu_align
 @pytest.mark.timeout(420)
 def test_real_engine_cpu_fake_transfer_fails_naming_decode_without_kv(sglang_cpu_fake_transfer):
     """The negative control of the decode half: nothing moves, so decode answers from pages it never
-    received; routing (assertions 1-2) and speculation (3-4) still pass, the decode half fails."""
+    received. Routing (assertions 1-2) and the verify steps (3) still pass; acceptance (4) depends on
+    what the decode worker's unsent pages happen to hold (seen both 2.0 and 1.0 here), so it is not
+    what fails this control: the decode half does, naming the cause on every request."""
     result = sglang_cpu_fake_transfer
-    assert not any(_failure(result, n) for n in (1, 2, 3, 4)), result.report()
+    assert not any(_failure(result, n) for n in (1, 2, 3)), result.report()
     [fifth], [sixth] = _failure(result, 5), _failure(result, 6)
     cause = f"cause: {Cause.KV_NOT_TRANSFERRED.name}"
     assert "request 1: output token ids differ from the aggregated worker's at position 0" in fifth, result.report()

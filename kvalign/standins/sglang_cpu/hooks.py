@@ -28,8 +28,13 @@ PATCHES: dict[str, tuple[Callable[[], None], ...]] = {
     "sglang.srt.layers.rotary_embedding.base": (patches.rotary_empty_batch,),
     "sglang.srt.arg_groups.pd_disaggregation_hook": (patches.fake_transfer_prefill_check,),
     "sglang.srt.managers.disagg_service": (patches.fake_transfer_bootstrap,),
-    "sglang.srt.disaggregation.decode": (patches.fake_transfer_decode, kv_transfer.arm_checksum_injector,
-                                         kv_transfer.record_checksum_verifications),
+    "sglang.srt.disaggregation.decode": (patches.fake_transfer_decode,),
+}
+
+#: The real transfer on CPU (:mod:`.kv_transfer`): SGLang's NIXL path on host memory and its KV checksum,
+#: for the releases whose default transfer is ``nixl`` (:attr:`~kvalign.standins.sglang_cpu.Release.transfer`).
+TRANSFER_PATCHES: dict[str, tuple[Callable[[], None], ...]] = {
+    "sglang.srt.disaggregation.decode": (kv_transfer.arm_checksum_injector, kv_transfer.record_checksum_verifications),
     "sglang.srt.disaggregation.nixl.conn": (kv_transfer.nixl_host_memory,),
     "sglang.srt.disaggregation.checksum": (kv_transfer.kv_checksum_on_cpu,),
 }
@@ -55,10 +60,14 @@ class _Loader(importlib.abc.Loader):
 
 
 def release_patches(version: str) -> dict[str, tuple[Callable[[], None], ...]]:
-    """The common patches plus ``version``'s own (HiCache's where :mod:`.hicache_cpu` supports it)."""
+    """The common patches plus ``version``'s own (HiCache's where :mod:`.hicache_cpu` supports it, the real
+    transfer's where the release runs ``nixl``)."""
     table = dict(PATCHES)
     if hicache_cpu.version_problem(version) is None:
         table.update(HICACHE_PATCHES)
+    if SUPPORTED[version].transfer == "nixl":
+        for module, after in TRANSFER_PATCHES.items():
+            table[module] = (*table.get(module, ()), *after)
     for module, name in SUPPORTED[version].patches:
         table[module] = (*table.get(module, ()), getattr(patches, name))
     return table
