@@ -110,6 +110,9 @@ def register(actions: argparse._SubParsersAction) -> None:
     p.add_argument("--spec-window", type=int, default=None, metavar="N",
                    help="requests judged together by decode_keeps_speculating, per decode worker: one metrics "
                         f"scrape per window (default {SPEC_WINDOW}; 1: every request judged alone, one scrape each)")
+    p.add_argument("--transfer", choices=("nixl", "fake"), default=None,
+                   help="--topology disagg: SGLang's prefill->decode backend (default: nixl on SGLang 0.5.23 CPU, "
+                        "fake on the GPU and older releases; fake = kv_transferred's negative control)")
     p.add_argument("--shrink-seconds", type=float, default=300.0,
                    help="bound on shrinking a failure (default 300, Hypothesis's own)")
     p.add_argument("--replay", metavar="SCRIPT", default=None, help="rerun a failure's script instead of generating")
@@ -158,6 +161,7 @@ def _options(args: argparse.Namespace, script: dict[str, Any] | None) -> FuzzOpt
             router_ttl=args.router_ttl if args.router_ttl is not None else given.get("router_ttl"),
             publisher_faults=bool(given.get("publisher_faults", False)),  # a control script's, never a flag
             spec_window=int(args.spec_window if args.spec_window is not None else given.get("spec_window", SPEC_WINDOW)),
+            transfer=getattr(args, "transfer", None) or given.get("transfer"),
         )
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None

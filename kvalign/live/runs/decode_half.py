@@ -14,6 +14,7 @@ prompts answered by one aggregated worker.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,9 @@ from kvalign.live.wire.metrics import (
     merge_snapshots,
     scrape,
 )
+
+#: Between scrapes while a transfer is awaited on prefill's histogram (:meth:`TransferProbe.record`).
+POLL_S = 0.1
 
 #: The extra field that makes the frontend return the engine's output token ids with the stream.
 TOKEN_IDS_FIELDS = ("worker_id", "timing", "completion_token_ids")
@@ -71,10 +75,18 @@ class TransferProbe:
     def start(self) -> None:
         self._snap, self._lines = self._scrape(), len(self._verifications())
 
-    def record(self, request: int) -> TransferRecord:
+    def record(self, request: int, *, wait_s: float = 0.0) -> TransferRecord:
+        """The request's transfer since :meth:`start`. ``wait_s``: how long to wait (bounded, polling)
+        for prefill to observe it, which SGLang does when its loop next polls the finished transfer."""
         if self._snap is None:
             raise RuntimeError("TransferProbe.record before start")
-        snap, rows = self._scrape(), self._verifications()
+        deadline = time.monotonic() + wait_s
+        snap = self._scrape()
+        count = f"{KV_TRANSFER_TOTAL_MB}_count"
+        while snap.total(count) <= self._snap.total(count) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            snap = self._scrape()
+        rows = self._verifications()
         new = rows[self._lines:]
         before, self._snap, self._lines = self._snap, snap, len(rows)
 

@@ -40,6 +40,8 @@ from kvalign.live.cluster.topology import COMPONENT, RUN_MARKER_ENV, Topology
 from kvalign.live.runs.fuzz.credit_error import CreditError
 from kvalign.live.runs.fuzz.dp_ranks import DpRanks, relay_subscriptions
 from kvalign.live.engines.hicache import HiCache
+from kvalign.live.runs.decode_half import TransferProbe
+from kvalign.live.runs.fuzz.transfers import FuzzTransfers
 from kvalign.live.runs.fuzz.invariants import (
     InvariantFailed, Observation, Tally, evaluate, failure_numbers, lost_pages_reused,
     observation_json,
@@ -106,6 +108,7 @@ class FuzzOptions:
     rank0_only: bool = False  # negative control: every rank but 0 is silent at its hop (only rank 0 publishes)
     dp_attention: bool = False  # the ranks are attention-DP groups of one TP group, not replicas
     spec_window: int = SPEC_WINDOW  # requests per decode_keeps_speculating judgment on one decode worker (.speculation)
+    transfer: str | None = None  # disagg: SGLang's prefill->decode backend (None: the release's; fake: kv_transferred's control)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -124,6 +127,9 @@ class FuzzOptions:
             raise ValueError("--only-rank0-publishes needs --dp-size 2 or more")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.transfer is not None and (self.topology != "disagg" or self.transfer not in ("nixl", "fake")):
+            raise ValueError(f"--transfer nixl|fake picks the prefill->decode backend of --topology disagg, got "
+                             f"{self.transfer!r} on {self.topology}")
         if self.spec_window < 1:
             raise ValueError(f"--spec-window must be >= 1, got {self.spec_window}")
         if self.draft not in ("agree", "disagree"):
@@ -155,6 +161,7 @@ class FuzzOptions:
                                                               **({"storage": self.hicache.storage}
                                                                  if self.hicache.storage else {})},
                 "event_format": self.event_format, "spec_window": self.spec_window,
+                **({"transfer": self.transfer} if self.transfer else {}),
                 **({"dp_size": self.dp_size} if self.dp_size > 1 else {}),
                 **({"dp_attention": True} if self.dp_attention else {}),
                 **({"rank0_only": True} if self.rank0_only else {})}
@@ -216,12 +223,13 @@ def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Clust
     if opts.engine == "sglang-gpu":
         from kvalign.live.engines import sglang_gpu
 
-        plan, kind = sglang_gpu.plan_cluster(topo, run_dir, draft=opts.draft, hicache=opts.hicache)
+        plan, kind = sglang_gpu.plan_cluster(topo, run_dir, draft=opts.draft, hicache=opts.hicache,
+                                             transfer=opts.transfer or "fake")
     else:
         from kvalign.live.engines import sglang_cpu
 
         plan, kind = sglang_cpu.plan_cluster(topo, run_dir, draft=opts.draft, sglang_version=opts.sglang,
-                                             hicache=opts.hicache)
+                                             hicache=opts.hicache, transfer=opts.transfer)
     plan = with_routers(plan, opts.router_setup())
     sources = ranks.sources(plan)  # one per publishing worker, or per rank of a data-parallel one
     labels = list(sources)
@@ -280,6 +288,9 @@ class FuzzDriver:
         self.host_weight = tiers_check.host_weight() if self.opts.hicache else 0.0
         self.router_credit = tiers_check.RouterCredit(self.metrics.frontend_url)
         self.speculation = SpecWindows(self.metrics, self.tally, self.opts.spec_window, self._judged)
+        #: disaggregation: each alone-sent request's hand-off to decode (``kv_transferred``)
+        backend = getattr(self.cluster.kind, "transfer_backend", None)
+        self.transfers = FuzzTransfers(TransferProbe.of(plan, backend), self.tally) if self.disagg and backend else None
         self.example_failed = False  # a step raised: the example's open speculation windows are not judged
         self._rss_at = float("-inf")  # when peak_rss_bytes was last sampled
         self.host_requeries: list[dict[str, Any]] = []
@@ -715,6 +726,8 @@ class FuzzDriver:
         tiers_before = self._tiers_now(required=False) if self.opts.hicache else None
         dropped_before = len(self.hop.dropped)
         armed = self._arm(fault, [pin] if pin else self.labels)
+        if self.transfers is not None:
+            self.transfers.before()
         c = self._send(tokens, max_tokens, pin, salt)
         answered = time.monotonic()
         label = self._label_of(c)
@@ -753,6 +766,8 @@ class FuzzDriver:
                       f"({obs.router_tokens} tokens credited, router view {obs.predicted} blocks), engine reused "
                       f"{engine_tokens}{' [hop fault]' if obs.hop_faulted else ''}")
         self._check(obs)
+        if self.transfers is not None and label is not None:
+            self.transfers.after(obs.request)
         if self.replicas is not None:
             self.replicas.after([agree], obs.request)
         if decode is not None and label is not None:

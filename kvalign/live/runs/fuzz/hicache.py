@@ -70,8 +70,8 @@ INVARIANT = "router_tiers_match_engine"
 #: :func:`kvalign.live.runs.fuzz.invariants.evaluate`'s, with the tier check after the credit check, and
 #: the data-parallel rank check last, where :meth:`~kvalign.live.runs.fuzz.dp_ranks.DpRanks.judge` appends it.
 EVALUATION_ORDER = ("engine_matches_index", "router_credits_engine_reuse", INVARIANT, "router_matches_prediction",
-                    "no_stale_credit", "best_worker_chosen", "decode_keeps_speculating", "routers_agree",
-                    "routed_rank_served")
+                    "no_stale_credit", "best_worker_chosen", "decode_keeps_speculating", "kv_transferred",
+                    "routers_agree", "routed_rank_served")
 
 
 def weighted(r: Residency, weight: float) -> float:

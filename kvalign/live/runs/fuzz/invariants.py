@@ -28,7 +28,9 @@ In the order they are evaluated (the first failure names the run's failure):
 * ``decode_keeps_speculating``: requests sent alone and asked for at least :data:`MIN_SPEC_TOKENS`
   tokens moved their decode worker's verify counter and show accepted drafts
   (:func:`kvalign.live.wire.metrics.accept_failures`), judged over a window of up to ``--spec-window``
-  such requests on one decode worker, one scrape per window (:mod:`.speculation`); "checked" counts windows.
+  such requests on one decode worker, one scrape per window (:mod:`.speculation`); "checked" counts windows;
+* ``kv_transferred`` (disaggregation): a request sent alone handed its KV to decode over the transfer
+  backend (bytes on prefill's transfer histogram) and SGLang's checksum verified it (:mod:`.transfers`).
 
 Removed, because no fault of the system under test makes them fail alone: ``restart_forgotten``
 (a request routed to a retired instance is a ``router_credits_engine_reuse`` finding, and a
@@ -47,10 +49,10 @@ from kvalign.live.wire.client import Completion
 
 INVARIANTS = ("router_credits_engine_reuse", "router_tiers_match_engine", "router_matches_prediction",
               "engine_matches_index", "no_stale_credit", "best_worker_chosen", "routed_rank_served",
-              "decode_keeps_speculating", "routers_agree")
-#: Invariants of some runs only (router replicas: :mod:`.replicas`; data-parallel ranks: :mod:`.dp_ranks`), left
-#: out of a run's JSON when never checked.
-OPTIONAL = ("routers_agree", "routed_rank_served")
+              "decode_keeps_speculating", "kv_transferred", "routers_agree")
+#: Invariants of some runs only (router replicas: :mod:`.replicas`; data-parallel ranks: :mod:`.dp_ranks`;
+#: disaggregation: :mod:`.transfers`), left out of a run's JSON when never checked.
+OPTIONAL = ("routers_agree", "routed_rank_served", "kv_transferred")
 #: What the router credited, judged against the engine and kvalign's views: not judged with an
 #: approximate router (``--router-mode approx`` predicts from routing decisions; measured instead).
 ROUTER_JUDGED = ("router_credits_engine_reuse", "router_tiers_match_engine", "router_matches_prediction",

@@ -88,6 +88,7 @@ class FuzzResult:
             "unsettled_waits": d.unsettled, "peak_rss_gib": round(d.peak_rss_bytes / 2**30, 2),
             "router_mode": d.opts.router_mode, "credit_error": None if d.credit_error is None else d.credit_error.as_json(),
             **({} if getattr(d, "replicas", None) is None else {"routers": d.replicas.as_json()}),
+            **({} if getattr(d, "transfers", None) is None else {"transfers": d.transfers.as_json()}),
             "notes": [*self.notes, *d.notes], "run_dir": str(d.cluster.plan.run_dir),
         }
 
