@@ -4,7 +4,7 @@ A row's cause sentence, the configurations it is confined to and its shrunk coun
 each a line's worth or more; put in the table they made it 330 columns wide. So the table names a
 cause by its short name (``HOST_CREDIT_NOT_SERVABLE``) and every cause is explained once, under
 the table: what it means, which rows show it, where it holds (its scope) and the first such row's
-shrunk counterexample. A skipped row's reason is said once there too. Every line is wrapped to
+shrunk counterexample. An n/a row's reason is said once there too. Every line is wrapped to
 :data:`WIDTH`, whatever a router-hasher label or a counterexample holds; ``--json`` keeps each row
 whole, so nothing is lost by the wrapping.
 """
@@ -31,7 +31,8 @@ def fit(text: str, indent: str = "  ") -> str:
 
 
 def short_result(r: RowResult) -> str:
-    """A row's ``result`` cell: ``ok``, ``n/a`` (it did not run), or ``CLASS: CAUSE_NAME`` (``cache-blind``
+    """A row's ``result`` cell: ``ok``, ``n/a`` (it did not run, or no example exercised what it checks), or
+    ``CLASS: CAUSE_NAME`` (``cache-blind``
     fails ``check``, ``credit-skew`` is an advisory; explained under the table, as are the causes a row
     counts apart, which never change its cell)."""
     if r.skipped:
@@ -103,8 +104,9 @@ def explanations(rows: Sequence[RowResult], page_size: int | None = None) -> str
     for r in rows:
         if r.skipped:
             skipped.setdefault(r.skipped, []).append(r)
-    for why, group in skipped.items():
-        out += ["", fit(f"n/a (did not run) {_names(group)}: {why}")]
+    for why, group in skipped.items():  # a row that ran and never exercised its subject says so, as one that did not run
+        how = "never exercised" if any(r.cases for r in group) else "did not run"
+        out += ["", fit(f"n/a ({how}) {_names(group)}: {why}")]
     out += [x for r in rows if r.not_checked and not r.skipped for x in ("", fit(f"partly checked {row_name(r)}: {r.not_checked}"))]
     if by_cause:
         out += ["", fit("(every row's cause, detail and counterexample, whole: kvalign check --json)")]

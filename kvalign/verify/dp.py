@@ -255,6 +255,7 @@ def run_dp_rows(path: Callable[[], Any], modes: tuple[str, ...], examples: int, 
     ``path``: the in-process Dynamo runtime (``Systems.router_path``); ``search``: ``check``'s
     Hypothesis search; ``fault``: a negative control (:data:`DP_FAULTS`)."""
     from kvalign.verify.rows import RowResult
+    from kvalign.verify.search import Tally
 
     if "plain" not in modes:
         return []
@@ -269,9 +270,12 @@ def run_dp_rows(path: Callable[[], Any], modes: tuple[str, ...], examples: int, 
                                                                 "ranks; the row is not checked)"))
             continue
         try:
+            tally = Tally()
             calls, failures, found = search(lambda sc: dp_property(rig, sc),
-                                            dp_scenarios(ranks=len(rig.ranks), page_size=rig.page_size), examples, seed=seed)
+                                            dp_scenarios(ranks=len(rig.ranks), page_size=rig.page_size), examples, seed=seed,
+                                            tally=tally)
             row = RowResult("dp", "plain", name, calls, failures, time.perf_counter() - start)
+            row.shrink_steps = tally.shrink_steps
             if found is not None:
                 row.cause, row.cause_name, row.detail = found.cause.value, found.cause.name, found.detail
                 row.counterexample = {"stores": found.example.stores, "queries": found.example.queries}

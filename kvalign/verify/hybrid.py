@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 from kvalign.model.causes import Cause
 from kvalign.oracles.base import OracleUnavailable
 from kvalign.verify.properties import Mismatch
+from kvalign.verify.search import Tally
 
 #: Page sizes per component: a Mamba tree without its extra buffer needs page size 1; with it, larger.
 PAGE_SIZES = {"swa": (2, 4), "mamba": (1, 4)}
@@ -152,8 +153,13 @@ class HybridRun:
         self.tolerate_skew, self.card_as_keys = tolerate_skew, card_as_keys
         self.make_cache = make_cache or HybridCache
         self.plain_keys_note = eagle_allowed(component) if eagle else None
+        #: the search's calls; every count below is of generated examples, never of shrink steps (issue 43)
+        self.tally = Tally()
         #: the largest skew seen in blocks, the credited blocks it was seen with, and examples that showed one
         self.bound, self.bound_of, self.skewed = 0, 0, 0
+        #: examples in which SGLang's reusable prefix fell short of its full-attention one somewhere (window
+        #: KV or Mamba state evicted or never kept): the only ones the row's subject shows in (none: ``n/a``)
+        self.short = 0
 
     def __call__(self, sc: Scenario) -> None:
         try:
@@ -171,7 +177,7 @@ class HybridRun:
         base = worker.token_space()
         shift = lambda t: [base + x for x in t]  # noqa: E731 - this example's own token range
         prompts: list[list[int]] = []
-        skewed = False
+        skewed = short = False
         for i, step in enumerate(sc.steps):
             if step[0] == "insert":
                 cache.insert(shift(step[1]))
@@ -190,6 +196,7 @@ class HybridRun:
             findings = []
             for tokens in _cuts(prompts, sc.page_size, bool(cache.eagle_keys)):
                 reuse = cache.match(shift(tokens))
+                short = short or reuse.reusable < reuse.full
                 router = self.path.query_overlap(worker.router, shift(tokens), None, None)
                 found = judge(sc.component, card, bool(cache.eagle_keys), sc.page_size, router, reuse.reusable,
                               reuse.full, tokens)
@@ -197,13 +204,13 @@ class HybridRun:
                     continue
                 if found[0] in SKEWS:
                     skewed = True
-                    if found[2] > self.bound:
+                    if found[2] > self.bound and self.tally.generating:  # a shrink step's skew is no example's
                         self.bound, self.bound_of = found[2], router
                     if self.tolerate_skew:
                         continue
                 findings.append((found, tokens))
             if findings:
-                self.skewed += skewed
+                self._count(skewed, short)
                 # an index divergence (keys or events) outranks the skew: it is what the row then shows
                 (cause, detail, skew), tokens = min(findings, key=lambda f: f[0][0] in SKEWS)
                 raise Mismatch("hybrid", f"after step {i + 1} ({step[0]}), {detail}", cause,
@@ -211,7 +218,33 @@ class HybridRun:
                                 "window": sc.window if sc.component == "swa" else None, "core": cache.core,
                                 "steps": sc.steps[: i + 1], "query": tokens},
                                condition=hybrid_condition(sc.component) if cause in SKEWS else None)
-        self.skewed += skewed
+        self._count(skewed, short)
+
+    def _count(self, skewed: bool, short: bool) -> None:
+        """An example's counts, if it is a generated example (:class:`~kvalign.verify.search.Tally`)."""
+        if self.tally.generating:
+            self.skewed += skewed
+            self.short += short
+
+
+def unexercised(body: HybridRun, component: str, calls: int) -> str | None:
+    """Why a row whose search found nothing checked nothing of its subject (the row is then ``n/a``, never
+    ``ok``), or None. Its subject is the router's credit where SGLang's reusable prefix is shorter than the
+    full-attention prefix the router indexes; an example in which the two never parted checked only what
+    ``ingest`` checks, and a row of such examples could not have failed with a hybrid cause (issue 43)."""
+    if body.short:
+        return None
+    state = "sliding-window KV" if component == "swa" else "Mamba state"
+    return (f"ran {calls} example(s), none exercising what this row checks: SGLang's reusable prefix never fell short "
+            f"of its full-attention prefix (no {state} evicted or missing), so the router's credit was never held "
+            "against lost state (more --hybrid-examples)")
+
+
+def exercised(body: HybridRun, component: str, calls: int) -> str:
+    """An ``ok`` (or ``n/a``) row's detail: how many of its examples lost state."""
+    state = "sliding-window KV" if component == "swa" else "Mamba state"
+    return (f"SGLang's reusable prefix fell short of its full-attention prefix ({state} evicted or missing) in "
+            f"{body.short} of {calls} example(s)")
 
 
 def hybrid_condition(component: str) -> str:
@@ -246,13 +279,17 @@ def run_hybrid_rows(systems: Any, modes: tuple[str, ...], examples: int, seed: i
             start = time.perf_counter()
             body = HybridRun(path, component, eagle)
             try:
-                calls, failures, found = run_search(body, hybrid_scenarios(component, eagle, sizes), examples, seed=seed)
+                calls, failures, found = run_search(body, hybrid_scenarios(component, eagle, sizes), examples, seed=seed,
+                                                    tally=body.tally)
             except OracleUnavailable as exc:
                 rows.append(RowResult("hybrid", mode, component, 0, 1, time.perf_counter() - start,
                                       Cause.PATH_UNAVAILABLE.value, Cause.PATH_UNAVAILABLE.name, str(exc)))
                 continue
             row = RowResult("hybrid", mode, component, calls, failures, time.perf_counter() - start)
-            if found is not None:
+            row.shrink_steps = body.tally.shrink_steps
+            if found is None:  # a pass, or n/a where no example lost state
+                row.skipped, row.detail = unexercised(body, component, calls), exercised(body, component, calls)
+            else:
                 row.cause, row.cause_name, row.detail = found.cause.value, found.cause.name, found.detail
                 row.counterexample, row.condition = found.example, found.condition
                 if body.plain_keys_note and found.cause is Cause.ROUTER_EAGLE_ON:

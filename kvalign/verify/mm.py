@@ -41,6 +41,7 @@ from kvalign.oracles.frontend_mm import Preprocessed
 from kvalign.oracles.sglang_mm import EngineRequest
 from kvalign.verify.mm_strategies import Image, MmScenario, wire_parts
 from kvalign.verify.properties import Mismatch
+from kvalign.verify.search import Tally
 
 WORKER = 1
 
@@ -216,13 +217,15 @@ def mm_property(systems: MmSystems, make_cache: Callable[[int, bool], Any], sc: 
 
 
 def run_mm_search(systems: MmSystems, make_cache: Callable[[int, bool], Any], *, eagle: bool, examples: int,
-                  seed: int | None = None, page_sizes: tuple[int, ...] | None = None) -> tuple[int, int, Mismatch | None]:
-    """Search image scenarios for a mismatch (Hypothesis, shrinking to the smallest)."""
+                  seed: int | None = None, page_sizes: tuple[int, ...] | None = None,
+                  tally: Tally | None = None) -> tuple[int, int, Mismatch | None]:
+    """Search image scenarios for a mismatch (Hypothesis, shrinking to the smallest): (generated examples,
+    of them the failing ones, the shrunk mismatch); the shrink steps in ``tally``."""
     from kvalign.verify.search import run_search
     from kvalign.verify.mm_strategies import MM_PAGE_SIZES, mm_scenarios
 
     strategy = mm_scenarios(eagle=eagle, page_sizes=page_sizes or MM_PAGE_SIZES)
-    return run_search(lambda sc: mm_property(systems, make_cache, sc), strategy, examples, seed=seed)
+    return run_search(lambda sc: mm_property(systems, make_cache, sc), strategy, examples, seed=seed, tally=tally)
 
 
 
@@ -243,10 +246,11 @@ def run_mm_rows(systems: Any, modes: tuple[str, ...], examples: int, seed: int |
     rows = []
     try:
         for mode in modes:
-            start = time.perf_counter()
+            start, tally = time.perf_counter(), Tally()
             calls, failures, found = run_mm_search(mm, systems.make_cache, eagle=mode == "eagle", examples=examples,
-                                                   seed=seed, page_sizes=page_sizes)
+                                                   seed=seed, page_sizes=page_sizes, tally=tally)
             row = RowResult("mm", mode, "base", calls, failures, time.perf_counter() - start)
+            row.shrink_steps = tally.shrink_steps
             if found is not None:
                 row.cause, row.cause_name, row.detail = found.cause.value, found.cause.name, found.detail
                 row.counterexample = describe(found.example)

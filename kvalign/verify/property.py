@@ -176,7 +176,7 @@ class SearchProperty(Declared):
         return [Job(self.name, (m,), (v,), cost=self.cost * scale) for m in self.modes if m in opts.modes for v in variants]
 
     def run(self, job: Job, systems: Any, opts: Options) -> list[RowResult]:
-        from kvalign.verify.search import run_search
+        from kvalign.verify.search import Tally, run_search
 
         try:
             body = self.body(systems)
@@ -185,10 +185,11 @@ class SearchProperty(Declared):
         rows = []
         for mode in job.modes:
             for variant in job.variants:
-                start = time.perf_counter()
+                start, tally = time.perf_counter(), Tally()
                 calls, failures, found = run_search(body, self.strategy(mode, variant, opts.page_size),
-                                                    opts.examples_for(self.budget), seed=opts.seed)
+                                                    opts.examples_for(self.budget), seed=opts.seed, tally=tally)
                 row = found_row(RowResult(self.name, mode, variant, calls, failures, time.perf_counter() - start), found)
+                row.shrink_steps = tally.shrink_steps
                 if row.detail and found is not None and self.note is not None:
                     row.detail += self.note(systems)
                 rows.append(row)

@@ -21,7 +21,9 @@ class RowResult:
     prop: str
     mode: str
     variant: str
+    #: generated examples (or exhaustive cases) the row ran; a search's shrink steps are not cases
     cases: int = 0
+    #: of them, those that failed (a search stops generating at its first failing example, to shrink it)
     mismatches: int = 0
     seconds: float = 0.0
     cause: str | None = None
@@ -30,7 +32,9 @@ class RowResult:
     counterexample: Any = None
     #: the configurations the row's mismatch is confined to (e.g. HiCache on, page sizes below 10), or None
     condition: str | None = None
-    #: why the row did not run at all (kvalign's own stand-in does not cover this release): ``n/a``, never ok
+    #: why the row is ``n/a``, never ok: it did not run at all (kvalign's own stand-in does not cover this
+    #: release; ``cases`` 0), or it ran and no example exercised what it checks (no refill loaded back, no
+    #: hybrid state lost: a pass that could not have failed; ``cases`` > 0)
     skipped: str | None = None
     #: what of a row that ran was not checked, and why (e.g. configurations kvalign's platform stand-in cannot resolve)
     not_checked: str | None = None
@@ -52,6 +56,9 @@ class RowResult:
     #: the row's negative control, where it runs one beside the search (hybrid, storage): the deliberate
     #: misalignment, its cases, whether the property failed on it and with which cause
     control: dict[str, Any] | None = None
+    #: the calls a search made after its first failing example (shrinking it, then replaying the shrunk
+    #: one): counted apart, never as cases, so that "1 of 3" is what the search generated (issue 43)
+    shrink_steps: int = 0
 
     @property
     def ok(self) -> bool:
@@ -60,7 +67,7 @@ class RowResult:
 
     @property
     def status(self) -> str:
-        """``n/a`` (did not run), ``ok``, or ``finding``."""
+        """``n/a`` (did not run, or never exercised its subject: :attr:`skipped`), ``ok``, or ``finding``."""
         return "n/a" if self.skipped else "ok" if self.mismatches == 0 else "finding"
 
 

@@ -19,14 +19,14 @@ call. SGLang's events go through the ``tier`` path (SGLang's publisher -> Dynamo
   disk credit before the refill: SGLang publishes no event for a page written to or held in storage,
   so the router credits them in no tier: ``STORAGE_TIER_UNCREDITED``, an under-credit bounded by the
   refilled pages, reported when nothing above failed. A declined refill is counted, never a finding
-  (the engine reused nothing the router missed).
+  (the engine reused nothing the router missed); a row in which no example's refill was loaded back
+  could not have failed, so it is ``n/a`` saying so, never ``ok``.
 
 **Tenant rows** (``lora``, ``namespace``, ``lora+namespace``): tenant A's prompt written to storage
 and evicted from device and host; tenant B (another LoRA / ``cache_salt``) asks for the same tokens.
 B's reuse on every tier must be 0: SGLang's device and host match, what SGLang's prefetch refills
 for B from storage, and the router's credit for B (``TENANT_STORAGE_REUSE``, a cross-tenant leak);
-and A's own refill must work (else the row proves nothing: ``EVENTS_DROPPED`` is not claimed, the
-example says so).
+and A's own refill must work (a row in which it never did proves nothing: it is ``n/a`` saying so).
 
 Negative controls: tier rows drop SGLang's host-medium stores before the relay (the refill's events
 lost: the property must fail with a tier divergence); tenant rows give tenant B tenant A's namespace
@@ -46,6 +46,7 @@ from kvalign.model.causes import Cause
 from kvalign.oracles.base import OracleUnavailable
 from kvalign.oracles.storage import PUMP_TIMEOUT_S
 from kvalign.verify.properties import Mismatch
+from kvalign.verify.search import Tally
 
 PAGE_SIZES = (2, 4)
 STORAGE_EXAMPLES = 8
@@ -101,9 +102,14 @@ class StorageRun:
         self.path, self.eagle, self.variant = path, eagle, variant
         self.mutate, self.shared_namespace = mutate, shared_namespace
         self.make_engine = make_engine or StorageEngine
+        #: the search's calls; every count below is of generated examples, never of shrink steps (issue 43)
+        self.tally = Tally()
         #: examples with a refill (the storage path exercised), examples in which SGLang refilled pages the
         #: router credited in no tier, the most such pages for one request, and that example's finding
         self.refilled_examples, self.uncredited, self.bound = 0, 0, 0
+        #: examples in which SGLang's scheduler loaded a refill back: the only ones where a storage page is
+        #: reused, so the only ones a tier row's under-credit can show in (none: the row is ``n/a``)
+        self.loaded_examples = 0
         #: refills SGLang's scheduler then declined to load back (a stretch below its load_back_threshold)
         self.declined = 0
         self.finding: Mismatch | None = None
@@ -173,7 +179,8 @@ class StorageRun:
             self._tenant_b(engine, worker, tap, sc, shift, expected, a, b)
             return
         uncredited: tuple[int, list[int], Any] | None = None
-        any_refill = False
+        any_refill = any_loaded = False
+        declined = 0
         for tokens in sc.prompts:
             q = shift(tokens)
             before = self.path.path.query_tiers(worker.router, q, None, None)  # what the router routes this request on
@@ -184,13 +191,18 @@ class StorageRun:
             self._publish(engine, worker, tap, sc, expected)
             self._check_all(engine, worker, tap, sc, shift, expected, a)
             any_refill = any_refill or refilled > 0
+            any_loaded = any_loaded or bool(refilled and admitted.loaded_tokens)
             if refilled and not admitted.loaded_tokens:
-                self.declined += 1  # below SGLang's load_back_threshold: re-prefilled, no reuse lost
+                declined += 1  # below SGLang's load_back_threshold: re-prefilled, no reuse lost
             served = min(refilled, admitted.loaded_tokens) // sc.page_size  # storage pages SGLang reused
             missing = served - before["disk_extension_blocks"]
             if missing > 0 and (uncredited is None or missing > uncredited[0]):
                 uncredited = (missing, tokens, admitted)
+        if not self.tally.generating:  # a shrink step's refills are no example's (Tally)
+            return
         self.refilled_examples += any_refill
+        self.loaded_examples += any_loaded
+        self.declined += declined
         if uncredited is not None:  # counted, not raised: the search goes on checking the refills' events
             n, tokens, admitted = uncredited
             self.uncredited += 1
@@ -243,12 +255,38 @@ class StorageRun:
                                f"A's from storage for B, and the router credits B {credited} block(s): a cross-tenant "
                                "leak", Cause.TENANT_STORAGE_REUSE, self._example(sc))
             refilled_a = refilled_a or bool(engine.refill(q, *a))  # A's own pages still refill: the row is not vacuous
-        self.refilled_examples += refilled_a
+        if self.tally.generating:  # a shrink step's refill is no example's (Tally)
+            self.refilled_examples += refilled_a
 
     def _example(self, sc: StorageScenario) -> dict[str, Any]:
         a, b = self.tenants() if self.variant != "base" else ((None, None), (None, None))
         return {"page_size": sc.page_size, "eagle": sc.eagle, "prompts": sc.prompts, "host_evict": sc.host_evict or "all",
                 **({"tenant_a": a, "tenant_b": b} if self.variant != "base" else {})}
+
+
+def unexercised(body: StorageRun, variant: str, calls: int) -> str | None:
+    """Why a row whose search found nothing checked nothing of its subject (the row is then ``n/a``, never
+    ``ok``), or None. A tier row's subject is a storage page SGLang reuses, which happens only when its
+    scheduler loads a refill back; a tenant row's is tenant A's pages coming back from storage, without
+    which tenant B's zero reuse says nothing of the storage tier (issue 43: such a row said ok)."""
+    if variant == "base" and not body.loaded_examples:
+        return (f"ran {calls} example(s), none exercising what this row checks: no refill from storage was loaded back "
+                f"by SGLang's scheduler ({body.refilled_examples} example(s) refilled, {body.declined} declined below "
+                "its load_back_threshold and re-prefilled), so no storage page was reused for the router's credit to "
+                "be held against (more --storage-examples, or a page size whose refills reach the threshold)")
+    if variant != "base" and not body.refilled_examples:
+        return (f"ran {calls} example(s), none exercising what this row checks: tenant A's own pages never came back "
+                "from storage, so tenant B's zero reuse says nothing of the storage tier (more --storage-examples)")
+    return None
+
+
+def exercised(body: StorageRun, variant: str, calls: int) -> str:
+    """An ``ok`` (or ``n/a``) row's detail: how many of its examples exercised its subject."""
+    if variant == "base":
+        return (f"SGLang's scheduler loaded a refill from storage back in {body.loaded_examples} of {calls} example(s) "
+                f"({body.refilled_examples} refilled, {body.declined} refill(s) declined below its load_back_threshold)")
+    return (f"tenant A's own pages refilled from storage in {body.refilled_examples} of {calls} example(s) while "
+            "tenant B reused none of them on any tier")
 
 
 def storage_condition() -> str:
@@ -281,8 +319,10 @@ def run_storage_rows(systems: Any, modes: tuple[str, ...], variants: tuple[str, 
             for variant in variants:
                 start = time.perf_counter()
                 body = StorageRun(path, eagle, variant)
-                calls, failures, found = run_search(body, storage_scenarios(eagle, sizes), examples, seed=seed)
+                calls, failures, found = run_search(body, storage_scenarios(eagle, sizes), examples, seed=seed,
+                                                    tally=body.tally)
                 row = RowResult("storage", mode, variant, calls, failures, time.perf_counter() - start)
+                row.shrink_steps = body.tally.shrink_steps
                 if found is None and body.finding is not None:  # the under-credit, once nothing else failed
                     found, row.mismatches = body.finding, body.uncredited
                     found.detail += (f"; bound seen: up to {body.bound} refilled page(s) per request credited in no tier "
@@ -293,9 +333,8 @@ def run_storage_rows(systems: Any, modes: tuple[str, ...], variants: tuple[str, 
                 if found is not None:
                     row.cause, row.cause_name, row.detail = found.cause.value, found.cause.name, found.detail
                     row.counterexample, row.condition = found.example, found.condition
-                if variant != "base" and found is None:
-                    row.detail = (f"tenant A's own pages refilled from storage in {body.refilled_examples} of {calls} "
-                                  "example(s) while tenant B reused none of them on any tier")
+                else:  # a pass, or n/a where no example exercised the row's subject
+                    row.skipped, row.detail = unexercised(body, variant, calls), exercised(body, variant, calls)
                 if variant == "base":
                     control = StorageRun(path, eagle, variant, mutate=drop_host_stores)
                     what, ok = "drop_host_stores (SGLang's host-tier stores, a refill's included, never reach the relay)", \

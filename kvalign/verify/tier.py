@@ -50,6 +50,7 @@ from kvalign.model.hashing import U64_MASK
 from kvalign.oracles.base import OracleUnavailable
 from kvalign.verify.properties import Mismatch
 from kvalign.model.relay import RELAY_TIERS
+from kvalign.verify.search import Tally
 from kvalign.verify.servable import judge, last_page_condition
 from kvalign.verify.strategies import tenants
 
@@ -240,7 +241,8 @@ def name_tier_divergence(expected: _ExpectedTiers, dumped: list[tuple[str | None
 
 
 def _counted(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Count the examples a step fails in (Hypothesis itself only hands back the shrunk one)."""
+    """Count the examples a step fails in (Hypothesis itself only hands back the shrunk one), and keep the
+    last mismatch raised (a replay that took another path reports it unshrunk)."""
 
     @functools.wraps(fn)
     def step(self: TierMachine, *args: Any, **kwargs: Any) -> Any:
@@ -250,8 +252,8 @@ def _counted(fn: Callable[..., Any]) -> Callable[..., Any]:
             except OracleUnavailable as exc:  # a piece of this release's path cannot answer
                 raise Mismatch("tier", str(exc), Cause.PATH_UNAVAILABLE, self._example()) from None
         except Mismatch as exc:
-            self.failures[0] += 1
-            self.failures[1] = exc
+            self.tally.fail()
+            self.last[0] = exc
             raise
 
     return step
@@ -261,11 +263,12 @@ class TierMachine(RuleBasedStateMachine):
     """One worker's HiCache life, step by step, checked against the router after every step."""
 
     def __init__(self, path: TierPath, eagle: bool, lora: bool, namespace: bool, servable: bool,
-                 make_engine: Callable[..., Any], cores: tuple[str, ...], failures: list[Any],
+                 make_engine: Callable[..., Any], cores: tuple[str, ...], tally: Tally, last: list[Mismatch | None],
                  page_sizes: tuple[int, ...] = TIER_PAGE_SIZES, capped: list[Any] | None = None) -> None:
         super().__init__()
         self.page_sizes = page_sizes
-        self.failures = failures
+        #: the search's runs, generated apart from shrink steps; [the last Mismatch a step raised]
+        self.tally, self.last = tally, last
         #: [examples with a LAST_PAGE_CAPPED request, the first such example, its judgement] (counted apart)
         self.capped = capped if capped is not None else [0, None, None]
         self._capped_seen = False
@@ -414,7 +417,7 @@ class TierMachine(RuleBasedStateMachine):
             return False
         threshold = self.engine.load_back_threshold
         j = judge(admission, tiers, self.engine.page_size, eagle=self.eagle, threshold=threshold)
-        if j.capped_blocks and not self._capped_seen:
+        if j.capped_blocks and not self._capped_seen and self.tally.generating:  # a shrink step's is no case
             self._capped_seen = True
             self.capped[0] += 1
             if self.capped[1] is None:
@@ -504,22 +507,23 @@ def tenant_kwargs(tenant: tuple[str | None, str | None]) -> dict[str, str]:
 def run_tier_search(path: TierPath, *, eagle: bool, lora: bool, namespace: bool, servable: bool, examples: int,
                     seed: int | None = None, make_engine: Callable[..., Any] | None = None,
                     page_sizes: tuple[int, ...] = TIER_PAGE_SIZES, shrink: bool = True,
-                    capped: list[Any] | None = None) -> tuple[int, int, Mismatch | None]:
-    """Run the state machine ``examples`` times: (examples run, failing examples seen, shrunk mismatch).
+                    capped: list[Any] | None = None, tally: Tally | None = None) -> tuple[int, int, Mismatch | None]:
+    """Run the state machine ``examples`` times: (generated runs, of them the failing ones, shrunk mismatch).
 
     ``shrink=False`` stops at the first failing example (the negative controls only need its cause).
-    ``capped`` (``[0, None, None]``) collects the LAST_PAGE_CAPPED cases, counted apart: examples with
-    such a request, the first such example and its :class:`~kvalign.verify.servable.Judgement`."""
+    ``capped`` (``[0, None, None]``) collects the LAST_PAGE_CAPPED cases, counted apart: generated runs with
+    such a request, the first such example and its :class:`~kvalign.verify.servable.Judgement`. Shrink
+    steps are neither runs nor capped cases (:class:`~kvalign.verify.search.Tally`; pass one to read them)."""
     from kvalign.oracles.hicache import HiCacheEngine, available_cores
 
     make = make_engine or HiCacheEngine
     cores = available_cores()
-    calls, failures = 0, [0, None]  # failing examples, the last Mismatch raised
+    tally = tally if tally is not None else Tally()
+    last: list[Mismatch | None] = [None]
 
     def factory() -> TierMachine:
-        nonlocal calls
-        calls += 1
-        return TierMachine(path, eagle, lora, namespace, servable, make, cores, failures, page_sizes, capped)
+        tally.start()
+        return TierMachine(path, eagle, lora, namespace, servable, make, cores, tally, last, page_sizes, capped)
 
     cfg = settings(max_examples=examples, stateful_step_count=STEPS, deadline=None, database=None,
                    derandomize=seed is None, suppress_health_check=list(HealthCheck), report_multiple_bugs=False,
@@ -538,11 +542,11 @@ def run_tier_search(path: TierPath, *, eagle: bool, lora: bool, namespace: bool,
         # SGLang's eviction order among leaves of equal access time is not reproducible (the Rust
         # core's maps are seeded per process), so a replay while shrinking can take another path.
         # The mismatch seen is real; it is reported as found, unshrunk.
-        found = failures[1]
+        found = last[0]
         if found is None:
             raise
         found.detail += " (not shrunk: SGLang evicted differently when Hypothesis replayed the case)"
-    return calls, failures[0], found
+    return tally.cases, tally.mismatches, found
 
 
 #: servable rows run the base tenant only: load-back does not depend on the tenant.
@@ -601,13 +605,15 @@ def run_tier_rows(systems: Any, prop: str, modes: tuple[str, ...], variants: tup
                 start = time.perf_counter()
                 n = examples * SERVABLE_FACTOR if prop == "servable" else examples
                 capped: list[Any] = [0, None, None]
+                tally = Tally()
                 calls, failures, found = run_tier_search(path, eagle=mode == "eagle", lora=lora, namespace=namespace,
                                                          servable=prop == "servable", examples=n, seed=seed,
                                                          page_sizes=(page_size,) if page_size else TIER_PAGE_SIZES,
-                                                         capped=capped,
+                                                         capped=capped, tally=tally,
                                                          make_engine=functools.partial(
                                                              HiCacheEngine, dynamo_format=event_format == "dynamo"))
                 row = RowResult(prop, mode, variant, calls, failures, time.perf_counter() - start)
+                row.shrink_steps = tally.shrink_steps
                 if found is not None:
                     row.cause, row.cause_name, row.detail = found.cause.value, found.cause.name, found.detail
                     row.counterexample, row.condition = found.example, found.condition

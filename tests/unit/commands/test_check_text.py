@@ -135,3 +135,18 @@ def test_verdict_counts_the_negative_controls_and_names_one_that_did_not_fail():
     assert "  negative controls: 1 of 2 failed as they must" in lines
     assert any("control of hybrid/plain/mamba did not fail" in line and "expected INGEST_STALE" in line for line in lines)
     assert check_text.controls(rows[:1]) == ["  negative controls: 1 of 1 failed as they must"]
+
+
+def test_a_row_that_ran_and_never_exercised_its_subject_is_na_saying_so():
+    """A storage row in which no refill was loaded back ran its examples and could not have failed: ``n/a``
+    in the table, the verdict and ``--json``, its reason under the table as a row that never exercised what
+    it checks (a row that did not run keeps "did not run")."""
+    from kvalign.verify.rows import row_json
+
+    why = "ran 8 example(s), none exercising what this row checks: no refill from storage was loaded back"
+    rows = [RowResult("storage", "plain", "base", 8, 0, 3.0, skipped=why), RowResult("tier", "plain", "lora", skipped=SKIPPED)]
+    assert [ln.split()[-1] for ln in check_text.table(rows).splitlines()[2:]] == ["n/a", "n/a"]
+    text = " ".join(ln.strip() for ln in check_text.explanations(rows).splitlines())
+    assert f"n/a (never exercised) storage/plain/base: {why}" in text and "n/a (did not run) tier/plain/lora" in text
+    assert check_text.verdict(rows, 1.0).startswith("ALIGNED: 8 cases in 1.0s, 0 of 0 rows cache-blind")
+    assert row_json(rows[0])["status"] == "n/a" and row_json(rows[0])["shrink_steps"] == 0

@@ -127,6 +127,20 @@ def test_servable_finds_host_credit_below_sglangs_load_back_threshold(tier_paths
     assert 0 < a["host_only_tokens"] < 10 and a["loaded_tokens"] < a["host_only_tokens"]
 
 
+def test_a_servable_searchs_counts_are_its_generated_runs_not_its_shrink_steps(tier_paths):
+    """Shrinking on, as ``check`` runs it: the runs and failing runs counted, and the LAST_PAGE_CAPPED cases
+    counted apart, are of the generated runs only, as Hypothesis records each run's phase (issue 43)."""
+    from hypothesis_phases import generated, recorded
+
+    capped: list[Any] = [0, None, None]
+    with recorded() as seen:
+        calls, failures, found = _search(tier_paths(), eagle=False, servable=True, examples=15, page_sizes=(2,),
+                                         shrink=True, capped=capped)
+    assert found is not None and found.cause.name == "HOST_CREDIT_NOT_SERVABLE", found and found.detail
+    assert (calls, failures) == generated(seen) and failures == 1, (calls, failures, generated(seen), len(seen))
+    assert capped[0] <= calls
+
+
 def test_servable_holds_at_a_page_of_the_threshold_or_more(tier_paths):
     """Page 16 >= SGLang's threshold: every host-only stretch is loaded back, the router's credit is served."""
     calls, failures, found = _search(tier_paths(), eagle=False, servable=True, examples=8, page_sizes=(16,))

@@ -84,6 +84,33 @@ def test_hybrid_agrees_without_state_loss(path: Any) -> None:
     HybridRun(path, "swa", False)(sc)  # raises Mismatch on any disagreement
 
 
+#: Per component, a scenario in which SGLang never loses hybrid state: the reusable prefix is the full one throughout.
+WHOLE = {
+    "swa": ("swa", 4, False, 4, "python", [("insert", [0, 1, 2, 3, 0, 1, 2, 3]), ("insert", [3, 3, 3, 3]), ("evict", 4)]),
+    "mamba": ("mamba", 1, False, 4, "rust", [("insert", [0]), ("evict", 1)]),
+}
+
+
+def test_a_row_that_never_lost_state_is_na_not_ok(path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No example left SGLang's reusable prefix short of its full-attention one (no window KV or Mamba state
+    evicted or missing): the row checked only what ``ingest`` checks, so it is ``n/a`` saying so, not ``ok``
+    (issue 43). Its negative control still runs and fails as it must."""
+    from types import SimpleNamespace
+
+    from hypothesis import strategies as st
+
+    import kvalign.verify.hybrid as hybrid
+
+    monkeypatch.setattr(hybrid, "hybrid_scenarios",
+                        lambda component, eagle, sizes=None: st.just(hybrid.Scenario(*WHOLE[component])))
+    rows = hybrid.run_hybrid_rows(SimpleNamespace(router_path=lambda: path), ("plain",), 2)
+    assert [(r.variant, r.status, r.cases, r.mismatches) for r in rows] == [("swa", "n/a", 1, 0), ("mamba", "n/a", 1, 0)], \
+        [(r.variant, r.status, r.detail) for r in rows]
+    for row in rows:
+        assert row.skipped and "short of" in row.skipped, row.skipped
+        assert row.control and row.control["failed"], row.control
+
+
 def test_mamba_eagle_is_cache_blind(path: Any) -> None:
     """An EAGLE worker's card against a Mamba tree SGLang keys in plain tokens."""
     from kvalign.verify.hybrid import HybridRun

@@ -71,6 +71,23 @@ def test_negative_control_refill_events_dropped(path: Any) -> None:
     assert found.value.cause in TIER_CAUSES
 
 
+def test_a_row_no_refill_was_loaded_back_in_is_na_not_ok(path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every example's refill declined by SGLang's scheduler (below its load_back_threshold): the row never
+    exercised what it checks, storage pages reused without the router's credit, so it is ``n/a`` saying so,
+    not ``ok`` (issue 43). Its negative control still runs and fails as it must."""
+    from types import SimpleNamespace
+
+    from hypothesis import strategies as st
+
+    import kvalign.verify.storage as storage
+
+    monkeypatch.setattr(storage, "storage_scenarios", lambda eagle, sizes=None: st.just(_scenario(SHORT)))
+    [row] = storage.run_storage_rows(SimpleNamespace(router_path=lambda: path.path), ("plain",), ("base",), 2)
+    assert (row.status, row.cases, row.mismatches) == ("n/a", 1, 0), (row.status, row.detail)
+    assert row.skipped and "loaded back" in row.skipped and "1 declined" in row.skipped, row.skipped
+    assert row.control and row.control["failed"], row.control
+
+
 @pytest.mark.parametrize("variant", ["lora", "namespace", "lora+namespace"])
 def test_second_tenant_reuses_nothing(path: Any, variant: str) -> None:
     from kvalign.verify.storage import StorageRun
