@@ -111,8 +111,8 @@ def register(actions: argparse._SubParsersAction) -> None:
                    help="requests judged together by decode_keeps_speculating, per decode worker: one metrics "
                         f"scrape per window (default {SPEC_WINDOW}; 1: every request judged alone, one scrape each)")
     p.add_argument("--transfer", choices=("nixl", "fake"), default=None,
-                   help="--topology disagg: SGLang's prefill->decode backend (default: nixl on SGLang 0.5.23 CPU, "
-                        "fake on the GPU and older releases; fake = kv_transferred's negative control)")
+                   help="--topology disagg: SGLang's prefill->decode backend (default: nixl, on the GPU and on SGLang "
+                        "0.5.23 on CPU; fake on older releases; fake = kv_transferred's negative control)")
     p.add_argument("--shrink-seconds", type=float, default=300.0,
                    help="bound on shrinking a failure (default 300, Hypothesis's own)")
     p.add_argument("--replay", metavar="SCRIPT", default=None, help="rerun a failure's script instead of generating")

@@ -29,7 +29,7 @@ stage_cmd() {
     nixl-injector) echo "${K[*]} e2e run --engine sglang-gpu --single-gpu --transfer nixl --checksum-mismatch-prob 1 --no-compare-aggregated --json --keep-logs --run-dir /tmp/kvalign-gpu/nixl-injector" ;;
     nixl-graphs) echo "${K[*]} e2e run --engine sglang-gpu --single-gpu --transfer nixl --cuda-graph --json --keep-logs --run-dir /tmp/kvalign-gpu/nixl-graphs" ;;
     # e2e fuzz takes no --transfer: the disaggregated fuzz runs on the engine's default (fake on sglang-gpu)
-    fuzz-disagg-nixl) echo "${K[*]} e2e fuzz --engine sglang-gpu --topology disagg --examples 4 --steps 12 --shrink-seconds 60 --json --run-dir /tmp/kvalign-gpu/fuzz-disagg-nixl" ;;
+    fuzz-disagg-nixl) echo "${K[*]} e2e fuzz --engine sglang-gpu --topology disagg --transfer nixl --examples 4 --steps 12 --shrink-seconds 60 --json --run-dir /tmp/kvalign-gpu/fuzz-disagg-nixl" ;;
     *) return 1 ;;
   esac
 }

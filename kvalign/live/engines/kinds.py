@@ -187,7 +187,7 @@ class SglangCpuEngine:
 
 class SglangGpuEngine:
     """``sglang-gpu``: real ``dynamo.sglang`` on GPUs: kvalign's tiny pair written on the machine
-    (:mod:`.sglang_gpu`, the ``fake`` transfer backend), or a downloaded model + EAGLE3 draft (NIXL)."""
+    (:mod:`.sglang_gpu`), or a downloaded model + EAGLE3 draft; NIXL between prefill and decode."""
 
     name: EngineName = "sglang-gpu"
     cpu = False
@@ -195,9 +195,9 @@ class SglangGpuEngine:
     live_startup_timeout_s = 900.0
 
     def default_transfer(self, opts: RunOptions) -> str | None:
-        """A downloaded model: NIXL; kvalign's tiny pair: ``fake`` until a NIXL build travels in the GPU
-        bundle (``--transfer nixl``)."""
-        return "fake" if opts.model == TINY_MODEL else "nixl"
+        """NIXL (VRAM between the workers' processes; the GPU bundle carries ``nixl-cu13``), SGLang's
+        checksum on both sides with the tiny pair."""
+        return "nixl"
 
     def validate(self, opts: RunOptions) -> None:
         if opts.sglang is not None:

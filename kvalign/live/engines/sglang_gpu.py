@@ -9,9 +9,9 @@ kernels: no CPU stand-in is loaded. What it adds to SGLang is :mod:`kvalign.stan
 Settings and why:
 
 * the tiny target and EAGLE3 draft of :mod:`.engine_model` in :data:`~.engine_model.GPU` shapes,
-  written on the machine (no model hub there): nothing to download, and the zero-LM-head target
-  makes decode's output independent of its KV, so prefill/decode runs on SGLang's ``fake`` transfer
-  backend on one GPU (no NIXL build travels to the GPU machine);
+  written on the machine (no model hub there): nothing to download; prefill hands the KV to decode
+  over SGLang's NIXL backend (``nixl-cu13`` from the GPU bundle, VRAM between the processes on one
+  GPU) with SGLang's KV checksum on both sides, ``--transfer fake`` being the decode half's control;
 * EAGLE3 as Dynamo's EAGLE tests run it (:class:`~.sglang_worker.EagleConfig`: 3 steps, top-k 1,
   4 draft tokens): the CUDA path has the multi-step draft backend the CPU one lacks;
 * ``--mem-fraction-static`` split between the workers sharing a GPU (:func:`mem_fraction`), the KV
@@ -45,7 +45,7 @@ class SglangGpuWorkerKind(SglangCpuWorkerKind):
     name = "sglang-gpu"
 
     def __init__(self, draft_model: str | None, *, eagle: EagleConfig = EagleConfig(), cuda_graph: bool = False,
-                 hicache: HiCache | None = None, transfer: str = "fake", checksum_injector: bool = False) -> None:
+                 hicache: HiCache | None = None, transfer: str = "nixl", checksum_injector: bool = False) -> None:
         super().__init__(draft_model, sglang_version=sglang_gpu_standin.SGLANG_VERSION, hicache=hicache,
                          transfer=transfer, checksum_injector=checksum_injector)
         self.eagle, self.cuda_graph = eagle, cuda_graph
@@ -72,7 +72,7 @@ class SglangGpuWorkerKind(SglangCpuWorkerKind):
 
 def plan_cluster(topology: Topology, run_dir: str | Path, *, draft: Draft = "agree",
                  control_plane: ControlPlane = "file", hicache: HiCache | None = None,
-                 cuda_graph: bool = False, pair: Pair = "zero-head", transfer: str = "fake",
+                 cuda_graph: bool = False, pair: Pair = "zero-head", transfer: str = "nixl",
                  checksum_mismatch_prob: float = 0.0) -> tuple[ClusterPlan, SglangGpuWorkerKind]:
     """Plan a real-engine GPU run: the tiny models (GPU shapes, bf16) are written under
     ``run_dir/models`` and served as :data:`TARGET_NAME`."""

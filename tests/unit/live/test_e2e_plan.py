@@ -28,13 +28,13 @@ def test_default_plan_is_two_prefill_on_gpu0_and_decode_on_gpu1(capsys):
     blocks = _blocks(out)
     assert list(blocks) == ["broker", "prefill0", "prefill1", "decode0", "frontend"]
     assert out.startswith("kvalign e2e plan: 2 prefill (GPU 0) + 1 decode (GPU 1), EAGLE3 (tiny Llama, kv pair, "
-                          "agreeing draft), fake transfer, page size 16")
+                          "agreeing draft), nixl transfer, page size 16")
     for name, gpu in (("prefill0", "0"), ("prefill1", "0"), ("decode0", "1")):
         b = " ".join(blocks[name].replace("\\\n", " ").split())  # one line: flags and their values together
         assert f"CUDA_VISIBLE_DEVICES={gpu}" in b and "standins/sglang_gpu/site" in b and "HF_HUB_OFFLINE=1" in b
         assert "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python" in b and "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1" in b
         assert "-m dynamo.sglang" in b and "--host 127.0.0.1" in b and "--page-size 16" in b
-        assert "--device cuda --attention-backend triton --dtype bfloat16" in b and "--disaggregation-transfer-backend fake" in b
+        assert "--device cuda --attention-backend triton --dtype bfloat16" in b and "--disaggregation-transfer-backend nixl" in b
         assert "--speculative-algorithm EAGLE3" in b and "--speculative-draft-model-path $RUN_DIR/models/draft-kv-agree" in b
         assert "--speculative-num-steps 3" in b and "--speculative-num-draft-tokens 4" in b
         assert "--enable-metrics" in b and "sglang_cpu" not in b

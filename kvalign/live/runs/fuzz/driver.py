@@ -224,7 +224,7 @@ def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Clust
         from kvalign.live.engines import sglang_gpu
 
         plan, kind = sglang_gpu.plan_cluster(topo, run_dir, draft=opts.draft, hicache=opts.hicache,
-                                             transfer=opts.transfer or "fake")
+                                             transfer=opts.transfer or "nixl")
     else:
         from kvalign.live.engines import sglang_cpu
 
