@@ -34,7 +34,9 @@ def test_single_gpu_disaggregated_commands(tmp_path):
         assert spec.argv[1:3] == ["-m", "dynamo.sglang"]
         assert (f["--device"], f["--attention-backend"], f["--dtype"]) == ("cuda", "triton", "bfloat16")
         assert "--disable-cuda-graph" in f and f["--mem-fraction-static"] == "0.26"  # 0.8 split by 3 workers
-        assert f["--disaggregation-transfer-backend"] == "fake" and f["--host"] == "127.0.0.1"
+        assert f["--disaggregation-transfer-backend"] == "nixl" and f["--host"] == "127.0.0.1"
+        assert "--disaggregation-enable-kv-checksum" in f  # SGLang's own CUDA checksum, as shipped
+        assert spec.env["SGLANG_HOST_IP"] == "127.0.0.1" and "UCX_TLS" not in spec.env  # UCX picks cuda_ipc
         assert (f["--speculative-num-steps"], f["--speculative-eagle-topk"], f["--speculative-num-draft-tokens"]) == ("3", "1", "4")
         assert spec.env["CUDA_VISIBLE_DEVICES"] == "0"
         assert spec.env["PYTHONPATH"].split(":")[0] == str(sglang_gpu_standin.SITE_DIR)
