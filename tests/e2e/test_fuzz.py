@@ -276,6 +276,9 @@ class TestTwoPrefillOneDecode:
         assert all(v["failed"] == 0 for v in inv.values()), inv
         assert inv["router_credits_engine_reuse"]["checked"] + out["hop_faulted"] == out["requests"], out
         assert inv["decode_keeps_speculating"]["checked"] >= 1 and inv["best_worker_chosen"]["checked"] >= 1, inv
+        # every request sent alone handed its KV to decode over NIXL, and SGLang's checksum verified it there
+        assert inv["kv_transferred"]["checked"] >= 1 and out["transfers"]["backend"] == "nixl", out["transfers"]
+        assert out["transfers"]["checksum_verified"] == inv["kv_transferred"]["checked"], out["transfers"]
         requeried_and_diagnosed(out)  # what the aggregated run asserts
 
 
