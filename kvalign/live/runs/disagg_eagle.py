@@ -51,7 +51,6 @@ from kvalign.live.wire.metrics import (
     spec_window,
     verify_failures,
 )
-from kvalign.live.cluster.ports import LOOPBACK
 from kvalign.live.cluster.processes import rss_bytes, run_pids
 from kvalign.live.engines.sglang_cpu import checksum_injector_arm_path
 from kvalign.live.engines.sglang_worker import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
@@ -120,8 +119,8 @@ class E2eOptions:
 
     @property
     def decode_half(self) -> bool:
-        """The run judges the decode half (assertions 5 and 6): a real engine, disaggregated."""
-        return self.speculates and self.prefill > 0 and self.decode > 0
+        """The run judges the decode half (assertions 5 and 6): a real engine (every run is disaggregated)."""
+        return self.speculates
 
     @property
     def kind(self) -> EngineKind:
@@ -162,10 +161,6 @@ def prerequisites(opts: E2eOptions, *, import_check: bool = True) -> Prereqs | N
     """What the run lacks on this machine (None for fake-CPU runs: the harness reports those)."""
     return opts.kind.prerequisites(opts, import_check=import_check)
 
-
-def decode_metrics_urls(plan: ClusterPlan) -> list[str]:
-    """Each decode worker's ``/metrics`` (Dynamo's system server on ``DYN_SYSTEM_PORT``)."""
-    return [f"http://{LOOPBACK}:{plan.worker_ports[w.name].system}/metrics" for w in plan.topology.by_role("decode")]
 
 
 @dataclass
@@ -268,7 +263,7 @@ class E2eResult:
 
 def run(cluster: Any, opts: E2eOptions, progress: Callable[[str], None] = lambda _msg: None) -> E2eResult:
     """Send the scenario through a ready ``cluster`` and evaluate every assertion."""
-    urls = decode_metrics_urls(cluster.plan) if opts.speculates else []
+    urls = decode_half.metrics_urls(cluster.plan, "decode") if opts.speculates else []
 
     def snapshot() -> MetricsSnapshot:
         return merge_snapshots(scrape(u) for u in urls)

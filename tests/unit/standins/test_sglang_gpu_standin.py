@@ -110,3 +110,36 @@ def test_version_pin_names_what_differs():
     env = sglang_gpu.worker_env("/x")
     assert env["PYTHONPATH"] == f"{sglang_gpu.SITE_DIR}:/x" and env[sglang_gpu.ENABLE_ENV] == "1"
     assert env["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] == "python" and env["SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"] == "1"
+
+
+def _flash_mla_imports() -> dict[str, set[str]]:
+    """What SGLang 0.5.23's ``flash_mla_interface`` takes from ``flash_mla`` at import: module -> names
+    (read from SGLang's source: the module that imports the package, not imported itself)."""
+    root = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
+    tree = ast.parse((root / "kernels" / "ops" / "attention" / "flash_mla_interface.py").read_text())
+    out: dict[str, set[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "flash_mla":
+            out.setdefault(node.module, set()).update(a.name for a in node.names)
+        elif isinstance(node, ast.Import) and any(a.name == "flash_mla" for a in node.names):
+            out.setdefault("flash_mla", set())
+    return out
+
+
+def test_the_flash_mla_placeholder_has_every_name_sglang_imports_and_each_raises():
+    """The placeholder stands in only at import (SGLang's EAGLE worker imports FlashMLA's backend while
+    capturing CUDA graphs); every name SGLang's module takes exists, and calling one raises."""
+    site = Path(sglang_gpu.__file__).resolve().parent / "site"
+    wanted = _flash_mla_imports()
+    assert wanted == {"flash_mla": {"fused_norm_rope_attn_rope_cast"},
+                      "flash_mla.flash_mla_interface": {"FlashMLASchedMeta"}}, wanted
+    for module, names in wanted.items():
+        path = site.joinpath(*module.split(".")).with_suffix(".py")
+        if not path.exists():
+            path = site.joinpath(*module.split("."), "__init__.py")
+        spec = importlib.util.spec_from_file_location(f"placeholder_{module.replace('.', '_')}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        for name in names:
+            with pytest.raises(NotImplementedError, match="placeholder"):
+                getattr(mod, name)()

@@ -53,7 +53,7 @@ class FuzzTransfers:
         return {"backend": self.probe.backend, "requests": len(self.moved),
                 "bytes_moved": sum(r.bytes_moved for r in self.moved),
                 "checksum_verified": sum(r.verified for r in self.moved),
-                "latency_ms_max": max((r.latency_ms or 0.0 for r in self.moved), default=None)}
+                "latency_ms_max": max((r.latency_ms for r in self.moved if r.latency_ms is not None), default=None)}
 
 
 #: How long a judged request's transfer may take to show on prefill's histogram: SGLang observes it
