@@ -69,8 +69,10 @@ class Cause(str, Enum):
     ENGINE_EVENTS_MISSING = ("the engine reused pages its own KV events never stored in the prompt's chain (never "
                              "stored, stored under a wrong parent or block hash, or removed): SGLang's publisher, no "
                              "router can credit them")
-    ENGINE_EVENTS_LATE = ("the engine's KV events stored pages it reused only after the request was routed: a timing "
-                          "race shown by the recorded stream, not a key mismatch")
+    ENGINE_EVENTS_LATE = ("the engine's KV events stored pages it reused, or removed pages it had freed, only after "
+                          "the request was routed: a timing race shown by the recorded stream, not a key mismatch")
+    ENGINE_REMOVALS_MISSING = ("the engine freed pages its own KV events still hold (no BlockRemoved or clear ever "
+                               "followed): SGLang's publisher, so the router credits pages no worker can reuse")
     REPLICA_INDEX_DIVERGED = "router replicas would route the same prompt by indexes that hold different pages"
     REPLICA_STATE_UNSYNCED = ("a router replica misses its peers' active-sequence events (no replica sync): its "
                               "load view lacks their in-flight requests")

@@ -18,6 +18,18 @@ by the engine's block hashes), and names the first reused page the stream does n
 
 The first three are :attr:`~kvalign.model.causes.Cause.ENGINE_EVENTS_MISSING`, the last
 :attr:`~kvalign.model.causes.Cause.ENGINE_EVENTS_LATE`; each names the pages in question.
+
+The other direction is the engine's state against its stream: the engine reused *fewer* pages than
+its stream held in the prompt's chain when the request was routed (capped by SGLang's own match
+rule, :func:`~kvalign.model.sglang_keys.matchable_pages`). The engine no longer holds pages its
+events still show, so the router over-credits them:
+
+* **never removed**: no removal or clear of the first missing page follows in the stream (kept
+  until the engine stored it again, or to the stream's end): the engine freed pages without
+  publishing their removal, :attr:`~kvalign.model.causes.Cause.ENGINE_REMOVALS_MISSING`;
+* **removed late**: the stream removed it, but only after the request was routed: the engine
+  evicted it while the request waited (a timing race),
+  :attr:`~kvalign.model.causes.Cause.ENGINE_EVENTS_LATE`.
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ from kvalign.model.causes import Cause
 from kvalign.model.events import EventBatch, Encoding
 from kvalign.model.hashing import U64_MASK, block_hashes
 from kvalign.model.relay import Relay, RouterCleared, RouterRemoved, RouterStored
-from kvalign.model.sglang_keys import engine_block_hashes
+from kvalign.model.sglang_keys import engine_block_hashes, matchable_pages
 from kvalign.streams.capture import CaptureReader, expand_event
 
 
@@ -39,7 +51,7 @@ class EngineReuseFinding:
     request was routed; ``kind`` says what the stream shows of page ``first`` instead."""
 
     cause: Cause
-    kind: str  # never_stored | outside_chain | removed | late
+    kind: str  # never_stored | outside_chain | removed | late | never_removed | removed_late
     first: int  # the first prompt page in question (0-based)
     last: int  # the last one (inclusive)
     held: int  # leading pages of the prompt the stream held when the request was routed
@@ -129,6 +141,9 @@ def explain_engine_reuse(batches: Sequence[EventBatch], tokens: Sequence[int], r
         chain.apply(j, batch)
         held_max = max(held_max, chain.held())
     held = chain.held()
+    cap = matchable_pages(len(tokens), b, eagle=eagle)
+    if reused < min(held, cap):
+        return _shortfall(batches, cut, chain, len(tokens), reused, min(held, cap), b)
     if reused <= held:
         return None
     k = held
@@ -178,6 +193,33 @@ def explain_engine_reuse(batches: Sequence[EventBatch], tokens: Sequence[int], r
     return finding(Cause.ENGINE_EVENTS_MISSING, "never_stored",
                    f"no BlockStored in the engine's stream carries page {k}'s token window: SGLang reused pages it "
                    "never published", None)
+
+
+def _shortfall(batches: Sequence[EventBatch], cut: int, chain: _Chain, n_tokens: int, reused: int, held: int,
+               b: int) -> EngineReuseFinding:
+    """The engine reused ``reused`` leading pages where its stream held ``held`` matchable ones (more) when the
+    request was routed: page ``reused`` was freed, and the rest of the stream says whether its removal was ever
+    published (``chain`` is the stream's state at the routing mark; it is played on)."""
+    k, ext, last = reused, chain.ext_of[reused], held - 1
+    pages = f"page {k}" if last == k else f"pages {k}..{last}"
+    head = (f"the engine reused {reused} leading pages of this {n_tokens}-token prompt ({reused * b} tokens), but "
+            f"its own KV events still held {held} it could match when the request was routed: {pages} "
+            f"(tokens [{k * b}, {(last + 1) * b})) had been freed by the engine")
+    for j, batch in enumerate(batches[cut:], start=cut):
+        chain.apply(j, batch)
+        if chain.ext_of.get(k) != ext:
+            if chain.dropped_at.get(k, object()) == batch.seq:
+                return EngineReuseFinding(
+                    Cause.ENGINE_EVENTS_LATE, "removed_late", k, last, held, reused,
+                    f"{head}; the stream removed page {k} only at seq {batch.seq}, {j - cut + 1} batch(es) after the "
+                    "request was routed: the engine evicted it while the request waited (a timing race the recorded "
+                    "stream shows)", batch.seq)
+            break  # stored again under another hash: the removal was never published
+    return EngineReuseFinding(
+        Cause.ENGINE_REMOVALS_MISSING, "never_removed", k, last, held, reused,
+        f"{head}; no BlockRemoved or AllBlocksCleared for page {k} (engine hash {_signed(ext)}) follows in the "
+        "engine's stream: SGLang freed pages without publishing their removal, so the router credits pages no worker "
+        "holds", None)
 
 
 def _sglang_hashes(tokens: Sequence[int], b: int, eagle: bool, salt: str | None, k: int) -> list[int] | None:

@@ -53,6 +53,7 @@ CONTROLS = {
     "publisher-drop-store.json": ENGINE_FAULT,
     "publisher-wrong-parent.json": ENGINE_FAULT,
     "publisher-wrong-hash.json": ENGINE_FAULT,
+    "publisher-drop-removal.json": ENGINE_FAULT,
     "dp-rank0-only.json": ENGINE_FAULT,
 }
 
@@ -243,6 +244,20 @@ class TestShippedPair:
         assert f["cause"] == "ENGINE_EVENTS_MISSING" and f["evidence"]["kind"] == kind, f
         assert f["evidence"]["pages"] == [3, 3] and f["engine_tokens"] == 64 and f["router_tokens"] == 48, f
         assert [x["fired"] for x in res.driver.faults_fired] == [True], res.driver.faults_fired
+
+    def test_an_eviction_sglang_never_published_is_named_from_the_engines_state(self, shipped: Live) -> None:
+        """The engine freed the first prompt's pages and its publisher dropped the removal (a test control):
+        the router credits 18 pages the engine no longer holds, named ENGINE_REMOVALS_MISSING from the engine's
+        stream against its reuse, never none; the same steps with the eviction published pass."""
+        res = shipped.replay("publisher-drop-removal.json")
+        f = failed(res, "publisher-drop-removal.json")
+        assert f["cause"] == "ENGINE_REMOVALS_MISSING" and f["evidence"]["kind"] == "never_removed", f
+        assert f["evidence"]["pages"] == [0, 17] and f["engine_tokens"] == 0 and f["router_tokens"] == 288, f
+        assert [x["fired"] for x in res.driver.faults_fired] == [True], res.driver.faults_fired
+        twin = copy.deepcopy(load("publisher-drop-removal.json"))
+        del twin["steps"][1]["publisher_fault"]
+        res = shipped.replay_script(twin)
+        assert res.passed and res.driver.tally.checked["router_credits_engine_reuse"] == 3, res.failure
 
     def test_benign_reshapings_of_sglangs_stream_pass(self, shipped: Live) -> None:
         """The same requests with the stream split (one page per batch) and merged (two batches as one):

@@ -15,6 +15,12 @@ harmful (the router and kvalign's engine view lose pages the engine holds):
 * ``wrong_hash`` — its first ``BlockStored`` publishes its last page under a wrong block hash, so
   the next store under that page names a parent the stream never stored;
 
+harmful (the router and kvalign's engine view keep pages the engine freed):
+
+* ``drop_removal`` — the next batch holding a ``BlockRemoved`` goes out without it (an eviction
+  SGLang forgot to publish); SGLang publishes evictions in the batch of the stores that caused
+  them, so the stores still go out;
+
 benign (the same pages in the same chain, reshaped):
 
 * ``split`` — every stored page goes out as a ``BlockStored`` of its own in a batch of its own;
@@ -42,7 +48,7 @@ import msgspec
 
 from kvalign.standins.sglang_cpu import PUBLISHER_FAULTS_ENV as FAULTS_ENV
 
-HARMFUL = ("drop_store", "wrong_parent", "wrong_hash")
+HARMFUL = ("drop_store", "wrong_parent", "wrong_hash", "drop_removal")
 BENIGN = ("split", "merge")
 FAULTS = HARMFUL + BENIGN
 #: XORed into a hash to make a wrong one (never 0: a wrong hash must differ from the true one).
@@ -51,6 +57,10 @@ _WRONG = 0x5BD1E9955BD1E995
 
 def _is_store(ev: Any) -> bool:
     return type(ev).__name__ == "BlockStored"
+
+
+def _is_removal(ev: Any) -> bool:
+    return type(ev).__name__ == "BlockRemoved"
 
 
 def _replace(ev: Any, **changes: Any) -> Any:
@@ -82,7 +92,12 @@ def _split_store(ev: Any) -> list[Any]:
 def reshape(fault: str, events: Sequence[Any]) -> list[list[Any]] | None:
     """The batches (event lists) to publish instead of one batch of ``events`` under ``fault``, or
     None when the fault does not fit this batch (it has no store) and it stays armed. ``merge`` is
-    not a one-batch fault (see :class:`PublisherFaults`)."""
+    not a one-batch fault (see :class:`PublisherFaults`); ``drop_removal`` fits a batch with a removal."""
+    if fault == "drop_removal":
+        if not any(_is_removal(ev) for ev in events):
+            return None
+        kept = [ev for ev in events if not _is_removal(ev)]
+        return [kept] if kept else []
     first = next((i for i, ev in enumerate(events) if _is_store(ev)), None)
     if first is None:
         return None

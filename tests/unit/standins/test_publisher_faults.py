@@ -44,6 +44,8 @@ def test_each_fault_reshapes_a_batch() -> None:
     assert [e.parent_block_hash for (e,) in split] == [None, *ev.block_hashes[:-1]]
     assert [u for (e,) in split for u in e.token_ids] == ev.token_ids
     assert reshape("split", [removed]) is None and reshape("drop_store", [removed]) is None  # no store: stays armed
+    assert reshape("drop_removal", [ev, removed]) == [[ev]] and reshape("drop_removal", [removed]) == []
+    assert reshape("drop_removal", [ev]) is None  # no removal: stays armed
 
 
 def faults_at(tmp_path: Path) -> tuple[PublisherFaultControl, PublisherFaults, list, object]:
@@ -94,7 +96,7 @@ def test_the_control_refuses_an_unknown_fault_and_a_worker_ignores_a_bad_file(tm
         control.arm(["worker0"], "reorder")
     (tmp_path / "worker0.json").write_text("{not json")
     faults.publish(1.0, [store()], send)
-    assert len(sent) == 1 and set(FAULTS) == {"drop_store", "wrong_parent", "wrong_hash", "split", "merge"}
+    assert len(sent) == 1 and set(FAULTS) == {"drop_store", "wrong_parent", "wrong_hash", "drop_removal", "split", "merge"}
 
 
 _CHILD = r"""

@@ -120,3 +120,40 @@ def test_diagnose_names_the_engines_events_from_a_capture(tmp_path: Path) -> Non
     assert diagnose(str(path), AB, RouterSettings(block_size=B)).cause is not Cause.ENGINE_EVENTS_MISSING
     late = diagnose(str(path), A, RouterSettings(block_size=B), engine_reused=32, routed_at=0)
     assert late.cause is Cause.ENGINE_EVENTS_LATE
+
+
+# ---- the other direction: the engine freed pages its stream still holds ----------------------------
+
+C = list(range(3000, 3050))  # a prompt of 3 pages that evicts A (no page in common)
+
+
+def evicting(fault: str | None = None) -> list[EventBatch]:
+    """A, then C evicting A in the batch of C's store (SGLang publishes evictions with the stores that
+    caused them), that batch reshaped by ``fault``."""
+    removal = BlockRemoved(engine_block_hashes(A, B, eagle=True)[:3])
+    second = [store(C, 0), removal]
+    return batches([store(A, 0)], *([second] if fault is None else reshape(fault, second)))
+
+
+def test_a_removal_the_engine_never_published_is_named_from_its_state() -> None:
+    """The control: SGLang's publisher drops the eviction (the live fault ``drop_removal``); A sent
+    again reuses nothing while the engine's own stream still holds its 3 pages."""
+    f = explain_engine_reuse(evicting("drop_removal"), A, 0, B, eagle=True)
+    assert f is not None and f.cause is Cause.ENGINE_REMOVALS_MISSING and f.kind == "never_removed", f
+    assert (f.first, f.last, f.held, f.reused) == (0, 2, 3, 0) and "pages 0..2 (tokens [0, 48))" in f.detail
+
+
+def test_the_honest_eviction_explains_the_engines_reuse() -> None:
+    """The healthy twin: the removal published, the stream holds nothing of A, the engine reused nothing."""
+    assert explain_engine_reuse(evicting(), A, 0, B, eagle=True) is None
+
+
+def test_a_removal_published_after_the_routing_mark_is_late_not_missing() -> None:
+    f = explain_engine_reuse(evicting(), A, 0, B, eagle=True, routed_at=1)
+    assert f is not None and f.cause is Cause.ENGINE_EVENTS_LATE and f.kind == "removed_late" and f.seq == 1, f
+
+
+def test_a_reuse_short_of_the_stream_only_by_sglangs_match_cap_is_no_finding() -> None:
+    """SGLang matches at most N-2 bigrams: A's 50 tokens hold 3 pages, all matchable (48 <= 48); a
+    49-token prefix of A holds 3 pages in the stream, of which only 2 are matchable."""
+    assert explain_engine_reuse(batches([store(A, 0)]), A[:49], 32, B, eagle=True) is None
