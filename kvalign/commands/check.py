@@ -23,6 +23,7 @@ from kvalign.verify.impact import blocking
 from kvalign.verify.pool import Pool, usable_cores
 from kvalign.verify.property import Budget, Options
 from kvalign.verify.rows import EVENT_FORMATS, MODES, VARIANTS, RowResult, row_json
+from kvalign.verify.scope import Scope
 from kvalign.verify.systems import SystemsSpec, open_systems
 from kvalign.errors import UsageError
 from kvalign.oracles.sglang import KINDS
@@ -40,7 +41,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="SGLang cache class: the one this release's server builds (default: UnifiedRadixCache from "
                         "0.5.19 on, RadixCache before), UnifiedRadixCache, its Python core, or RadixCache")
     p.add_argument("--property", dest="props", action="append", choices=props.names(),
-                   help="only these properties (default: " + ", ".join(props.default_names()) + ")")
+                   help="only these properties (default: " + ", ".join(props.default_names()) + "; the verdict "
+                        "names those that did not run)")
+    p.add_argument("--all", dest="all_props", action="store_true",
+                   help="run every property, the opt-in ones too (" + ", ".join(
+                       p.name for p in props.REGISTRY if not p.default) + "): a verdict for every surface")
     p.add_argument("--mode", dest="modes", action="append", choices=MODES, help="only these modes")
     for budget in budgets():
         p.add_argument(f"--{budget.option}-examples", dest=f"{budget.option}_examples", type=int, default=None,
@@ -106,7 +111,10 @@ def run(args: argparse.Namespace) -> int:
             caps[budget.option] = cap
     opts = Options(examples=args.examples, modes=tuple(args.modes or MODES), variants=tuple(VARIANTS), seed=args.seed,
                    page_size=args.page_size, caps=tuple(sorted(caps.items())))
-    chosen = selected(args.props)
+    if args.all_props and args.props:
+        raise UsageError("--all runs every property: give it or --property, not both")
+    chosen = selected(props.names() if args.all_props else args.props)
+    scope = Scope.of(props.REGISTRY, (p.name for p in chosen))
     asked = EVENT_FORMATS if args.event_format == "both" else (args.event_format,)
     # at most a worker per job: a run of one job (--property card) starts none and runs in this process
     workers = min(args.jobs or usable_cores(), len(plan(chosen, asked, opts)))
@@ -141,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump({"aligned": not blocking(rows), "findings": sum(not r.ok and not r.skipped for r in rows),
                    "strict": args.strict, "exit": 2 if error else int(bool(failing)), "error": error,
                    "not_applicable": [check_text.row_name(r) for r in rows if r.skipped],
+                   "scope": scope.as_json(),
                    "router_hasher": label, "cache": kind, "page_size": args.page_size,
                    "event_formats": list(formats), "versions": versions,
                    "seconds": round(time.perf_counter() - start, 2), "rows": [row_json(r) for r in rows]},
@@ -154,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         notes = check_text.advisory_lines(rows)
         if notes:
             print(notes)
-        print("\n" + check_text.verdict(rows, time.perf_counter() - start, args.strict))
+        print("\n" + check_text.verdict(rows, time.perf_counter() - start, args.strict, scope))
     if error:  # after the report, which shows every row and control; the CLI says it in one line, exit 2
         raise UsageError(error)
     return 1 if failing else 0

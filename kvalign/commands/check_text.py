@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from kvalign.model.causes import CACHE_BLIND, CREDIT_SKEW
 from kvalign.verify.impact import advisories, blocking, row_class
 from kvalign.verify.rows import RowResult
+from kvalign.verify.scope import Scope
 
 #: The widest line ``check`` prints (stdout and stderr alike).
 WIDTH = 100
@@ -151,22 +152,28 @@ def advisory_lines(rows: Sequence[RowResult]) -> str:
     return "\n".join(out)
 
 
-def verdict(rows: Sequence[RowResult], seconds: float, strict: bool = False) -> str:
+def verdict(rows: Sequence[RowResult], seconds: float, strict: bool = False, scope: Scope | None = None) -> str:
     """The last lines: the verdict (``MISALIGNED`` only on cache-blind findings, or any finding with
     ``--strict``; ``INCONCLUSIVE``, never ``ALIGNED``, where a negative control did not fail: the run exits
-    2), then the configurations a cause is confined to (a reader deciding whether *their* deployment is
-    affected needs that before the per-row details)."""
+    2) with what it speaks for (``scope``: ``ALIGNED for deployments without image prompts``, and the
+    properties that did not run), then the configurations a cause is confined to (a reader deciding
+    whether *their* deployment is affected needs that before the per-row details)."""
     failing, skews = blocking(rows, strict), advisories(rows)
     ran = [r for r in rows if not r.skipped]
     word = "MISALIGNED" if failing else "INCONCLUSIVE" if missed_controls(rows) else "ALIGNED"
-    line = (f"{word}: {sum(r.cases for r in rows)} cases in {seconds:.1f}s, "
-            f"{sum(row_class(r) == CACHE_BLIND for r in rows)} of {len(ran)} rows {CACHE_BLIND}, "
-            f"{len(skews)} {CREDIT_SKEW} (advisory{', failing with --strict' if strict and skews else ''})")
+    counts = (f"{sum(r.cases for r in rows)} cases in {seconds:.1f}s, "
+              f"{sum(row_class(r) == CACHE_BLIND for r in rows)} of {len(ran)} rows {CACHE_BLIND}, "
+              f"{len(skews)} {CREDIT_SKEW} (advisory{', failing with --strict' if strict and skews else ''})")
     na = len(rows) - len(ran)
     if na:
-        line += f", {na} n/a"
+        counts += f", {na} n/a"
+    partial = scope is not None and not scope.complete
+    # an ALIGNED that left properties out says first what it is a verdict on, never a bare "ALIGNED: ..."
+    head = [f"ALIGNED for {scope.aligned_for()}", f"  {counts}"] if word == "ALIGNED" and partial else [f"{word}: {counts}"]
     conditions = dict.fromkeys((r.cause_name, r.condition) for r in rows if not r.ok and not r.skipped and r.condition)
-    return "\n".join([fit(line), *(fit(f"  {name} holds {condition}") for name, condition in conditions),
+    not_run = scope.not_run_line() if partial else None
+    return "\n".join([*(fit(ln) for ln in head), *([fit(f"  {not_run}")] if not_run else []),
+                      *(fit(f"  {name} holds {condition}") for name, condition in conditions),
                       *(fit(f"  {name} counted apart in {n} cases (not a misalignment)") for name, n in apart(rows).items()),
                       *controls(rows)])
 

@@ -1,41 +1,89 @@
-"""What a maintainer reads first about a finding: the pair's status, the finding's class and bound, and
-whether it was reproduced on the real engine.
+"""What a maintainer reads first about a finding: the pair's status, the finding's class and bound,
+whether it was reproduced on the real engine, and what upstream already says of it.
 
 A finding on a pair Dynamo does not ship (its ``ai-dynamo[sglang]`` extra pins another SGLang) is news
 of another kind than one on the shipped pair, and a property's finding that no live run reproduced is
-a claim, not an observation; both are said before anything else. :data:`LIVE` records the live runs
-behind each published finding (the command, or None where none reproduced it), so the report, the
-matrix's Markdown and the README say the same thing.
+a claim, not an observation; both are said before anything else. Whether a live run reproduced it is
+read from the run's record under docs/findings/live/ (``scripts/record_live_findings.py`` runs the
+command and writes it: command, exit code, the cause the run named, versions, date), so a report
+says "reproduced live" only where a recorded run named the finding's own cause on that pair; the
+report, the matrix's Markdown and the README read the same records. A maintainer accepts a report
+that cites the upstream thread already open on the subject: :data:`UPSTREAM`.
 """
 
 from __future__ import annotations
 
+import json
+from functools import cache
+from pathlib import Path
 from typing import Any
 
+import kvalign
 from kvalign.model.causes import CREDIT_SKEW, SCOPED
 
-#: (cause, ai-dynamo, sglang) -> (the command that reproduced the finding on the real CPU engine, where its run
-#: is told), or None where it was not reproduced live (the DP rows of 1.5.1 x 0.5.23: no live run of that
-#: pair's DP workers).
-LIVE: dict[tuple[str, str, str], tuple[str, str] | None] = {
-    ("HOST_CREDIT_NOT_SERVABLE", "1.6.1", "0.5.23"):
-        ("kvalign e2e fuzz --engine sglang-cpu --hicache --page-size 4 --json",
-         "exit 1, HOST_CREDIT_NOT_SERVABLE: docs/live-fuzz.md"),
-    ("STORAGE_TIER_UNCREDITED", "1.6.1", "0.5.23"):
-        ("kvalign e2e fuzz --engine sglang-cpu --hicache --storage file --json",
-         "exit 1, STORAGE_TIER_UNCREDITED: docs/live-fuzz.md"),
-    ("MM_PAD_WIDTH", "1.6.1", "0.5.23"): ("kvalign e2e mm", "tests/e2e/test_mm_live.py, docs/multimodal.md"),
-    ("DP_RANK_UNSUBSCRIBED", "1.5.1", "0.5.23"): None,
-    ("DP_RANK_UNREGISTERED", "1.5.1", "0.5.23"): None,
-}
+#: Where the live runs are recorded, in a checkout of the repository (an installed wheel has none: its
+#: reports then say "not reproduced live", never assume one).
+LIVE_RECORDS = Path(kvalign.__file__).resolve().parents[1] / "docs" / "findings" / "live"
 NOT_LIVE = "not reproduced live"
+#: what the matrix's Markdown says of a cause a recorded live run reproduced on that pair (a cause without
+#: it was not reproduced live: the table's legend says so once)
+LIVE_MARK = "reproduced live"
+
+#: cause -> the upstream threads on it (issues, RFCs, pull requests), with what each says for this finding
+UPSTREAM: dict[str, tuple[str, ...]] = {
+    "LORA_NOT_IN_EVENTS": (
+        "sgl-project/sglang#39991 (RFC: the LoRA identity in KV events and cache keys, open)",),
+    "STORAGE_TIER_UNCREDITED": (
+        "sgl-project/sglang#29709 (RFC: KV events for HiCache L3 storage backends) and #29948 (BlockStored for "
+        "completed L3 backups), closed unmerged: storage residency is still never published",
+        "ai-dynamo/dynamo#14796 (no event on an L3->L2 refill), fixed by sgl-project/sglang#38486, which 0.5.23 "
+        "has (`unified_tree_core.insert_host` records a host store): the refill's host stores reach the router, "
+        "but only after the request was routed",),
+    "HOST_CREDIT_NOT_SERVABLE": (
+        "vllm-project/vllm#57159 (vLLM's twin: an offload connector advertising per-block hashes for chunks it "
+        "can only return whole)",),
+}
+
+
+def _load_records() -> dict[tuple[str, str, str], dict[str, Any]]:
+    out: dict[tuple[str, str, str], dict[str, Any]] = {}
+    if LIVE_RECORDS.is_dir():
+        for path in sorted(LIVE_RECORDS.glob("*.json")):
+            rec = json.loads(path.read_text())
+            rec["path"] = f"docs/findings/live/{path.name}"
+            out[(rec["cause"], rec["ai-dynamo"], rec["sglang"])] = rec
+    return out
+
+
+@cache
+def live_records() -> dict[tuple[str, str, str], dict[str, Any]]:
+    """Every recorded live run, by (cause, ai-dynamo, sglang)."""
+    return _load_records()
+
+
+def live_run(cause: str, dynamo: str, sglang: str) -> dict[str, Any] | None:
+    """The recorded live run that reproduced ``cause`` on the pair, or None (none recorded, or the recorded
+    run did not name that cause)."""
+    rec = live_records().get((cause, dynamo, sglang))
+    return rec if rec and rec.get("reproduced") else None
 
 
 def live_note(cause: str, dynamo: str, sglang: str) -> str:
-    """``reproduced live: `COMMAND` (where)`` or ``not reproduced live`` (also where no live run of the pair is
-    recorded)."""
-    run = LIVE.get((cause, dynamo, sglang))
-    return f"reproduced live: `{run[0]}` ({run[1]})" if run else NOT_LIVE
+    """``reproduced live: `COMMAND` (exit 1, CAUSE, DATE: RECORD)`` or ``not reproduced live``, with what a
+    recorded run that did not reproduce it named instead."""
+    rec = live_records().get((cause, dynamo, sglang))
+    if rec is None:
+        return NOT_LIVE
+    if not rec.get("reproduced"):
+        return (f"{NOT_LIVE}: `{rec['command']}` exited {rec['exit']} naming {rec.get('named') or 'no cause'} "
+                f"({rec['recorded']}: {rec['path']})")
+    return f"reproduced live: `{rec['command']}` (exit {rec['exit']}, {cause}, {rec['recorded']}: {rec['path']})"
+
+
+def upstream_note(cause: str) -> str | None:
+    """The upstream threads on ``cause``, one line (None where kvalign knows of none)."""
+    threads = UPSTREAM.get(cause)
+    return "; ".join(threads) if threads else None
 
 
 def pair_status(dynamo: str, sglang: str, shipped: str | None) -> str:
@@ -60,10 +108,12 @@ def opening(data: dict[str, Any], shipped: str | None) -> list[str]:
     elif klass == SCOPED:
         what = "counted apart from the mismatches (never fails a row)"
     else:
-        what = ("the router's keys, card or events disagree with the engine's: credit is lost or invented without "
-                "bound (`kvalign check` exits 1)")
+        what = ("the router credits pages the engine cannot reuse, or misses pages it reuses, without a constant "
+                "bound (`kvalign check` exits 1); what disagrees is below")
     lines = [f"**Status:** {pair_status(dynamo, sglang, shipped)}.  ",
              f"**Class:** {klass}, {what}.  "]
     if klass not in (CREDIT_SKEW, SCOPED) and data.get("impact"):
         lines.append(f"**Routing impact (measured):** {data['impact']}.  ")
-    return [*lines, f"**Live:** {live_note(data['cause'], dynamo, sglang)}.  "]
+    lines.append(f"**Live:** {live_note(data['cause'], dynamo, sglang)}.  ")
+    upstream = upstream_note(data["cause"])
+    return [*lines, f"**Upstream:** {upstream}.  "] if upstream else lines

@@ -37,7 +37,7 @@ from packaging.version import InvalidVersion, Version
 
 from kvalign.model.causes import CACHE_BLIND, CREDIT_SKEW, cause_class
 from kvalign.releases import local_build
-from kvalign.verify.finding_status import LIVE, NOT_LIVE
+from kvalign.verify.finding_status import LIVE_MARK, live_run
 from kvalign.oracles.router_path import STUCK_EXIT_S, STUCK_MARK
 from kvalign.releases.release_env import ReleaseEnvError, cache_root, child_env, install, locked, python_for
 from kvalign.verify import props as registry
@@ -693,8 +693,8 @@ def _markdown_causes(r: PairResult) -> str:
 
     def notes(cause: str) -> str:
         out = [] if classes[cause] == CACHE_BLIND else [classes[cause]]
-        if (cause, r.dynamo, r.sglang) in LIVE and LIVE[(cause, r.dynamo, r.sglang)] is None:
-            out.append(NOT_LIVE)
+        if live_run(cause, r.dynamo, r.sglang) is not None:
+            out.append(LIVE_MARK)  # from its recorded run; a cause without the mark was not reproduced live
         return "".join(f"; {n}" for n in out)
 
     parts = [f"{cause} ({', '.join(props)}{notes(cause)})" for cause, props in where.items()]

@@ -13,6 +13,10 @@ registry, and nothing in :mod:`kvalign.verify.check` branches on a property's na
     not depend on EAGLE's keys: ``advertised`` has ``("plain",)``).
 ``default``
     whether ``check`` / ``matrix`` run it without ``--property`` (``mm`` is opt-in).
+``surface``
+    the part of a deployment its rows speak for where not every deployment has it (``"image
+    prompts"``), or None where every one does (block keys, events). A verdict names what did not run
+    by it: "aligned for deployments without image prompts" (:mod:`kvalign.verify.scope`).
 ``events``
     which of SGLang's KV-event formats its rows read: ``"each"`` (caches built by ``check``; run once
     per ``--event-format``), ``"own"`` (caches it builds itself, in the default format; run once) or
@@ -104,6 +108,7 @@ class Property(Protocol):
     name: str
     modes: tuple[str, ...]
     default: bool
+    surface: str | None
     events: Events
     budget: Budget | None
 
@@ -150,6 +155,7 @@ class Declared:
     name: str
     modes: tuple[str, ...] = MODES
     default: bool = True
+    surface: str | None = None
     events: Events = "each"
     budget: Budget | None = None
     cost: float = 1.0

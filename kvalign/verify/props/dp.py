@@ -15,6 +15,7 @@ class Dp:
     name = "dp"
     modes = ("plain",)
     default = True
+    surface = "DP attention"
     events = "own"  # its schedulers build caches of their own, in the default format
     budget = DP_BUDGET
 

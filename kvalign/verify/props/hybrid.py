@@ -20,5 +20,5 @@ def _rows(systems: Any, modes: tuple[str, ...], opts: Options) -> list[RowResult
     return run_hybrid_rows(systems, modes, opts.examples_for(HYBRID_BUDGET), seed=opts.seed, page_size=opts.page_size)
 
 
-PROPERTY = SetUpOnceProperty("hybrid", rows=_rows, default=False, events="own", budget=HYBRID_BUDGET,
+PROPERTY = SetUpOnceProperty("hybrid", rows=_rows, default=False, surface="hybrid models", events="own", budget=HYBRID_BUDGET,
                              variants=("swa", "mamba"), cost=16.0)

@@ -19,4 +19,4 @@ def _rows(systems: Any, modes: tuple[str, ...], opts: Options) -> list[RowResult
     return run_mm_rows(systems, modes, opts.examples_for(MM_BUDGET), opts.seed, page_size=opts.page_size)
 
 
-PROPERTY = SetUpOnceProperty("mm", rows=_rows, default=False, events="each", budget=MM_BUDGET, cost=60.0)
+PROPERTY = SetUpOnceProperty("mm", rows=_rows, default=False, surface="image prompts", events="each", budget=MM_BUDGET, cost=60.0)

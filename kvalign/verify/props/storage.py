@@ -21,5 +21,5 @@ def _rows(systems: Any, modes: tuple[str, ...], opts: Options) -> list[RowResult
                             page_size=opts.page_size)
 
 
-PROPERTY = SetUpOnceProperty("storage", rows=_rows, default=False, events="own", budget=STORAGE_BUDGET,
+PROPERTY = SetUpOnceProperty("storage", rows=_rows, default=False, surface="a storage tier", events="own", budget=STORAGE_BUDGET,
                              variants=tuple(VARIANTS), cost=5.0)

@@ -25,5 +25,5 @@ def _strategy(mode: str, variant: str, page_size: int | None) -> Any:
     return tenant_scenarios(eagle=mode == "eagle", lora=lora, namespace=namespace, **sizes)
 
 
-PROPERTY = SearchProperty("tenants", body=_body, strategy=_strategy, budget=INGEST_BUDGET,
+PROPERTY = SearchProperty("tenants", body=_body, strategy=_strategy, budget=INGEST_BUDGET, surface="LoRA or namespace tenants",
                           variants=tuple(v for v in VARIANTS if v != "base"), cost=0.6)

@@ -18,6 +18,7 @@ class Tier:
     name = "tier"
     modes = MODES
     default = True
+    surface = "a host tier"
     events = "each"
     budget = TIER_BUDGET
     #: the variants it has rows for (None: every variant asked)

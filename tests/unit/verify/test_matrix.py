@@ -461,10 +461,20 @@ def test_a_credit_skew_is_an_advisory_and_a_property_that_ran_nowhere_is_never_a
     assert blinded.verdict == "misaligned" and matrix.exit_code([blinded]) == 1
 
 
-def test_the_1_5_1_dp_findings_say_they_were_not_reproduced_live():
+def test_only_a_recorded_live_run_marks_a_cause_reproduced_live(tmp_path, monkeypatch):
+    """The mark comes from a run's record under docs/findings/live/ (never a hand-kept table); the control:
+    the same record of a run that did not name the cause marks nothing."""
+    from kvalign.verify import finding_status
+
+    monkeypatch.setattr(finding_status, "LIVE_RECORDS", tmp_path)
     row = PairResult("1.5.1", "0.5.23", "misaligned", [
         {"property": "dp", "mode": "plain", "variant": "pure-dp2", "cause": "DP_RANK_UNSUBSCRIBED", "detail": "x"},
         {"property": "hash", "mode": "plain", "variant": "base", "cause": "NAMESPACE_DROPPED", "detail": "x"}])
-    text = matrix.render_markdown([row], "cmd")
-    assert "DP_RANK_UNSUBSCRIBED (dp; not reproduced live)" in text and "NAMESPACE_DROPPED (hash)," not in text
-    assert "NAMESPACE_DROPPED (hash) |" in text
+    record = {"cause": "DP_RANK_UNSUBSCRIBED", "ai-dynamo": "1.5.1", "sglang": "0.5.23", "command": "kvalign e2e x",
+              "exit": 1, "named": "DP_RANK_UNSUBSCRIBED", "reproduced": True, "recorded": "2026-12-07"}
+    for reproduced, mark in ((True, "DP_RANK_UNSUBSCRIBED (dp; reproduced live)"), (False, "DP_RANK_UNSUBSCRIBED (dp),")):
+        (tmp_path / "DP_RANK_UNSUBSCRIBED-1.5.1-0.5.23.json").write_text(json.dumps({**record, "reproduced": reproduced}))
+        finding_status.live_records.cache_clear()
+        text = matrix.render_markdown([row], "cmd")
+        assert mark in text and "NAMESPACE_DROPPED (hash) |" in text, text
+    finding_status.live_records.cache_clear()

@@ -1,0 +1,86 @@
+"""Run the live command behind each published finding and record what it did under docs/findings/live/.
+
+A report's "reproduced live" line is read from these records (:mod:`kvalign.verify.finding_status`),
+never from a hand-kept table: each record is one run of a real-engine command on this machine, with its
+exit code, the cause the run named and the installed versions, and says ``reproduced`` only where the
+command exited 1 naming the finding's own cause.
+
+    PYTHONPATH=. .venv/bin/python scripts/record_live_findings.py [CAUSE ...]
+
+Each command starts real ``dynamo.sglang`` CPU workers behind the real frontend and router (a few
+minutes each on two cores); the default records every finding below.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "docs" / "findings" / "live"
+SCRIPTS = "tests/e2e/fuzz_scripts"
+
+#: cause -> the live command that must name it (argv after ``kvalign``), and how its output says the cause
+COMMANDS: dict[str, list[str]] = {
+    "HOST_CREDIT_NOT_SERVABLE": ["e2e", "fuzz", "--replay", f"{SCRIPTS}/hicache-declined.json", "--json"],
+    "STORAGE_TIER_UNCREDITED": ["e2e", "fuzz", "--replay", f"{SCRIPTS}/storage-refill.json", "--json"],
+    "MM_PAD_WIDTH": ["e2e", "mm"],
+}
+
+
+def named_cause(argv: list[str], stdout: str) -> tuple[str | None, dict | None]:
+    """The cause a run named, and its failure record: ``e2e fuzz --json`` prints one object whose
+    ``failure.cause`` names it; ``e2e mm`` prints a report with a ``cause: NAME - why`` line."""
+    if "--json" in argv:
+        try:
+            failure = json.loads(stdout.strip().splitlines()[-1]).get("failure")
+        except (ValueError, IndexError, AttributeError):
+            return None, None
+        return (failure or {}).get("cause"), failure
+    found = re.search(r"^\s*cause: ([A-Z][A-Z0-9_]+)", stdout, re.MULTILINE)
+    return (found.group(1) if found else None), None
+
+
+def record(cause: str) -> dict:
+    from kvalign.releases.versions import installed_versions
+
+    argv = COMMANDS[cause]
+    versions = installed_versions()
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "kvalign", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1800, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    seconds = round(time.monotonic() - start, 1)
+    named, failure = named_cause(argv, proc.stdout)
+    out = {"cause": cause, "ai-dynamo": versions.get("ai-dynamo"), "sglang": versions.get("sglang"),
+           "command": "kvalign " + " ".join(argv), "exit": proc.returncode, "named": named,
+           "reproduced": proc.returncode == 1 and named == cause,
+           "recorded": datetime.date.today().isoformat(), "seconds": seconds, "machine": f"{os.cpu_count()} CPU cores",
+           "versions": versions}
+    if failure is not None:
+        out["failure"] = failure
+    else:
+        out["output_tail"] = proc.stdout.strip().splitlines()[-25:]
+    path = OUT / f"{cause}-{out['ai-dynamo']}-{out['sglang']}.json"
+    path.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    print(f"{path.relative_to(ROOT)}: exit {proc.returncode}, named {named}, reproduced {out['reproduced']} ({seconds}s)")
+    return out
+
+
+def main(causes: list[str]) -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    unknown = [c for c in causes if c not in COMMANDS]
+    if unknown:
+        print(f"no live command for {', '.join(unknown)} (known: {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    results = [record(c) for c in causes or COMMANDS]
+    return 0 if all(r["reproduced"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
