@@ -38,9 +38,10 @@ def named_cause(argv: list[str], stdout: str) -> tuple[str | None, dict | None]:
     """The cause a run named, and its failure record: ``e2e fuzz --json`` prints one object whose
     ``failure.cause`` names it; ``e2e mm`` prints a report with a ``cause: NAME - why`` line."""
     if "--json" in argv:
+        start = stdout.find("\n{")  # the one object, printed indented after any progress lines
         try:
-            failure = json.loads(stdout.strip().splitlines()[-1]).get("failure")
-        except (ValueError, IndexError, AttributeError):
+            failure = json.loads(stdout[start + 1:] if start >= 0 else stdout).get("failure")
+        except (ValueError, AttributeError):
             return None, None
         return (failure or {}).get("cause"), failure
     found = re.search(r"^\s*cause: ([A-Z][A-Z0-9_]+)", stdout, re.MULTILINE)
@@ -57,7 +58,8 @@ def record(cause: str) -> dict:
                           timeout=1800, env={**os.environ, "PYTHONPATH": str(ROOT)})
     seconds = round(time.monotonic() - start, 1)
     named, failure = named_cause(argv, proc.stdout)
-    out = {"cause": cause, "ai-dynamo": versions.get("ai-dynamo"), "sglang": versions.get("sglang"),
+    # the Dynamo release is its runtime's version (kvalign's environment installs ai-dynamo-runtime)
+    out = {"cause": cause, "ai-dynamo": versions.get("ai-dynamo-runtime"), "sglang": versions.get("sglang"),
            "command": "kvalign " + " ".join(argv), "exit": proc.returncode, "named": named,
            "reproduced": proc.returncode == 1 and named == cause,
            "recorded": datetime.date.today().isoformat(), "seconds": seconds, "machine": f"{os.cpu_count()} CPU cores",
