@@ -1,6 +1,6 @@
 """Run the live command behind each published finding and record what it did under docs/findings/live/.
 
-A report's "reproduced live" line is read from these records (:mod:`kvalign.verify.finding_status`),
+A report's "reproduced live" line is read from these records (:mod:`kvalign.verify.report.finding_status`),
 never from a hand-kept table: each record is one run of a real-engine command on this machine, with its
 exit code, the cause the run named and the installed versions, and says ``reproduced`` only where the
 command exited 1 naming the finding's own cause.

@@ -38,7 +38,7 @@ TESTS = ROOT / "tests" / "unit"
 def record_allocator(release: str, out: Path) -> dict:
     """Run the interpreted kernels for ``release`` and write the recording to ``out``; returns the child's verdict."""
     from kvalign.standins import sglang_cpu as standin
-    from kvalign.verify.matrix import ensure_release
+    from kvalign.verify.report.matrix import ensure_release
 
     where = ensure_release("sglang", release)
     if where is None:
@@ -54,7 +54,7 @@ def record_allocator(release: str, out: Path) -> dict:
 
 def record_kernels(release: str, out: Path) -> dict:
     """Record the stand-in kernels' Triton references of ``release`` to ``out``; returns the recording."""
-    from kvalign.verify.matrix import ensure_release
+    from kvalign.verify.report.matrix import ensure_release
 
     import test_sglang_cpu_standin_kernels as kernels
 

@@ -31,7 +31,7 @@ REAL_ENGINE_FILES = frozenset({"tests/e2e/test_fuzz.py"})
 #: multimodal processor, 20-40 s of CPU to start): one scope, so they start once per session
 MM_ORACLES = "unit: multimodal oracles"
 MM_ORACLE_FILES = frozenset({"tests/unit/oracles/test_frontend_mm.py", "tests/unit/oracles/test_sglang_mm.py",
-                             "tests/unit/verify/test_mm.py"})
+                             "tests/unit/verify/props/mm/test_mm.py"})
 
 
 def scope(nodeid: str) -> str:

@@ -18,13 +18,13 @@ from collections.abc import Sequence
 from kvalign.commands import check_text
 from kvalign.commands.options import positive_int
 from kvalign.verify import props
-from kvalign.verify.check import plan, run_jobs, selected
-from kvalign.verify.impact import blocking
-from kvalign.verify.pool import Pool, usable_cores
-from kvalign.verify.property import Budget, Options
-from kvalign.verify.rows import EVENT_FORMATS, MODES, VARIANTS, RowResult, row_json
-from kvalign.verify.scope import Scope
-from kvalign.verify.systems import SystemsSpec, open_systems
+from kvalign.verify.runner.check import plan, run_jobs, selected
+from kvalign.verify.engine.impact import blocking
+from kvalign.verify.runner.pool import Pool, usable_cores
+from kvalign.verify.engine.property import Budget, Options
+from kvalign.verify.engine.rows import EVENT_FORMATS, MODES, VARIANTS, RowResult, row_json
+from kvalign.verify.engine.systems import SystemsSpec, open_systems
+from kvalign.verify.engine.scope import Scope
 from kvalign.errors import UsageError
 from kvalign.oracles.sglang import KINDS
 from kvalign.runtime_log import console

@@ -15,9 +15,9 @@ import textwrap
 from collections.abc import Sequence
 
 from kvalign.model.causes import CACHE_BLIND, CREDIT_SKEW
-from kvalign.verify.impact import advisories, blocking, row_class
-from kvalign.verify.rows import RowResult
-from kvalign.verify.scope import Scope
+from kvalign.verify.engine.impact import advisories, blocking, row_class
+from kvalign.verify.engine.rows import RowResult
+from kvalign.verify.engine.scope import Scope
 
 #: The widest line ``check`` prints (stdout and stderr alike).
 WIDTH = 100

@@ -27,7 +27,7 @@ import time
 from kvalign.releases import local_build
 from kvalign.verify import props as registry
 from kvalign.errors import UsageError
-from kvalign.verify.matrix import (DEFAULT_SGLANG, LIVE_COLUMN, UNKNOWN, CellFileError, MatrixError, PairResult, cache_root,
+from kvalign.verify.report.matrix import (DEFAULT_SGLANG, LIVE_COLUMN, UNKNOWN, CellFileError, MatrixError, PairResult, cache_root,
                                    cell_document, default_dynamo_versions, exit_code, list_cells, merge_cells,
                                    merge_planned, one_line, plan_pairs, planned_cells, render, render_markdown,
                                    report_json, run_live, run_matrix, shipped_sglang, unknown_result)

@@ -3,7 +3,7 @@
 The pair defaults to the installed Dynamo release and the SGLang its ``ai-dynamo[sglang]`` extra
 pins (the pair a deployment runs). The releases come from ``kvalign matrix``'s per-version cache;
 the evidence is collected in a subprocess run by that pair's own environment
-(:mod:`kvalign.verify.report`, :mod:`kvalign.releases.release_env`). Exit 0 report printed, 1 the finding does not reproduce on that pair
+(:mod:`kvalign.verify.report.finding`, :mod:`kvalign.releases.release_env`). Exit 0 report printed, 1 the finding does not reproduce on that pair
 (no report), 2 usage or environment error.
 """
 
@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _not_found(stderr: str) -> str:
     """The collector's "not found" line (a runtime's own log lines may precede it on stderr)."""
-    from kvalign.verify.matrix import one_line
+    from kvalign.verify.report.matrix import one_line
 
     line = next((ln for ln in stderr.splitlines() if ln.startswith("not found: ")), stderr)
     return one_line(line).removeprefix("not found: ")
@@ -49,7 +49,7 @@ def _not_found(stderr: str) -> str:
 
 def _shipped(dynamo: str, log: Any) -> str | None:
     """The SGLang ``ai-dynamo[sglang]==dynamo`` pins (the report's first line says whether the pair is it)."""
-    from kvalign.verify.matrix import MatrixError, one_line, shipped_sglang
+    from kvalign.verify.report.matrix import MatrixError, one_line, shipped_sglang
 
     try:
         return shipped_sglang(dynamo, log=log)
@@ -59,7 +59,7 @@ def _shipped(dynamo: str, log: Any) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     from kvalign.commands.matrix import VERSION
-    from kvalign.verify.matrix import MatrixError, ensure_release, installed, one_line, pair_env, shipped_sglang
+    from kvalign.verify.report.matrix import MatrixError, ensure_release, installed, one_line, pair_env, shipped_sglang
     from kvalign.releases.release_env import ReleaseEnvError
 
     if args.finding not in Cause.__members__:
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvalign report: {args.finding} on ai-dynamo {dynamo} x sglang {sglang} (searching, then replaying)",
           file=err, flush=True)
     modes = args.modes or ["plain", "eagle"]
-    cmd = [python, "-m", "kvalign.verify.report", args.finding, "--examples", str(args.examples),
+    cmd = [python, "-m", "kvalign.verify.report.finding", args.finding, "--examples", str(args.examples),
            *[a for m in modes for a in ("--mode", m)]]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=COLLECT_TIMEOUT_S)
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     if res.returncode != 0:
         raise UsageError(f"collecting {args.finding} on ai-dynamo {dynamo} x sglang {sglang} failed: "
                          f"{one_line(res.stderr or f'exit {res.returncode}')}")
-    from kvalign.verify.report import render
+    from kvalign.verify.report.finding import render
 
     data = json.loads(res.stdout.strip().splitlines()[-1])
     mode_flag = f" --mode {data['mode']}"

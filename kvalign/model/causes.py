@@ -76,7 +76,7 @@ class Cause(str, Enum):
     REPLICA_INDEX_DIVERGED = "router replicas would route the same prompt by indexes that hold different pages"
     REPLICA_STATE_UNSYNCED = ("a router replica misses its peers' active-sequence events (no replica sync): its "
                               "load view lacks their in-flight requests")
-    # Multimodal prompts (kvalign.verify.mm): how an image's pages stop matching.
+    # Multimodal prompts (kvalign.verify.props.mm.body): how an image's pages stop matching.
     MM_PAD_WIDTH = ("SGLang keys an image's tokens by pad values wider than the router's u32 token ids: Dynamo's "
                     "relay drops every event batch holding one, and the frontend's u32 pad values cannot match them")
     MM_PAD_VALUES = "the frontend fills an image's tokens with other pad values than SGLang does for the same image hash"
@@ -114,7 +114,7 @@ class Cause(str, Enum):
 #: reports read it from here). ``cache-blind``: the router's keys, card or events disagree with the engine's,
 #: so credit is lost or invented without bound; ``credit-skew``: the keys agree, and an engine rule or a
 #: router weight makes the credit differ by an amount the installed packages' constants bound
-#: (:mod:`kvalign.verify.impact` computes it); ``scoped``: counted apart from the mismatches, never failing a row.
+#: (:mod:`kvalign.verify.engine.impact` computes it); ``scoped``: counted apart from the mismatches, never failing a row.
 CACHE_BLIND, CREDIT_SKEW, SCOPED = "cache-blind", "credit-skew", "scoped"
 CLASSES = (CACHE_BLIND, CREDIT_SKEW, SCOPED)
 _CREDIT_SKEW = frozenset({Cause.HOST_CREDIT_NOT_SERVABLE})

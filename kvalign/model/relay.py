@@ -25,7 +25,7 @@ from kvalign.model.hashing import U64_MASK, compute_block_hash_for_seq
 from kvalign.model.sglang_keys import is_bigram_payload, raw_window
 
 
-#: Dynamo 1.6.1's relay: SGLang ``medium`` string -> the router's storage tier (tests/unit/verify/test_check_tier.py
+#: Dynamo 1.6.1's relay: SGLang ``medium`` string -> the router's storage tier (tests/unit/verify/props/tier/test_check_tier.py
 #: checks it against the real relay). Any other string is indexed in no tier, with no error.
 #: (The tier names are the router's ``dump_events`` ``storage_tier``; ``get_overlap_scores`` credits
 #: ``external`` blocks in ``disk_extension_blocks``.)

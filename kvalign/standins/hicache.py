@@ -43,7 +43,7 @@ from typing import Any
 
 from kvalign.errors import OracleUnavailable
 
-#: SGLang releases this stand-in was written against and checked with (tests/unit/verify/test_check_tier.py).
+#: SGLang releases this stand-in was written against and checked with (tests/unit/verify/props/tier/test_check_tier.py).
 SUPPORTED = ("0.5.23",)
 #: ``--hicache-write-policy`` values of those releases.
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")

@@ -154,7 +154,7 @@ def sglang_release(request: pytest.FixtureRequest) -> str | None:
 def install_release(version: str | None) -> None:
     """Install ``version`` into the wheel cache now (a fixture's set-up, not a test's timeout), or
     skip naming why it cannot be."""
-    from kvalign.verify.matrix import MatrixError, ensure_release
+    from kvalign.verify.report.matrix import MatrixError, ensure_release
 
     reason = sglang_cpu_missing(version)
     if reason:
@@ -269,7 +269,7 @@ def shipped_release() -> str:
     """The SGLang the environment's Dynamo release pins (``ai-dynamo[sglang]``), installed into the
     wheel cache: 0.5.21 for the pinned Dynamo 1.6.1. Skips when it is the environment's own SGLang
     (the real-engine tests on the environment's SGLang cover it) or cannot be installed here."""
-    from kvalign.verify.matrix import MatrixError, installed, shipped_sglang
+    from kvalign.verify.report.matrix import MatrixError, installed, shipped_sglang
 
     dynamo = installed("ai-dynamo")
     if dynamo is None:

@@ -28,7 +28,7 @@ BROKEN = "1.3.1"  # shipped the prefill router's eagle-off chooser; 1.4.2 and 1.
 @pytest.fixture
 def release_1_3_1(cpu_live_stack: None) -> str:
     """Dynamo 1.3.1 in the wheel cache (installed in set-up, not in the test's timeout)."""
-    from kvalign.verify.matrix import MatrixError, ensure_release
+    from kvalign.verify.report.matrix import MatrixError, ensure_release
 
     try:
         ensure_release("dynamo", BROKEN)
@@ -60,7 +60,7 @@ def test_relay_and_router_of_1_3_1_in_their_own_processes_keep_indexing(release_
     from kvalign.live.cluster.lifecycle import Cluster, make_plan
     from kvalign.live.cluster.topology import CpuWorkerKind, Topology
     from kvalign.live.runs import scenario
-    from kvalign.verify.matrix import ensure_release
+    from kvalign.verify.report.matrix import ensure_release
 
     plan = make_plan(Topology.aggregated(2, eagle=True), live_run_dir, dynamo_dir=ensure_release("dynamo", BROKEN),
                      dynamo_version=BROKEN)

@@ -64,7 +64,7 @@ def mm_oracles(router_hasher: RouterHasher, sglang_available: str):
     tiny Qwen2-VL; both started once per session (20-40 s on two cores)."""
     from kvalign.oracles.frontend_mm import FrontendPreprocessor
     from kvalign.oracles.sglang_mm import SglangMultimodal
-    from kvalign.verify.mm_strategies import MM_PAGE_SIZES
+    from kvalign.verify.props.mm.strategies import MM_PAGE_SIZES
 
     try:
         frontend = FrontendPreprocessor(MM_PAGE_SIZES)

@@ -1,5 +1,5 @@
 """Hypothesis's own record of the phase each test case ran in: the oracle that ``check``'s counts of
-generated examples (:class:`kvalign.verify.search.Tally`) are held against.
+generated examples (:class:`kvalign.verify.engine.search.Tally`) are held against.
 
 Hypothesis's observability callbacks (``add_observability_callback``, public since 6.x) report every
 test case it runs with ``how_generated`` ("during generate phase", "during shrink phase", "minimal

@@ -74,7 +74,7 @@ def _environment_dynamo_only(name: str, opts: RunOptions) -> None:
     """Another Dynamo release runs only under kvalign's fake workers: a real engine's worker is that
     release's ``dynamo.sglang``, which imports only beside its own SGLang (1.3.1 pins 0.5.14, 1.0.x
     0.5.9), and the CPU engine stand-in covers SGLang 0.5.19, 0.5.21 and 0.5.23 only."""
-    from kvalign.verify.matrix import installed
+    from kvalign.verify.report.matrix import installed
 
     if opts.dynamo is not None and opts.dynamo != installed("ai-dynamo-runtime"):
         raise ValueError(f"--dynamo {opts.dynamo} runs kvalign's fake CPU workers (--engine fake-cpu): {name}'s workers "
@@ -127,7 +127,7 @@ class FakeCpuEngine:
         return []
 
     def plan(self, topology: Topology, run_dir: str | Path, opts: RunOptions) -> tuple[ClusterPlan, WorkerKind]:
-        from kvalign.verify.matrix import ensure_release
+        from kvalign.verify.report.matrix import ensure_release
 
         dynamo_dir = None if opts.dynamo is None else ensure_release("dynamo", opts.dynamo)
         return make_plan(topology, run_dir, control_plane=opts.control_plane, dynamo_dir=dynamo_dir,

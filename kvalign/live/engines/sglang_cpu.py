@@ -282,7 +282,7 @@ def release_dir(sglang_version: str | None) -> tuple[str, Path | None]:
 
     A release other than the environment's is installed into ``kvalign matrix``'s per-version cache
     (with its pinned dependency set) on first use."""
-    from kvalign.verify.matrix import ensure_release, installed
+    from kvalign.verify.report.matrix import ensure_release, installed
 
     version = sglang_version or installed("sglang") or sglang_cpu_standin.SGLANG_VERSION
     problem = sglang_cpu_standin.version_problem(version)

@@ -1,6 +1,6 @@
 """The ``advertised`` property on a live cluster: what each worker registered, advertised and published.
 
-The unit property (:mod:`kvalign.verify.advertised`) computes each side's number with its own code
+The unit property (:mod:`kvalign.verify.props.advertised.body`) computes each side's number with its own code
 outside an engine; here the running workers say it themselves, per publishing worker:
 
 * the ``kv_cache_block_size`` of the model card ``dynamo.sglang`` registered (Dynamo's discovery store);

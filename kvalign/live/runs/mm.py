@@ -97,7 +97,7 @@ class MmLiveResult:
 
 
 def image_parts(changed: bool = False) -> list[dict[str, Any]]:
-    from kvalign.verify.mm_strategies import Image
+    from kvalign.verify.props.mm.strategies import Image
 
     img = Image(*IMAGE, dot=CHANGED_PIXEL if changed else None)
     return [{"type": "text", "text": "describe this image"}, {"type": "image_url", "image_url": {"url": img.url()}},

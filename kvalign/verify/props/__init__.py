@@ -1,12 +1,12 @@
 """The properties ``check`` runs, one module each, and :data:`REGISTRY`: the one list of them, in display order.
 
-What a property is: :mod:`kvalign.verify.property`. Importing this package imports neither Dynamo
+What a property is: :mod:`kvalign.verify.engine.property`. Importing this package imports neither Dynamo
 nor SGLang (the CLI builds ``--property``'s choices from it); a property loads those when it runs.
 """
 
 from __future__ import annotations
 
-from kvalign.verify.property import Property
+from kvalign.verify.engine.property import Property
 from kvalign.verify.props import advertised, card, dp, hash, hybrid, ingest, mm, overlap, pages, servable, storage, tenants, tier
 
 #: Every property, in the order ``check`` prints its rows and ``matrix`` its columns.

@@ -12,8 +12,8 @@ from typing import Any
 
 from kvalign.model.causes import Cause
 from kvalign.oracles.base import OracleUnavailable
-from kvalign.verify.property import SetUpOnceProperty, unavailable
-from kvalign.verify.rows import RowResult
+from kvalign.verify.engine.property import SetUpOnceProperty, unavailable
+from kvalign.verify.engine.rows import RowResult
 
 
 def name_set_note(missed: list[str], registered: int) -> str:
@@ -33,7 +33,7 @@ def name_set_note(missed: list[str], registered: int) -> str:
 def run_card(systems: Any, modes: tuple[str, ...]) -> list[RowResult]:
     """One row per mode: every algorithm of that mode through the real registration code."""
     from kvalign.oracles.registration import sglang_keys_bigrams, speculative_algorithms
-    from kvalign.verify.properties import Mismatch, card_property
+    from kvalign.verify.engine.properties import Mismatch, card_property
 
     try:
         reg = systems.registration()

@@ -1,11 +1,11 @@
-"""``hash``: the router hasher equals kvalign's exact reference on any input (:func:`~kvalign.verify.properties.hash_property`)."""
+"""``hash``: the router hasher equals kvalign's exact reference on any input (:func:`~kvalign.verify.engine.properties.hash_property`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvalign.verify.property import SearchProperty
-from kvalign.verify.rows import VARIANTS
+from kvalign.verify.engine.property import SearchProperty
+from kvalign.verify.engine.rows import VARIANTS
 
 
 def missing_parameters(systems: Any) -> str:
@@ -15,13 +15,13 @@ def missing_parameters(systems: Any) -> str:
 
 
 def _body(systems: Any) -> Any:
-    from kvalign.verify.properties import hash_property
+    from kvalign.verify.engine.properties import hash_property
 
     return lambda case: hash_property(systems.hasher, case)
 
 
 def _strategy(mode: str, variant: str, page_size: int | None) -> Any:
-    from kvalign.verify.strategies import hash_cases
+    from kvalign.verify.engine.strategies import hash_cases
 
     lora, namespace = VARIANTS[variant]
     return hash_cases(eagle=mode == "eagle", lora=lora, namespace=namespace, mm=variant == "base", block_size=page_size)

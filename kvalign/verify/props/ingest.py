@@ -1,12 +1,12 @@
 """``ingest``: SGLang's published events through Dynamo's real relay and event plane into a real
-``KvRouter`` give SGLang's reuse (:func:`~kvalign.verify.properties.ingest_property`)."""
+``KvRouter`` give SGLang's reuse (:func:`~kvalign.verify.engine.properties.ingest_property`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvalign.verify.property import Budget, SearchProperty
-from kvalign.verify.rows import VARIANTS
+from kvalign.verify.engine.property import Budget, SearchProperty
+from kvalign.verify.engine.rows import VARIANTS
 
 #: Each case runs the real relay and router: ``ingest`` and ``tenants`` share this cap.
 INGEST_BUDGET = Budget("ingest", 25, "cap on generated cases per ingest / tenants row (each runs the real relay "
@@ -14,14 +14,14 @@ INGEST_BUDGET = Budget("ingest", 25, "cap on generated cases per ingest / tenant
 
 
 def _body(systems: Any) -> Any:
-    from kvalign.verify.properties import ingest_property
+    from kvalign.verify.engine.properties import ingest_property
 
     path = systems.router_path()
     return lambda isc: ingest_property(path, systems.hasher, systems.make_cache, isc)
 
 
 def _strategy(mode: str, variant: str, page_size: int | None) -> Any:
-    from kvalign.verify.strategies import ingest_scenarios
+    from kvalign.verify.engine.strategies import ingest_scenarios
 
     lora, namespace = VARIANTS[variant]
     sizes = {"page_sizes": (page_size,)} if page_size else {}

@@ -1,24 +1,24 @@
 """``pages``: every page SGLang stores, hashed worker-side, equals the router's query-side block
-(:func:`~kvalign.verify.properties.pages_property`)."""
+(:func:`~kvalign.verify.engine.properties.pages_property`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvalign.verify.property import SearchProperty
+from kvalign.verify.engine.property import SearchProperty
 from kvalign.verify.props.hash import missing_parameters
-from kvalign.verify.rows import VARIANTS
+from kvalign.verify.engine.rows import VARIANTS
 
 
 def _body(systems: Any) -> Any:
-    from kvalign.verify.properties import pages_property
+    from kvalign.verify.engine.properties import pages_property
 
     return lambda sc: pages_property(systems.hasher, systems.make_cache, sc)
 
 
 def scenario_strategy(mode: str, variant: str, page_size: int | None) -> Any:
     """One worker's inserts and a query (``pages`` and ``overlap``), at ``page_size`` or every size drawn."""
-    from kvalign.verify.strategies import scenarios
+    from kvalign.verify.engine.strategies import scenarios
 
     lora, namespace = VARIANTS[variant]
     sizes = {"page_sizes": (page_size,)} if page_size else {}

@@ -4,7 +4,7 @@ A property that passes a deliberate misalignment would pass a real one too, so a
 did not fail proves nothing: the run cannot say "aligned" (exit 0) nor "misaligned" (exit 1) for it.
 The systems and rows are stand-ins here (the rows as a hybrid run would give them), so the test
 holds the command's verdict and exit code, not the property; the real controls are held in
-tests/unit/verify/test_hybrid.py and test_storage.py.
+tests/unit/verify/props/hybrid/test_hybrid.py and test_storage.py.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from kvalign.cli import main
-from kvalign.verify.rows import RowResult
-from kvalign.verify.systems import Facts
+from kvalign.verify.engine.rows import RowResult
+from kvalign.verify.engine.systems import Facts
 
 CAUGHT = {"mutation": "drop_removals", "cases": 4, "failed": True, "cause": "INGEST_STALE", "expected": "INGEST_STALE"}
 MISSED = {**CAUGHT, "failed": False, "cause": None}

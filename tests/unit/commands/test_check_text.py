@@ -3,14 +3,14 @@
 The rows here are the real ones' worst cases, copied from a run of the pinned pair (the servable
 finding: a 145-character cause, a 130-character condition, a long shrunk counterexample), plus a
 skipped row with its long reason and a long router-hasher label. The real command's output is held
-to the same width in tests/unit/verify/test_check.py and tests/unit/commands/test_readme.py.
+to the same width in tests/unit/verify/runner/test_check.py and tests/unit/commands/test_readme.py.
 """
 
 from __future__ import annotations
 
 from kvalign.commands import check_text
 from kvalign.model.causes import Cause
-from kvalign.verify.rows import RowResult
+from kvalign.verify.engine.rows import RowResult
 
 CONDITION = ("only with HiCache on and page sizes below SGLang's load_back_threshold (10 tokens); --page-size 10 or "
              "more does not show it")
@@ -141,7 +141,7 @@ def test_a_row_that_ran_and_never_exercised_its_subject_is_na_saying_so():
     """A storage row in which no refill was loaded back ran its examples and could not have failed: ``n/a``
     in the table, the verdict and ``--json``, its reason under the table as a row that never exercised what
     it checks (a row that did not run keeps "did not run")."""
-    from kvalign.verify.rows import row_json
+    from kvalign.verify.engine.rows import row_json
 
     why = "ran 8 example(s), none exercising what this row checks: no refill from storage was loaded back"
     rows = [RowResult("storage", "plain", "base", 8, 0, 3.0, skipped=why), RowResult("tier", "plain", "lora", skipped=SKIPPED)]

@@ -75,7 +75,7 @@ RUN_ELSEWHERE = {
     CHECK_COMMAND: "below, as written (slow)",
     CHECK_COMMAND.partition(" && ")[2]: "below, as written (slow): its output is the README's excerpt",
     TEST_COMMAND: ".ci/run (CI)",
-    ".venv/bin/kvalign check": "tests/unit/verify/test_check.py::test_check_real_pair_is_aligned_but_for_small_hicache_"
+    ".venv/bin/kvalign check": "tests/unit/verify/runner/test_check.py::test_check_real_pair_is_aligned_but_for_small_hicache_"
                                "pages_and_quiet, with --examples 15 (slow): its output holds the README's excerpt",
 }
 

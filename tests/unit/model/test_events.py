@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kvalign.model.events import AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_frames, decode_payload
 from kvalign.live.cluster.ports import PortPool
 from kvalign.oracles.sglang import shutdown_publisher
-from kvalign.verify.strategies import PAGE_SIZES, token_ids
+from kvalign.verify.engine.strategies import PAGE_SIZES, token_ids
 
 # Recorded from sglang 0.5.19 (positional) and 0.5.23 (map): P=4, insert 1..10, evict(4).
 RECORDED = {

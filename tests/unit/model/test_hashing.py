@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 
 from kvalign.model.causes import Cause
-from kvalign.verify.check import run_search
+from kvalign.verify.runner.check import run_search
 from kvalign.model.hashing import block_count, block_hashes, compute_block_hash_for_seq, salt_seed, sequence_hashes
 from kvalign.verify.misaligned import drop_lora, drop_namespace, eagle_b_window, flip_eagle, ignore_eagle
-from kvalign.verify.properties import Mismatch, hash_property
-from kvalign.verify.strategies import hash_cases
+from kvalign.verify.engine.properties import Mismatch, hash_property
+from kvalign.verify.engine.strategies import hash_cases
 
 VECTORS = [json.loads(line) for line in Path(__file__).resolve().parents[1].joinpath("vectors").joinpath("router_vectors.jsonl").read_text().splitlines()]
 

@@ -22,7 +22,7 @@ from kvalign.model.index import PrefixIndex
 from kvalign.live.cluster.ports import PortPool
 from kvalign.oracles.sglang import to_kvalign_event
 from kvalign.model.relay import Relay
-from kvalign.verify.strategies import PAGE_SIZES, scenarios
+from kvalign.verify.engine.strategies import PAGE_SIZES, scenarios
 
 _sentinels = count(10**6, 97)
 CARD_EAGLE_OFF = (True, 4, "card-eagle-off")

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from dynamo_router import DynamoRouterOracle
 from kvalign.model.hashing import XXH3_SEED, block_hashes, salt_seed, sequence_hashes
-from kvalign.verify.strategies import HashCase, mm_infos, names, token_ids
+from kvalign.verify.engine.strategies import HashCase, mm_infos, names, token_ids
 
 BLOCK_SIZES = (1, 2, 4, 16, 64)
 

@@ -17,7 +17,7 @@ from kvalign.model.sglang_keys import (
     page_windows,
     raw_window,
 )
-from kvalign.verify.strategies import PAGE_SIZES, token_ids
+from kvalign.verify.engine.strategies import PAGE_SIZES, token_ids
 
 #: These properties cost a few milliseconds a case (one small real cache each), so even the fast tier runs
 #: 300 of each: part of its 5,000 generated cases.

@@ -11,7 +11,7 @@ import pytest
 from kvalign.oracles.frontend_mm import chat_content, parse_preprocessed
 from kvalign.model.mm_keys import pad_runs
 from kvalign.standins.sglang_scalar_pads import scalar_pad_value
-from kvalign.verify.mm_strategies import Image
+from kvalign.verify.props.mm.strategies import Image
 
 
 def test_fields_of_a_preprocessed_request():

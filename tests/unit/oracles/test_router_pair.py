@@ -1,4 +1,4 @@
-"""Two routing candidates under one real ``KvRouter`` (the set-up ``kvalign.verify.impact`` measures in).
+"""Two routing candidates under one real ``KvRouter`` (the set-up ``kvalign.verify.engine.impact`` measures in).
 
 Each rank's SGLang events reach the router through its own Dynamo relay and are credited to that
 rank only; the router's ``best_worker`` picks the rank that holds the prompt. The negative control

@@ -15,9 +15,9 @@ import msgpack
 import pytest
 from router_paths import open_router_path
 
-from kvalign.verify.check import run_search
-from kvalign.verify.properties import ingest_property
-from kvalign.verify.strategies import ingest_scenarios
+from kvalign.verify.runner.check import run_search
+from kvalign.verify.engine.properties import ingest_property
+from kvalign.verify.engine.strategies import ingest_scenarios
 
 EXAMPLES = 15
 

@@ -7,8 +7,8 @@ import pytest
 
 from kvalign.model.mm_keys import pad_runs
 from kvalign.standins.sglang_scalar_pads import scalar_pad_value, scalar_pads
-from kvalign.verify.mm_controls import drop_mm_hashes
-from kvalign.verify.mm_strategies import Image
+from kvalign.verify.props.mm.controls import drop_mm_hashes
+from kvalign.verify.props.mm.strategies import Image
 
 pytestmark = pytest.mark.slow
 

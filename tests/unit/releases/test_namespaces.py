@@ -95,7 +95,7 @@ def _origins(python: str, env: dict[str, str], roots: dict[str, Path]) -> dict:
 
 def assert_own_code(dynamo: str, sglang: str) -> None:
     """``check`` in the pair's environment imports its release packages from the release directories only."""
-    from kvalign.verify.matrix import MatrixError, ensure_release, pair_env
+    from kvalign.verify.report.matrix import MatrixError, ensure_release, pair_env
 
     try:
         dirs = {"dynamo": ensure_release("dynamo", dynamo), "sglang": ensure_release("sglang", sglang)}
@@ -120,7 +120,7 @@ def test_dynamo_1_0_2_runs_its_own_code(sglang_available):
 def _default_matrix_pairs() -> list[tuple[str, str]]:
     """Each release of the default matrix once: every Dynamo release with its shipped SGLang, and every
     default SGLang with the installed Dynamo."""
-    from kvalign.verify.matrix import DEFAULT_SGLANG, default_dynamo_versions, installed, shipped_sglang
+    from kvalign.verify.report.matrix import DEFAULT_SGLANG, default_dynamo_versions, installed, shipped_sglang
 
     pairs = [(d, s) for d in default_dynamo_versions() if (s := shipped_sglang(d))]
     return pairs + [(installed("ai-dynamo-runtime"), s) for s in DEFAULT_SGLANG if s != installed("sglang")]

@@ -266,7 +266,7 @@ def test_negative_control_a_registry_without_the_overlap_rule_is_caught():
 @pytest.fixture(scope="module", params=hicache_cpu.SUPPORTED)
 def release(request: pytest.FixtureRequest) -> Path | None:
     """Each release the stand-in supports: the environment's (None), or its wheel-cache directory."""
-    from kvalign.verify.matrix import MatrixError, ensure_release
+    from kvalign.verify.report.matrix import MatrixError, ensure_release
 
     if request.param == sglang_cpu.SGLANG_VERSION:
         return None

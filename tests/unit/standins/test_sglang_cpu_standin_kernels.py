@@ -425,7 +425,7 @@ class ReferenceProcess:
 @pytest.fixture(scope="module", params=list(SUPPORTED))
 def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReferenceProcess]:
     """SGLang's call sites in one supported release (the environment's, or one from the wheel cache)."""
-    from kvalign.verify.matrix import MatrixError, ensure_release
+    from kvalign.verify.report.matrix import MatrixError, ensure_release
 
     for package in ("sglang", "triton"):
         if importlib.util.find_spec(package) is None:

@@ -39,7 +39,7 @@ EXAMPLES = 150
 
 @pytest.fixture(scope="module", params=OTHER_RELEASES)
 def release(request: pytest.FixtureRequest) -> tuple[str, Path]:
-    from kvalign.verify.matrix import MatrixError, ensure_release
+    from kvalign.verify.report.matrix import MatrixError, ensure_release
 
     version = request.param
     try:

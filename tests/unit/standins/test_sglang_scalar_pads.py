@@ -15,7 +15,7 @@ U64 = st.integers(0, (1 << 64) - 1)
 
 def _release_function(version: str, name: str):
     """``name`` from SGLang ``version``'s own ``schedule_batch.py`` (with its module constants)."""
-    from kvalign.verify.matrix import ensure_release
+    from kvalign.verify.report.matrix import ensure_release
 
     root = ensure_release("sglang", version)
     source = (root / "sglang" / "srt" / "managers" / "schedule_batch.py").read_text()

@@ -41,11 +41,11 @@ def test_negative_control_an_upward_import_breaks_the_layers_contract(tmp_path: 
     shutil.copytree(ROOT / "kvalign", tmp_path / "kvalign", ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "kvalign" / "model" / "upward.py").write_text(
         '"""A deliberate upward import (the model reaching for the check engine)."""\n\n'
-        "def run() -> None:\n    from kvalign.verify import check  # noqa: F401\n")
+        "def run() -> None:\n    from kvalign.verify.runner import check  # noqa: F401\n")
     proc = _lint_imports(tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "kvalign's layers import downwards only BROKEN" in proc.stdout
-    assert "kvalign.model.upward -> kvalign.verify.check" in proc.stdout
+    assert "kvalign.model.upward -> kvalign.verify.runner.check" in proc.stdout
 
 
 def _imports(path: Path, module: str, package: bool) -> Iterator[str]:

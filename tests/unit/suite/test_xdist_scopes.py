@@ -34,6 +34,6 @@ def test_the_multimodal_oracles_files_share_one_scope():
     """Their session fixture (a frontend process and SGLang's processor) then starts once."""
     for nodeid in ("tests/unit/oracles/test_frontend_mm.py::test_fields_of_a_preprocessed_request",
                    "tests/unit/oracles/test_sglang_mm.py::test_without_the_frontends_hash_sglang_hashes_the_pixels",
-                   "tests/unit/verify/test_mm.py::test_aligned_baseline_holds[True]"):
+                   "tests/unit/verify/props/mm/test_mm.py::test_aligned_baseline_holds[True]"):
         assert scope(nodeid) == MM_ORACLES, nodeid
-    assert scope("tests/unit/verify/test_check.py::test_check_json_report") == "tests/unit/verify/test_check.py"
+    assert scope("tests/unit/verify/runner/test_check.py::test_check_json_report") == "tests/unit/verify/runner/test_check.py"

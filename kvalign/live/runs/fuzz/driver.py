@@ -187,7 +187,7 @@ def engine_problem(opts: FuzzOptions) -> str | None:
 
     problem = cpu_problem(opts.sglang)
     if problem is None and opts.event_format == "dynamo":
-        from kvalign.verify.matrix import installed
+        from kvalign.verify.report.matrix import installed
 
         version = opts.sglang or installed("sglang") or ""
         if tuple(int(x) for x in version.split(".")[:3] if x.isdigit()) < DYNAMO_FORMAT_SINCE:

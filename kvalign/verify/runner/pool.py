@@ -1,0 +1,188 @@
+"""``check --jobs N``: the planned jobs run in N worker processes, the rows come back in plan order.
+
+Rows are independent (each drives its own real router worker and real SGLang caches with its own
+generated inputs), so a run on two cores can use both. The workers are forked by a fork server
+(``multiprocessing``'s ``forkserver``: a fresh interpreter, so no thread of the parent's is forked)
+that first imports kvalign's modules as the parent has them, in its order, and then Dynamo's
+binding and SGLang's cache classes (:mod:`kvalign.verify.runner.warm`): SGLang's import, seconds of CPU, is
+paid once instead of once per worker, and the workers share those pages. The same state matters for
+the rows: the tier rows' engine picks among pages of equal access time in an order that follows the
+process's state (with kvalign's other commands imported or not, one seeded tier row ran 10 or 13
+cases), and a worker must give the rows ``--jobs 1`` gives. Each worker builds its own systems
+(:func:`kvalign.verify.engine.systems.open_systems`) and takes jobs from the parent one at a time; the
+parent hands them out longest first (the property's ``cost``), so the long rows start early and the
+short ones fill in. The parent imports neither Dynamo nor SGLang: what the header says of them
+(versions, the cache class) comes from the first worker's ``ready``. Every job runs with the same
+options and seed as under ``--jobs 1``, and its rows are put back in plan order, so the report is the
+same whichever worker ran what.
+
+A worker that cannot start, raises, or dies is a :class:`WorkerError` naming the row it was
+running (the command exits 2); the parent never waits on a dead worker: it watches each process's
+sentinel beside its pipe.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from kvalign.errors import UsageError
+from kvalign.verify.engine.property import Job, Options
+from kvalign.verify.engine.rows import RowResult
+from kvalign.verify.engine.systems import Facts, SystemsSpec
+
+
+class WorkerError(UsageError):
+    """A worker failed: the message names the row (job) it was running, or says it could not start."""
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _worker(conn: Connection, spec: SystemsSpec, opts: Options) -> None:
+    """A worker's life: build the systems (Dynamo and SGLang imported once), then run jobs until told to stop."""
+    os.dup2(2, 1)  # the runtimes' prints go where their logs go (fd 2, the run's log file); stdout is the report's
+    from kvalign.verify.runner.check import run_job
+    from kvalign.verify.engine.systems import open_systems
+
+    try:
+        systems, facts = open_systems(spec)
+    except Exception as exc:  # an environment that cannot run check: said in one line by the parent
+        conn.send(("failed", None, f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None, facts))
+    try:
+        while True:
+            message = conn.recv()
+            if message is None:
+                break
+            index, job = message
+            try:
+                conn.send(("rows", index, run_job(index, job, systems.for_format(job.event_format), opts)))
+            except Exception as exc:  # a bug in a property or an oracle: its row is named, its traceback logged
+                traceback.print_exc()
+                conn.send(("error", index, f"{type(exc).__name__}: {exc}"))
+                break
+    finally:
+        # No orderly shutdown of the router path nor the interpreter's teardown of torch, SGLang and Dynamo:
+        # their exit handlers (the runtime's shutdown, a publisher's 1 s shutdown each) held a finished worker
+        # for seconds while the parent waits for it. Everything it had to say has been sent, the runtimes'
+        # log lines are written unbuffered, and its sockets and threads end with the process.
+        conn.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+class Pool:
+    """``workers`` worker processes, forked by the fork server; start them early, :meth:`facts` waits for the first to be ready."""
+
+    def __init__(self, workers: int, spec: SystemsSpec, opts: Options) -> None:
+        ctx = multiprocessing.get_context("forkserver")
+        kvalign_modules = [name for name in list(sys.modules) if name.startswith("kvalign.")]
+        ctx.set_forkserver_preload([*kvalign_modules, "kvalign.verify.runner.warm"])
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        for _ in range(workers):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(child, spec, opts), daemon=True)
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._ready: dict[int, Facts] = {}
+        self._inbox: list[tuple[int, tuple[str, Any, Any]]] = []
+
+    def _receive(self, busy: dict[int, tuple[int, Job]]) -> list[tuple[int, tuple[str, Any, Any]]]:
+        """The next messages from any worker; a worker that died raises, naming its job."""
+        handles: dict[Any, int] = {}
+        for i, (conn, proc) in enumerate(zip(self._conns, self._procs)):
+            handles[conn], handles[proc.sentinel] = i, i
+        got: list[tuple[int, tuple[str, Any, Any]]] = []
+        for ready in wait(list(handles)):
+            i = handles[ready]
+            if ready is self._conns[i]:
+                try:
+                    got.append((i, self._conns[i].recv()))
+                except EOFError:
+                    self._dead(i, busy)
+            elif not self._conns[i].poll():
+                self._dead(i, busy)
+        return got
+
+    def _dead(self, i: int, busy: dict[int, tuple[int, Job]]) -> None:
+        self._procs[i].join(timeout=5)  # its pipe closed first: let it be reaped, for its exit status
+        code = self._procs[i].exitcode
+        how = (f"exited with status {code}" if code is not None and code >= 0 else f"was killed by signal {-code}"
+               if code is not None else "stopped answering")
+        where = (f"while running {busy[i][1].label()}" if i in busy else "while idle" if i in self._ready
+                 else "before it was ready")
+        raise WorkerError(f"check worker {i + 1} {how} {where}")
+
+    def facts(self) -> Facts:
+        """What the first worker to start found (versions, the cache class); a worker that cannot start raises."""
+        while not self._ready:
+            for i, (kind, _index, payload) in self._receive({}):
+                self._take(i, kind, None, payload)
+        return next(iter(self._ready.values()))
+
+    def _take(self, i: int, kind: str, job: Job | None, payload: Any) -> None:
+        if kind == "ready":
+            self._ready[i] = payload
+        elif kind == "failed":
+            raise WorkerError(f"check worker {i + 1} could not start: {payload}")
+        elif kind == "error":
+            first = payload.splitlines()[0]
+            raise WorkerError(f"row {job.label() if job else '?'} failed in check worker {i + 1}: {first}")
+
+    def run(self, jobs: Sequence[Job], progress: Callable[[RowResult], None] | None = None) -> list[RowResult]:
+        """Every job's rows, in the order of ``jobs``; handed out longest first, to whichever worker is free."""
+        queue = sorted(range(len(jobs)), key=lambda k: (-jobs[k].cost, k))
+        results: dict[int, list[RowResult]] = {}
+        busy: dict[int, tuple[int, Job]] = {}
+
+        def hand_out() -> None:
+            for i in self._ready:
+                if i not in busy and queue:
+                    k = queue.pop(0)
+                    busy[i] = (k, jobs[k])
+                    self._conns[i].send((k, jobs[k]))
+
+        hand_out()
+        while len(results) < len(jobs):
+            for i, (kind, index, payload) in self._receive(busy):
+                if kind == "rows":
+                    results[index] = payload
+                    del busy[i]
+                    for row in payload:
+                        if progress:
+                            progress(row)
+                else:
+                    self._take(i, kind, busy.get(i, (None, None))[1], payload)
+                hand_out()
+        return [row for k in range(len(jobs)) for row in results[k]]
+
+    def close(self) -> None:
+        """Tell every worker to stop, and make sure each has."""
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (OSError, ValueError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()

@@ -1,0 +1,80 @@
+"""The ``dp`` property on the real code of both sides, and its negative controls.
+
+SGLang's own placement and per-scheduler publishers (``select_kv_publisher_dp_rank``), the installed
+``dynamo.sglang``'s card and relays (``get_runtime_config``, ``init_kv_event_publish``), and a real
+``KvRouter`` whose requests reach a served endpoint. Each negative control is a fault from the
+issue history applied to those real objects, and must fail naming its own cause and the rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvalign.model.causes import Cause
+from router_paths import open_router_path
+
+EXAMPLES = 8
+
+
+@pytest.fixture(scope="module")
+def router_path(sglang_available: str) -> Iterator[Any]:
+    path = open_router_path("Dynamo's in-process runtime is unavailable")
+    yield path
+    path.close()
+
+
+def _rows(router_path: Any, layouts: tuple[str, ...], examples: int = EXAMPLES, **kw: Any) -> list[Any]:
+    from kvalign.verify.runner.check import run_search
+    from kvalign.verify.props.dp.body import run_dp_rows
+
+    return run_dp_rows(lambda: router_path, ("plain",), examples, run_search, layouts=layouts, **kw)
+
+
+@pytest.mark.parametrize("layout", ["pure-dp2", pytest.param("dp-attn2", marks=pytest.mark.slow)])
+def test_two_rank_rows_are_aligned_and_say_what_each_side_decided(router_path: Any, layout: str) -> None:
+    (row,) = _rows(router_path, (layout,))
+    assert row.ok and row.skipped is None, row.detail
+    assert row.cases == EXAMPLES
+    # SGLang's scheduler of rank r publishes rank r on base + r; Dynamo registers and subscribes both
+    assert "rank 0 on tcp://127.0.0.1:" in row.detail and "rank 1 on tcp://127.0.0.1:" in row.detail
+    assert "tagged {0: [0], 1: [1]}" in row.detail
+    assert "card registers ranks [0, 2)" in row.detail
+    assert ("DP attention" if layout.startswith("dp-attn") else "pure DP") in row.detail
+
+
+@pytest.mark.slow
+def test_four_rank_rows_are_aligned(router_path: Any) -> None:
+    rows = _rows(router_path, ("pure-dp4", "dp-attn4"), examples=20)
+    assert [(r.variant, r.ok) for r in rows] == [("pure-dp4", True), ("dp-attn4", True)], [r.detail for r in rows]
+    assert all("card registers ranks [0, 4)" in r.detail for r in rows)
+
+
+@pytest.mark.parametrize("fault, cause", [
+    ("rank0-only", Cause.DP_RANK_UNPUBLISHED),  # sglang #16030: only DP rank 0's scheduler publishes
+    ("tag-rank0", Cause.DP_RANK_TAG),  # every batch stamped attn_dp_rank 0 on its own rank's port
+    ("unsubscribed", Cause.DP_RANK_UNSUBSCRIBED),  # dynamo #5108: the card registers both, the relay reads rank 0
+    ("pin-rank0", Cause.DP_ROUTED_ELSEWHERE),  # a gateway forcing rank 0 through KvRouter.generate
+])
+def test_negative_control_fails_naming_its_cause_and_the_rank(router_path: Any, fault: str, cause: Cause) -> None:
+    (row,) = _rows(router_path, ("pure-dp2",), examples=10, fault=fault, barrier_timeout_s=1.5)
+    assert not row.ok, f"{fault} went unnoticed: {row.detail}"
+    assert row.cause_name == cause.name, row.detail
+    assert "rank 1" in row.detail
+    assert row.counterexample["stores"], row.counterexample
+
+
+@pytest.mark.slow
+def test_dp_attention_negative_control_names_the_attention_rank(router_path: Any) -> None:
+    (row,) = _rows(router_path, ("dp-attn2",), examples=10, fault="rank0-only", barrier_timeout_s=1.5)
+    assert row.cause_name == Cause.DP_RANK_UNPUBLISHED.name
+    assert "rank 1's scheduler (tp_rank 1, dp_rank 1)" in row.detail
+
+
+def test_dp_rows_run_in_plain_mode_only(router_path: Any) -> None:
+    from kvalign.verify.runner.check import run_search
+    from kvalign.verify.props.dp.body import run_dp_rows
+
+    assert run_dp_rows(lambda: router_path, ("eagle",), 1, run_search) == []
