@@ -1,8 +1,9 @@
 """The property interface: all that ``check``, ``matrix`` and their outputs know of a property.
 
-A property is one module in :mod:`kvalign.verify.props` holding one object, ``PROPERTY``, that has
-these attributes (:class:`Property`); :data:`kvalign.verify.props.REGISTRY` lists them in display
-order. Adding a property is that module plus one line in the registry: ``check --property``, the
+A property is one home in :mod:`kvalign.verify.props` (a module, or a package holding its body,
+strategies, negative controls and report section) whose ``PROPERTY`` has these attributes
+(:class:`Property`); :data:`kvalign.verify.props.REGISTRY` lists them in display order. Adding a
+property is that home plus one line in :data:`kvalign.verify.props.HOMES`: ``check --property``, the
 text table, ``--json``, ``matrix`` (its columns, ``--markdown``) and docs/check.md's list read the
 registry, and nothing in :mod:`kvalign.verify.runner.check` branches on a property's name.
 

@@ -1,30 +1,46 @@
-"""The properties ``check`` runs, one module each, and :data:`REGISTRY`: the one list of them, in display order.
+"""The properties ``check`` runs, one home each, and :data:`REGISTRY`: the one list of them, in display order.
 
-What a property is: :mod:`kvalign.verify.engine.property`. Importing this package imports neither Dynamo
-nor SGLang (the CLI builds ``--property``'s choices from it); a property loads those when it runs.
+A property's home is a module or a package of this package (``props/mm/``: its registration in
+``__init__``, its body, strategies, negative controls and report section beside it) whose
+``PROPERTY`` is the property (:mod:`kvalign.verify.engine.property` says what that is). Adding a
+property is its home and one line in :data:`HOMES`.
+
+Importing this package imports neither Dynamo nor SGLang (the CLI builds ``--property``'s choices
+from it); a property loads those when it runs.
 """
 
 from __future__ import annotations
 
-from kvalign.verify.engine.property import Property
-from kvalign.verify.props import advertised, card, dp, hash, hybrid, ingest, mm, overlap, pages, servable, storage, tenants, tier
+import importlib
+from collections.abc import Iterable
 
-#: Every property, in the order ``check`` prints its rows and ``matrix`` its columns.
-REGISTRY: list[Property] = [
-    card.PROPERTY,
-    advertised.PROPERTY,
-    hash.PROPERTY,
-    pages.PROPERTY,
-    overlap.PROPERTY,
-    ingest.PROPERTY,
-    tenants.PROPERTY,
-    tier.PROPERTY,
-    servable.PROPERTY,
-    dp.PROPERTY,
-    mm.PROPERTY,
-    hybrid.PROPERTY,
-    storage.PROPERTY,
-]
+from kvalign.verify.engine.property import Property
+
+#: Every property's home, in the order ``check`` prints its rows and ``matrix`` its columns.
+HOMES = (
+    "card",
+    "advertised",
+    "hash",
+    "pages",
+    "overlap",
+    "ingest",
+    "tenants",
+    "tier",
+    "servable",
+    "dp",
+    "mm",
+    "hybrid",
+    "storage",
+)
+
+
+def load(homes: Iterable[str]) -> list[Property]:
+    """The ``PROPERTY`` of each home, a module or package of this package, in the order given."""
+    return [importlib.import_module(f"{__name__}.{home}").PROPERTY for home in homes]
+
+
+#: Every property, in display order (:data:`HOMES`).
+REGISTRY: list[Property] = load(HOMES)
 
 
 def by_name() -> dict[str, Property]:
@@ -45,4 +61,3 @@ def default_names() -> tuple[str, ...]:
 def event_names() -> tuple[str, ...]:
     """The properties whose rows read SGLang's events from ``check``'s caches (run once per format)."""
     return tuple(p.name for p in REGISTRY if p.events == "each")
-
