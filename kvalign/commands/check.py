@@ -30,6 +30,10 @@ from kvalign.runtime_log import console
 from kvalign.releases.versions import installed_versions
 
 
+#: ``--engine``'s vLLM value: the property that holds vLLM's rows (kvalign/verify/props/vllm/)
+VLLM = props.vllm.PROPERTY.name
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", help="differential alignment check: router hasher vs SGLang radix cache")
     p.add_argument("--examples", type=int, default=200, help="generated cases per property x mode x variant (default 200)")
@@ -41,6 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "0.5.19 on, RadixCache before), UnifiedRadixCache, its Python core, or RadixCache")
     p.add_argument("--property", dest="props", action="append", choices=props.names(),
                    help="only these properties (default: " + ", ".join(props.default_names()) + ")")
+    p.add_argument("--engine", choices=("sglang", VLLM), default="sglang",
+                   help=f"the engine behind the router: sglang (default), or {VLLM} (its hash, pages, ingest and "
+                        f"tenants rows: --property {VLLM})")
     p.add_argument("--mode", dest="modes", action="append", choices=MODES, help="only these modes")
     for budget in budgets():
         p.add_argument(f"--{budget.option}-examples", dest=f"{budget.option}_examples", type=int, default=None,
@@ -106,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
             caps[budget.option] = cap
     opts = Options(examples=args.examples, modes=tuple(args.modes or MODES), variants=tuple(VARIANTS), seed=args.seed,
                    page_size=args.page_size, caps=tuple(sorted(caps.items())))
-    chosen = selected(args.props)
+    chosen = selected([VLLM] if args.engine == VLLM else args.props)
     asked = EVENT_FORMATS if args.event_format == "both" else (args.event_format,)
     # at most a worker per job: a run of one job (--property card) starts none and runs in this process
     workers = min(args.jobs or usable_cores(), len(plan(chosen, asked, opts)))
@@ -122,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         formats = formats_to_run(args.event_format, facts.dynamo_format, facts.sglang)
         label = args.router_hash or "dynamo._core.compute_block_hash_for_seq"
         if not args.json:
-            print(check_text.header(label, facts.sglang, facts.kind, facts.dynamo, args.examples, args.page_size),
+            print("\n".join(props.vllm.header(facts.dynamo, opts.examples_for(props.vllm.BUDGET), args.page_size)) if args.engine == VLLM else
+                  check_text.header(label, facts.sglang, facts.kind, facts.dynamo, args.examples, args.page_size),
                   flush=True)
         start = time.perf_counter()
         progress = None if args.json else lambda r: print(check_text.progress_line(r), file=console(), flush=True)

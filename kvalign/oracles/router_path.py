@@ -429,7 +429,8 @@ class RouterPath:
 
     def attach(self, publisher: Any, block_size: int) -> IngestWorker:
         """A newly registered worker whose relay subscribes to ``publisher.endpoint`` (another engine's
-        publisher: ``publish``, ``sentinel``, ``close``, as :class:`SglangPublisher`), with its router.
+        publisher; :meth:`IngestWorker.barrier` needs its ``publish`` and ``sentinel`` as
+        :class:`SglangPublisher` has them, an engine with barriers of its own need not), with its router.
         The caller closes the publisher; the worker stays referenced until :meth:`close`."""
         relay, router = self.call(self._new_worker, block_size, False, publisher.endpoint)
         worker = IngestWorker(self, block_size, False, publisher, router, relay)

@@ -18,40 +18,31 @@ drop frames on it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvalign.oracles.base import OracleUnavailable
-from kvalign.oracles.router_path import SENTINEL_BASE, IngestWorker, LoopbackProxy, RouterPath, Transform, sentinel_hash
+from kvalign.oracles.router_path import (POLL_FIRST_S, POLL_MAX_S, SENTINEL_BASE, IngestWorker, LoopbackProxy, RouterPath,
+                                         Transform, sentinel_hash)
 from kvalign.oracles.vllm import VllmEngine
 
-
-@dataclass(frozen=True)
-class _Sentinel:
-    k: int
+#: Seconds a barrier waits for the router to index it (a loopback batch takes milliseconds; the rest is
+#: a loaded machine delaying vLLM's process)
+BARRIER_TIMEOUT_S = 30.0
 
 
 class VllmHop:
-    """The publisher side :class:`IngestWorker` drives: barriers go through vLLM's own publisher (one
-    stream, in order); vLLM's events are published by the engine itself, never through here."""
+    """The loopback hop between vLLM's publisher and the relay (the publisher :class:`IngestWorker` holds):
+    vLLM's events and barriers are published by vLLM's own publisher, never through here
+    (:meth:`VllmWorker.barrier`)."""
 
     def __init__(self, transform: Transform | None = None) -> None:
         self.hop = LoopbackProxy(transform)
         #: where the relay subscribes / where vLLM's publisher connects
         self.endpoint, self.engine_endpoint = self.hop.xpub, self.hop.xsub
-        self.engine: VllmEngine | None = None
-
-    def sentinel(self, k: int, page_size: int) -> _Sentinel:
-        return _Sentinel(k)
-
-    def publish(self, events: Sequence[Any]) -> None:
-        if self.engine is None:
-            raise OracleUnavailable("the vLLM hop has no engine yet")
-        for ev in events:
-            if not isinstance(ev, _Sentinel):
-                raise TypeError("vLLM's events are published by vLLM's own publisher, not through the hop")
-            self.engine.publish_sentinel(sentinel_hash(ev.k), SENTINEL_BASE + ev.k)
 
     def close(self) -> None:
         self.hop.close()
@@ -64,14 +55,33 @@ class VllmWorker:
     engine: VllmEngine
     ingest: IngestWorker
     hop: VllmHop
+    #: barrier numbers of this worker's own (far above the ones IngestWorker's barrier counts)
+    _barriers: Iterator[int] = field(default_factory=lambda: itertools.count(1 << 20))
 
     def sync(self) -> list[dict[str, Any]]:
         """Publish vLLM's pending events and wait until the router indexed them; returns the events.
         A relay that never indexes the barrier is :class:`OracleUnavailable`."""
         events = self.engine.take_events()
-        if not self.ingest.barrier():
-            raise OracleUnavailable("Dynamo's relay never indexed the barrier vLLM's publisher sent")
+        self.barrier()
         return events
+
+    def barrier(self) -> None:
+        """Publish a barrier block on vLLM's publisher and wait until the router indexed it (one stream, in
+        order: everything vLLM published before it was relayed). vLLM's publisher sits in another process,
+        whose answers a loaded machine can delay by seconds, so this waits up to BARRIER_TIMEOUT_S,
+        re-sending each second (the first may precede the subscription). Never indexed:
+        :class:`OracleUnavailable`."""
+        k = next(self._barriers)
+        deadline, sent_at, pause = time.monotonic() + BARRIER_TIMEOUT_S, 0.0, POLL_FIRST_S
+        while time.monotonic() < deadline:
+            if time.monotonic() - sent_at > 1.0:
+                self.engine.publish_sentinel(sentinel_hash(k), SENTINEL_BASE + k)
+                sent_at = time.monotonic()
+            time.sleep(pause)
+            pause = min(pause * 2, POLL_MAX_S)
+            if any(h == sentinel_hash(k) for _p, h, _t in self.ingest.dump()):
+                return
+        raise OracleUnavailable(f"Dynamo's relay did not index vLLM's barrier within {BARRIER_TIMEOUT_S:.0f} s")
 
     def overlap(self, tokens: Sequence[int], *, lora_name: str | None = None, cache_namespace: str | None = None) -> int:
         """The router's device-tier overlap (blocks) for a query."""
@@ -95,16 +105,15 @@ def vllm_worker(path: RouterPath, block_size: int, num_blocks: int, *, medium: s
     """A vLLM engine (``num_blocks`` blocks of ``block_size``) publishing into a fresh relay + ``KvRouter``."""
     hop = VllmHop(transform)
     try:
-        hop.engine = VllmEngine(block_size, num_blocks, medium=medium, endpoint=hop.engine_endpoint, env=env)
+        engine = VllmEngine(block_size, num_blocks, medium=medium, endpoint=hop.engine_endpoint, env=env)
     except BaseException:
         hop.close()
         raise
     try:
-        ingest = path.attach(hop, block_size)
-        if not ingest.barrier():
-            raise OracleUnavailable("Dynamo's relay never indexed vLLM's first barrier")
+        worker = VllmWorker(engine, path.attach(hop, block_size), hop)
+        worker.barrier()
     except BaseException:
-        hop.engine.close()
+        engine.close()
         hop.close()
         raise
-    return VllmWorker(hop.engine, ingest, hop)
+    return worker

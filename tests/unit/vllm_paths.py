@@ -1,4 +1,5 @@
-"""Opening vLLM behind the real relay -> router path in a test, and the broken hops negative controls use.
+"""Opening vLLM behind the real relay -> router path in a test (the broken hops negative controls put on it:
+:func:`kvalign.verify.props.vllm.controls.rewrite_events`, re-exported).
 
 A vLLM engine is the real ``KVCacheManager`` in vLLM's own interpreter (:mod:`kvalign.oracles.vllm`);
 when that environment cannot be installed the test skips naming why (a failure under
@@ -8,16 +9,15 @@ when that environment cannot be installed the test skips naming why (a failure u
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import pytest
 from router_paths import REQUIRE_ENV
 
 from kvalign.oracles.base import OracleUnavailable
+from kvalign.verify.props.vllm.controls import rewrite_events
 
-EventsFn = Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
+__all__ = ["open_vllm_worker", "rewrite_events"]
 
 
 def open_vllm_worker(path: Any, block_size: int, num_blocks: int, **kw: Any) -> Any:
@@ -31,21 +31,3 @@ def open_vllm_worker(path: Any, block_size: int, num_blocks: int, **kw: Any) -> 
     if os.environ.get(REQUIRE_ENV) == "1":
         pytest.fail(f"{REQUIRE_ENV}=1, but vLLM's path cannot start: {reason}", pytrace=False)
     pytest.skip(reason)
-
-
-def rewrite_events(fn: EventsFn) -> Callable[[list[bytes]], list[bytes] | None]:
-    """A hop transform applying ``fn`` to each vLLM batch's events (maps with ``type``); a batch left
-    empty is dropped. Barrier batches (one root block, no parent) go through untouched."""
-
-    def transform(frames: list[bytes]) -> list[bytes] | None:
-        batch = msgspec.msgpack.decode(frames[2])
-        events = batch[1]
-        if len(events) == 1 and events[0].get("type") == "BlockStored" and events[0].get("lora_id") is None \
-                and len(events[0]["block_hashes"]) == 1 and events[0]["block_hashes"][0] >= 1 << 62:
-            return frames
-        batch[1] = fn(events)
-        if not batch[1]:
-            return None
-        return [frames[0], frames[1], msgspec.msgpack.encode(batch)]
-
-    return transform

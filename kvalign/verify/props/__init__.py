@@ -7,7 +7,7 @@ nor SGLang (the CLI builds ``--property``'s choices from it); a property loads t
 from __future__ import annotations
 
 from kvalign.verify.property import Property
-from kvalign.verify.props import advertised, card, dp, hash, hybrid, ingest, mm, overlap, pages, servable, storage, tenants, tier
+from kvalign.verify.props import advertised, card, dp, hash, hybrid, ingest, mm, overlap, pages, servable, storage, tenants, tier, vllm
 
 #: Every property, in the order ``check`` prints its rows and ``matrix`` its columns.
 REGISTRY: list[Property] = [
@@ -24,6 +24,7 @@ REGISTRY: list[Property] = [
     mm.PROPERTY,
     hybrid.PROPERTY,
     storage.PROPERTY,
+    vllm.PROPERTY,
 ]
 
 

@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 from router_paths import open_router_path
 from vllm_paths import open_vllm_worker, rewrite_events
 
+from kvalign.verify.props.vllm.controls import drop_removed
+
 B = 16
 #: usable blocks (vLLM keeps one null block): small, so the sequences below evict
 NUM_BLOCKS = 10
@@ -86,14 +88,18 @@ def test_an_evicted_prompt_is_credited_by_neither(worker):
     assert [predicted for _i, _h, predicted in rows] == [0, B, 0, 0, 0]
 
 
-def _drop_removed(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [e for e in events if e.get("type") != "BlockRemoved"]
-
-
 def test_negative_control_a_relay_missing_evictions_is_caught(worker):
-    worker.hop.hop.transform = rewrite_events(_drop_removed)
+    worker.hop.hop.transform = rewrite_events(drop_removed)
     try:
         found = mismatches(worker, prompts_from(EVICTING))
     finally:
         worker.hop.hop.transform = None
     assert found and found[-1][0] == len(EVICTING) - 1 and found[-1][2] > found[-1][1]
+
+
+def test_a_prompt_larger_than_the_cache_is_refused_in_one_line(worker):
+    from kvalign.oracles.vllm import VllmError
+
+    with pytest.raises(VllmError, match=r"^MemoryError: vLLM cannot allocate 161 tokens in this cache$"):
+        worker.engine.prefill(list(range(10 * B + 1)))
+    assert worker.engine.match(list(range(B + 1))) == 0  # the engine still answers

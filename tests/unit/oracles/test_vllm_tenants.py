@@ -25,6 +25,7 @@ from router_paths import open_router_path
 from vllm_paths import open_vllm_worker, rewrite_events
 
 from kvalign.model.vllm_keys import dynamo_salt
+from kvalign.verify.props.vllm.controls import tenant_blind
 
 B = 16
 NUM_BLOCKS = 14
@@ -84,18 +85,9 @@ def test_tenants_stay_apart_after_evictions(worker):
     assert worker.engine.match(tokens, cache_salt=dynamo_salt("t1")) < 3 * B  # an eviction did hit a tenant
 
 
-def _tenant_blind(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    for e in events:
-        if e.get("type") == "BlockStored":
-            e.pop("extra_keys", None)
-            e["lora_name"] = None
-            e["lora_id"] = None
-    return events
-
-
 def test_negative_control_a_tenant_blind_relay_is_caught(worker):
     tokens = _prompt()
-    worker.hop.hop.transform = rewrite_events(_tenant_blind)
+    worker.hop.hop.transform = rewrite_events(tenant_blind)
     try:
         _prefill(worker, tokens, "adapterA", "t1")
     finally:
