@@ -35,7 +35,7 @@ class VllmEngine:
     ``env``: extra environment for vLLM (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, say); the child
     also gets ``PYTHONHASHSEED=0`` as ``python -m dynamo.vllm`` sets it before vLLM loads."""
 
-    def __init__(self, block_size: int, num_blocks: int, *, medium: str = "GPU", endpoint: str | None = None,
+    def __init__(self, block_size: int, num_blocks: int, *, endpoint: str | None = None,
                  env: dict[str, str] | None = None) -> None:
         try:
             python = ensure()
@@ -49,7 +49,7 @@ class VllmEngine:
                                       stdout=subprocess.PIPE, stderr=self._log, env=child)
         try:
             info = self._call("init", timeout=START_TIMEOUT_S, block_size=block_size, num_blocks=num_blocks,
-                              medium=medium, endpoint=endpoint)
+                              endpoint=endpoint)
         except BaseException:
             self.close()
             raise

@@ -17,7 +17,6 @@ import sys
 import time
 import types
 from collections.abc import Sequence
-from math import lcm
 from typing import Any
 
 
@@ -39,7 +38,11 @@ def _import_vllm() -> types.SimpleNamespace:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import Request
 
-    return types.SimpleNamespace(**locals())
+    return types.SimpleNamespace(
+        torch=torch, CacheConfig=CacheConfig, kv_events=kv_events, LoRARequest=LoRARequest, SamplingParams=SamplingParams,
+        get_hash_fn_by_name=get_hash_fn_by_name, kv_cache_utils=kv_cache_utils, KVCacheManager=KVCacheManager,
+        FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
+        Request=Request)
 
 
 def default_hash_algo(v: types.SimpleNamespace) -> str:
@@ -51,11 +54,10 @@ def default_hash_algo(v: types.SimpleNamespace) -> str:
 class VllmCache:
     """One engine's KV cache: ``num_blocks`` blocks of ``block_size`` tokens in one full-attention group."""
 
-    def __init__(self, block_size: int, num_blocks: int, *, medium: str = "GPU", endpoint: str | None = None,
+    def __init__(self, block_size: int, num_blocks: int, *, endpoint: str | None = None,
                  hash_algo: str | None = None, max_model_len: int = 1 << 16) -> None:
         """``endpoint``: where vLLM's ``ZmqEventPublisher`` connects (the relay's side of a loopback hop);
-        None publishes nothing. ``medium``: the medium the block pool reports (``GPU``; ``CPU`` as an
-        offloading tier would)."""
+        None publishes nothing."""
         self.v = v = _import_vllm()
         self.block_size = block_size
         self.hash_algo = hash_algo or default_hash_algo(v)
@@ -65,10 +67,9 @@ class VllmCache:
         spec = v.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=v.torch.float32)
         config = v.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                  kv_cache_groups=[v.KVCacheGroupSpec(["layer.0"], spec)])
-        self.manager = v.KVCacheManager(config, max_model_len=max_model_len, scheduler_block_size=lcm(block_size),
+        self.manager = v.KVCacheManager(config, max_model_len=max_model_len, scheduler_block_size=block_size,
                                         hash_block_size=block_size, enable_caching=True,
                                         enable_kv_cache_events=True)
-        self.manager.block_pool.medium = medium
         self._publisher = None if endpoint is None else v.kv_events.ZmqEventPublisher(
             data_parallel_rank=0, endpoint=endpoint, topic="")
         self._ids = 0

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvalign.oracles.base import OracleUnavailable
 from kvalign.oracles.router_path import (POLL_FIRST_S, POLL_MAX_S, SENTINEL_BASE, IngestWorker, LoopbackProxy, RouterPath,
-                                         Transform, sentinel_hash)
+                                         sentinel_hash)
 from kvalign.oracles.vllm import VllmEngine
 
 #: Seconds a barrier waits for the router to index it (a loopback batch takes milliseconds; the rest is
@@ -39,8 +39,9 @@ class VllmHop:
     vLLM's events and barriers are published by vLLM's own publisher, never through here
     (:meth:`VllmWorker.barrier`)."""
 
-    def __init__(self, transform: Transform | None = None) -> None:
-        self.hop = LoopbackProxy(transform)
+    def __init__(self) -> None:
+        #: kvalign's proxy; a negative control sets its ``transform`` to rewrite or drop vLLM's batches
+        self.hop = LoopbackProxy()
         #: where the relay subscribes / where vLLM's publisher connects
         self.endpoint, self.engine_endpoint = self.hop.xpub, self.hop.xsub
 
@@ -87,10 +88,6 @@ class VllmWorker:
         """The router's device-tier overlap (blocks) for a query."""
         return self.ingest.overlap(tokens, lora_name, cache_namespace)
 
-    def tiers(self, tokens: Sequence[int], *, lora_name: str | None = None, cache_namespace: str | None = None) -> dict[str, int]:
-        """The router's per-tier overlap (``device_blocks``, ``host_pinned_extension_blocks``, ...)."""
-        return self.ingest.path.query_tiers(self.ingest.router, list(tokens), lora_name, cache_namespace)
-
     def dump(self) -> list[tuple[int | None, int, int]]:
         """``(parent, vLLM's block hash, router local hash)`` per indexed block, barriers left out."""
         return [row for row in self.ingest.dump() if not sentinel_hash(0) <= row[1] < sentinel_hash(1 << 32)]
@@ -100,12 +97,11 @@ class VllmWorker:
         self.hop.close()
 
 
-def vllm_worker(path: RouterPath, block_size: int, num_blocks: int, *, medium: str = "GPU",
-                transform: Transform | None = None, env: dict[str, str] | None = None) -> VllmWorker:
+def vllm_worker(path: RouterPath, block_size: int, num_blocks: int, *, env: dict[str, str] | None = None) -> VllmWorker:
     """A vLLM engine (``num_blocks`` blocks of ``block_size``) publishing into a fresh relay + ``KvRouter``."""
-    hop = VllmHop(transform)
+    hop = VllmHop()
     try:
-        engine = VllmEngine(block_size, num_blocks, medium=medium, endpoint=hop.engine_endpoint, env=env)
+        engine = VllmEngine(block_size, num_blocks, endpoint=hop.engine_endpoint, env=env)
     except BaseException:
         hop.close()
         raise
