@@ -31,6 +31,10 @@ from kvalign.runtime_log import console
 from kvalign.releases.versions import installed_versions
 
 
+#: ``--engine``'s vLLM value: the property that holds vLLM's rows (kvalign/verify/props/vllm/)
+VLLM = props.vllm.PROPERTY.name
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", help="differential alignment check: router hasher vs SGLang radix cache")
     p.add_argument("--examples", type=int, default=200, help="generated cases per property x mode x variant (default 200)")
@@ -44,8 +48,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="only these properties (default: " + ", ".join(props.default_names()) + "; the verdict "
                         "names those that did not run)")
     p.add_argument("--all", dest="all_props", action="store_true",
-                   help="run every property, the opt-in ones too (" + ", ".join(
-                       p.name for p in props.REGISTRY if not p.default) + "): a verdict for every surface")
+                   help="run every property of the engine, the opt-in ones too (" + ", ".join(
+                       p.name for p in props.REGISTRY if not p.default and p.name != VLLM) + "): a verdict for every "
+                        "surface")
+    p.add_argument("--engine", choices=("sglang", VLLM), default="sglang",
+                   help=f"the engine behind the router: sglang (default), or {VLLM} (its hash, pages, ingest and "
+                        f"tenants rows: --property {VLLM})")
     p.add_argument("--mode", dest="modes", action="append", choices=MODES, help="only these modes")
     for budget in budgets():
         p.add_argument(f"--{budget.option}-examples", dest=f"{budget.option}_examples", type=int, default=None,
@@ -113,8 +121,17 @@ def run(args: argparse.Namespace) -> int:
                    page_size=args.page_size, caps=tuple(sorted(caps.items())))
     if args.all_props and args.props:
         raise UsageError("--all runs every property: give it or --property, not both")
-    chosen = selected(props.names() if args.all_props else args.props)
-    scope = Scope.of(props.REGISTRY, (p.name for p in chosen))
+    # each engine's own properties: the vLLM one runs alone, the SGLang ones never against vLLM
+    engine_props = props.of_engine(args.engine)
+    if args.engine == VLLM:
+        chosen = selected([VLLM])
+    else:
+        chosen = selected([p.name for p in engine_props] if args.all_props else args.props)
+        other = [p for p in chosen if p.engine != args.engine]
+        if other:
+            raise UsageError(f"--property {', '.join(p.name for p in other)} checks another engine: run it with "
+                             f"--engine {other[0].engine}")
+    scope = Scope.of(engine_props, (p.name for p in chosen))
     asked = EVENT_FORMATS if args.event_format == "both" else (args.event_format,)
     # at most a worker per job: a run of one job (--property card) starts none and runs in this process
     workers = min(args.jobs or usable_cores(), len(plan(chosen, asked, opts)))
@@ -130,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
         formats = formats_to_run(args.event_format, facts.dynamo_format, facts.sglang)
         label = args.router_hash or "dynamo._core.compute_block_hash_for_seq"
         if not args.json:
-            print(check_text.header(label, facts.sglang, facts.kind, facts.dynamo, args.examples, args.page_size),
+            print("\n".join(props.vllm.header(facts.dynamo, opts.examples_for(props.vllm.BUDGET), args.page_size)) if args.engine == VLLM else
+                  check_text.header(label, facts.sglang, facts.kind, facts.dynamo, args.examples, args.page_size),
                   flush=True)
         start = time.perf_counter()
         progress = None if args.json else lambda r: print(check_text.progress_line(r), file=console(), flush=True)

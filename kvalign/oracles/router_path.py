@@ -427,6 +427,16 @@ class RouterPath:
             self._workers[key] = IngestWorker(self, block_size, eagle, pub, router, relay)
         return self._workers[key]
 
+    def attach(self, publisher: Any, block_size: int) -> IngestWorker:
+        """A newly registered worker whose relay subscribes to ``publisher.endpoint`` (another engine's
+        publisher; :meth:`IngestWorker.barrier` needs its ``publish`` and ``sentinel`` as
+        :class:`SglangPublisher` has them, an engine with barriers of its own need not), with its router.
+        The caller closes the publisher; the worker stays referenced until :meth:`close`."""
+        relay, router = self.call(self._new_worker, block_size, False, publisher.endpoint)
+        worker = IngestWorker(self, block_size, False, publisher, router, relay)
+        self._retired.append(worker)
+        return worker
+
     @property
     def host_weight(self) -> float:
         """The ``host_cache_hit_weight`` this path's routers run with: they are built with the binding's

@@ -14,6 +14,8 @@ registry, and nothing in :mod:`kvalign.verify.runner.check` branches on a proper
     not depend on EAGLE's keys: ``advertised`` has ``("plain",)``).
 ``default``
     whether ``check`` / ``matrix`` run it without ``--property`` (``mm`` is opt-in).
+``engine``
+    the engine behind the router its rows drive (``check --engine``): ``sglang``, or ``vllm``.
 ``surface``
     the part of a deployment its rows speak for where not every deployment has it (``"image
     prompts"``), or None where every one does (block keys, events). A verdict names what did not run
@@ -110,6 +112,7 @@ class Property(Protocol):
     modes: tuple[str, ...]
     default: bool
     surface: str | None
+    engine: str
     events: Events
     budget: Budget | None
 
@@ -157,6 +160,7 @@ class Declared:
     modes: tuple[str, ...] = MODES
     default: bool = True
     surface: str | None = None
+    engine: str = "sglang"
     events: Events = "each"
     budget: Budget | None = None
     cost: float = 1.0

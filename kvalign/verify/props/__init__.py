@@ -31,6 +31,7 @@ HOMES = (
     "mm",
     "hybrid",
     "storage",
+    "vllm",
 )
 
 
@@ -61,3 +62,8 @@ def default_names() -> tuple[str, ...]:
 def event_names() -> tuple[str, ...]:
     """The properties whose rows read SGLang's events from ``check``'s caches (run once per format)."""
     return tuple(p.name for p in REGISTRY if p.events == "each")
+
+
+def of_engine(engine: str) -> list[Property]:
+    """The properties ``check --engine ENGINE`` runs, in display order."""
+    return [p for p in REGISTRY if p.engine == engine]

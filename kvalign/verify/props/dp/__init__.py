@@ -16,6 +16,7 @@ class Dp:
     modes = ("plain",)
     default = True
     surface = "DP attention"
+    engine = "sglang"
     events = "own"  # its schedulers build caches of their own, in the default format
     budget = DP_BUDGET
 

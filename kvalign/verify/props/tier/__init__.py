@@ -19,6 +19,7 @@ class Tier:
     modes = MODES
     default = True
     surface = "a host tier"
+    engine = "sglang"
     events = "each"
     budget = TIER_BUDGET
     #: the variants it has rows for (None: every variant asked)

@@ -7,7 +7,8 @@ from kvalign.verify import props
 from kvalign.verify.engine.rows import RowResult
 from kvalign.verify.engine.scope import Scope
 
-DEFAULT = Scope.of(props.REGISTRY, props.default_names())
+SGLANG = props.of_engine("sglang")
+DEFAULT = Scope.of(SGLANG, props.default_names())
 ROWS = [RowResult("hash", "plain", "base", 10, 0, 0.1)]
 
 
@@ -26,10 +27,10 @@ def test_the_default_run_is_aligned_for_deployments_without_the_opt_in_surfaces(
 
 
 def test_a_run_of_everything_is_a_plain_verdict_and_leaving_out_a_universal_property_narrows_it() -> None:
-    everything = Scope.of(props.REGISTRY, props.names())
+    everything = Scope.of(SGLANG, props.names())
     assert everything.complete and everything.not_run_line() is None and everything.aligned_for() == "every property"
     assert check_text.verdict(ROWS, 1.0, scope=everything).splitlines()[0].startswith("ALIGNED: 10 cases")
-    only_hash = Scope.of(props.REGISTRY, ["hash"])
+    only_hash = Scope.of(SGLANG, ["hash"])
     assert only_hash.aligned_for() == "what ran only: hash"  # block keys are every deployment's: no "without"
     assert check_text.verdict(ROWS, 1.0, scope=only_hash).splitlines()[0] == "ALIGNED for what ran only: hash"
 

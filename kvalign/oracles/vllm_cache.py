@@ -1,0 +1,130 @@
+"""vLLM's real prefix cache, in the vLLM interpreter: ``KVCacheManager`` with caching and KV events on.
+
+This module imports vLLM, so it runs only in vLLM's own environment
+(:mod:`kvalign.releases.vllm_env`), behind :mod:`kvalign.oracles.vllm_child`; kvalign's process
+reaches it through :class:`kvalign.oracles.vllm.VllmEngine`. Everything that decides a key or an
+event is vLLM's code: the request block hasher the engine core builds (``get_request_block_hasher``
+with the configured ``--prefix-caching-hash-algo``, after ``init_none_hash``), the manager's prefix
+lookup (``get_computed_blocks``), its allocation (which caches the prompt's full blocks and publishes
+``BlockStored``), its free queue and LRU eviction (``BlockRemoved``), and ``ZmqEventPublisher``. The
+only kvalign code is the sequence a scheduler runs for one prefill: look up, allocate, finish, free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+import types
+from collections.abc import Sequence
+from typing import Any
+
+
+def _import_vllm() -> types.SimpleNamespace:
+    """vLLM's prefix-cache modules, behind the torchvision shim SGLang's oracle uses.
+
+    PyPI's torchvision is a CUDA build whose two op-registration modules fail beside torch+cpu;
+    pre-seeding them lets the rest of vLLM's import chain (``v1.request`` pulls multimodal code) load."""
+    for name in ("torchvision._meta_registrations", "torchvision._autograd_registrations"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    import torch
+    from vllm.config.cache import CacheConfig
+    from vllm.distributed import kv_events
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+
+    return types.SimpleNamespace(
+        torch=torch, CacheConfig=CacheConfig, kv_events=kv_events, LoRARequest=LoRARequest, SamplingParams=SamplingParams,
+        get_hash_fn_by_name=get_hash_fn_by_name, kv_cache_utils=kv_cache_utils, KVCacheManager=KVCacheManager,
+        FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
+        Request=Request)
+
+
+def default_hash_algo(v: types.SimpleNamespace) -> str:
+    """``--prefix-caching-hash-algo``'s default, read from vLLM's ``CacheConfig``."""
+    field = {f.name: f for f in dataclasses.fields(v.CacheConfig)}["prefix_caching_hash_algo"]
+    return str(field.default)
+
+
+class VllmCache:
+    """One engine's KV cache: ``num_blocks`` blocks of ``block_size`` tokens in one full-attention group."""
+
+    def __init__(self, block_size: int, num_blocks: int, *, endpoint: str | None = None,
+                 hash_algo: str | None = None, max_model_len: int = 1 << 16) -> None:
+        """``endpoint``: where vLLM's ``ZmqEventPublisher`` connects (the relay's side of a loopback hop);
+        None publishes nothing."""
+        self.v = v = _import_vllm()
+        self.block_size = block_size
+        self.hash_algo = hash_algo or default_hash_algo(v)
+        hash_fn = v.get_hash_fn_by_name(self.hash_algo)
+        v.kv_cache_utils.init_none_hash(hash_fn)
+        self._hasher = v.kv_cache_utils.get_request_block_hasher(block_size, hash_fn)
+        spec = v.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=v.torch.float32)
+        config = v.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                 kv_cache_groups=[v.KVCacheGroupSpec(["layer.0"], spec)])
+        self.manager = v.KVCacheManager(config, max_model_len=max_model_len, scheduler_block_size=block_size,
+                                        hash_block_size=block_size, enable_caching=True,
+                                        enable_kv_cache_events=True)
+        self._publisher = None if endpoint is None else v.kv_events.ZmqEventPublisher(
+            data_parallel_rank=0, endpoint=endpoint, topic="")
+        self._ids = 0
+
+    def _request(self, tokens: Sequence[int], lora_name: str | None, cache_salt: str | None) -> Any:
+        self._ids += 1
+        params = self.v.SamplingParams(max_tokens=1)
+        lora = (None if lora_name is None else
+                self.v.LoRARequest(lora_name=lora_name, lora_int_id=1 + sum(map(ord, lora_name)),
+                                   lora_path=f"/kvalign/lora/{lora_name}"))
+        return self.v.Request(request_id=f"r{self._ids}", prompt_token_ids=list(tokens), sampling_params=params,
+                              pooling_params=None, lora_request=lora, cache_salt=cache_salt,
+                              block_hasher=self._hasher)
+
+    def match(self, tokens: Sequence[int], lora_name: str | None = None, cache_salt: str | None = None) -> int:
+        """Tokens vLLM would reuse for this prompt now (its prefix hit; nothing allocated)."""
+        _blocks, hit, *_ = self.manager.get_computed_blocks(self._request(tokens, lora_name, cache_salt))
+        return int(hit)
+
+    def prefill(self, tokens: Sequence[int], lora_name: str | None = None, cache_salt: str | None = None) -> int:
+        """Serve one prompt as the scheduler does, then finish it: look up the prefix, allocate the rest
+        (which caches the prompt's full blocks), free. Returns vLLM's prefix hit in tokens, or raises
+        MemoryError when the cache cannot hold the prompt (vLLM would not schedule it)."""
+        request = self._request(tokens, lora_name, cache_salt)
+        blocks, hit, *_ = self.manager.get_computed_blocks(request)
+        if self.manager.allocate_slots(request, request.num_tokens - hit, hit, blocks) is None:
+            raise MemoryError(f"vLLM cannot allocate {request.num_tokens} tokens in this cache")
+        self.manager.free(request)
+        return int(hit)
+
+    def take_events(self, *, publish: bool = True) -> list[Any]:
+        """vLLM's events since the last call (its own structs); published first when a publisher is set."""
+        events = self.manager.take_events()
+        if publish and events and self._publisher is not None:
+            self._publisher.publish(self.v.kv_events.KVEventBatch(ts=time.time(), events=list(events)))
+        return list(events)
+
+    def publish_sentinel(self, engine_hash: int, token: int) -> None:
+        """One root block with vLLM's own ``BlockStored`` on the same publisher: an ingestion barrier
+        (everything published before it was relayed once the router indexed it)."""
+        if self._publisher is None:
+            raise RuntimeError("this cache has no publisher")
+        ev = self.v.kv_events.BlockStored(block_hashes=[engine_hash], parent_block_hash=None,
+                                          token_ids=[token] * self.block_size, block_size=self.block_size,
+                                          lora_id=None, medium="GPU", lora_name=None)
+        self._publisher.publish(self.v.kv_events.KVEventBatch(ts=time.time(), events=[ev]))
+
+    def close(self) -> None:
+        if self._publisher is not None:
+            self._publisher.shutdown()
+            self._publisher = None
+
+
+def int_hashes() -> bool:
+    """Whether this vLLM publishes 64-bit int block hashes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
+    from vllm import envs
+
+    return bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)

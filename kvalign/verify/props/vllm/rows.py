@@ -1,0 +1,101 @@
+"""The rows of ``check --engine vllm``: hash, pages, ingest and tenants on vLLM's real ``KVCacheManager``
+behind Dynamo's real relay and ``KvRouter``, each a Hypothesis search with its negative control beside it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvalign.model.causes import Cause
+from kvalign.oracles.base import OracleUnavailable
+from kvalign.verify.engine.property import Options, found_row, unavailable
+from kvalign.verify.props.vllm import bodies, controls
+from kvalign.verify.props.vllm.strategies import TENANTS, sequences
+from kvalign.verify.engine.rows import VARIANTS, RowResult
+
+#: vLLM's blocks in the checked cache (one is vLLM's null block): small, so generated sequences evict
+NUM_BLOCKS = 10
+#: the block size when ``--page-size`` is not given
+BLOCK_SIZE = 16
+#: the negative control's example budget (a control must fail within it)
+CONTROL_EXAMPLES = 25
+ROWS = ("hash", "pages", "ingest", "tenants")
+
+
+def _tenants(variant: str) -> list[tuple[str | None, str | None]]:
+    lora, namespace = VARIANTS[variant]
+    return [t for t in TENANTS if bool(t[0]) == lora and bool(t[1]) == namespace]
+
+
+def _row(prop: str, variant: str, body: Any, strategy: Any, n: int, seed: int | None,
+         control: tuple[str, Callable[[], Any], Cause] | None) -> RowResult:
+    from kvalign.verify.engine.search import Tally, run_search
+
+    start, tally = time.perf_counter(), Tally()
+    calls, failures, found = run_search(body, strategy, n, seed=seed, tally=tally)
+    row = found_row(RowResult(prop, "plain", variant, calls, failures, time.perf_counter() - start), found)
+    row.shrink_steps = tally.shrink_steps
+    if control is not None:
+        what, run_control, expected = control
+        c_calls, _c_failures, c_found = run_control()
+        row.control = {"mutation": what, "cases": c_calls, "failed": c_found is not None and c_found.cause == expected,
+                       "cause": c_found.cause.name if c_found else None, "expected": expected.name}
+        row.seconds = time.perf_counter() - start
+    return row
+
+
+def vllm_rows(systems: Any, modes: tuple[str, ...], opts: Options) -> list[RowResult]:
+    """Every vLLM row (plain mode: vLLM keys no bigrams), one vLLM engine and router for all; tenants in each
+    tenant variant asked. A path that cannot start is every row with its cause, never an exception."""
+    from hypothesis import strategies as st
+
+    from kvalign.oracles.vllm_router import vllm_worker
+    from kvalign.verify.misaligned import drop_lora
+    from kvalign.verify.props.vllm import BUDGET
+    from kvalign.verify.props.vllm.strategies import Served
+    from kvalign.verify.engine.search import run_search
+
+    tenant_variants = [v for v in opts.variants if v != "base"]
+    names = [(p, "base") for p in ROWS[:3]] + [("tenants", v) for v in tenant_variants]
+    b, n, seed = opts.page_size or BLOCK_SIZE, opts.examples_for(BUDGET), opts.seed
+    start = time.perf_counter()
+    try:
+        worker = vllm_worker(systems.router_path(), b, NUM_BLOCKS)
+    except OracleUnavailable as exc:
+        return [r for p, v in names for r in unavailable(p, ("plain",), (v,), str(exc), seconds=time.perf_counter() - start)]
+
+    def control(body: Any, seq: list[Served], hop: Any = None) -> Callable[[], Any]:
+        def run() -> Any:
+            if hop is None:
+                return run_search(body, st.just(seq), CONTROL_EXAMPLES, seed=seed)
+            with controls.on_hop(worker, hop):
+                return run_search(body, st.just(seq), CONTROL_EXAMPLES, seed=seed)
+        return run
+
+    #: the first prompt's blocks are evicted by the next three (NUM_BLOCKS - 1 usable), then it comes again
+    evicting = [Served((0, 1, 2), 3), Served((0, 0, 0, 0, 0), 1), Served((1, 1, 1, 1, 1), 1), Served((2, 2, 2, 2), 1),
+                Served((0, 1, 2), 3)]
+    try:
+        rows = [
+            _row("hash", "base", bodies.hash_body(worker), sequences(b, TENANTS), n, seed,
+                 ("drop_lora (kvalign's model keys LoRA blocks without the adapter)",
+                  control(bodies.hash_body(worker, drop_lora), [Served((0, 1), 3, ("adapterA", None))]),
+                  Cause.LORA_DROPPED)),
+            _row("pages", "base", bodies.pages_body(worker), sequences(b), n, seed,
+                 ("drop_removed (vLLM's BlockRemoved never reaches the relay)",
+                  control(bodies.pages_body(worker), evicting, controls.drop_removed), Cause.INGEST_STALE)),
+            _row("ingest", "base", bodies.ingest_body(worker), sequences(b, TENANTS), n, seed,
+                 ("drop_stored (vLLM's BlockStored never reaches the relay)",
+                  control(bodies.ingest_body(worker), [Served((0, 1, 2), 3)], controls.drop_stored),
+                  Cause.EVENTS_DROPPED)),
+        ]
+        for v in tenant_variants:
+            tenants = _tenants(v)
+            rows.append(_row("tenants", v, bodies.tenants_body(worker), sequences(b, tenants), n, seed,
+                             ("tenant_blind (the relay reads neither extra_keys nor lora_name)",
+                              control(bodies.tenants_body(worker), [Served((0, 1, 2), 3, tenants[0])],
+                                      controls.tenant_blind), Cause.TENANTS_SHARE_KEYS)))
+        return rows
+    finally:
+        worker.close()

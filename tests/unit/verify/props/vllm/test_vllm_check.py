@@ -1,0 +1,44 @@
+"""``kvalign check --engine vllm`` as a user runs it: vLLM's hash, pages, ingest and tenants rows in the same
+table, classes and exit codes, every row's negative control failing as it must. (The differential checks
+and their controls at the oracle level: tests/unit/oracles/test_vllm_*.py, in the fast tier.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[5]
+
+
+def _check(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "KVALIGN_LOG_DIR": str(tmp_path)}
+    return subprocess.run([sys.executable, "-m", "kvalign", "check", "--engine", "vllm", *args], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT, env=env)
+
+
+@pytest.mark.slow  # a vLLM engine and a Dynamo runtime in a child (about 60 s on two loaded cores)
+def test_check_engine_vllm_rows_are_aligned_and_every_control_fails(tmp_path):
+    res = _check("--vllm-examples", "8", "--json", tmp_path=tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    report = json.loads(res.stdout)
+    rows = [(r["prop"], r["mode"], r["variant"], r["status"]) for r in report["rows"]]
+    assert rows == [("hash", "plain", "base", "ok"), ("pages", "plain", "base", "ok"), ("ingest", "plain", "base", "ok"),
+                    ("tenants", "plain", "lora", "ok"), ("tenants", "plain", "namespace", "ok"),
+                    ("tenants", "plain", "lora+namespace", "ok")]
+    assert all(r["cases"] == 8 for r in report["rows"])
+    assert [(r["control"]["failed"], r["control"]["cause"]) for r in report["rows"]] == [
+        (True, "LORA_DROPPED"), (True, "INGEST_STALE"), (True, "EVENTS_DROPPED"),
+        *[(True, "TENANTS_SHARE_KEYS")] * 3]
+
+
+def test_an_unknown_engine_is_a_usage_error(tmp_path):
+    res = subprocess.run(
+        [sys.executable, "-m", "kvalign", "check", "--engine", "trtllm"], capture_output=True, text=True, timeout=60,
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 2 and "invalid choice: 'trtllm'" in res.stderr and "Traceback" not in res.stderr
