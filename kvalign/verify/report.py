@@ -496,6 +496,8 @@ def collect(cause: Cause, modes: Sequence[str], examples: int) -> dict[str, Any]
     }
     if cause is Cause.STORAGE_TIER_UNCREDITED:  # counted while the search goes on, not raised: not shrunk
         out.update(storage_impact(mode, variant, found.example), shrunk=False)
+    if prop == "hybrid":
+        out.update(hybrid_impact(cause, mode, variant, out["counterexample"]))
     if prop == "ingest":
         out["replay"] = replay_ingest(found.example, hasher)
     if prop == "servable":
@@ -526,14 +528,26 @@ def measured_impact(cause: Cause, prop: str, mode: str, variant: str, admission:
 def storage_impact(mode: str, variant: str, example: dict[str, Any]) -> dict[str, Any]:
     """The storage finding's routing impact, measured at its counterexample as ``check`` measures it."""
     from kvalign.oracles.router_path import RouterPath
-    from kvalign.verify.impact import assess_storage
+    from kvalign.verify.impact_storage import assess_storage
     from kvalign.verify.rows import RowResult
 
     c = Cause.STORAGE_TIER_UNCREDITED
     row = RowResult("storage", mode, variant, cause=c.value, cause_name=c.name, counterexample=example)
     with RouterPath() as path:
         assess_storage(row, path)
-    return {"changes_worker": row.changes_worker, "impact": row.impact}
+    return {"changes_worker": row.changes_worker, "impact": row.impact, "routing": row.routing}
+
+
+def hybrid_impact(cause: Cause, mode: str, variant: str, example: dict[str, Any]) -> dict[str, Any]:
+    """A hybrid finding's routing impact, measured at its counterexample as ``check`` measures it."""
+    from kvalign.oracles.router_path import RouterPath
+    from kvalign.verify.impact_hybrid import assess_hybrid
+    from kvalign.verify.rows import RowResult
+
+    row = RowResult("hybrid", mode, variant, cause=cause.value, cause_name=cause.name, counterexample=example)
+    with RouterPath() as path:
+        assess_hybrid(row, path)
+    return {"changes_worker": row.changes_worker, "impact": row.impact, "routing": row.routing}
 
 
 def _version(dist: str) -> str | None:
