@@ -82,7 +82,7 @@ class StorageImpact:
                     f"time, which reuses {t.reused[t.chosen]} tokens where the {'first' if t.chosen == 1 else 'other'} "
                     f"would reuse {t.reused[1 - t.chosen]}; {tie_share(self.trials)}")
         ks = trials_said(self.trials)
-        return f"does not change the worker: {self.setup()}; other candidate holding k pages on device: {ks}"
+        return f"does not change the worker: {self.setup()}; other candidate holding k pages on device: {ks}; {tie_share(self.trials)}"
 
     def as_dict(self) -> dict[str, Any]:
         return {"page_size": self.page_size, "eagle": self.eagle, "storage_pages": self.storage_pages,
@@ -117,10 +117,12 @@ def measure_storage_routing(page_size: int, eagle: bool, storage_pages: int, *, 
     pair = pair or RouterPair(path, p, eagle)
     threshold = max(prefetch_threshold or p, p)  # SGLang's cache controller: max(prefetch_threshold, page_size)
     impact = StorageImpact(p, eagle, storage_pages, shared, disk_events, threshold, pair.disk_weight)
-    salt = (2 << 20) + (1 << 18) * int(disk_events) + (1 << 17) * int(shared)
+    # each measurement (events, sharing) and each trial in its own token range of the long-lived router
+    # (a prompt uses 4 token values; k stays below 4096)
+    salt = (2 << 20) + (1 << 16) * (2 * int(disk_events) + int(shared))
     try:
         for k in (range(storage_pages + 1) if ks is None else ks):
-            base = (k + 1) * 4096 + salt  # each trial in its own token range of the long-lived router
+            base = salt + (k + 1) * 16
             prompt = [base + 1 + (i % 3) for i in range(storage_pages * p + extra)] + [base] * TAIL
             a = make(p, eagle=eagle, prefetch_threshold=threshold)
             try:
@@ -245,6 +247,7 @@ def assess_storage(r: RowResult, path: Any) -> None:
     r.impact = (f"no constant bound (the pages SGLang refills and loads back: up to the prompt's pages in storage); "
                 f"measured at the counterexample's prefetch_threshold ({private.without.prefetch_threshold} tokens, one "
                 f"page: the check's examples) and at SGLang's default ({SGLANG_DEFAULT_PREFETCH_THRESHOLD} tokens); "
-                f"each state routed {sum(trials[0].picks)} times; {tie_share(trials)}. Private storage: "
+                f"each state routed {sum(trials[0].picks)} times, a tie decided {sum(t.tie for t in trials)} of "
+                f"{len(trials)} routed states (each named below, never counted as a flip). Private storage: "
                 f"{private.says()}. Shared storage: {shared.says()}. At SGLang's default prefetch_threshold, "
                 f"{big} page(s) in storage, private storage: {default.says()}. {HICACHE_ROUTE_SKIPPED}")
