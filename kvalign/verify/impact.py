@@ -91,9 +91,15 @@ class RoutingImpact:
     def changes_worker(self) -> bool:
         return any(t.changed for t in self.trials)
 
+    def state(self) -> str:
+        return (f"page size {self.page_size}{' (EAGLE)' if self.eagle else ''}, {self.prompt_tokens}-token prompt, "
+                f"one candidate holding {self.device_pages} page(s) on device + {self.host_pages} on host only")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"state": self.state(), "trials": [t.as_dict() for t in self.trials]}
+
     def says(self) -> str:
-        state = (f"page size {self.page_size}{' (EAGLE)' if self.eagle else ''}, {self.prompt_tokens}-token prompt, "
-                 f"one candidate holding {self.device_pages} page(s) on device + {self.host_pages} on host only")
+        state = self.state()
         flips = [t for t in self.trials if t.changed]
         if flips:
             t = flips[0]
@@ -210,10 +216,12 @@ def assess_skew(r: RowResult, path: Any, measured: dict[tuple[Any, ...], Routing
         measured[key] = measure_routing(p, eagle, key[2], key[3], path=path)
     impact = measured[key]
     r.bound_tokens, r.changes_worker = bound.tokens, impact.changes_worker
+    r.routing = {"counterexample": impact.as_dict()}
     worst = (p, eagle, 1, bound.host_pages)
     if worst != key and bound.host_pages:
         if worst not in measured:
             measured[worst] = measure_routing(p, eagle, 1, bound.host_pages, path=path)
+        r.routing["at_the_bound"] = measured[worst].as_dict()
         r.impact = (f"bound: {bound.says()}; on the counterexample the router {measured[key].says()}; at the bound "
                     f"the router {measured[worst].says()}")
     else:
