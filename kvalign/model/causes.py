@@ -87,7 +87,8 @@ class Cause(str, Enum):
                        "SGLang's bigram page, which reaches one token into the image")
     MM_IMAGE_REUSED = "a changed image was credited: its pad values did not change with its pixels"
     SWA_STATE_NOT_REUSABLE = ("router credits full-attention blocks whose sliding-window KV SGLang no longer holds "
-                              "(evicted without a removal): SGLang reuses the prefix only up to where the window survives")
+                              "(freed behind the window while the request ran, or evicted, with no removal published): "
+                              "SGLang reuses the prefix only up to where the window survives")
     MAMBA_STATE_NOT_REUSABLE = ("router credits full-attention blocks past the last Mamba state SGLang holds on the "
                                 "prompt's path: SGLang keeps a Mamba state only at the end of a cached node, so a "
                                 "prefix ending inside one has none (no event says so), and it evicts states "

@@ -266,7 +266,8 @@ def exercised(body: HybridRun, component: str, calls: int) -> str:
 def hybrid_condition(component: str) -> str:
     if component == "swa":
         return ("only for sliding-window hybrid models (UnifiedRadixCache with an SWA component), after SGLang "
-                "evicts window KV alone; dense models and the full-attention keys are unaffected")
+                "frees a request's window KV behind its window while it runs, or evicts window KV alone; dense models "
+                "and the full-attention keys are unaffected")
     return ("only for Mamba / linear-attention hybrid models (UnifiedRadixCache with a MAMBA component): prefixes "
             "ending where SGLang holds no Mamba state; dense models and the full-attention keys are unaffected")
 
