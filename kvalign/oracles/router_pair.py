@@ -137,7 +137,7 @@ class RouterPair:
 
     def picks(self, tokens: Sequence[int], n: int = ROUTES) -> tuple[int, int]:
         """How many of ``n`` routings of ``tokens`` picked rank 0 and rank 1: one rank every time is the router's
-        choice, a split is a tie it broke at random."""
+        choice, an even split a tie it broke at random (:data:`kvalign.verify.trials.TIE_SHARE` draws the line)."""
         counts = [0, 0]
         for _ in range(n):
             counts[self.choice(tokens)] += 1

@@ -60,7 +60,8 @@ class HybridImpact:
                     f"{'other' if t.chosen == 0 else 'first'} would reuse {t.reused[1 - t.chosen]}; "
                     f"{tie_share(self.trials)}")
         ks = trials_said(self.trials)
-        return f"does not change the worker: {state}; other candidate holding k pages intact: {ks}; {tie_share(self.trials)}"
+        return (f"does not change the worker: {state}; other candidate holding k pages intact: {ks}; "
+                f"{tie_share(self.trials)}")
 
     def as_dict(self) -> dict[str, Any]:
         return {"component": self.component, "page_size": self.page_size, "eagle": self.eagle, "state": self.what,

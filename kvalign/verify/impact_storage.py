@@ -82,7 +82,8 @@ class StorageImpact:
                     f"time, which reuses {t.reused[t.chosen]} tokens where the {'first' if t.chosen == 1 else 'other'} "
                     f"would reuse {t.reused[1 - t.chosen]}; {tie_share(self.trials)}")
         ks = trials_said(self.trials)
-        return f"does not change the worker: {self.setup()}; other candidate holding k pages on device: {ks}; {tie_share(self.trials)}"
+        return (f"does not change the worker: {self.setup()}; other candidate holding k pages on device: {ks}; "
+                f"{tie_share(self.trials)}")
 
     def as_dict(self) -> dict[str, Any]:
         return {"page_size": self.page_size, "eagle": self.eagle, "storage_pages": self.storage_pages,

@@ -633,7 +633,7 @@ def render(data: dict[str, Any], command: str, shipped: str | None) -> str:
 
 def _picks(t: dict[str, Any]) -> str:
     p0, p1 = t["picks"]
-    verdict = "tie" if t["tie"] else ("first" if p0 else "other") + (", reuses less" if t["changed"] else "")
+    verdict = "tie" if t["tie"] else ("first" if p0 > p1 else "other") + (", reuses less" if t["changed"] else "")
     return f"{p0} / {p1} ({verdict})"
 
 
@@ -644,7 +644,8 @@ def _render_routing(routing: dict[str, Any]) -> list[str]:
            "Two candidates under one real `KvRouter` (two data-parallel ranks): the first holds the finding's state, "
            "the other the prompt's first k pages. `picks`: how often the router's `best_worker` chose the first / "
            "the other over repeated routings of the same state (both non-zero is a tie, broken at random: never "
-           "counted as a flip); `reused`: what each engine then reused.", ""]
+           "counted as a flip; a stray pick or two beside the majority is not a tie); `reused`: what each engine "
+           "then reused.", ""]
     for name, m in routing.items():
         if isinstance(m, str):
             out += [f"**{name.replace('_', ' ')}:** {m}.", ""]

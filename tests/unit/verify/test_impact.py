@@ -180,6 +180,8 @@ def test_a_tie_is_never_a_flip_nor_the_headline():
     tie, flip, right = _trial(0, (18, 22), (24, 0)), _trial(2, (0, 40), (24, 8)), _trial(1, (40, 0), (24, 4))
     assert tie.tie and tie.chosen is None and not tie.changed
     assert flip.changed and not flip.tie and not right.changed
+    stray = _trial(17, (1, 39), (256, 68))  # one stray pick is not a tie: the majority is the router's choice
+    assert not stray.tie and stray.chosen == 1 and stray.changed and stray.picked() == "picks other (39 of 40 routings)"
     only_tie = StorageImpact(4, False, 6, False, False, 4, 0.25, [tie])
     assert not only_tie.changes_worker and only_tie.says().startswith("does not change the worker"), only_tie.says()
     assert "a tie (18 vs 22 of 40 routings)" in only_tie.says()
