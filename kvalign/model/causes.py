@@ -89,10 +89,17 @@ class Cause(str, Enum):
                        "SGLang's bigram page, which reaches one token into the image")
     MM_IMAGE_REUSED = "a changed image was credited: its pad values did not change with its pixels"
     SWA_STATE_NOT_REUSABLE = ("router credits full-attention blocks whose sliding-window KV SGLang no longer holds "
-                              "(evicted without a removal): SGLang reuses the prefix only up to where the window survives")
+                              "(freed behind the window while the request ran, or evicted, with no removal published): "
+                              "SGLang reuses the prefix only up to where the window survives")
     MAMBA_STATE_NOT_REUSABLE = ("router credits full-attention blocks past the last Mamba state SGLang holds on the "
-                                "prompt's path (a state evicted without a removal, or never kept mid-node)")
+                                "prompt's path: SGLang keeps a Mamba state only at the end of a cached node, so a "
+                                "prefix ending inside one has none (no event says so), and it evicts states "
+                                "without a removal")
     STORAGE_TIER_UNCREDITED = "SGLang holds pages in its storage tier (L3) that the router credits in no tier"
+    DISK_CREDIT_WEIGHTED = ("the router credits a page in the engine's storage tier at its disk_cache_hit_weight "
+                            "(--router-disk-cache-hit-weight, 0.25 of a device block by default) while SGLang loads "
+                            "it back whole: with the page's events published, the router still prefers a candidate "
+                            "holding fewer pages on device")
     STORAGE_KEY_MISMATCH = "SGLang's storage backend wrote pages under other keys than SGLang's own storage key function"
     TENANT_STORAGE_REUSE = ("a second tenant (cache_salt / LoRA) reused the first tenant's pages from a tier: a "
                             "cross-tenant leak")
@@ -117,7 +124,9 @@ class Cause(str, Enum):
 #: (:mod:`kvalign.verify.engine.impact` computes it); ``scoped``: counted apart from the mismatches, never failing a row.
 CACHE_BLIND, CREDIT_SKEW, SCOPED = "cache-blind", "credit-skew", "scoped"
 CLASSES = (CACHE_BLIND, CREDIT_SKEW, SCOPED)
-_CREDIT_SKEW = frozenset({Cause.HOST_CREDIT_NOT_SERVABLE})
+#: Bounded by a documented constant: SGLang's load_back_threshold and the router's host weight; the router's
+#: disk weight (a router setting: at most the pages in storage x (1 - weight) blocks of credit per request).
+_CREDIT_SKEW = frozenset({Cause.HOST_CREDIT_NOT_SERVABLE, Cause.DISK_CREDIT_WEIGHTED})
 #: Causes counted apart: the page past the scheduler's cap (one block per request, every release), the
 #: engine's events arriving after the routing decision (a timing race, not a key).
 _SCOPED = frozenset({Cause.LAST_PAGE_CAPPED, Cause.ENGINE_EVENTS_LATE})

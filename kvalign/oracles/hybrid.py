@@ -200,6 +200,39 @@ class HybridCache:
             params.mamba_value = req.kv.mamba_pool_idx.unsqueeze(0)
         return int(self.cache.insert(params).prefix_len)
 
+    def insert_decoded(self, tokens: Sequence[int], lora_name: str | None = None, cache_salt: str | None = None) -> int:
+        """A request that decoded up to ``tokens`` cached as SGLang's production path caches it: while it ran,
+        the scheduler's ``maybe_evict_swa`` freed its window slots behind the sliding window
+        (``UnifiedRadixCache.evict_sliding_windows`` -> ``free_swa_out_of_window_slots``, run here on the
+        request's own ``req_to_token`` row: SGLang's code, no event); the finished request is then inserted
+        with that evicted length (``component_evicted_seqlens``), so its pages behind the window enter the tree
+        as window tombstones while their full-attention KV is published as stored. Returns the evicted length
+        (KV slots), 0 where the request never outgrew its window. SWA trees only."""
+        if self.component != "swa":
+            raise ValueError("insert_decoded is the sliding-window path; a Mamba tree has no window")
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        whole = max(len(tokens) - self.eagle_keys, 0) // self.page_size * self.page_size
+        if not whole:
+            return 0
+        tokens = list(tokens[: whole + self.eagle_keys])
+        key = self._key(tokens, lora_name, cache_salt)
+        value = self._alloc(len(key))
+        req = Req(rid=self._rid, origin_input_text="", origin_input_ids=array("q", tokens),
+                  sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
+        self._rid += 1
+        if self.pool.alloc([req]) is None:
+            raise OracleUnavailable(f"the SWA cache's {MAX_REQS} request slots ran out")
+        self.pool.req_to_token[req.kv.req_pool_idx, : len(key)] = value
+        self.cache.evict_sliding_windows(req, len(key) - 1)  # the decode step's pre_len: seqlen - 1
+        evicted = int(req.kv.get_evicted_seqlen(ComponentType.SWA))
+        self.cache.insert(self._m.bpc.InsertParams(key=key, value=value,
+                                                   component_evicted_seqlens={ComponentType.SWA: evicted}))
+        self.pool.free(req)
+        return evicted
+
     @property
     def eagle_keys(self) -> int:
         """1 when SGLang keys this tree by bigrams (EAGLE, and not a Mamba tree), else 0."""

@@ -8,7 +8,12 @@ scheduler tags its batches). Dynamo's scheduler scores every ``(worker_id, dp_ra
 cost (overlap credit, prefill and decode load), so the two ranks are two candidates as two workers
 would be; one in-process runtime cannot register two instances of one endpoint. The router is built
 with the binding's default ``KvRouterConfig``, whose ``host_cache_hit_weight`` is passed explicitly
-(:func:`~kvalign.oracles.router_path.configured_host_weight`), so the weight said is the weight used.
+(:func:`~kvalign.oracles.router_path.configured_host_weight`), so the weight said is the weight used;
+its ``disk_cache_hit_weight`` likewise (:func:`~kvalign.oracles.router_path.configured_disk_weight`).
+
+Where both candidates cost the same, Dynamo's scheduler breaks the tie at random (issue 43 measured 22 vs
+18 over 40 calls), so one ``best_worker`` call is a coin toss there: :meth:`RouterPair.picks` asks
+``ROUTES`` times and returns how often each rank was picked, and a caller reads a split as a tie.
 """
 
 from __future__ import annotations
@@ -20,11 +25,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvalign.oracles.base import OracleUnavailable
-from kvalign.oracles.router_path import POLL_FIRST_S, RouterPath, SglangPublisher, configured_host_weight, sentinel_hash
+from kvalign.oracles.router_path import (POLL_FIRST_S, RouterPath, SglangPublisher, configured_disk_weight,
+                                        configured_host_weight, sentinel_hash)
 
 #: How long one candidate's published events may take to show in the router's per-tier answer.
 SETTLE_TIMEOUT_S = 6.0
 RANKS = (0, 1)
+#: How many times one state is routed (``best_worker`` records no load, so the calls are independent draws):
+#: a tie picks each rank with probability 1/2, so 40 calls all landing on one rank is a 2**-39 chance.
+ROUTES = 40
 
 
 class RouterPair:
@@ -35,6 +44,7 @@ class RouterPair:
     def __init__(self, path: RouterPath, block_size: int, eagle: bool) -> None:
         self.path, self.block_size, self.eagle = path, block_size, eagle
         self.weight = configured_host_weight(path.core)
+        self.disk_weight = configured_disk_weight(path.core)
         self.publishers = [SglangPublisher(attn_dp_rank=r) for r in RANKS]
         try:
             self._endpoint, self._relays, self.router = path.call(self._start)
@@ -92,25 +102,29 @@ class RouterPair:
                                      zmq_endpoint=self.publishers[r].endpoint, zmq_topic="", enable_local_indexer=True)
                   for r in RANKS]
         router = c.KvRouter(endpoint, self.block_size,
-                            c.KvRouterConfig(use_kv_events=True, host_cache_hit_weight=self.weight))
+                            c.KvRouterConfig(use_kv_events=True, host_cache_hit_weight=self.weight,
+                                             disk_cache_hit_weight=self.disk_weight))
         return endpoint, relays, router
 
     def publish(self, rank: int, events: Sequence[Any]) -> None:
         if events:
             self.publishers[rank].publish(events)
 
-    def tiers(self, tokens: Sequence[int]) -> dict[int, tuple[int, int]]:
-        """``dp_rank -> (device blocks, host-only blocks past them)`` as the router reports them."""
+    def tiers(self, tokens: Sequence[int]) -> dict[int, tuple[int, int, int]]:
+        """``dp_rank -> (device blocks, host-only blocks past them, disk-only blocks past both)`` as the router
+        reports them."""
         rows = self.path.call(self.router.get_overlap_scores, list(tokens))["workers"]
-        return {int(r["dp_rank"]): (int(r["device_blocks"]), int(r["host_pinned_extension_blocks"])) for r in rows}
+        return {int(r["dp_rank"]): (int(r["device_blocks"]), int(r["host_pinned_extension_blocks"]),
+                                    int(r["disk_extension_blocks"])) for r in rows}
 
-    def settle(self, tokens: Sequence[int], expected: dict[int, tuple[int, int]]) -> None:
+    def settle(self, tokens: Sequence[int], expected: dict[int, tuple[int, ...]]) -> None:
         """Wait until the router's per-tier answer for ``tokens`` is ``expected`` on every rank (what each
-        engine's tree holds): the choice is then asked of the state the engines published."""
+        engine's tree holds; ``(device, host)`` or ``(device, host, disk)``): the choice is then asked of the
+        state the engines published."""
         deadline, seen, pause = time.monotonic() + SETTLE_TIMEOUT_S, {}, POLL_FIRST_S
         while time.monotonic() < deadline:
             seen = self.tiers(tokens)
-            if all(seen.get(r, (0, 0)) == want for r, want in expected.items()):
+            if all(seen.get(r, (0, 0, 0))[: len(want)] == tuple(want) for r, want in expected.items()):
                 return
             time.sleep(pause)  # from 1 ms up: what the engines publish on loopback is indexed within milliseconds
             pause = min(2 * pause, 0.05)
@@ -118,8 +132,16 @@ class RouterPair:
                                 f"the router reports {seen} (rank: device, host blocks)")
 
     def choice(self, tokens: Sequence[int]) -> int:
-        """The rank the router's own ``best_worker`` picks for ``tokens`` (query only: no load recorded)."""
+        """The rank the router's own ``best_worker`` picks for ``tokens`` once (query only: no load recorded)."""
         return int(self.path.call(self.router.best_worker, list(tokens))[1])
+
+    def picks(self, tokens: Sequence[int], n: int = ROUTES) -> tuple[int, int]:
+        """How many of ``n`` routings of ``tokens`` picked rank 0 and rank 1: one rank every time is the router's
+        choice, an even split a tie it broke at random (:data:`kvalign.verify.engine.trials.TIE_SHARE` draws the line)."""
+        counts = [0, 0]
+        for _ in range(n):
+            counts[self.choice(tokens)] += 1
+        return counts[0], counts[1]
 
     def close(self) -> None:
         for p in self.publishers:

@@ -79,6 +79,17 @@ def configured_host_weight(core: Any) -> float:
     return float(found.group(1))
 
 
+def configured_disk_weight(core: Any) -> float:
+    """``KvRouterConfig``'s ``disk_cache_hit_weight`` default (``--router-disk-cache-hit-weight``), read from the
+    installed binding's signature as :func:`configured_host_weight` reads the host weight."""
+    import re
+
+    found = re.search(r"disk_cache_hit_weight=([0-9.]+)", getattr(core.KvRouterConfig, "__text_signature__", None) or "")
+    if found is None:
+        raise OracleUnavailable("this Dynamo's KvRouterConfig has no disk_cache_hit_weight (its router weighs no disk tier)")
+    return float(found.group(1))
+
+
 def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in v.split(".")[:3] if x.isdigit())
 

@@ -10,8 +10,12 @@ routing impact is measured, not argued: the counterexample's engine state (SGLan
 HiCache, served by its scheduler code) is one candidate of a real ``KvRouter``
 (:class:`~kvalign.oracles.router_pair.RouterPair`), a second candidate holds the same prompt's first
 ``k`` pages on device, and for every ``k`` the router's own ``best_worker`` is held against what each
-engine then reuses (SGLang's ``cached_tokens``). The choice *changes* where the router picks the
-candidate that reuses strictly less.
+engine then reuses (SGLang's ``cached_tokens``). Each state is routed
+:data:`~kvalign.oracles.router_pair.ROUTES` times: the choice *changes* where the router picks, every
+time, the candidate that reuses strictly less; where it splits its picks the candidates tie and the
+router broke the tie at random, which is reported as a tie with its share, never as a flip (issue 43).
+The storage and hybrid findings are measured the same way (:mod:`kvalign.verify.props.storage.impact`,
+:mod:`kvalign.verify.props.hybrid.impact`).
 """
 
 from __future__ import annotations
@@ -22,10 +26,7 @@ from typing import Any
 
 from kvalign.model.causes import CACHE_BLIND, CREDIT_SKEW, Cause, cause_class
 from kvalign.verify.engine.rows import RowResult
-
-#: Past the prompt's cached pages, the counterexample's prompt goes on by this many tokens (SGLang caps a
-#: match below the last token, so the cached pages are all matchable).
-TAIL = 1
+from kvalign.verify.engine.trials import TAIL, Trial, tie_share, trials_said
 
 
 def row_class(r: RowResult) -> str | None:
@@ -76,20 +77,6 @@ class SkewBound:
 
 
 @dataclass
-class Trial:
-    """One ``k``: the other candidate holds the prompt's first ``k`` pages on device."""
-
-    k: int
-    chosen: int  # the rank the router picked (0: the counterexample's engine)
-    reused: tuple[int, int]  # what each candidate's engine reused of the prompt, in tokens
-
-    @property
-    def changed(self) -> bool:
-        other = 1 - self.chosen
-        return self.reused[other] > self.reused[self.chosen]
-
-
-@dataclass
 class RoutingImpact:
     """The real router's choices on a counterexample's state against another candidate's device prefix."""
 
@@ -104,17 +91,25 @@ class RoutingImpact:
     def changes_worker(self) -> bool:
         return any(t.changed for t in self.trials)
 
+    def state(self) -> str:
+        return (f"page size {self.page_size}{' (EAGLE)' if self.eagle else ''}, {self.prompt_tokens}-token prompt, "
+                f"one candidate holding {self.device_pages} page(s) on device + {self.host_pages} on host only")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"state": self.state(), "trials": [t.as_dict() for t in self.trials]}
+
     def says(self) -> str:
-        state = (f"page size {self.page_size}{' (EAGLE)' if self.eagle else ''}, {self.prompt_tokens}-token prompt, "
-                 f"one candidate holding {self.device_pages} page(s) on device + {self.host_pages} on host only")
+        state = self.state()
         flips = [t for t in self.trials if t.changed]
         if flips:
             t = flips[0]
-            return (f"changes the worker: {state}; with the other holding {t.k} page(s) on device the router picks "
-                    f"the first, which reuses {t.reused[0]} tokens where the other would reuse {t.reused[1]}")
-        ks = ", ".join(f"k={t.k}: picks {'first' if t.chosen == 0 else 'other'} ({t.reused[0]} vs {t.reused[1]} reused)"
-                       for t in self.trials)
-        return f"does not change the worker: {state}; other candidate holding k pages on device: {ks}"
+            picked = "the first" if t.chosen == 0 else "the other"
+            return (f"changes the worker for {len(flips)} of {len(self.trials)} k: {state}; with the other holding "
+                    f"{t.k} page(s) on device the router picks {picked} every time, which reuses "
+                    f"{t.reused[t.chosen]} tokens where the {'other' if t.chosen == 0 else 'first'} would reuse "
+                    f"{t.reused[1 - t.chosen]}; {tie_share(self.trials)}")
+        return (f"does not change the worker: {state}; other candidate holding k pages on device: "
+                f"{trials_said(self.trials)}; {tie_share(self.trials)}")
 
 
 def _counterexample_steps(device: int, host: int, p: int, eagle: bool) -> list[tuple[Any, ...]]:
@@ -165,140 +160,12 @@ def measure_routing(page_size: int, eagle: bool, device_pages: int, host_pages: 
             for rank, engine in enumerate(engines):
                 pair.publish(rank, engine.take_raw_events())
             pair.settle(prompt, {0: (device_pages, host_pages), 1: (k, 0)})
-            chosen = pair.choice(prompt)
+            picks = pair.picks(prompt)
             reused = (a.serve(prompt).cached_tokens, b.serve(prompt).cached_tokens)
-            impact.trials.append(Trial(k, chosen, reused))
+            impact.trials.append(Trial(k, picks, reused))
     finally:
         pair.close()
     return impact
-
-
-@dataclass
-class StorageImpact:
-    """The real router's choices when one candidate holds a prompt's pages only in HiCache's storage tier."""
-
-    page_size: int
-    eagle: bool
-    storage_pages: int
-    shared: bool  # the other candidate refills from the same storage directory (False: its own, empty)
-    trials: list[Trial] = field(default_factory=list)
-
-    @property
-    def changes_worker(self) -> bool:
-        return any(t.changed for t in self.trials)
-
-    def says(self) -> str:
-        where = ("both candidates on one storage directory (the file backend's shared dir; a Mooncake store)"
-                 if self.shared else "each candidate on its own storage directory (as `e2e fuzz --storage file` runs)")
-        state = (f"page size {self.page_size}{' (EAGLE)' if self.eagle else ''}, one candidate holding "
-                 f"{self.storage_pages} page(s) in storage only, {where}")
-        flips = [t for t in self.trials if t.changed]
-        if flips:
-            t = max(flips, key=lambda t: t.reused[1 - t.chosen] - t.reused[t.chosen])  # the largest loss
-            picked = "it" if t.chosen == 1 else "the first"
-            return (f"changes the worker for {len(flips)} of {len(self.trials)} k: {state}; with the other holding {t.k} "
-                    f"page(s) on device the router picks {picked}, which reuses {t.reused[t.chosen]} tokens where the "
-                    f"{'first' if t.chosen == 1 else 'other'} would reuse {t.reused[1 - t.chosen]}")
-        ks = ", ".join(f"k={t.k}: picks {'first' if t.chosen == 0 else 'other'} ({t.reused[0]} vs {t.reused[1]} reused)"
-                       for t in self.trials)
-        return f"does not change the worker: {state}; other candidate holding k pages on device: {ks}"
-
-
-def measure_storage_routing(page_size: int, eagle: bool, storage_pages: int, *, shared: bool, path: Any,
-                            make_engine: Callable[..., Any] | None = None) -> StorageImpact:
-    """For k = 0 .. storage_pages: the router's choice between an engine holding the prompt's pages only in
-    storage (rank 0: cached, written through, evicted from device and host) and one holding its first k pages
-    on device (rank 1), on a storage directory of its own or the same one; what each then reuses is SGLang's
-    own answer (its prefetch from storage, then its scheduler's admission: ``cached_tokens``)."""
-    from kvalign.oracles.router_pair import RouterPair
-    from kvalign.oracles.storage import StorageEngine
-
-    make = make_engine or StorageEngine
-    p, extra = page_size, int(eagle)
-    pair = RouterPair(path, p, eagle)
-    impact = StorageImpact(p, eagle, storage_pages, shared)
-    try:
-        for k in range(storage_pages + 1):
-            base = (k + 1) * 64 + (2 << 20)  # each trial in its own token range of the long-lived router
-            prompt = [base + 1 + (i % 3) for i in range(storage_pages * p + extra)] + [base] * TAIL
-            a = make(p, eagle=eagle)
-            try:
-                b = make(p, eagle=eagle, storage_dir=a.storage_dir if shared else None)
-                try:
-                    a.insert(prompt)
-                    if not a.pump():
-                        raise RuntimeError("SGLang's storage writes did not finish")
-                    a.evict(1 << 16)
-                    a.evict_host(1 << 16)
-                    held = a.tiers(prompt)
-                    if (held.device, held.host, held.storage) != (0, 0, storage_pages):
-                        raise RuntimeError(f"the storage-only state did not build: SGLang holds {held}")
-                    if k:
-                        b.insert(prompt[: k * p + extra])
-                        b.pump()
-                    for rank, engine in enumerate((a, b)):
-                        pair.publish(rank, engine.take_raw_events())
-                    pair.settle(prompt, {0: (0, 0), 1: (k, 0)})
-                    chosen = pair.choice(prompt)
-                    reused = []
-                    for engine in (a, b):
-                        engine.refill(prompt)
-                        reused.append(engine.serve(prompt).cached_tokens)
-                    impact.trials.append(Trial(k, chosen, (reused[0], reused[1])))
-                finally:
-                    b.close()  # the second engine first: the first's close gives back what was pinned after it
-            finally:
-                a.close()
-    finally:
-        pair.close()
-    return impact
-
-
-def assess_storage(r: RowResult, path: Any) -> None:
-    """A STORAGE_TIER_UNCREDITED row: the routing impact at its counterexample's page size and refilled pages,
-    with storage private to each worker and shared by both (the class stays cache-blind: no constant bounds the
-    lost credit; whether the choice changes depends on whether the workers share the storage tier)."""
-    ex = r.counterexample or {}
-    missing = [k for k in ("page_size", "uncredited_pages") if ex.get(k) is None]
-    if missing:
-        raise ValueError(f"{r.prop}/{r.mode}/{r.variant}: the counterexample has no {', '.join(missing)}")
-    p, n, eagle = int(ex["page_size"]), int(ex["uncredited_pages"]), r.mode == "eagle"
-    private = measure_storage_routing(p, eagle, n, shared=False, path=path)
-    shared = measure_storage_routing(p, eagle, n, shared=True, path=path)
-    r.changes_worker = private.changes_worker or shared.changes_worker
-    why = (" (on one tier only through SGLang's load_back_threshold: the candidate holding the device prefix refills "
-           "the rest from storage, and a remainder below the threshold is declined and re-prefilled)"
-           if shared.changes_worker else "")
-    r.impact = (f"no constant bound (the pages SGLang refills and loads back: up to the prompt's pages in storage); "
-                f"the router {private.says()}; the router {shared.says()}{why}")
-
-
-def assess(rows: Sequence[RowResult], router_path: Callable[[], Any] | None = None) -> None:
-    """Fill each finding row's class, and for a credit skew its bound and measured routing impact.
-
-    ``router_path()``: the run's own router path (``check`` measures on the path of the process that ran
-    the rows, which closes it); None opens one for the call."""
-    skews = [r for r in rows if row_class(r) == CREDIT_SKEW]
-    storage = [r for r in rows if r.cause_name == Cause.STORAGE_TIER_UNCREDITED.name]
-    for r in rows:
-        r.finding_class = row_class(r)
-    if not skews and not storage:
-        return
-    if router_path is None:
-        from kvalign.oracles.router_path import RouterPath
-
-        path = RouterPath()
-    else:
-        path = router_path()
-    try:
-        measured: dict[tuple[Any, ...], RoutingImpact] = {}
-        for r in skews:
-            assess_skew(r, path, measured)
-        for r in storage:
-            assess_storage(r, path)
-    finally:
-        if router_path is None:
-            path.close()
 
 
 def assess_skew(r: RowResult, path: Any, measured: dict[tuple[Any, ...], RoutingImpact]) -> None:
@@ -314,10 +181,12 @@ def assess_skew(r: RowResult, path: Any, measured: dict[tuple[Any, ...], Routing
         measured[key] = measure_routing(p, eagle, key[2], key[3], path=path)
     impact = measured[key]
     r.bound_tokens, r.changes_worker = bound.tokens, impact.changes_worker
+    r.routing = {"counterexample": impact.as_dict()}
     worst = (p, eagle, 1, bound.host_pages)
     if worst != key and bound.host_pages:
         if worst not in measured:
             measured[worst] = measure_routing(p, eagle, 1, bound.host_pages, path=path)
+        r.routing["at_the_bound"] = measured[worst].as_dict()
         r.impact = (f"bound: {bound.says()}; on the counterexample the router {measured[key].says()}; at the bound "
                     f"the router {measured[worst].says()}")
     else:

@@ -53,6 +53,10 @@ class RowResult:
     changes_worker: bool | None = None
     #: the bound and the routing impact, in words
     impact: str | None = None
+    #: the routing measurements behind :attr:`impact`: per measurement its set-up, and per trial how often
+    #: the real router picked each candidate over repeated routings (a split is a tie, never a flip) and what
+    #: each engine reused; for storage, which cause each wrong choice is owed to (issue 43)
+    routing: dict[str, Any] | None = None
     #: the row's negative control, where it runs one beside the search (hybrid, storage): the deliberate
     #: misalignment, its cases, whether the property failed on it and with which cause
     control: dict[str, Any] | None = None

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from kvalign.verify.engine.impact import assess
+from kvalign.verify.runner.assess import assess
 from kvalign.verify.engine.property import Job, Options, Property, row_format
 from kvalign.verify.props import REGISTRY, by_name
 from kvalign.verify.engine.rows import RowResult

@@ -136,3 +136,26 @@ def test_other_releases_are_skipped_with_a_reason() -> None:
     assert version_problem("0.5.23") is None and storage_problem("0.5.23") is None
     assert "pinned to SGLang 0.5.23" in (version_problem("0.5.21") or "")
     assert "pinned to SGLang 0.5.23" in (storage_problem("0.5.21") or "")
+
+
+@pytest.mark.parametrize("core", ["rust", "python"])
+def test_a_decoded_request_is_cached_behind_its_window_without_an_event(sglang_available: str, core: str) -> None:
+    """SGLang's production SWA path (issue 43): while a request decodes, its window slots behind the sliding
+    window are freed (``evict_sliding_windows``, SGLang's own code on the request's row), and the finished
+    request is cached with that evicted length. The free publishes nothing; the insert publishes every page's
+    full-attention KV as stored, while a prefix ending behind the window is not reusable. The negative control
+    is the same request cached as the kit caches one (``insert``, window intact): every prefix is reusable."""
+    from kvalign.oracles.hybrid import HybridCache
+
+    tokens = [10 + i for i in range(16)]
+    decoded = HybridCache("swa", 2, eagle=False, window=4, core=core)
+    evicted = decoded.insert_decoded(tokens)
+    events = decoded.take_raw_events()
+    assert evicted == 10 and [type(e).__name__ for e in events] == ["BlockStored"], (evicted, events)
+    assert len(events[0].block_hashes) == 8
+    behind, inside = decoded.match(tokens[:8] + [99]), decoded.match(tokens[:14] + [99])
+    assert (behind.full, behind.reusable) == (8, 0) and inside.reusable == 14, (behind, inside)
+    whole = HybridCache("swa", 2, eagle=False, window=4, core=core)
+    assert whole.insert(tokens) == 0 and whole.match(tokens[:8] + [99]).reusable == 8
+    with pytest.raises(ValueError, match="sliding-window path"):
+        HybridCache("mamba", 1, eagle=False, core=core).insert_decoded(tokens)

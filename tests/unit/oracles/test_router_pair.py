@@ -35,6 +35,25 @@ def test_each_rank_is_credited_its_own_pages_and_picked_for_them(hicache_router_
         pair.close()
 
 
+def test_a_tie_is_routed_both_ways_and_a_choice_one_way(hicache_router_path):
+    """Issue 43: with both ranks credited nothing the router breaks the tie at random, so one best_worker call
+    is a coin toss; routed ROUTES times it splits. The negative control: rank 1 holding the prompt is picked
+    every time (the split comes from the tie, not from the repetition)."""
+    from kvalign.oracles.router_pair import ROUTES, RouterPair
+
+    pair = RouterPair(hicache_router_path, 4, False)
+    try:
+        prompt = [910_001 + i for i in range(8)] + [7]
+        pair.settle(prompt, {0: (0, 0, 0), 1: (0, 0, 0)})
+        tie = pair.picks(prompt)
+        assert sum(tie) == ROUTES and min(tie) > 0, tie
+        pair.publish(1, _cache_events(prompt[:8]))
+        pair.settle(prompt, {0: (0, 0), 1: (2, 0)})
+        assert pair.picks(prompt) == (0, ROUTES)
+    finally:
+        pair.close()
+
+
 def test_negative_control_a_rank_tagged_as_another_is_dropped(hicache_router_path, monkeypatch):
     from kvalign.oracles import router_pair
 

@@ -61,29 +61,49 @@ class Scenario:
 
 @st.composite
 def hybrid_scenarios(draw: st.DrawFn, component: str, eagle: bool, page_sizes: tuple[int, ...] | None = None) -> Scenario:
-    """Inserts (often extending an earlier prompt), full evictions, state-only evictions, and the prompt
-    cuts checked after each step (tokens from a vocabulary of 4, so prompts share prefixes)."""
+    """Inserts (often extending an earlier prompt; for SWA also requests cached as decoded, their out-of-window
+    slots freed mid-request), full evictions, state-only evictions, and the prompt cuts checked after each step
+    (tokens from a vocabulary of 4, so prompts share prefixes)."""
     from kvalign.oracles.hybrid import CORES
 
     p = draw(st.sampled_from(page_sizes or PAGE_SIZES[component]), label="page_size")
     sc = Scenario(component, p, eagle, draw(st.sampled_from(WINDOWS), label="window"),
                   draw(st.sampled_from(CORES), label="core"))
     prompts: list[list[int]] = []
+    # an SWA request may also be cached as SGLang's production path caches a decoded one: its window slots
+    # behind the sliding window freed while it ran, the most common window tombstone (HybridCache.insert_decoded)
+    inserts = ("insert", "decode_insert") if component == "swa" else ("insert", "insert")
     for i in range(draw(st.integers(2, MAX_STEPS), label="steps")):
-        kind = "insert" if i == 0 else draw(st.sampled_from(("insert", "insert", "evict_state", "evict")), label="kind")
-        if kind == "insert":
+        kinds = inserts if i == 0 else (*inserts, "evict_state", "evict")
+        kind = draw(st.sampled_from(kinds), label="kind")
+        if kind in ("insert", "decode_insert"):
             prefix: list[int] = []
             if prompts and draw(st.booleans(), label="extends"):
                 doc = draw(st.sampled_from(prompts))
                 prefix = doc[: draw(st.integers(0, len(doc)), label="cut")]
             tokens = prefix + draw(st.lists(st.integers(0, 3), min_size=p + eagle, max_size=3 * p + eagle), label="new")
             prompts.append(tokens)
-            sc.steps.append(("insert", tokens))
+            sc.steps.append((kind, tokens))
         elif kind == "evict_state":
             sc.steps.append(("evict_state", draw(st.integers(1, 3 * p if component == "swa" else 2), label="amount")))
         else:
             sc.steps.append(("evict", draw(st.integers(1, 3), label="pages") * p))
     return sc
+
+
+def apply_step(cache: Any, step: Step, shift: Callable[[list[int]], list[int]]) -> None:
+    """One scenario step on a :class:`~kvalign.oracles.hybrid.HybridCache` (its prompts shifted by ``shift``)."""
+    kind = step[0]
+    if kind == "insert":
+        cache.insert(shift(step[1]))
+    elif kind == "decode_insert":
+        cache.insert_decoded(shift(step[1]))
+    elif kind == "evict":
+        cache.evict(step[1])
+    elif kind == "evict_state":
+        cache.evict_state(step[1])
+    else:
+        raise ValueError(f"unknown hybrid step {kind!r}")
 
 
 def drop_removals(raw: list[Any]) -> list[Any]:
@@ -179,13 +199,9 @@ class HybridRun:
         prompts: list[list[int]] = []
         skewed = short = False
         for i, step in enumerate(sc.steps):
-            if step[0] == "insert":
-                cache.insert(shift(step[1]))
+            if step[0] in ("insert", "decode_insert"):
                 prompts.append(step[1])
-            elif step[0] == "evict":
-                cache.evict(step[1])
-            else:
-                cache.evict_state(step[1])
+            apply_step(cache, step, shift)
             raw = cache.take_raw_events()
             if self.mutate:
                 raw = self.mutate(raw)
@@ -250,7 +266,8 @@ def exercised(body: HybridRun, component: str, calls: int) -> str:
 def hybrid_condition(component: str) -> str:
     if component == "swa":
         return ("only for sliding-window hybrid models (UnifiedRadixCache with an SWA component), after SGLang "
-                "evicts window KV alone; dense models and the full-attention keys are unaffected")
+                "frees a request's window KV behind its window while it runs, or evicts window KV alone; dense models "
+                "and the full-attention keys are unaffected")
     return ("only for Mamba / linear-attention hybrid models (UnifiedRadixCache with a MAMBA component): prefixes "
             "ending where SGLang holds no Mamba state; dense models and the full-attention keys are unaffected")
 
@@ -297,8 +314,7 @@ def run_hybrid_rows(systems: Any, modes: tuple[str, ...], examples: int, seed: i
             if body.bound:
                 row.detail = (f"{row.detail}; bound seen: up to {body.bound} of {body.bound_of} credited block(s) past "
                               f"SGLang's reusable prefix (examples showing the skew: {body.skewed} of {calls}); not "
-                              "bounded by a constant: state evicted at a prompt's end can leave none of it reusable. "
-                              "Routing impact not measured (one worker per router here)")
+                              "bounded by a constant: state evicted at a prompt's end can leave none of it reusable")
             control = HybridRun(path, component, eagle, mutate=drop_removals, tolerate_skew=True, card_as_keys=True)
             c_calls, _c_fail, c_found = run_search(control, hybrid_scenarios(component, eagle, sizes), CONTROL_EXAMPLES,
                                                    seed=seed)

@@ -1,7 +1,7 @@
 """``kvalign report`` for the hybrid findings: the search that gives each its counterexample.
 
 The ``hybrid`` rows are not :class:`~kvalign.verify.engine.property.SearchProperty` searches over
-``check``'s caches, so :func:`kvalign.verify.report.finding.search` cannot find them; this runs the
+``check``'s caches, so :func:`kvalign.verify.engine.search` cannot find them; this runs the
 property's own body (:class:`~kvalign.verify.props.hybrid.body.HybridRun`) against a fresh router
 path, as ``check --property hybrid`` does.
 """

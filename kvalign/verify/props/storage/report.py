@@ -1,7 +1,7 @@
 """``kvalign report`` for the storage finding: the search that gives it its counterexample.
 
 The ``storage`` rows are not :class:`~kvalign.verify.engine.property.SearchProperty` searches over
-``check``'s caches, so :func:`kvalign.verify.report.finding.search` cannot find them; this runs the
+``check``'s caches, so :func:`kvalign.verify.engine.search` cannot find them; this runs the
 property's own body (:class:`~kvalign.verify.props.storage.body.StorageRun`) against a fresh router
 path, as ``check --property storage`` does.
 """

@@ -126,3 +126,26 @@ def test_host_credit_report_on_the_installed_pair_installs_nothing(tmp_path, sgl
     assert '"medium": "CPU_PINNED"' in text.split("## Event bytes on the wire")[1]
     assert "unified_radix_cache.py`:576 in `UnifiedRadixCache.init_hicache`" in text
     assert "kvalign report HOST_CREDIT_NOT_SERVABLE --dynamo 1.6.1 --sglang 0.5.23" in text
+
+
+def test_the_routing_section_shows_every_k_and_a_tie_as_a_tie() -> None:
+    """Issue 43: the report's routing table names, per k, the router's picks over repeated routings; a split
+    is a tie (never 'reuses less'), and a storage row says which cause each wrong choice is owed to."""
+    from kvalign.verify.report.finding import _render_routing
+
+    def trial(k: int, picks: list[int], reused: list[int], changed: bool) -> dict:
+        return {"k": k, "picks": picks, "reused": reused, "tie": min(picks) > 0, "changed": changed}
+
+    m = {"page_size": 4, "storage_pages": 6, "prefetch_threshold": 4, "shared": False, "disk_weight": 0.25}
+    routing = {"private": {"without_events": {**m, "trials": [trial(0, [22, 18], [24, 0], False),
+                                                             trial(1, [0, 40], [24, 4], True),
+                                                             trial(2, [0, 40], [24, 8], True)]},
+                           "disk_events": {**m, "trials": [trial(0, [40, 0], [24, 0], False),
+                                                           trial(1, [40, 0], [24, 4], False),
+                                                           trial(2, [0, 40], [24, 8], True)]},
+                           "missing_events_k": [1], "disk_weight_k": [2], "tie_k": [0]},
+               "shared_cache_route": "not driven: no Mooncake here"}
+    text = "\n".join(_render_routing(routing))
+    assert "| 0 | 22 / 18 (tie) | 24 vs 0 | 40 / 0 (first) | 24 vs 0 | a tie |" in text, text
+    assert "| 1 | 0 / 40 (other, reuses less) | 24 vs 4 | 40 / 0 (first) | 24 vs 4 | the missing events |" in text
+    assert text.count("the disk weight |") == 1 and "not driven: no Mooncake here" in text

@@ -67,6 +67,25 @@ def test_hybrid_finds_the_credit_skew(path: Any, component: str) -> None:
     assert body.bound == 1 and body.skewed == 1
 
 
+def test_a_request_decoded_past_its_window_is_the_swa_finding(path: Any) -> None:
+    """SGLang's production SWA path (issue 43), drawn by the search as ``decode_insert``: a 16-token request
+    whose window slots behind its 2-token window SGLang freed while it decoded, then cached. Every page is
+    published as stored; a cut behind the window is credited and not reusable. The same request cached whole
+    (``insert``) agrees: the finding comes from the mid-request free."""
+    from kvalign.verify.props.hybrid.body import HybridRun, Scenario, hybrid_scenarios
+    from kvalign.verify.engine.properties import Mismatch
+
+    tokens = [0, 1, 2, 3] * 4
+    body = HybridRun(path, "swa", False)
+    with pytest.raises(Mismatch) as found:
+        body(Scenario("swa", 2, False, 2, "rust", [("decode_insert", tokens)]))
+    assert found.value.cause is Cause.SWA_STATE_NOT_REUSABLE and body.bound >= 5, found.value.detail
+    HybridRun(path, "swa", False)(Scenario("swa", 2, False, 2, "rust", [("insert", tokens)]))
+    kinds = {s[0] for _ in range(30) for s in hybrid_scenarios("swa", False).example().steps}
+    assert "decode_insert" in kinds and "decode_insert" not in {
+        s[0] for _ in range(30) for s in hybrid_scenarios("mamba", False).example().steps}
+
+
 @pytest.mark.slow  # fast tier: the negative controls and the fixed counterexamples
 def test_hybrid_search_finds_the_mamba_skew(path: Any) -> None:
     from kvalign.verify.props.hybrid.body import HybridRun
