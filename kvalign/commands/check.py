@@ -19,6 +19,7 @@ from kvalign.commands import check_text
 from kvalign.commands.options import positive_int
 from kvalign.verify import props
 from kvalign.verify.check import plan, run_jobs, selected
+from kvalign.verify.confirm import unexplained
 from kvalign.verify.impact import blocking
 from kvalign.verify.pool import Pool, usable_cores
 from kvalign.verify.property import Budget, Options
@@ -136,9 +137,11 @@ def run(args: argparse.Namespace) -> int:
             systems.close()
     kind = facts.kind
     failing = blocking(rows, args.strict)
-    error = control_error(rows)
+    errors = [e for e in (control_error(rows), unexplained(rows)) if e]
+    error = "; ".join(errors) or None
     if args.json:
-        json.dump({"aligned": not blocking(rows), "findings": sum(not r.ok and not r.skipped for r in rows),
+        json.dump({"aligned": not blocking(rows), "findings": sum(r.status == "finding" for r in rows),
+                   "unconfirmed": [check_text.row_name(r) for r in rows if r.status == "unconfirmed"],
                    "strict": args.strict, "exit": 2 if error else int(bool(failing)), "error": error,
                    "not_applicable": [check_text.row_name(r) for r in rows if r.skipped],
                    "router_hasher": label, "cache": kind, "page_size": args.page_size,

@@ -37,6 +37,8 @@ def short_result(r: RowResult) -> str:
     counts apart, which never change its cell)."""
     if r.skipped:
         return "n/a"
+    if r.unconfirmed:
+        return f"unconfirmed: {r.cause_name or 'UNKNOWN'}"
     if not r.ok:
         return f"{row_class(r)}: {r.cause_name or 'UNKNOWN'}"
     return "ok"
@@ -83,7 +85,7 @@ def explanations(rows: Sequence[RowResult], page_size: int | None = None) -> str
     out: list[str] = []
     by_cause: dict[str, list[RowResult]] = {}
     for r in rows:
-        if not r.ok and not r.skipped:
+        if r.status == "finding":
             by_cause.setdefault(r.cause_name or "UNKNOWN", []).append(r)
     for name, group in by_cause.items():
         first = group[0]
@@ -100,6 +102,8 @@ def explanations(rows: Sequence[RowResult], page_size: int | None = None) -> str
         if first.impact and row_class(first) == CACHE_BLIND:  # a credit skew's impact is under the table
             out.append(fit(f"  routing impact (measured): {first.impact}"))
     out += _scoped(rows)
+    out += [x for r in rows if r.status == "unconfirmed" for x in (
+        "", fit(f"unconfirmed (not a finding) {row_name(r)}: {r.cause_name} {r.unconfirmed}: {r.detail}"))]
     skipped: dict[str, list[RowResult]] = {}
     for r in rows:
         if r.skipped:
@@ -165,7 +169,10 @@ def verdict(rows: Sequence[RowResult], seconds: float, strict: bool = False) -> 
     na = len(rows) - len(ran)
     if na:
         line += f", {na} n/a"
-    conditions = dict.fromkeys((r.cause_name, r.condition) for r in rows if not r.ok and not r.skipped and r.condition)
+    unconfirmed = sum(r.status == "unconfirmed" for r in rows)
+    if unconfirmed:
+        line += f", {unconfirmed} unconfirmed"
+    conditions = dict.fromkeys((r.cause_name, r.condition) for r in rows if r.status == "finding" and r.condition)
     return "\n".join([fit(line), *(fit(f"  {name} holds {condition}") for name, condition in conditions),
                       *(fit(f"  {name} counted apart in {n} cases (not a misalignment)") for name, n in apart(rows).items()),
                       *controls(rows)])

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvalign.model.causes import CACHE_BLIND, CREDIT_SKEW, Cause, cause_class
+from kvalign.oracles.base import OracleUnavailable
 from kvalign.verify.rows import RowResult
 
 #: Past the prompt's cached pages, the counterexample's prompt goes on by this many tokens (SGLang caps a
@@ -29,8 +30,8 @@ TAIL = 1
 
 
 def row_class(r: RowResult) -> str | None:
-    """A row's class: None for a row that ran clean or did not run (``n/a``), else its cause's class."""
-    if r.skipped or r.ok:
+    """A row's class: None for a row that ran clean, did not run (``n/a``) or is unconfirmed, else its cause's class."""
+    if r.skipped or r.ok or r.unconfirmed:
         return None
     return cause_class(r.cause_name or Cause.UNKNOWN.name)
 
@@ -292,10 +293,13 @@ def assess(rows: Sequence[RowResult], router_path: Callable[[], Any] | None = No
         path = router_path()
     try:
         measured: dict[tuple[Any, ...], RoutingImpact] = {}
-        for r in skews:
-            assess_skew(r, path, measured)
-        for r in storage:
-            assess_storage(r, path)
+        measures = [(r, lambda r=r: assess_skew(r, path, measured)) for r in skews]
+        measures += [(r, lambda r=r: assess_storage(r, path)) for r in storage]
+        for r, measure in measures:
+            try:
+                measure()
+            except OracleUnavailable as exc:  # a release whose router cannot be set up for the measurement (1.3.1)
+                r.impact = f"routing impact not measured: {exc}"
     finally:
         if router_path is None:
             path.close()

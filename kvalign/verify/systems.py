@@ -44,7 +44,24 @@ class Systems:
                 from kvalign.oracles.router_path import RouterPath as open_path
             self._loaded["path"] = open_path()
             self._start_range()
+        self._loaded["path_job"] = self._loaded.get("job")
         return self._loaded["path"]
+
+    def path_used(self) -> bool:
+        """Whether the job under way asked for the router path (its rows ran through the relay and router)."""
+        return "path" in self._loaded and self._loaded.get("path_job") == self._loaded.get("job")
+
+    def relay_apart(self) -> Systems:
+        """A view whose router path runs each worker's relay in a process of its own
+        (:class:`~kvalign.oracles.relay_process.ProcessRouterPath`), as a deployment does, loaded on first
+        use and closed by the caller (:meth:`close`); the rest is shared."""
+        from kvalign.oracles.relay_process import ProcessRouterPath
+
+        transform = getattr(self._loaded.get("path"), "transform", None)  # a negative control's broken hop stays
+        view = replace(self, open_router_path=lambda: ProcessRouterPath(transform), _loaded={})
+        if "job" in self._loaded:
+            view.start_job(self._loaded["job"])
+        return view
 
     def start_job(self, k: int) -> None:
         """The ``k``-th job of the run starts: its examples take the router path's ``k``-th token ranges,
