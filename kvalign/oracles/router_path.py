@@ -392,12 +392,12 @@ class RouterPath:
         c = self.core
         name = f"ingest-b{block_size}-{'eagle' if eagle else 'plain'}-{len(self._retired)}"
         endpoint, relay = await register_relay(c, self.runtime, name, block_size, eagle, zmq_endpoint, self.missing)
-        if _version_tuple(self.version) < (1, 1):
-            # Let the binding's threads finish handing results back to this loop (call_soon_threadsafe
-            # needs the GIL) before a constructor that can block this thread while holding it: the
-            # deadlock of both stuck 1.0.2 checks had two of them inside call_soon_threadsafe
-            # (STUCK_EXIT_S). Seen only on 1.0.x, so only 1.0.x pays the pause.
-            await asyncio.sleep(0.1)
+        # Let the binding's threads finish handing results back to this loop (call_soon_threadsafe
+        # needs the GIL) before a constructor that can block this thread while holding it: the
+        # deadlock of both stuck 1.0.2 checks had two of them inside call_soon_threadsafe
+        # (STUCK_EXIT_S), and a 1.3.1 check re-registering a worker whose relay had stopped had the same
+        # two (2026-12-07). Every release pays the 0.1 s, once per worker.
+        await asyncio.sleep(0.1)
         router = c.KvRouter(endpoint, block_size, c.KvRouterConfig(use_kv_events=True))
         return relay, router
 

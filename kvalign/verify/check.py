@@ -70,11 +70,7 @@ def run_job(k: int, job: Job, systems: Systems, opts: Options) -> list[RowResult
 
 def _relay_apart(prop: Property, job: Job, systems: Systems, opts: Options) -> list[RowResult]:
     """``job``'s rows again, with each relay in a process of its own (:mod:`kvalign.verify.confirm`)."""
-    apart = systems.relay_apart()
-    try:
-        return prop.run(job, apart, opts)
-    finally:
-        apart.close()
+    return prop.run(job, systems.relay_apart(), opts)
 
 
 def run_jobs(jobs: Sequence[Job], systems: Systems, opts: Options,

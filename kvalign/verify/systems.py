@@ -53,26 +53,18 @@ class Systems:
 
     def relay_apart(self) -> Systems:
         """A view whose router path runs each worker's relay in a process of its own
-        (:class:`~kvalign.oracles.relay_process.ProcessRouterPath`), as a deployment does, loaded on first
-        use and closed by the caller (:meth:`close`); the rest is shared."""
+        (:class:`~kvalign.oracles.relay_process.ProcessRouterPath`), as a deployment does. Its path is
+        opened on first use and shared by every later view (its relays start once per page size and mode,
+        as the in-process path's do); :meth:`close` closes it with this one. The rest (caches, hasher) is
+        this view's."""
         from kvalign.oracles.relay_process import ProcessRouterPath
 
         transform = getattr(self._loaded.get("path"), "transform", None)  # a negative control's broken hop stays
-        view = replace(self, open_router_path=lambda: ProcessRouterPath(transform), _loaded={})
+        view = replace(self, open_router_path=lambda: ProcessRouterPath(transform),
+                       _loaded=self._loaded.setdefault("apart", {}))
         if "job" in self._loaded:
             view.start_job(self._loaded["job"])
         return view
-
-    def start_job(self, k: int) -> None:
-        """The ``k``-th job of the run starts: its examples take the router path's ``k``-th token ranges,
-        so what it generates and what the engines then do is the same in any process, after any job."""
-        self._loaded["job"] = k
-        self._start_range()
-
-    def _start_range(self) -> None:
-        path = self._loaded.get("path")
-        if path is not None and "job" in self._loaded and hasattr(path, "start_range"):
-            path.start_range(self._loaded["job"])
 
     def for_format(self, event_format: str) -> Systems:
         """A view whose caches publish in ``event_format``, sharing what was loaded."""
@@ -81,9 +73,14 @@ class Systems:
         return replace(self, make_cache=self.cache_for(event_format))
 
     def close(self) -> None:
-        path = self._loaded.pop("path", None)
-        if path is not None:
-            path.close()
+        apart = self._loaded.pop("apart", {}).pop("path", None)
+        try:
+            if apart is not None:
+                apart.close()
+        finally:
+            path = self._loaded.pop("path", None)
+            if path is not None:
+                path.close()
 
 
 @dataclass(frozen=True)
