@@ -66,6 +66,17 @@ class Systems:
             view.start_job(self._loaded["job"])
         return view
 
+    def start_job(self, k: int) -> None:
+        """The ``k``-th job of the run starts: its examples take the router path's ``k``-th token ranges,
+        so what it generates and what the engines then do is the same in any process, after any job."""
+        self._loaded["job"] = k
+        self._start_range()
+
+    def _start_range(self) -> None:
+        path = self._loaded.get("path")
+        if path is not None and "job" in self._loaded and hasattr(path, "start_range"):
+            path.start_range(self._loaded["job"])
+
     def for_format(self, event_format: str) -> Systems:
         """A view whose caches publish in ``event_format``, sharing what was loaded."""
         if self.cache_for is None:
