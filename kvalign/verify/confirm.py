@@ -6,10 +6,12 @@ release, not for the harness. One rule for every property on every pair, applied
 
 - **The environment is not a finding.** A row whose path could not start (``PATH_UNAVAILABLE``: a
   relay or router that would not start here, a relay that never indexed even the first sentinel
-  page) is ``n/a`` with what it saw as the reason, never a cause.
+  page) is ``n/a`` with what it saw as the reason, never a cause; where it went through the in-process
+  path it is re-checked first, as below.
 - **No in-process artifact.** ``check`` runs a release's relay and router inside its own process
   (:class:`~kvalign.oracles.router_path.RouterPath`); a deployment runs the relay in the worker's
-  process. A cache-blind finding of a job that went through that path is re-checked with each relay in
+  process. A cache-blind finding (``PATH_UNAVAILABLE`` included) of a job that went through that path is
+  re-checked with each relay in
   a process of its own (:meth:`~kvalign.verify.systems.Systems.relay_apart`): the same job, same
   options and seed, so the same examples. Where that run finds it too, the finding stands (the
   re-check's row, what a deployment's layout shows, with the in-process cause named where it
@@ -40,7 +42,8 @@ def environment_rows(rows: Sequence[RowResult]) -> None:
 
 
 def _recheckable(r: RowResult) -> bool:
-    """A row whose finding would change the verdict (a confirmed cache-blind cause)."""
+    """A row whose finding would change the verdict (a confirmed cache-blind cause), or whose path could not
+    run (in kvalign's process: the relay apart may run it)."""
     return (not r.skipped and bool(r.mismatches) and not r.unconfirmed and r.cause_name is not None
             and cause_class(r.cause_name) == CACHE_BLIND)
 
@@ -48,8 +51,8 @@ def _recheckable(r: RowResult) -> bool:
 def confirm_rows(rows: list[RowResult], path_used: bool, rerun: Callable[[], list[RowResult]]) -> list[RowResult]:
     """``rows`` as they may be published: see the module docstring. ``path_used``: whether the job ran
     through the in-process router path; ``rerun()``: the same job with each relay in its own process."""
-    environment_rows(rows)
     if not path_used or not any(_recheckable(r) for r in rows):
+        environment_rows(rows)
         return rows
     apart = {(r.prop, r.mode, r.variant): r for r in rerun()}
     environment_rows(list(apart.values()))
@@ -57,6 +60,7 @@ def confirm_rows(rows: list[RowResult], path_used: bool, rerun: Callable[[], lis
     for r in rows:
         other = apart.get((r.prop, r.mode, r.variant))
         if not _recheckable(r):
+            environment_rows([r])
             out.append(r)
         elif other is None:  # the re-check has no such row: nothing confirms it
             out.append(_in_process_only(r, "the re-check ran no such row"))

@@ -23,10 +23,20 @@ def no_rerun() -> list[RowResult]:
 
 
 def test_a_path_that_could_not_start_is_n_a_with_what_it_saw_never_a_cause():
-    rows = confirm_rows([finding(Cause.PATH_UNAVAILABLE, "the relay never indexed a plain one-page SGLang event")],
-                        path_used=True, rerun=no_rerun)
+    rows = confirm_rows([finding(Cause.PATH_UNAVAILABLE, "Dynamo 1.0.2 cannot start a worker relay")],
+                        path_used=False, rerun=no_rerun)
     assert rows[0].status == "n/a" and rows[0].cause_name is None and not blocking(rows)
-    assert "the relay never indexed a plain one-page SGLang event" in rows[0].skipped
+    assert rows[0].skipped == "the path could not run here: Dynamo 1.0.2 cannot start a worker relay"
+
+
+def test_an_in_process_path_that_could_not_run_is_run_with_the_relay_apart_first():
+    stopped = lambda: finding(Cause.PATH_UNAVAILABLE, "the relay never indexed a plain one-page SGLang event")  # noqa: E731
+    rows = confirm_rows([stopped()], path_used=True, rerun=lambda: [finding(Cause.TIER_MISFILED, "host as device")])
+    assert rows[0].status == "finding" and rows[0].cause_name == "TIER_MISFILED"
+    rows = confirm_rows([stopped()], path_used=True, rerun=lambda: [RowResult("ingest", "plain", "base", 9, 0)])
+    assert rows[0].status == "n/a" and rows[0].skipped.startswith(IN_PROCESS_ONLY)
+    rows = confirm_rows([stopped()], path_used=True, rerun=lambda: [stopped()])
+    assert rows[0].status == "n/a" and "the re-check could not run: the path could not run here" in rows[0].skipped
 
 
 def test_a_finding_only_the_in_process_relay_shows_is_n_a_and_says_so():
@@ -80,3 +90,41 @@ def test_a_confirmed_mismatch_kvalign_cannot_name_is_an_error_line_never_a_cause
                     "predicts 1, the router answers 1")
     row.unconfirmed = "recurred in 1 of 10 replays of its example"
     assert unexplained([row]) is None
+
+
+class _Path:
+    def __init__(self, apart: bool) -> None:
+        self.apart, self.closed = apart, False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Relayed:
+    """A property whose rows run through the router path and fail only where its relay is in-process."""
+
+    name, modes, default, events, budget = "ingest", ("plain",), True, "each", None
+
+    def run(self, job, systems, opts):
+        path = systems.router_path()
+        if path.apart:
+            return [RowResult("ingest", "plain", "base", 5, 0, 1.0)]
+        return [finding(Cause.EVENTS_DROPPED, "the relay stopped indexing")]
+
+
+def test_check_re_checks_a_relayed_finding_with_the_relay_apart_and_closes_that_path(monkeypatch):
+    import kvalign.oracles.relay_process as relay_process
+    from kvalign.verify import check
+    from kvalign.verify.property import Job, Options
+    from kvalign.verify.systems import Systems
+
+    opened: list[_Path] = []
+    monkeypatch.setattr(relay_process, "ProcessRouterPath", lambda transform=None: opened.append(_Path(True)) or opened[-1])
+    monkeypatch.setattr(check, "by_name", lambda: {"ingest": _Relayed()})
+    in_process = _Path(False)
+    systems = Systems(None, None, None, open_router_path=lambda: in_process)  # type: ignore[arg-type]
+    rows = [row for k in range(2) for row in check.run_job(k, Job("ingest", ("plain",)), systems, Options())]
+    assert [r.status for r in rows] == ["n/a", "n/a"] and rows[0].skipped.startswith(IN_PROCESS_ONLY)
+    assert len(opened) == 1  # one relay-apart path for the run, shared by every re-check
+    systems.close()
+    assert opened[0].closed and in_process.closed
