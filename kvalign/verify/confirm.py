@@ -66,6 +66,9 @@ def confirm_rows(rows: list[RowResult], path_used: bool, rerun: Callable[[], lis
             out.append(_in_process_only(r, "the re-check ran no such row"))
         elif other.skipped:
             out.append(_in_process_only(r, f"the re-check could not run: {other.skipped}"))
+        elif other.unconfirmed:
+            out.append(_in_process_only(r, f"{other.cases} case(s) ran, its {other.cause_name} unconfirmed "
+                                           f"({other.unconfirmed})"))
         elif not other.mismatches:
             out.append(_in_process_only(r, f"{other.cases} case(s) ran clean"))
         else:

@@ -430,7 +430,7 @@ def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, p
 
 def pair_result(dynamo: str, sglang: str, report: dict[str, Any], seconds: float = 0.0) -> PairResult:
     """A pair's row from its ``check --json`` report: the failing rows as findings, the skipped ones n/a."""
-    failed = [r for r in report["rows"] if r["mismatches"] and not r.get("skipped")]
+    failed = [r for r in report["rows"] if (r["mismatches"] or r.get("unconfirmed")) and not r.get("skipped")]
     findings = [{"property": r["prop"], "mode": r["mode"], "variant": r["variant"], "cause": r["cause_name"] or "UNKNOWN",
                  "detail": r["detail"] or "", "class": r.get("class") or cause_class(r["cause_name"] or "UNKNOWN"),
                  **_format_key(r)} for r in failed if not r.get("unconfirmed")]

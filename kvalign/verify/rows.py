@@ -72,7 +72,7 @@ class RowResult:
     def status(self) -> str:
         """``n/a`` (did not run, or never exercised its subject: :attr:`skipped`), ``ok``, ``unconfirmed`` (a
         mismatch that did not recur on every replay), or ``finding``."""
-        return ("n/a" if self.skipped else "ok" if self.mismatches == 0 else "unconfirmed" if self.unconfirmed
+        return ("n/a" if self.skipped else "unconfirmed" if self.unconfirmed else "ok" if self.mismatches == 0
                 else "finding")
 
 

@@ -6,6 +6,7 @@ the same way as ``check`` without importing it.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -83,12 +84,17 @@ def run_search(body: Callable[[Any], None], strategy: st.SearchStrategy[Any], ex
     outlasted its timeout) ends the search at once and propagates as it was raised: shrinking it would
     sit out the same timeout per step, and one that did not recur would surface as Hypothesis's
     flaky-test error, not the one line of exit 2. Any other exception is a bug in the harness or an
-    oracle and propagates. A mismatch that did not recur when Hypothesis replayed its example is
-    replayed :data:`REPLAYS` times more; unless it recurred every time it carries
-    :attr:`~kvalign.verify.properties.Mismatch.unconfirmed` with its rate (never a finding).
+    oracle and propagates. A generated example that fails is run once more at once: one whose mismatch
+    does not recur there is no failure (the search goes on, so a mismatch that does recur is still
+    found after it); where the search found nothing else, the first such mismatch is returned with
+    :attr:`~kvalign.verify.properties.Mismatch.unconfirmed`, its rate over :data:`REPLAYS` replays
+    (never a finding: 0 failing examples). A mismatch that did not recur when Hypothesis replayed its
+    shrunk example is replayed :data:`REPLAYS` times more, and is unconfirmed unless it recurred every time.
     """
     tally = tally if tally is not None else Tally()
     broken: OracleUnavailable | None = None
+    #: generated examples whose mismatch did not recur when replayed at once
+    flaky: list[Mismatch] = []
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
               suppress_health_check=list(HealthCheck), report_multiple_bugs=False, print_blob=False,
@@ -99,9 +105,13 @@ def run_search(body: Callable[[Any], None], strategy: st.SearchStrategy[Any], ex
         if broken is not None:  # Hypothesis cannot be stopped from inside: the remaining examples do nothing
             return
         tally.start()
+        replay = copy.deepcopy(value)  # the example as drawn: a body may change what it was handed
         try:
             body(value)
-        except Mismatch:
+        except Mismatch as exc:
+            if tally.generating and not _recurs(body, replay):
+                flaky.append(exc)  # not a failure: the search goes on, so a real mismatch after it is still found
+                return
             tally.fail()
             raise
         except OracleUnavailable as exc:
@@ -130,4 +140,17 @@ def run_search(body: Callable[[Any], None], strategy: st.SearchStrategy[Any], ex
             found.unconfirmed = f"recurred in {recurred} of {REPLAYS} replays of its example"
     if broken is not None:  # whatever the search found before it, the examples after it did not run
         raise broken
+    if found is None and flaky:  # only mismatches that did not recur: the first, with its rate over REPLAYS replays
+        found = flaky[0]
+        found.unconfirmed = (f"recurred in {replay_rate(body, found.example, REPLAYS - 1)} of {REPLAYS} replays of "
+                             "its example")
     return tally.cases, tally.mismatches, found
+
+
+def _recurs(body: Callable[[Any], None], example: Any) -> bool:
+    """Whether ``body`` fails on ``example`` again (run once more, at once)."""
+    try:
+        body(example)
+    except Mismatch:
+        return True
+    return False
