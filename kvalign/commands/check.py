@@ -25,6 +25,7 @@ from kvalign.verify.engine.property import Budget, Options
 from kvalign.verify.engine.rows import EVENT_FORMATS, MODES, VARIANTS, RowResult, row_json
 from kvalign.verify.engine.systems import SystemsSpec, open_systems
 from kvalign.verify.engine.scope import Scope
+from kvalign.verify.runner.confirm import unexplained
 from kvalign.errors import UsageError
 from kvalign.oracles.sglang import KINDS
 from kvalign.runtime_log import console
@@ -162,9 +163,11 @@ def run(args: argparse.Namespace) -> int:
             systems.close()
     kind = facts.kind
     failing = blocking(rows, args.strict)
-    error = control_error(rows)
+    errors = [e for e in (control_error(rows), unexplained(rows)) if e]
+    error = "; ".join(errors) or None
     if args.json:
-        json.dump({"aligned": not blocking(rows), "findings": sum(not r.ok and not r.skipped for r in rows),
+        json.dump({"aligned": not blocking(rows), "findings": sum(r.status == "finding" for r in rows),
+                   "unconfirmed": [check_text.row_name(r) for r in rows if r.status == "unconfirmed"],
                    "strict": args.strict, "exit": 2 if error else int(bool(failing)), "error": error,
                    "not_applicable": [check_text.row_name(r) for r in rows if r.skipped],
                    "scope": scope.as_json(),

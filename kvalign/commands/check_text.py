@@ -38,6 +38,8 @@ def short_result(r: RowResult) -> str:
     counts apart, which never change its cell)."""
     if r.skipped:
         return "n/a"
+    if r.unconfirmed:
+        return f"unconfirmed: {r.cause_name or 'UNKNOWN'}"
     if not r.ok:
         return f"{row_class(r)}: {r.cause_name or 'UNKNOWN'}"
     return "ok"
@@ -84,7 +86,7 @@ def explanations(rows: Sequence[RowResult], page_size: int | None = None) -> str
     out: list[str] = []
     by_cause: dict[str, list[RowResult]] = {}
     for r in rows:
-        if not r.ok and not r.skipped:
+        if r.status == "finding":
             by_cause.setdefault(r.cause_name or "UNKNOWN", []).append(r)
     for name, group in by_cause.items():
         first = group[0]
@@ -101,6 +103,8 @@ def explanations(rows: Sequence[RowResult], page_size: int | None = None) -> str
         if first.impact and row_class(first) == CACHE_BLIND:  # a credit skew's impact is under the table
             out.append(fit(f"  routing impact (measured): {first.impact}"))
     out += _scoped(rows)
+    out += [x for r in rows if r.status == "unconfirmed" for x in (
+        "", fit(f"unconfirmed (not a finding) {row_name(r)}: {r.cause_name} {r.unconfirmed}: {r.detail}"))]
     skipped: dict[str, list[RowResult]] = {}
     for r in rows:
         if r.skipped:
@@ -167,10 +171,13 @@ def verdict(rows: Sequence[RowResult], seconds: float, strict: bool = False, sco
     na = len(rows) - len(ran)
     if na:
         counts += f", {na} n/a"
+    unconfirmed = sum(r.status == "unconfirmed" for r in rows)
+    if unconfirmed:
+        counts += f", {unconfirmed} unconfirmed"
     partial = scope is not None and not scope.complete
     # an ALIGNED that left properties out says first what it is a verdict on, never a bare "ALIGNED: ..."
     head = [f"ALIGNED for {scope.aligned_for()}", f"  {counts}"] if word == "ALIGNED" and partial else [f"{word}: {counts}"]
-    conditions = dict.fromkeys((r.cause_name, r.condition) for r in rows if not r.ok and not r.skipped and r.condition)
+    conditions = dict.fromkeys((r.cause_name, r.condition) for r in rows if r.status == "finding" and r.condition)
     not_run = scope.not_run_line() if partial else None
     return "\n".join([*(fit(ln) for ln in head), *([fit(f"  {not_run}")] if not_run else []),
                       *(fit(f"  {name} holds {condition}") for name, condition in conditions),

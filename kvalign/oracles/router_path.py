@@ -280,6 +280,38 @@ class IngestWorker:
         return self.path.query_overlap(self.router, list(tokens), lora_name, cache_namespace)
 
 
+def worker_path(name: str) -> str:
+    """The endpoint a worker of model ``name`` registers (a namespace of its own)."""
+    return f"kvalign-{name}.worker.generate"
+
+
+async def register_relay(core: Any, runtime: Any, name: str, block_size: int, eagle: bool, zmq_endpoint: str,
+                         missing: set[str]) -> tuple[Any, Any]:
+    """Register a worker of model ``name`` at ``kvalign-{name}.worker.generate`` with the card a correct registration sets,
+    and start its relay on SGLang's publisher at ``zmq_endpoint``: (endpoint, relay). A card field the
+    release lacks is added to ``missing``. The in-process path and a relay's own process
+    (:mod:`kvalign.oracles.relay_process`) both register this way."""
+    card = core.ModelRuntimeConfig()
+    for field_name, value in (("enable_eagle", eagle), ("kv_event_publishing_enabled", True),
+                              ("enable_local_indexer", True)):
+        try:  # enable_eagle: what a correct registration sets (the card property checks that)
+            setattr(card, field_name, value)
+        except AttributeError:
+            missing.add(f"ModelRuntimeConfig.{field_name}")
+    # One namespace per worker: some releases (1.3.x) scope a router's event subscription to the
+    # namespace, so two workers in one namespace would feed each other's routers.
+    endpoint = runtime.endpoint(worker_path(name))
+    kw: dict[str, Any] = {"kv_cache_block_size": block_size, "runtime_config": card}
+    if hasattr(core, "WorkerType"):
+        kw["worker_type"] = core.WorkerType.Aggregated
+    await core.register_model(core.ModelInput.Tensor, core.ModelType.TensorBased, endpoint, name, **kw)
+    await endpoint.register_endpoint_instance()
+    # As dynamo.sglang builds it: kv_block_size = page size, topic "", local indexer on (its default).
+    relay = core.KvEventPublisher(endpoint, kv_block_size=block_size, zmq_endpoint=zmq_endpoint, zmq_topic="",
+                                  enable_local_indexer=True)
+    return endpoint, relay
+
+
 class RouterPath:
     """The installed Dynamo's runtime, one worker + ``KvRouter`` per (block size, eagle), on loopback."""
 
@@ -291,7 +323,7 @@ class RouterPath:
         except importlib.metadata.PackageNotFoundError:
             raise OracleUnavailable("ai-dynamo-runtime is not installed: run scripts/setup.sh") from None
         self.broker = LoopbackProxy()
-        env = runtime_env(self.version, self.broker.url)
+        env = {**runtime_env(self.version, self.broker.url), **self._extra_env()}
         self._saved_env = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
@@ -325,6 +357,10 @@ class RouterPath:
             self._stop_loop()
             self._restore()
             raise
+
+    def _extra_env(self) -> dict[str, str]:
+        """Environment a subclass adds to :func:`runtime_env` (another discovery backend)."""
+        return {}
 
     async def _start(self) -> Any:
         loop = asyncio.get_running_loop()
@@ -363,36 +399,16 @@ class RouterPath:
             if watched:
                 faulthandler.cancel_dump_traceback_later()
 
-    def _set(self, obj: Any, name: str, value: Any) -> None:
-        try:
-            setattr(obj, name, value)
-        except AttributeError:
-            self.missing.add(f"ModelRuntimeConfig.{name}")
-
     async def _new_worker(self, block_size: int, eagle: bool, zmq_endpoint: str) -> tuple[Any, Any]:
         c = self.core
         name = f"ingest-b{block_size}-{'eagle' if eagle else 'plain'}-{len(self._retired)}"
-        # One namespace per worker: some releases (1.3.x) scope a router's event subscription to the
-        # namespace, so two workers in one namespace would feed each other's routers.
-        endpoint = self.runtime.endpoint(f"kvalign-{name}.worker.generate")
-        card = c.ModelRuntimeConfig()
-        self._set(card, "enable_eagle", eagle)  # what a correct registration sets (the card property checks that)
-        self._set(card, "kv_event_publishing_enabled", True)
-        self._set(card, "enable_local_indexer", True)
-        kw: dict[str, Any] = {"kv_cache_block_size": block_size, "runtime_config": card}
-        if hasattr(c, "WorkerType"):
-            kw["worker_type"] = c.WorkerType.Aggregated
-        await c.register_model(c.ModelInput.Tensor, c.ModelType.TensorBased, endpoint, name, **kw)
-        await endpoint.register_endpoint_instance()
-        # As dynamo.sglang builds it: kv_block_size = page size, topic "", local indexer on (its default).
-        relay = c.KvEventPublisher(endpoint, kv_block_size=block_size, zmq_endpoint=zmq_endpoint, zmq_topic="",
-                                   enable_local_indexer=True)
-        if _version_tuple(self.version) < (1, 1):
-            # Let the binding's threads finish handing results back to this loop (call_soon_threadsafe
-            # needs the GIL) before a constructor that can block this thread while holding it: the
-            # deadlock of both stuck 1.0.2 checks had two of them inside call_soon_threadsafe
-            # (STUCK_EXIT_S). Seen only on 1.0.x, so only 1.0.x pays the pause.
-            await asyncio.sleep(0.1)
+        endpoint, relay = await register_relay(c, self.runtime, name, block_size, eagle, zmq_endpoint, self.missing)
+        # Let the binding's threads finish handing results back to this loop (call_soon_threadsafe
+        # needs the GIL) before a constructor that can block this thread while holding it: the
+        # deadlock of both stuck 1.0.2 checks had two of them inside call_soon_threadsafe
+        # (STUCK_EXIT_S), and a 1.3.1 check re-registering a worker whose relay had stopped had the same
+        # two (2026-12-07). Every release pays the 0.1 s, once per worker.
+        await asyncio.sleep(0.1)
         router = c.KvRouter(endpoint, block_size, c.KvRouterConfig(use_kv_events=True))
         return relay, router
 

@@ -38,7 +38,10 @@ INSTALLERS = ("uv", "pip")
 #: Bumped when an environment must be built differently: an older one is rebuilt, not trusted.
 #: 2: release namespace packages pinned to the release's directories.
 ENV_SCHEME = 2
-ROOT = Path(__file__).resolve().parents[1]
+#: The directory that holds this ``kvalign`` package (a checkout's root): listed before the base environment, so a
+#: pair's check runs this checkout's kvalign, not one the base environment has installed (an editable install of
+#: another checkout would otherwise win: the namespace pin imports kvalign while the ``.pth`` is read).
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class ReleaseEnvError(RuntimeError):

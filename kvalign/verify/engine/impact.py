@@ -30,8 +30,8 @@ from kvalign.verify.engine.trials import TAIL, Trial, tie_share, trials_said
 
 
 def row_class(r: RowResult) -> str | None:
-    """A row's class: None for a row that ran clean or did not run (``n/a``), else its cause's class."""
-    if r.skipped or r.ok:
+    """A row's class: None for a row that ran clean, did not run (``n/a``) or is unconfirmed, else its cause's class."""
+    if r.skipped or r.ok or r.unconfirmed:
         return None
     return cause_class(r.cause_name or Cause.UNKNOWN.name)
 

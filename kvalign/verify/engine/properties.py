@@ -48,6 +48,8 @@ class Mismatch(AssertionError):
         self.prop, self.detail, self.cause, self.example = prop, detail, cause, example
         #: the configurations the mismatch is confined to (e.g. HiCache on, small pages), for the row and verdict
         self.condition = condition
+        #: how often it recurred when its example was replayed, where it did not recur every time (None: it did)
+        self.unconfirmed: str | None = None
 
 
 def _call(hasher: RouterHasher, tokens: list[int], b: int, eagle: bool, lora: str | None, ns: str | None) -> list[int]:

@@ -137,6 +137,7 @@ def found_row(row: RowResult, found: Any) -> RowResult:
         row.cause, row.cause_name, row.detail = found.cause.value, found.cause.name, found.detail
         row.counterexample = plain(found.example)
         row.condition = getattr(found, "condition", None)
+        row.unconfirmed = getattr(found, "unconfirmed", None)
     return row
 
 

@@ -63,6 +63,9 @@ class RowResult:
     #: the calls a search made after its first failing example (shrinking it, then replaying the shrunk
     #: one): counted apart, never as cases, so that "1 of 3" is what the search generated (issue 43)
     shrink_steps: int = 0
+    #: a mismatch that did not recur every time its example was replayed: how often it did ("3 of 10
+    #: replays"). Shown, never a finding: it fails nothing (:mod:`kvalign.verify.confirm`)
+    unconfirmed: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -71,8 +74,10 @@ class RowResult:
 
     @property
     def status(self) -> str:
-        """``n/a`` (did not run, or never exercised its subject: :attr:`skipped`), ``ok``, or ``finding``."""
-        return "n/a" if self.skipped else "ok" if self.mismatches == 0 else "finding"
+        """``n/a`` (did not run, or never exercised its subject: :attr:`skipped`), ``ok``, ``unconfirmed`` (a
+        mismatch that did not recur on every replay), or ``finding``."""
+        return ("n/a" if self.skipped else "unconfirmed" if self.unconfirmed else "ok" if self.mismatches == 0
+                else "finding")
 
 
 def row_json(r: RowResult) -> dict[str, Any]:

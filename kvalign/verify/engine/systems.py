@@ -44,7 +44,27 @@ class Systems:
                 from kvalign.oracles.router_path import RouterPath as open_path
             self._loaded["path"] = open_path()
             self._start_range()
+        self._loaded["path_job"] = self._loaded.get("job")
         return self._loaded["path"]
+
+    def path_used(self) -> bool:
+        """Whether the job under way asked for the router path (its rows ran through the relay and router)."""
+        return "path" in self._loaded and self._loaded.get("path_job") == self._loaded.get("job")
+
+    def relay_apart(self) -> Systems:
+        """A view whose router path runs each worker's relay in a process of its own
+        (:class:`~kvalign.oracles.relay_process.ProcessRouterPath`), as a deployment does. Its path is
+        opened on first use and shared by every later view (its relays start once per page size and mode,
+        as the in-process path's do); :meth:`close` closes it with this one. The rest (caches, hasher) is
+        this view's."""
+        from kvalign.oracles.relay_process import ProcessRouterPath
+
+        transform = getattr(self._loaded.get("path"), "transform", None)  # a negative control's broken hop stays
+        view = replace(self, open_router_path=lambda: ProcessRouterPath(transform),
+                       _loaded=self._loaded.setdefault("apart", {}))
+        if "job" in self._loaded:
+            view.start_job(self._loaded["job"])
+        return view
 
     def start_job(self, k: int) -> None:
         """The ``k``-th job of the run starts: its examples take the router path's ``k``-th token ranges,
@@ -64,9 +84,14 @@ class Systems:
         return replace(self, make_cache=self.cache_for(event_format))
 
     def close(self) -> None:
-        path = self._loaded.pop("path", None)
-        if path is not None:
-            path.close()
+        apart = self._loaded.pop("apart", {}).pop("path", None)
+        try:
+            if apart is not None:
+                apart.close()
+        finally:
+            path = self._loaded.pop("path", None)
+            if path is not None:
+                path.close()
 
 
 @dataclass(frozen=True)

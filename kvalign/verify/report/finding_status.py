@@ -14,7 +14,6 @@ that cites the upstream thread already open on the subject: :data:`UPSTREAM`.
 from __future__ import annotations
 
 import json
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,8 @@ UPSTREAM: dict[str, tuple[str, ...]] = {
 }
 
 
-def _load_records() -> dict[tuple[str, str, str], dict[str, Any]]:
+def live_records() -> dict[tuple[str, str, str], dict[str, Any]]:
+    """Every recorded live run, by (cause, ai-dynamo, sglang) (a few small files: read each time asked)."""
     out: dict[tuple[str, str, str], dict[str, Any]] = {}
     if LIVE_RECORDS.is_dir():
         for path in sorted(LIVE_RECORDS.glob("*.json")):
@@ -53,12 +53,6 @@ def _load_records() -> dict[tuple[str, str, str], dict[str, Any]]:
             rec["path"] = f"docs/findings/live/{path.name}"
             out[(rec["cause"], rec["ai-dynamo"], rec["sglang"])] = rec
     return out
-
-
-@cache
-def live_records() -> dict[tuple[str, str, str], dict[str, Any]]:
-    """Every recorded live run, by (cause, ai-dynamo, sglang)."""
-    return _load_records()
 
 
 def live_run(cause: str, dynamo: str, sglang: str) -> dict[str, Any] | None:

@@ -289,6 +289,9 @@ class PairResult:
     event_formats: list[str] = field(default_factory=list)
     #: properties whose every row was n/a: not checked on this pair at all (never shown as aligned)
     not_run: list[str] = field(default_factory=list)
+    #: rows whose mismatch did not recur on every replay of its example, with how often it did: shown, never a
+    #: finding (kvalign.verify.confirm)
+    unconfirmed: list[dict[str, str]] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         row: dict[str, Any] = {"dynamo": self.dynamo, "sglang": self.sglang, "shipped": self.shipped,
@@ -299,6 +302,8 @@ class PairResult:
             row["event_formats"] = self.event_formats
         if self.not_run:
             row["not_run"] = self.not_run
+        if self.unconfirmed:
+            row["unconfirmed"] = self.unconfirmed
         if self.verdict == "error":
             row["error"] = one_line(self.error or "unknown error")
         if self.live is not None:
@@ -425,9 +430,13 @@ def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, p
 
 def pair_result(dynamo: str, sglang: str, report: dict[str, Any], seconds: float = 0.0) -> PairResult:
     """A pair's row from its ``check --json`` report: the failing rows as findings, the skipped ones n/a."""
+    failed = [r for r in report["rows"] if (r["mismatches"] or r.get("unconfirmed")) and not r.get("skipped")]
     findings = [{"property": r["prop"], "mode": r["mode"], "variant": r["variant"], "cause": r["cause_name"] or "UNKNOWN",
                  "detail": r["detail"] or "", "class": r.get("class") or cause_class(r["cause_name"] or "UNKNOWN"),
-                 **_format_key(r)} for r in report["rows"] if r["mismatches"] and not r.get("skipped")]
+                 **_format_key(r)} for r in failed if not r.get("unconfirmed")]
+    unconfirmed = [{"property": r["prop"], "mode": r["mode"], "variant": r["variant"], "cause": r["cause_name"] or "UNKNOWN",
+                    "detail": r["detail"] or "", "rate": r["unconfirmed"], **_format_key(r)}
+                   for r in failed if r.get("unconfirmed")]
     not_applicable = [{"property": r["prop"], "mode": r["mode"], "variant": r["variant"], "reason": r["skipped"],
                        **_format_key(r)} for r in report["rows"] if r.get("skipped")]
     # misaligned only on a cache-blind finding, as check's own exit status; credit skews are advisories
@@ -435,7 +444,7 @@ def pair_result(dynamo: str, sglang: str, report: dict[str, Any], seconds: float
     ran = {r["prop"] for r in report["rows"] if not r.get("skipped")}
     not_run = sorted({r["prop"] for r in report["rows"]} - ran)
     return PairResult(dynamo, sglang, verdict, findings, seconds=seconds, not_applicable=not_applicable,
-                      event_formats=list(report.get("event_formats") or []), not_run=not_run)
+                      event_formats=list(report.get("event_formats") or []), not_run=not_run, unconfirmed=unconfirmed)
 
 
 @dataclass(frozen=True)
@@ -559,10 +568,12 @@ def _cause(f: dict[str, str]) -> str:
     return f["cause"] if klass == CACHE_BLIND else f"{f['cause']} ({klass})"
 
 
-def _cell(findings: Sequence[dict[str, str]], not_applicable: Sequence[dict[str, str]] = ()) -> str:
+def _cell(findings: Sequence[dict[str, str]], not_applicable: Sequence[dict[str, str]] = (),
+          unconfirmed: Sequence[dict[str, str]] = ()) -> str:
     """``ok``, or the causes found (a credit skew says so), then ``n/a`` when a variant could not run (never a
-    bare ``ok`` then)."""
-    parts = [*dict.fromkeys(_cause(f) for f in findings), *(["n/a"] if not_applicable else [])]
+    bare ``ok`` then), then ``unconfirmed`` when a variant's mismatch did not recur on every replay."""
+    parts = [*dict.fromkeys(_cause(f) for f in findings), *(["n/a"] if not_applicable else []),
+             *(["unconfirmed"] if unconfirmed else [])]
     return ", ".join(parts) if parts else "ok"
 
 
@@ -610,7 +621,9 @@ def table(results: Sequence[PairResult], props: Sequence[str] | None = None, mod
             cells = ["error"] * (len(head) - 3 - live)
         else:
             cells = [_cell([f for f in default if f["property"] == p and f["mode"] == m],
-                           [n for n in default_na if n["property"] == p and n["mode"] == m])
+                           [n for n in default_na if n["property"] == p and n["mode"] == m],
+                           [u for u in r.unconfirmed if u["property"] == p and u["mode"] == m
+                            and u.get("event_format") != "dynamo"])
                      for p, m in columns]
             if fmt:
                 cells.append(_dynamo_format_cell(r, props))
@@ -631,6 +644,7 @@ UNKNOWN = "unknown"
 VERDICTS = ("aligned", "misaligned", "error")
 FINDING_KEYS = ("property", "mode", "variant", "cause", "detail")
 NOT_APPLICABLE_KEYS = ("property", "mode", "variant", "reason")
+UNCONFIRMED_KEYS = ("property", "mode", "variant", "cause", "detail", "rate")
 #: A key findings and n/a rows carry only when they are rows of SGLang's "dynamo" event format.
 OPTIONAL_KEYS = ("event_format", "class")
 
@@ -677,6 +691,8 @@ def render(results: Sequence[PairResult], props: Sequence[str] | None = None) ->
         for n in r.not_applicable:
             reasons.setdefault(n["reason"], []).append(f"{n['property']}:{n['mode']}")
         out += [f"\n{r.dynamo} x {r.sglang}: n/a {', '.join(dict.fromkeys(cells))}: {why}" for why, cells in reasons.items()]
+        out += [f"\n{r.dynamo} x {r.sglang}: unconfirmed (not a finding) {u['property']}:{u['mode']}:{u['variant']} "
+                f"{u['cause']}, {u['rate']}" for u in r.unconfirmed]
     return "\n".join(out)
 
 
@@ -785,13 +801,18 @@ def result_from_row(row: Any) -> PairResult:
     not_run = row.get("not_run", [])
     if not isinstance(not_run, list) or not all(isinstance(p, str) for p in not_run):
         raise ValueError("row 'not_run' is not a list of property names")
+    unconfirmed = row.get("unconfirmed", [])
+    if not isinstance(unconfirmed, list) or not all(
+            isinstance(u, dict) and set(UNCONFIRMED_KEYS) <= set(u) <= {*UNCONFIRMED_KEYS, *OPTIONAL_KEYS}
+            and all(isinstance(v, str) for v in u.values()) for u in unconfirmed):
+        raise ValueError(f"row 'unconfirmed' is not a list of {{{', '.join(UNCONFIRMED_KEYS)}}} string objects")
     extra = set(row) - {"dynamo", "sglang", "shipped", "verdict", "findings", "not_applicable", "error", "live",
-                        "event_formats", "not_run"}
+                        "event_formats", "not_run", "unconfirmed"}
     if extra:
         raise ValueError(f"row has unknown keys {sorted(extra)}")
     return PairResult(row["dynamo"], row["sglang"], row["verdict"], list(findings), error=row.get("error"),
                       shipped=row["shipped"], live=live, not_applicable=list(not_applicable), event_formats=list(formats),
-                      not_run=list(not_run))
+                      not_run=list(not_run), unconfirmed=list(unconfirmed))
 
 
 def _plan_order(plan: dict[str, Any], r: PairResult) -> tuple[Any, ...]:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from kvalign.verify.runner.confirm import confirm_rows
 from kvalign.verify.runner.assess import assess
 from kvalign.verify.engine.property import Job, Options, Property, row_format
 from kvalign.verify.props import REGISTRY, by_name
@@ -60,11 +61,16 @@ def run_job(k: int, job: Job, systems: Systems, opts: Options) -> list[RowResult
     if job.skipped:
         rows = [RowResult(job.prop, m, v, skipped=job.skipped) for m in job.modes for v in job.variants]
     else:
-        rows = prop.run(job, systems, opts)
+        rows = confirm_rows(prop.run(job, systems, opts), systems.path_used(), lambda: _relay_apart(prop, job, systems, opts))
     for row in rows:
         row.event_format = job.event_format if job.skipped else row_format(prop, job.event_format)
     assess(rows, systems.router_path)  # each finding's class; a credit skew's bound and routing impact, measured here
     return rows
+
+
+def _relay_apart(prop: Property, job: Job, systems: Systems, opts: Options) -> list[RowResult]:
+    """``job``'s rows again, with each relay in a process of its own (:mod:`kvalign.verify.confirm`)."""
+    return prop.run(job, systems.relay_apart(), opts)
 
 
 def run_jobs(jobs: Sequence[Job], systems: Systems, opts: Options,

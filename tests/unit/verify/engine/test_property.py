@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[4]
 def _toy_body(_systems: object):
     def body(n: int) -> None:
         if n >= 5:  # the toy's "misalignment": any number from 5 up; Hypothesis shrinks it to 5
-            raise Mismatch("toy", f"{n} is 5 or more", Cause.UNKNOWN, n)
+            raise Mismatch("toy", f"{n} is 5 or more", Cause.SEED_DRIFT, n)
     return body
 
 
@@ -50,19 +50,19 @@ def test_a_registered_toy_property_is_in_every_output(toy, capsys, router_hasher
     report = json.loads(capsys.readouterr().out)
     assert rc == 1 and [(r["prop"], r["mode"], r["variant"]) for r in report["rows"]] == [("toy", "plain", "base")]
     (row,) = report["rows"]
-    assert row["cause_name"] == "UNKNOWN" and row["counterexample"] == 5 and row["event_format"] == "any"
+    assert row["cause_name"] == "SEED_DRIFT" and row["counterexample"] == 5 and row["event_format"] == "any"
     assert row["cases"] <= 20  # its own budget option, --toy-examples, made from the registry
 
     rc = main(["check", "--property", "toy"])
     out = capsys.readouterr().out
-    assert rc == 1 and re.search(r"^toy +plain +base +\d+ +\d+ +(MISALIGNED|cache-blind): UNKNOWN$", out, re.M), out
+    assert rc == 1 and re.search(r"^toy +plain +base +\d+ +\d+ +(MISALIGNED|cache-blind): SEED_DRIFT$", out, re.M), out
     assert "counterexample (toy/plain/base): 5 is 5 or more" in out and "shrunk: 5" in out
 
     pair = matrix.pair_result("1.6.1", "0.5.23", report)
     assert pair.findings[0]["property"] == "toy"
     assert "| toy:plain |" in matrix.table([pair], ["card", "toy"]).splitlines()[0].replace("  ", " ").replace("  ", " ")
     markdown = matrix.render_markdown([pair], "kvalign matrix --property toy --markdown")
-    assert "| misaligned | UNKNOWN (toy) |" in markdown
+    assert "| misaligned | SEED_DRIFT (toy) |" in markdown
     assert toy.name in matrix.report_json([pair], {}, None)["properties"]  # a default property: in the matrix's list
 
 

@@ -19,9 +19,7 @@ RECORD = {"cause": "STORAGE_TIER_UNCREDITED", "ai-dynamo": "1.6.1", "sglang": "0
 @pytest.fixture
 def records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(finding_status, "LIVE_RECORDS", tmp_path)
-    finding_status.live_records.cache_clear()
     yield tmp_path
-    finding_status.live_records.cache_clear()
 
 
 def write(directory: Path, **changes: object) -> None:
@@ -32,7 +30,6 @@ def write(directory: Path, **changes: object) -> None:
 def test_reproduced_live_comes_from_a_recorded_run_that_named_the_cause(records: Path) -> None:
     assert live_note("STORAGE_TIER_UNCREDITED", "1.6.1", "0.5.23") == NOT_LIVE  # nothing recorded: never assumed
     write(records)
-    finding_status.live_records.cache_clear()
     note = live_note("STORAGE_TIER_UNCREDITED", "1.6.1", "0.5.23")
     assert note.startswith(f"reproduced live: `{RECORD['command']}` (exit 1, STORAGE_TIER_UNCREDITED, 2026-12-07")
     assert live_note("STORAGE_TIER_UNCREDITED", "1.6.1", "0.5.21") == NOT_LIVE  # another pair: no record
@@ -41,13 +38,11 @@ def test_reproduced_live_comes_from_a_recorded_run_that_named_the_cause(records:
 def test_a_recorded_run_that_named_another_cause_is_not_a_reproduction(records: Path) -> None:
     """The control: the same record with the run exiting 0, naming nothing."""
     write(records, exit=0, named=None, reproduced=False)
-    finding_status.live_records.cache_clear()
     assert live_run("STORAGE_TIER_UNCREDITED", "1.6.1", "0.5.23") is None
     assert live_note("STORAGE_TIER_UNCREDITED", "1.6.1", "0.5.23").startswith(f"{NOT_LIVE}: `kvalign e2e fuzz")
 
 
 def test_every_committed_record_names_a_kvalign_command_and_says_whether_it_reproduced() -> None:
-    finding_status.live_records.cache_clear()
     for (cause, _dynamo, _sglang), rec in finding_status.live_records().items():
         assert rec["command"].startswith("kvalign ") and isinstance(rec["exit"], int), rec
         assert rec["reproduced"] == (rec["exit"] == 1 and rec["named"] == cause), rec

@@ -434,7 +434,7 @@ def test_live_rows_say_why_a_pair_cannot_run_live():
     assert unsupported is not None and "supports sglang" in unsupported
 
 
-def test_a_credit_skew_is_an_advisory_and_a_property_that_ran_nowhere_is_never_aligned(monkeypatch):
+def test_a_credit_skew_is_an_advisory_and_a_property_that_ran_nowhere_is_never_aligned(monkeypatch, tmp_path):
     """Issue 36: a pair whose only finding is a credit skew is aligned (exit 0), its cell names the class; a
     pair whose dp rows were all n/a says "not run: dp", where it once read "aligned" beside an n/a cell."""
     skew = {"prop": "servable", "mode": "plain", "variant": "base", "mismatches": 3, "cause_name": "HOST_CREDIT_NOT_SERVABLE",
@@ -443,6 +443,9 @@ def test_a_credit_skew_is_an_advisory_and_a_property_that_ran_nowhere_is_never_a
           "skipped": "the release places no DP ranks", "event_format": "default"}
     blind = {**skew, "prop": "hash", "cause_name": "ROUTER_EAGLE_OFF", "class": "cache-blind"}
     monkeypatch.setattr(matrix, "ensure_release", lambda kind, version, log=None: None)
+    from kvalign.verify.report import finding_status
+
+    monkeypatch.setattr(finding_status, "LIVE_RECORDS", tmp_path)  # no recorded live run: no "reproduced live" mark
 
     def pair(rows):
         report = json.dumps({"aligned": True, "rows": rows})
@@ -474,7 +477,5 @@ def test_only_a_recorded_live_run_marks_a_cause_reproduced_live(tmp_path, monkey
               "exit": 1, "named": "DP_RANK_UNSUBSCRIBED", "reproduced": True, "recorded": "2026-12-07"}
     for reproduced, mark in ((True, "DP_RANK_UNSUBSCRIBED (dp; reproduced live)"), (False, "DP_RANK_UNSUBSCRIBED (dp),")):
         (tmp_path / "DP_RANK_UNSUBSCRIBED-1.5.1-0.5.23.json").write_text(json.dumps({**record, "reproduced": reproduced}))
-        finding_status.live_records.cache_clear()
         text = matrix.render_markdown([row], "cmd")
         assert mark in text and "NAMESPACE_DROPPED (hash) |" in text, text
-    finding_status.live_records.cache_clear()
