@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from kvalign.live.cluster.routers import RouterSetup
-from kvalign.live.runs.fuzz.driver import FuzzDriver, FuzzOptions, fuzz_cluster
+from kvalign.live.runs.fuzz.driver import FuzzDriver
+from kvalign.live.runs.fuzz.options import FuzzOptions
+from kvalign.live.runs.fuzz.plan import fuzz_cluster
 from kvalign.live.runs.fuzz.machine import run_fuzz
 
 

@@ -31,7 +31,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kvalign.live.runs.fuzz.driver import FuzzDriver, FuzzOptions, fuzz_cluster  # noqa: E402
+from kvalign.live.runs.fuzz.driver import FuzzDriver  # noqa: E402
+from kvalign.live.runs.fuzz.options import FuzzOptions  # noqa: E402
+from kvalign.live.runs.fuzz.plan import fuzz_cluster  # noqa: E402
 from kvalign.live.runs.fuzz.prompts import resolve  # noqa: E402
 from kvalign.live.wire.client import complete_tokens  # noqa: E402
 

@@ -17,9 +17,9 @@ from typing import Any
 
 from kvalign.commands import hicache_option
 from kvalign.errors import UsageError
-from kvalign.live.runs.fuzz.driver import (
-    ENGINES, TOPOLOGIES, FuzzDriver, FuzzEnvironmentError, FuzzOptions, engine_problem, fuzz_cluster,
-)
+from kvalign.live.runs.fuzz.driver import FuzzDriver
+from kvalign.live.runs.fuzz.options import ENGINES, TOPOLOGIES, FuzzEnvironmentError, FuzzOptions, engine_problem
+from kvalign.live.runs.fuzz.plan import fuzz_cluster
 from kvalign.live.cluster.processes import ProcessExited
 from kvalign.live.runs.fuzz.speculation import DEFAULT_SIZE as SPEC_WINDOW
 from kvalign.live.cluster.routers import APPROX_POLICIES, ROUTER_MODES

@@ -14,21 +14,36 @@ What it does, from the pinned list ``scripts/gpu/requirements-gpu.txt`` (name==v
    its 1 GB FA3 ``flash_ops`` (the live layer runs SGLang's triton attention), SGLang's
    ``multimodal_gen`` and test trees, Dynamo's ``_core.abi3.so`` symbol tables (``strip``), and NIXL EP
    (``nixl_ep_cu13``, built for torch 2.12+ only; SGLang's NIXL transfer uses UCX and the bindings);
-4. pack each distribution's files (from its ``RECORD``) as one reproducible ``tar.xz``, and place the
-   archives into chunks of at most :data:`CHUNK_LIMIT` bytes (largest first), so that a chunk plus
-   the working tree fits one command's carry;
-5. write ``scripts/gpu/manifest.json`` (committed): each distribution's name, version, wheel
-   SHA-256, archive SHA-256 and size, and chunk. ``tests/unit/suite/test_gpu_bundle.py`` holds it.
+4. take out what ``pip install`` wrote about *this* install (:func:`normalize`): ``direct_url.json``
+   names the wheel's absolute path, and ``RECORD`` hashes it and the console scripts, whose shebang
+   is this machine's interpreter; ``RECORD`` is written again from the files that travel;
+5. pack each distribution's files as one reproducible ``tar.xz`` (:func:`pack`: sorted names, mtime
+   0, owner 0/0 unnamed, mode 0644 or 0755, PAX), and place the archives into chunks of at most
+   :data:`CHUNK_LIMIT` bytes (largest first), so that a chunk plus the working tree fits one
+   command's carry;
+6. write ``scripts/gpu/manifest.json`` (committed): each distribution's name, version, wheel
+   SHA-256, archive SHA-256 and size, and chunk, the tools that shaped bytes (``built_with``) and
+   the fields those tools make machine-dependent (``machine_dependent``, :data:`MACHINE_DEPENDENT`).
+   ``tests/unit/suite/test_gpu_bundle.py`` holds it, and packs a wheel twice from two paths.
+
+Reproducible: the same wheels give the same archives on another machine, whatever the wheel
+directory, the staging directory, the umask or the clock, except where a tool's own release shapes
+the bytes (:data:`MACHINE_DEPENDENT`): ``strip`` (binutils) rewrites ``ai-dynamo-runtime``'s shared
+object, and ``apt-get download`` takes the mirror's current ``libssl-dev``.
 
 ``scripts/gpu/unpack.sh`` is the other half, run on the GPU machine.
 
-Usage: ``python3 scripts/gpu/pack.py [--out .gpu-bundle] [--wheels ~/.cache/kvalign/gpu-wheels]``.
+Usage: ``python3 scripts/gpu/pack.py [--out .gpu-bundle] [--wheels ~/.cache/kvalign/gpu-wheels]`` (the
+index is asked only for pins whose wheel is not in ``--wheels`` yet).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import csv
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -60,6 +75,21 @@ CHUNK_LIMIT = CALL_LIMIT - TREE_ROOM
 #: KV-event hash extension (``mem_cache/cpp_utils/hash_binding.cpp``, JIT-built on first use) needs
 #: where the device image has none. The version is this machine's Debian's; only headers are used.
 DEBS = ("libssl-dev",)
+
+
+#: Files ``pip install`` writes beside a distribution that describe the install, not the package:
+#: ``direct_url.json`` holds the wheel's ``file://`` path. Dropped (``INSTALLER`` "pip" and the empty
+#: ``REQUESTED`` are the same on every machine and stay).
+INSTALL_RECORDS = ("direct_url.json",)
+
+#: Manifest fields another machine may build differently from the same wheels, and why.
+MACHINE_DEPENDENT = {
+    "distributions[ai-dynamo-runtime].archive_sha256, .archive_bytes":
+        "strip --strip-unneeded rewrites dynamo/_core.abi3.so; its output follows the binutils release "
+        "(built_with.strip)",
+    "debs[*] (version, file, bytes, sha256)": "apt-get download takes the Debian mirror's current libssl-dev",
+    "chunks[*].bytes, and a chunk assignment": "sums of the sizes above; an archive may move chunk if they change",
+}
 
 
 @dataclass(frozen=True)
@@ -123,6 +153,15 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def tool_version(argv: list[str]) -> str:
+    """The first line ``argv`` prints (a tool's ``--version``), or why there is none."""
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return f"unavailable ({exc})"
+    return out.splitlines()[0].strip() if out.strip() else "unavailable (no output)"
+
+
 def pip(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args], check=True)
 
@@ -134,20 +173,28 @@ def platform_args() -> list[str]:
     return out
 
 
-def download(pins: dict[str, str], wheels: Path) -> dict[str, Path]:
-    """The wheel of each pin (downloaded once into ``wheels``)."""
-    wheels.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as req:
-        req.write("".join(f"{n}=={v}\n" for n, v in pins.items()))
-    try:
-        pip("download", "--no-deps", *platform_args(), "-d", str(wheels), "-r", req.name)
-    finally:
-        os.unlink(req.name)
+def local_wheels(pins: dict[str, str], wheels: Path) -> dict[str, Path]:
+    """The pins whose wheel is already in ``wheels``."""
     found: dict[str, Path] = {}
-    for whl in wheels.glob("*.whl"):
+    for whl in sorted(wheels.glob("*.whl")):
         name, version = whl.name.split("-")[:2]
         if pins.get(canonical(name)) == version:
             found[canonical(name)] = whl
+    return found
+
+
+def download(pins: dict[str, str], wheels: Path) -> dict[str, Path]:
+    """The wheel of each pin (downloaded once into ``wheels``; the index is not asked when all are there)."""
+    wheels.mkdir(parents=True, exist_ok=True)
+    absent = {n: v for n, v in pins.items() if n not in local_wheels(pins, wheels)}
+    if absent:
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as req:
+            req.write("".join(f"{n}=={v}\n" for n, v in absent.items()))
+        try:
+            pip("download", "--no-deps", *platform_args(), "-d", str(wheels), "-r", req.name)
+        finally:
+            os.unlink(req.name)
+    found = local_wheels(pins, wheels)
     missing = sorted(set(pins) - set(found))
     if missing:
         raise SystemExit(f"no cp{PYTHON_VERSION.replace('.', '')} wheel downloaded for: {', '.join(missing)}")
@@ -195,15 +242,59 @@ def trim(dist: Dist, stage: Path) -> None:
     dist.files = kept
 
 
+def record_hash(path: Path) -> str:
+    """``RECORD``'s hash of a file: ``sha256=`` and the urlsafe base64 digest without padding."""
+    digest = hashlib.sha256(path.read_bytes()).digest()
+    return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def normalize(dist: Dist, stage: Path) -> None:
+    """Drop what ``pip install`` recorded about this install (:data:`INSTALL_RECORDS`) and write the
+    distribution's ``RECORD`` again from the files that travel (trimmed ones gone, no console script
+    outside the tree, whose shebang and hash are this machine's interpreter), so the archive holds
+    nothing of the machine, the wheel's directory or the staging directory."""
+    info = next((rel.split("/")[0] for rel in dist.files if rel.split("/")[0].endswith(".dist-info")), None)
+    if info is None:
+        raise SystemExit(f"{dist.name}: no .dist-info among its files")
+    for name in INSTALL_RECORDS:
+        rel = f"{info}/{name}"
+        if rel in dist.files:
+            (stage / rel).unlink()
+            dist.files.remove(rel)
+    record = f"{info}/RECORD"
+    rows = io.StringIO()
+    writer = csv.writer(rows, lineterminator="\n")
+    for rel in sorted(set(dist.files) | {record}):
+        writer.writerow((rel, "", "") if rel == record else (rel, record_hash(stage / rel), (stage / rel).stat().st_size))
+    (stage / record).write_text(rows.getvalue())
+    dist.files = sorted(set(dist.files) | {record})
+
+
 def pack(files: Iterable[str], stage: Path, archive: Path) -> None:
-    """A reproducible tar.xz (sorted names, fixed mtime and owner) of ``files`` under ``stage``."""
+    """A reproducible tar.xz of ``files`` under ``stage``: sorted names, PAX, mtime 0, owner 0/0
+    without names, mode 0755 where any execute bit is set and 0644 otherwise (the umask's mark)."""
     def norm(info: tarfile.TarInfo) -> tarfile.TarInfo:
         info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+        info.mode = 0o755 if info.mode & 0o111 else 0o644
         return info
 
-    with tarfile.open(archive, "w:xz", preset=6) as tar:
+    with tarfile.open(archive, "w:xz", preset=6, format=tarfile.PAX_FORMAT) as tar:
         for rel in sorted(files):
             tar.add(stage / rel, arcname=rel, filter=norm, recursive=False)
+
+
+def stage_and_pack(wheels: dict[str, Path], pins: dict[str, str], archives: Path) -> list[Dist]:
+    """Install ``wheels`` into a fresh staging tree, trim and normalise each pinned distribution, and
+    pack it as ``archives/<name>.tar.xz``."""
+    with tempfile.TemporaryDirectory(prefix="kvalign-gpu-stage-") as tmp:
+        stage = Path(tmp)
+        install(wheels, stage)
+        dists = dist_files(stage, pins, wheels)
+        for dist in dists:
+            trim(dist, stage)
+            normalize(dist, stage)
+            pack(dist.files, stage, archives / f"{dist.name}.tar.xz")
+    return dists
 
 
 def place(sizes: dict[str, int], limit: int = CHUNK_LIMIT) -> list[list[str]]:
@@ -243,13 +334,7 @@ def build(out: Path, wheels_dir: Path) -> dict[str, object]:
         shutil.rmtree(out)
     archives = out / "archives"
     archives.mkdir(parents=True)
-    with tempfile.TemporaryDirectory(prefix="kvalign-gpu-stage-") as tmp:
-        stage = Path(tmp)
-        install(wheels, stage)
-        dists = dist_files(stage, pins, wheels)
-        for dist in dists:
-            trim(dist, stage)
-            pack(dist.files, stage, archives / f"{dist.name}.tar.xz")
+    dists = stage_and_pack(wheels, pins, archives)
     debs = fetch_debs(archives)
     sizes = {p.name: p.stat().st_size for p in archives.iterdir()}
     chunks = place(sizes)
@@ -260,6 +345,9 @@ def build(out: Path, wheels_dir: Path) -> dict[str, object]:
     archives.rmdir()
     return {
         "python": PYTHON_VERSION, "platforms": list(PLATFORMS), "chunk_limit": CHUNK_LIMIT, "call_limit": CALL_LIMIT,
+        "built_with": {"strip": tool_version(["strip", "--version"]),
+                       "pip": tool_version([sys.executable, "-m", "pip", "--version"]).split(" from ")[0]},
+        "machine_dependent": MACHINE_DEPENDENT,
         "distributions": [
             {"name": d.name, "version": d.version, "wheel": d.wheel.name, "wheel_sha256": sha256(d.wheel),
              "archive": f"{d.name}.tar.xz", "archive_bytes": sizes[f"{d.name}.tar.xz"],

@@ -32,7 +32,9 @@ import pytest
 from conftest import OUT_ROOT, sglang_cpu_missing
 from kvalign.commands.fuzz import DEFAULT_SEED, DISAGG_SEED, DISAGG_SHORT
 from kvalign.live.cluster.ranks import split_label
-from kvalign.live.runs.fuzz.driver import FuzzDriver, FuzzOptions, fuzz_cluster
+from kvalign.live.runs.fuzz.driver import FuzzDriver
+from kvalign.live.runs.fuzz.options import FuzzOptions
+from kvalign.live.runs.fuzz.plan import fuzz_cluster
 from kvalign.live.runs.advertised import advertised_rows
 from kvalign.live.runs.fuzz.machine import FuzzResult, replay, run_fuzz
 

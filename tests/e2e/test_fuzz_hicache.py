@@ -31,7 +31,9 @@ import pytest
 
 from conftest import OUT_ROOT, sglang_cpu_missing
 from kvalign.live.engines.hicache import HiCache
-from kvalign.live.runs.fuzz.driver import FuzzDriver, FuzzOptions, fuzz_cluster
+from kvalign.live.runs.fuzz.driver import FuzzDriver
+from kvalign.live.runs.fuzz.options import FuzzOptions
+from kvalign.live.runs.fuzz.plan import fuzz_cluster
 from kvalign.live.runs.fuzz.machine import FuzzResult, replay
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

@@ -33,8 +33,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from kvalign.releases.release_env import python_for
@@ -85,7 +86,9 @@ class SglangCpuWorkerKind:
                  sglang_dir: Path | None = None, relay_subscribe: Mapping[str, str] | None = None,
                  sleep_on_idle: bool = True, hicache: HiCache | None = None,
                  extra_env: Mapping[str, str] | None = None, transfer: str = "nixl",
-                 checksum_injector: bool = False) -> None:
+                 checksum_injector: bool = False, decode_max_total_tokens: int | None = None,
+                 event_format: str = "default", record_server_info: bool = False,
+                 publisher_faults_dir: Path | None = None) -> None:
         if transfer not in TRANSFER_BACKENDS:
             raise ValueError(f"transfer backend must be one of {', '.join(TRANSFER_BACKENDS)}, got {transfer!r}")
         self.draft_model, self.eagle = draft_model, eagle
@@ -107,17 +110,17 @@ class SglangCpuWorkerKind:
         #: the decode workers' pool when it must differ (a small prefill pool that evicts): SGLang's
         #: decode pre-allocation reserves ``--num-reserved-decode-tokens`` (512) per request, so a
         #: 512-token decode pool admits no request and every hand-off waits forever
-        self.decode_max_total_tokens: int | None = None
+        self.decode_max_total_tokens = decode_max_total_tokens
         self.sglang_version, self.sglang_dir = sglang_version, sglang_dir
         self.release = sglang_cpu_standin.SUPPORTED[sglang_version]
         self.relay_subscribe = dict(relay_subscribe or {})  # worker name -> the fuzz's lossy-hop endpoint
         #: SGLang's KV-event format (``--kv-events-config``'s ``format``; "dynamo" from SGLang 0.5.23)
-        self.event_format = "default"
+        self.event_format = event_format
         #: publishing workers record SGLang's /server_info KV-event descriptor (:func:`server_info_path`)
-        self.record_server_info = False
+        self.record_server_info = record_server_info
         #: a test control (the fuzz's ``publisher_faults``): each publishing worker loads kvalign's
         #: publisher-fault hook, armed through ``<dir>/<worker>.json`` (never set on the normal path)
-        self.publisher_faults_dir: Path | None = None
+        self.publisher_faults_dir = publisher_faults_dir
         self.extra_env = dict(extra_env or {})  # e.g. a stand-in switched on for this run only
 
     def _kv_ipc(self, worker: WorkerSpec, plan: ClusterPlan) -> str:
@@ -295,10 +298,25 @@ def plan_cluster(topology: Topology, run_dir: str | Path, *, draft: Draft = "agr
                  control_plane: ControlPlane = "file", sglang_version: str | None = None,
                  hicache: HiCache | None = None, pair: Pair = "zero-head", transfer: str | None = None,
                  checksum_mismatch_prob: float = 0.0) -> tuple[ClusterPlan, SglangCpuWorkerKind]:
+    """Plan a real-engine CPU run with the kind's default worker settings (:func:`plan_engine`)."""
+    plan, kind = plan_engine(topology, run_dir, draft=draft, control_plane=control_plane,
+                             sglang_version=sglang_version, hicache=hicache, pair=pair, transfer=transfer,
+                             checksum_mismatch_prob=checksum_mismatch_prob)
+    return plan, kind()
+
+
+def plan_engine(topology: Topology, run_dir: str | Path, *, draft: Draft = "agree",
+                control_plane: ControlPlane = "file", sglang_version: str | None = None,
+                hicache: HiCache | None = None, pair: Pair = "zero-head", transfer: str | None = None,
+                checksum_mismatch_prob: float = 0.0) -> tuple[ClusterPlan, Callable[..., SglangCpuWorkerKind]]:
     """Plan a real-engine CPU run: the tiny models (``pair``) are built under ``run_dir/models`` (a few
     hundred KB, so every run builds its own) and served as :data:`TARGET_NAME`; ``transfer`` is SGLang's
     prefill->decode backend (None: the release's, :attr:`~kvalign.standins.sglang_cpu.Release.transfer`) and
-    ``checksum_mismatch_prob`` SGLang's own checksum-mismatch injector."""
+    ``checksum_mismatch_prob`` SGLang's own checksum-mismatch injector.
+
+    The kind comes back unbuilt, its constructor with the engine's arguments bound: a run calls it
+    once with its own worker settings (:class:`SglangCpuWorkerKind`'s keywords), including those
+    that depend on the plan's ports (the fuzz's relay hops), so no setting is patched in later."""
     version, sglang_dir = release_dir(sglang_version)
     if hicache is not None:
         from kvalign.live.engines.hicache import problem
@@ -310,9 +328,9 @@ def plan_cluster(topology: Topology, run_dir: str | Path, *, draft: Draft = "agr
     run = Path(run_dir).resolve()
     target, draft_dir = write_models(run / "models", draft, pair=pair)
     plan = make_plan(topology, run, str(target), model_name=TARGET_NAME, control_plane=control_plane)
-    return plan, SglangCpuWorkerKind(str(draft_dir), sglang_version=version, sglang_dir=sglang_dir, hicache=hicache,
-                                     transfer=transfer or sglang_cpu_standin.SUPPORTED[version].transfer,
-                                     checksum_injector=checksum_mismatch_prob > 0)
+    return plan, partial(SglangCpuWorkerKind, str(draft_dir), sglang_version=version, sglang_dir=sglang_dir,
+                         hicache=hicache, transfer=transfer or sglang_cpu_standin.SUPPORTED[version].transfer,
+                         checksum_injector=checksum_mismatch_prob > 0)
 
 
 def checksum_injector_arm_path(plan: ClusterPlan) -> Path:

@@ -22,7 +22,10 @@ Settings and why:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from kvalign.live.cluster.lifecycle import make_plan
 from kvalign.live.cluster.topology import ClusterPlan, ControlPlane, Topology, WorkerSpec
@@ -45,9 +48,11 @@ class SglangGpuWorkerKind(SglangCpuWorkerKind):
     name = "sglang-gpu"
 
     def __init__(self, draft_model: str | None, *, eagle: EagleConfig = EagleConfig(), cuda_graph: bool = False,
-                 hicache: HiCache | None = None, transfer: str = "nixl", checksum_injector: bool = False) -> None:
+                 hicache: HiCache | None = None, transfer: str = "nixl", checksum_injector: bool = False,
+                 **settings: Any) -> None:
+        """``settings``: the CPU kind's worker settings (pools, event format, recording)."""
         super().__init__(draft_model, sglang_version=sglang_gpu_standin.SGLANG_VERSION, hicache=hicache,
-                         transfer=transfer, checksum_injector=checksum_injector)
+                         transfer=transfer, checksum_injector=checksum_injector, **settings)
         self.eagle, self.cuda_graph = eagle, cuda_graph
 
     def device_args(self, worker: WorkerSpec, plan: ClusterPlan) -> list[str]:
@@ -74,13 +79,25 @@ def plan_cluster(topology: Topology, run_dir: str | Path, *, draft: Draft = "agr
                  control_plane: ControlPlane = "file", hicache: HiCache | None = None,
                  cuda_graph: bool = False, pair: Pair = "zero-head", transfer: str = "nixl",
                  checksum_mismatch_prob: float = 0.0) -> tuple[ClusterPlan, SglangGpuWorkerKind]:
+    """Plan a real-engine GPU run with the kind's default worker settings (:func:`plan_engine`)."""
+    plan, kind = plan_engine(topology, run_dir, draft=draft, control_plane=control_plane, hicache=hicache,
+                             cuda_graph=cuda_graph, pair=pair, transfer=transfer,
+                             checksum_mismatch_prob=checksum_mismatch_prob)
+    return plan, kind()
+
+
+def plan_engine(topology: Topology, run_dir: str | Path, *, draft: Draft = "agree",
+                control_plane: ControlPlane = "file", hicache: HiCache | None = None,
+                cuda_graph: bool = False, pair: Pair = "zero-head", transfer: str = "nixl",
+                checksum_mismatch_prob: float = 0.0) -> tuple[ClusterPlan, Callable[..., SglangGpuWorkerKind]]:
     """Plan a real-engine GPU run: the tiny models (GPU shapes, bf16) are written under
-    ``run_dir/models`` and served as :data:`TARGET_NAME`."""
+    ``run_dir/models`` and served as :data:`TARGET_NAME`; the kind comes back unbuilt, as from
+    :func:`.sglang_cpu.plan_engine`."""
     run = Path(run_dir).resolve()
     target, draft_dir = write_models(run / "models", draft, GPU, pair=pair)
     plan = make_plan(topology, run, str(target), model_name=TARGET_NAME, control_plane=control_plane)
-    return plan, SglangGpuWorkerKind(str(draft_dir), hicache=hicache, cuda_graph=cuda_graph, transfer=transfer,
-                                     checksum_injector=checksum_mismatch_prob > 0)
+    return plan, partial(SglangGpuWorkerKind, str(draft_dir), hicache=hicache, cuda_graph=cuda_graph, transfer=transfer,
+                         checksum_injector=checksum_mismatch_prob > 0)
 
 
 def engine_problem() -> str | None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvalign.live.runs.fuzz.dp_ranks import CREDIT, ROUTED_RANK_SERVED, DpRanks
-from kvalign.live.runs.fuzz.driver import FuzzOptions
+from kvalign.live.runs.fuzz.options import FuzzOptions
 from kvalign.live.runs.fuzz.invariants import Observation, Tally
 from kvalign.live.wire.client import Completion
 

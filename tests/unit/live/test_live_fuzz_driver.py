@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from kvalign.live.runs.fuzz.driver import COUNTS, FuzzDriver, FuzzOptions
+from kvalign.live.runs.fuzz.driver import COUNTS, FuzzDriver
+from kvalign.live.runs.fuzz.options import FuzzOptions
 from kvalign.live.runs.fuzz.invariants import InvariantFailed, Observation, Tally
 from kvalign.live.runs.fuzz.prompts import Sent
 from kvalign.live.runs.fuzz.views import DeliveredViews, WorkerViews

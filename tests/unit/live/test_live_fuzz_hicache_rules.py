@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvalign.live.engines.hicache import HiCache
 from kvalign.live.runs.fuzz import hicache_rules
-from kvalign.live.runs.fuzz.driver import FuzzOptions
+from kvalign.live.runs.fuzz.options import FuzzOptions
 from kvalign.live.runs.fuzz.tiers import Residency
 
 

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from kvalign.commands.fuzz import DEFAULT_SEED, DISAGG_SEED, DISAGG_SHORT, HICACHE_SEED, ROUTERS_SEED
-from kvalign.live.runs.fuzz.driver import COUNTS, FuzzEnvironmentError, FuzzOptions
+from kvalign.live.runs.fuzz.driver import COUNTS
+from kvalign.live.runs.fuzz.options import FuzzEnvironmentError, FuzzOptions
 from kvalign.live.runs.fuzz.invariants import InvariantFailed, Tally
 from kvalign.live.runs.fuzz.machine import replay, run_fuzz
 

@@ -18,7 +18,7 @@ import pytest
 from kvalign.cli import main
 from kvalign.live.engines.hicache import STORAGE_DIR_ENV, HiCache
 from kvalign.live.runs.fuzz import hicache_rules
-from kvalign.live.runs.fuzz.driver import FuzzOptions, engine_problem
+from kvalign.live.runs.fuzz.options import FuzzOptions, engine_problem
 from kvalign.live.runs.fuzz.hicache import (
     STORAGE_COUNTS, EngineTiers, TierObservation, cause, storage_pages, storage_uncredited,
 )

@@ -67,7 +67,8 @@ def test_a_missing_prefill_counter_after_a_request_is_a_missing_surface_naming_i
 
 
 def test_a_missing_surface_stops_the_run_as_an_environment_error_naming_it():
-    from kvalign.live.runs.fuzz.driver import FuzzDriver, FuzzEnvironmentError
+    from kvalign.live.runs.fuzz.driver import FuzzDriver
+    from kvalign.live.runs.fuzz.options import FuzzEnvironmentError
 
     d = object.__new__(FuzzDriver)
     d.steps, d.steps_run = [], 0

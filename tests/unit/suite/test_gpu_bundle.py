@@ -103,3 +103,130 @@ def test_placement_refuses_an_archive_larger_than_a_chunk():
     """Negative control: nothing can carry it, so the build stops instead of writing a chunk that fails there."""
     with pytest.raises(SystemExit, match="over one chunk"):
         pack.place({"small": 10, "huge": 101}, 100)
+
+
+# ---- reproducible archives: the same wheel, packed from two machines' paths, gives one SHA-256 ----------
+
+
+def tiny_wheel(where: Path) -> Path:
+    """A wheel with a module, an executable data file and a console script (whose installed shebang
+    is the installing interpreter's): every kind of file ``pip install`` writes per machine."""
+    import base64
+    import hashlib
+    import zipfile
+
+    files = {
+        "tinykv/__init__.py": b"VALUE = 1\n",
+        "tinykv/run.sh": b"#!/bin/sh\necho tiny\n",
+        "tinykv-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tinykv\nVersion: 1.0\n",
+        "tinykv-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: kvalign-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        "tinykv-1.0.dist-info/entry_points.txt": b"[console_scripts]\ntinykv = tinykv:VALUE\n",
+    }
+    record = "".join(f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
+                     f"{len(data)}\n" for name, data in files.items()) + "tinykv-1.0.dist-info/RECORD,,\n"
+    where.mkdir(parents=True, exist_ok=True)
+    wheel = where / "tinykv-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, data in [*files.items(), ("tinykv-1.0.dist-info/RECORD", record.encode())]:
+            info = zipfile.ZipInfo(name, (2020, 1, 1, 0, 0, 0))
+            info.external_attr = (0o755 if name.endswith(".sh") else 0o644) << 16
+            zf.writestr(info, data)
+    return wheel
+
+
+def pack_from(wheel: Path, wheel_dir: Path, out: Path, umask: int) -> dict[str, str]:
+    """``pack.stage_and_pack`` of ``wheel`` copied into ``wheel_dir``, under ``umask``: archive -> SHA-256."""
+    import os
+    import shutil
+
+    wheel_dir.mkdir(parents=True)
+    out.mkdir(parents=True)
+    old = os.umask(umask)
+    try:
+        pack.stage_and_pack({"tinykv": Path(shutil.copy(wheel, wheel_dir))}, {"tinykv": "1.0"}, out)
+    finally:
+        os.umask(old)
+    return {p.name: pack.sha256(p) for p in out.iterdir()}
+
+
+@pytest.mark.slow  # two real `pip install --target` runs (a few seconds)
+def test_the_same_wheel_packs_to_one_sha256_from_two_wheel_dirs_and_umasks(tmp_path):
+    """Two installs of one wheel from different directories, into different staging trees, under
+    different umasks: ``direct_url.json`` would name each wheel path, and ``RECORD`` hash it."""
+    wheel = tiny_wheel(tmp_path / "built")
+    one = pack_from(wheel, tmp_path / "a" / "wheels", tmp_path / "out-a", 0o022)
+    two = pack_from(wheel, tmp_path / "b" / "elsewhere" / "wheels", tmp_path / "out-b", 0o077)
+    assert list(one) == ["tinykv.tar.xz"] and one == two
+
+
+@pytest.mark.slow
+def test_without_normalize_the_install_records_leak_the_wheel_path(tmp_path, monkeypatch):
+    """Negative control: the same two packs without :func:`pack.normalize` differ (pip's
+    ``direct_url.json`` names the wheel's directory), so the test above guards what normalize does."""
+    monkeypatch.setattr(pack, "normalize", lambda dist, stage: None)
+    wheel = tiny_wheel(tmp_path / "built")
+    one = pack_from(wheel, tmp_path / "a" / "wheels", tmp_path / "out-a", 0o022)
+    two = pack_from(wheel, tmp_path / "b" / "elsewhere" / "wheels", tmp_path / "out-b", 0o022)
+    assert one != two
+
+
+def staged(stage: Path, wheel_path: str, umask_mode: int) -> "pack.Dist":
+    """A staging tree as ``pip install --target`` leaves one distribution (no pip run): the install
+    records of this machine, a console script's RECORD line outside the tree, files at ``umask_mode``."""
+    info = stage / "tinykv-1.0.dist-info"
+    info.mkdir(parents=True)
+    (stage / "tinykv").mkdir()
+    (stage / "tinykv" / "__init__.py").write_text("VALUE = 1\n")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tinykv\nVersion: 1.0\n")
+    (info / "INSTALLER").write_text("pip\n")
+    (info / "direct_url.json").write_text('{"url": "file://%s"}' % wheel_path)
+    (info / "RECORD").write_text(f"../../bin/tinykv,sha256={wheel_path},99\ntinykv/__init__.py,,\n")
+    for p in (stage / "tinykv" / "__init__.py", info / "METADATA", info / "INSTALLER", info / "direct_url.json",
+              info / "RECORD"):
+        p.chmod(umask_mode)
+    files = ["tinykv/__init__.py", "tinykv-1.0.dist-info/METADATA", "tinykv-1.0.dist-info/INSTALLER",
+             "tinykv-1.0.dist-info/direct_url.json", "tinykv-1.0.dist-info/RECORD"]
+    return pack.Dist("tinykv", "1.0", Path(wheel_path), files)
+
+
+def test_normalize_drops_the_wheel_path_and_writes_record_from_what_travels(tmp_path):
+    a, b = staged(tmp_path / "a", "/home/one/wheels/t.whl", 0o644), staged(tmp_path / "b", "/other/w/t.whl", 0o600)
+    digests = []
+    for dist, stage in ((a, tmp_path / "a"), (b, tmp_path / "b")):
+        pack.normalize(dist, stage)
+        assert "tinykv-1.0.dist-info/direct_url.json" not in dist.files
+        record = (stage / "tinykv-1.0.dist-info" / "RECORD").read_text().splitlines()
+        assert [line.split(",")[0] for line in record] == sorted(dist.files)
+        assert "tinykv-1.0.dist-info/RECORD,," in record and not any(".." in line for line in record)
+        pack.pack(dist.files, stage, tmp_path / f"{stage.name}.tar.xz")
+        digests.append(pack.sha256(tmp_path / f"{stage.name}.tar.xz"))
+    assert digests[0] == digests[1]
+
+
+def test_pack_fixes_what_the_staging_machine_leaves_in_a_tar_header(tmp_path):
+    """mtime, owner and the umask's mode bits: a file at 0600 and one at 0644 pack alike; an
+    executable stays executable."""
+    import os
+    import tarfile
+
+    for name, mode, when in (("a", 0o600, 1), ("b", 0o664, 2_000_000_000)):
+        stage = tmp_path / name
+        stage.mkdir()
+        (stage / "x.py").write_text("x = 1\n")
+        (stage / "run.sh").write_text("#!/bin/sh\n")
+        (stage / "x.py").chmod(mode)
+        (stage / "run.sh").chmod(mode | 0o100)
+        for f in ("x.py", "run.sh"):
+            os.utime(stage / f, (when, when))
+        pack.pack(["x.py", "run.sh"], stage, tmp_path / f"{name}.tar.xz")
+    assert pack.sha256(tmp_path / "a.tar.xz") == pack.sha256(tmp_path / "b.tar.xz")
+    with tarfile.open(tmp_path / "a.tar.xz") as tar:
+        assert {m.name: (m.mode, m.mtime, m.uid, m.uname) for m in tar.getmembers()} == {
+            "run.sh": (0o755, 0, 0, ""), "x.py": (0o644, 0, 0, "")}
+
+
+def test_the_manifest_names_its_machine_dependent_fields_and_the_tools_behind_them():
+    assert MANIFEST["machine_dependent"] == pack.MACHINE_DEPENDENT
+    assert set(MANIFEST["built_with"]) == {"strip", "pip"}
+    stripped = [d["name"] for d in MANIFEST["distributions"] if pack.TRIMS.get(d["name"], pack.Trim()).strip]
+    assert stripped and all(any(f"[{name}]" in field for field in pack.MACHINE_DEPENDENT) for name in stripped)

@@ -27,7 +27,8 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
 
-from kvalign.live.runs.fuzz.driver import FuzzDriver, FuzzEnvironmentError, FuzzOptions
+from kvalign.live.runs.fuzz.driver import FuzzDriver
+from kvalign.live.runs.fuzz.options import FuzzEnvironmentError, FuzzOptions
 from kvalign.live.runs.fuzz.invariants import INVARIANTS, InvariantFailed
 from kvalign.live.runs.fuzz.prompts import lengths, max_tokens, prompt_specs
 
