@@ -75,6 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--property", dest="props", action="append", choices=registry.names(),
                    help="only these properties (check --property per pair; the table shows only their columns). "
                         "E.g. --property card for a dynamo.sglang change: the card row alone decides it")
+    p.add_argument("--all", dest="all_props", action="store_true",
+                   help="every property, the opt-in ones too (check --all per pair): without it the table says "
+                        "which did not run")
     p.add_argument("--live", action="store_true",
                    help="also run the seed scenario (kvalign e2e run --engine sglang-cpu) per pair, one at a time, "
                         f"as column {LIVE_COLUMN!r} (real CPU engines: ~3 min and ~6 GiB per pair)")
@@ -118,13 +121,19 @@ def _plan(args: argparse.Namespace) -> dict[str, object]:
     plan = {"dynamo": _versions(args.dynamo, "--dynamo"), "sglang": _versions(args.sglang, "--sglang"),
             "shipped": bool(args.shipped), "examples": args.examples, "ingest_examples": args.ingest_examples,
             "live": bool(args.live), "event_format": args.event_format}
-    if args.props:
+    if args.all_props and args.props:
+        raise UsageError("--all runs every property: give it or --property, not both")
+    if args.all_props:
+        plan["all"] = True
+    if args.props or args.all_props:
         plan["properties"] = _props(args)
     return plan
 
 
 def _props(args: argparse.Namespace) -> list[str]:
     """The properties a run checks, in the table's column order."""
+    if getattr(args, "all_props", False):
+        return [p.name for p in registry.of_engine("sglang")]
     return [p for p in registry.names() if p in args.props] if args.props else list(registry.default_names())
 
 
@@ -175,7 +184,7 @@ def reproduce(plan: dict) -> str:
     argv += ["--examples", str(plan["examples"])] if plan.get("examples", EXAMPLES) != EXAMPLES else []
     if plan.get("ingest_examples", INGEST_EXAMPLES) != INGEST_EXAMPLES:
         argv += ["--ingest-examples", str(plan["ingest_examples"])]
-    argv += [a for p in plan.get("properties") or () for a in ("--property", p)]
+    argv += ["--all"] if plan.get("all") else [a for p in plan.get("properties") or () for a in ("--property", p)]
     argv += ["--live"] if plan.get("live") else []
     return " ".join([*argv, "--markdown"])
 
@@ -186,7 +195,7 @@ def _print(results: list[PairResult], versions: dict, *, as_json: bool, props: l
         json.dump(doc or report_json(results, versions, props), sys.stdout, ensure_ascii=False)
         sys.stdout.write("\n")
     elif markdown is not None:
-        print(render_markdown(results, reproduce(markdown)))
+        print(render_markdown(results, reproduce(markdown), props))
     else:
         print(render(results, props))
 

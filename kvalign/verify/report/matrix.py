@@ -41,6 +41,7 @@ from kvalign.verify.report.finding_status import LIVE_MARK, live_run
 from kvalign.oracles.router_path import STUCK_EXIT_S, STUCK_MARK
 from kvalign.releases.release_env import ReleaseEnvError, cache_root, child_env, install, locked, python_for
 from kvalign.verify import props as registry
+from kvalign.verify.engine.scope import Scope
 from kvalign.verify.engine.rows import MODES
 from kvalign.runtime_log import log_dir
 
@@ -677,13 +678,29 @@ def report_json(results: Sequence[PairResult], versions: dict[str, Any],
     """``matrix --json``'s document; ``properties`` says which were checked (a row's empty findings
     mean aligned on those only)."""
     checked = registry.default_names() if props is None else props
-    return {"versions": versions, "properties": list(checked), "rows": [r.as_json() for r in results]}
+    return {"versions": versions, "properties": list(checked), "scope": scope_of(checked).as_json(),
+            "rows": [r.as_json() for r in results]}
+
+
+def scope_of(props: Sequence[str] | None) -> Scope:
+    """What a run's verdicts speak for: the SGLang properties it checked against those it left out."""
+    return Scope.of(registry.of_engine("sglang"), registry.default_names() if props is None else props)
+
+
+def scope_line(props: Sequence[str] | None) -> str | None:
+    """Under a table: the verdicts are for deployments without what did not run (None: everything ran)."""
+    scope = scope_of(props)
+    if scope.complete:
+        return None
+    return f"Verdicts for {scope.aligned_for()}; {scope.not_run_line()}."
 
 
 def render(results: Sequence[PairResult], props: Sequence[str] | None = None) -> str:
     """``matrix``'s stdout without ``--json``: the table (a column per checked property x mode),
     then one line per error row."""
     out = [table(results, props)]
+    line = scope_line(props)
+    out += [f"\n{line}"] if line else []
     out += [f"\n{r.dynamo} x {r.sglang}: error: {one_line(r.error or 'unknown error')}"
             for r in results if r.verdict == "error"]
     for r in results:
@@ -735,7 +752,7 @@ def _markdown_not_applicable(rows: Sequence[dict[str, str]]) -> list[str]:
     return [p if "base" in variants or len(variants) > 1 else f"{p} ({variants[0]})" for p, variants in by_prop.items()]
 
 
-def render_markdown(results: Sequence[PairResult], command: str) -> str:
+def render_markdown(results: Sequence[PairResult], command: str, props: Sequence[str] | None = None) -> str:
     """``matrix --markdown``: a row per pair (``(shipped)`` in bold: the pair a deployment of that Dynamo
     runs), the causes found with the properties that found them and ``n/a`` with the properties that
     could not run (the table without ``--markdown`` says why, a line per reason), and under it the one
@@ -745,7 +762,8 @@ def render_markdown(results: Sequence[PairResult], command: str) -> str:
         sglang = f"**{r.sglang} (shipped)**" if r.shipped else r.sglang
         live = f"; live: {r.live.get('verdict', '-')}" if r.live is not None else ""
         out.append(f"| {r.dynamo} | {sglang} | {shown_verdict(r)} | {_markdown_causes(r)}{live} |")
-    return "\n".join([*out, "", f"`{command}`"])
+    line = scope_line(props)
+    return "\n".join([*out, *(["", line] if line else []), "", f"`{command}`"])
 
 
 def exit_code(results: Sequence[PairResult]) -> int:
