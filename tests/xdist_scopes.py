@@ -34,11 +34,21 @@ MM_ORACLE_FILES = frozenset({"tests/unit/oracles/test_frontend_mm.py", "tests/un
                              "tests/unit/verify/props/mm/test_mm.py"})
 
 
+#: unit files that start vLLM's real KVCacheManager in vLLM's interpreter (importing vLLM is about 12 s
+#: of CPU): one scope, so one worker imports it once and each later engine reuses that child
+#: (:data:`kvalign.oracles.vllm._IDLE`)
+VLLM_ORACLES = "unit: vLLM oracles"
+VLLM_ORACLE_FILES = frozenset({"tests/unit/oracles/test_vllm_hash.py", "tests/unit/oracles/test_vllm_pages.py",
+                               "tests/unit/oracles/test_vllm_ingest.py", "tests/unit/oracles/test_vllm_tenants.py"})
+
+
 def scope(nodeid: str) -> str:
     """The xdist scope of ``nodeid``: its file, or one of the two live scopes."""
     path, _, name = nodeid.partition("::")
     if path in MM_ORACLE_FILES:
         return MM_ORACLES
+    if path in VLLM_ORACLE_FILES:
+        return VLLM_ORACLES
     if not path.startswith("tests/e2e/"):
         return path
     if path in REAL_ENGINE_FILES or "::test_real_engine" in f"::{name}":

@@ -6,10 +6,15 @@ a pipe: prefix lookups, prefills (which cache the prompt's full blocks, evicting
 free blocks under pressure), and vLLM's own events, which its real ``ZmqEventPublisher`` also
 publishes to ``endpoint`` when one is given (the socket a ``dynamo.vllm`` relay subscribes to).
 Its answers are vLLM's: nothing here computes a key, a hit or an event.
+
+Importing vLLM is most of a child's start (about 12 s of CPU), so a closed engine's child is kept,
+its cache released, and the next engine of this process with the same environment builds its cache
+there (:data:`_IDLE`); the idle children exit with the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -23,6 +28,27 @@ from kvalign.releases.vllm_env import ensure
 #: Seconds the child may take to import vLLM and build its cache (about 12 s of CPU; a loaded machine
 #: stretches it), and to answer one request.
 START_TIMEOUT_S, CALL_TIMEOUT_S = 300.0, 60.0
+
+
+#: idle children by their extra environment: vLLM imported, no cache, waiting for an ``init``
+_IDLE: dict[tuple[tuple[str, str], ...], list[tuple[subprocess.Popen[bytes], Any]]] = {}
+
+
+def _exit_idle() -> None:
+    for procs in _IDLE.values():
+        for proc, log in procs:
+            if proc.poll() is None and proc.stdin is not None:
+                try:
+                    write_frame(proc.stdin, {"op": "exit"})
+                    proc.stdin.close()
+                    proc.wait(timeout=10)
+                except (OSError, subprocess.TimeoutExpired):
+                    proc.kill()
+            log.close()
+    _IDLE.clear()
+
+
+atexit.register(_exit_idle)
 
 
 class VllmError(RuntimeError):
@@ -42,11 +68,18 @@ class VllmEngine:
         except ReleaseEnvError as exc:
             raise OracleUnavailable(f"vLLM's environment: {exc}") from None
         self.block_size = block_size
-        self._log = tempfile.TemporaryFile()
-        child = child_env()
-        child.update({"PYTHONHASHSEED": "0", "VLLM_LOGGING_LEVEL": "WARNING"}, **(env or {}))
-        self._proc = subprocess.Popen([python, "-m", "kvalign.oracles.vllm_child"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=self._log, env=child)
+        self._key = tuple(sorted((env or {}).items()))
+        idle = [(p, log) for p, log in _IDLE.pop(self._key, []) if p.poll() is None]
+        if idle:
+            (self._proc, self._log), rest = idle[0], idle[1:]
+            if rest:
+                _IDLE[self._key] = rest
+        else:
+            self._log = tempfile.TemporaryFile()
+            child = child_env()
+            child.update({"PYTHONHASHSEED": "0", "VLLM_LOGGING_LEVEL": "WARNING"}, **(env or {}))
+            self._proc = subprocess.Popen([python, "-m", "kvalign.oracles.vllm_child"], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=self._log, env=child)
         try:
             info = self._call("init", timeout=START_TIMEOUT_S, block_size=block_size, num_blocks=num_blocks,
                               endpoint=endpoint)
@@ -101,7 +134,15 @@ class VllmEngine:
         self._call("sentinel", engine_hash=engine_hash, token=token)
 
     def close(self) -> None:
+        """Release the cache; the child waits, vLLM imported, for this process's next engine (:data:`_IDLE`)."""
         if self._proc.poll() is None:
+            try:
+                self._call("release", timeout=10.0)
+            except (OracleUnavailable, VllmError):
+                pass
+            else:
+                _IDLE.setdefault(self._key, []).append((self._proc, self._log))
+                return
             try:
                 self._call("close", timeout=10.0)
             except (OracleUnavailable, VllmError):

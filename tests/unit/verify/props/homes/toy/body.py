@@ -19,4 +19,4 @@ def prefix_property(hasher: RouterHasher, case: CutPrompt) -> None:
     prefix = [int(h) for h in hasher(case.tokens[:case.cut * case.block_size], case.block_size, None, None, False, None)]
     if prefix != whole[:case.cut]:
         raise Mismatch("toy", f"the prompt's first {case.cut} block(s) hash differently alone than inside the "
-                       f"{len(case.tokens)}-token prompt", Cause.UNKNOWN, case)
+                       f"{len(case.tokens)}-token prompt", Cause.SEED_DRIFT, case)
