@@ -18,6 +18,8 @@ Settings and why:
   wildcard or ipc endpoints, and a wildcard is every interface);
 * ``VLLM_CPU_KVCACHE_SPACE`` (GiB) sizes the pool; ``--num-gpu-blocks-override`` caps it at the
   fuzz's ``max_total_tokens`` so a few long prompts evict;
+* ``PYTHONPATH`` led by :data:`SITE_DIR`: torchvision's shim in every process vLLM starts (it inspects
+  the model in a fresh interpreter), kvalign's tree after it;
 * ``VLLM_CPU_OMP_THREADS_BIND=nobind``, ``OMP_NUM_THREADS``: the 2-core machine is shared;
   ``VLLM_WORKER_MULTIPROC_METHOD=fork``: the engine-core process inherits the worker's shims.
 
@@ -43,6 +45,9 @@ DEFAULT_BLOCK_SIZE = 32
 #: the tiny target's shapes for vLLM: head dim 32, the CPU attention backend's smallest
 SHAPES = Shapes(hidden=128, intermediate=256, head_dim=32)
 IPC_PATH_MAX = 100  # a Unix socket path's limit is 108 bytes
+#: leads the workers' PYTHONPATH: its ``sitecustomize`` shims torchvision in every process vLLM starts
+SITE_DIR = Path(__file__).resolve().parent / "vllm_site"
+SHIM_ENV = "KVALIGN_VLLM_SHIM"
 
 
 def block_size_problem(block_size: int) -> str | None:
@@ -117,7 +122,8 @@ class VllmCpuWorkerKind:
         if worker.publishes_kv_events:
             argv += ["--kv-events-config", self.kv_events_config(worker, plan)]
         env = {
-            **plan.worker_env(worker), "PYTHONPATH": str(Path(__file__).resolve().parents[3]),
+            **plan.worker_env(worker), "PYTHONPATH": f"{SITE_DIR}:{Path(__file__).resolve().parents[3]}",
+            SHIM_ENV: "1",
             "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_space_gib),
             "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(self.threads),
             "VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1",

@@ -46,6 +46,8 @@ def test_worker_command_is_dynamo_vllm_with_events_on_an_ipc_socket_and_loopback
         assert config["enable_kv_cache_events"] and config["publisher"] == "zmq" and config["topic"] == ""
         assert config["endpoint"] == kind.kv_ipc(w, plan) and config["endpoint"].startswith("ipc://")
         assert spec.env["DYN_TCP_RPC_PORT"] == str(plan.worker_ports[w.name].rpc)
+        assert spec.env["PYTHONPATH"].split(":")[0] == str(vllm_cpu.SITE_DIR) and spec.env[vllm_cpu.SHIM_ENV] == "1"
+        assert (vllm_cpu.SITE_DIR / "sitecustomize.py").is_file()
         assert spec.env["VLLM_HOST_IP"] == "127.0.0.1" and spec.env["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
     assert kind.command(plan.topology.workers[0], plan).env[vllm_worker.RELAY_SUBSCRIBE_ENV] == \
         plan.kv_events_connect(plan.topology.workers[0])
