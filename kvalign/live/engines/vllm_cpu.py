@@ -78,7 +78,7 @@ class VllmCpuWorkerKind:
 
     name = "vllm-cpu"
 
-    def __init__(self, python: str, *, max_total_tokens: int = 4096, max_model_len: int = 1024, threads: int = 1,
+    def __init__(self, python: str, *, max_total_tokens: int = 4096, max_model_len: int = 512, threads: int = 1,
                  kv_cache_space_gib: int = 1) -> None:
         self.python = python
         self.max_total_tokens, self.max_model_len = max_total_tokens, max_model_len
@@ -99,8 +99,10 @@ class VllmCpuWorkerKind:
                            "endpoint": self.kv_ipc(worker, plan)})
 
     def blocks(self, block_size: int) -> int:
-        """The pool's blocks: ``max_total_tokens`` of them, at least one prompt's worth."""
-        return max(self.max_total_tokens, self.max_model_len) // block_size
+        """The pool's blocks: ``max_total_tokens`` of them (at least one ``max_model_len`` sequence), plus
+        the one vLLM's block pool keeps as its null block (with exactly ``max_model_len / B`` blocks
+        vLLM refuses to start: "the estimated maximum model length is max_model_len - B")."""
+        return max(self.max_total_tokens, self.max_model_len) // block_size + 1
 
     def command(self, worker: WorkerSpec, plan: ClusterPlan) -> ProcessSpec:
         if worker.role != "agg":

@@ -41,7 +41,8 @@ def test_worker_command_is_dynamo_vllm_with_events_on_an_ipc_socket_and_loopback
         f = _flags(spec.argv)
         assert spec.argv[:3] == ["/env/bin/python", "-m", "kvalign.live.engines.vllm_worker"]
         assert f["--block-size"] == "32" and "--enable-prefix-caching" in f and "--enforce-eager" in f
-        assert f["--num-gpu-blocks-override"] == str(1024 // 32)  # max(pool, max_model_len) tokens
+        assert f["--max-model-len"] == "512"
+        assert f["--num-gpu-blocks-override"] == str(512 // 32 + 1)  # the pool's tokens + vLLM's null block
         config = json.loads(f["--kv-events-config"] or "null")
         assert config["enable_kv_cache_events"] and config["publisher"] == "zmq" and config["topic"] == ""
         assert config["endpoint"] == kind.kv_ipc(w, plan) and config["endpoint"].startswith("ipc://")
