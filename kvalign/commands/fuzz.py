@@ -219,7 +219,9 @@ def run(args: argparse.Namespace) -> int:
                                   report=progress)
             result.startup_s = startup_s
             out = result.as_json()
-            rows = advertised_rows(cluster)  # each worker's block sizes, live (the events of the whole run)
+            # each worker's block sizes, live (the events of the whole run); SGLang's /server_info descriptor,
+            # which vLLM's workers do not have (their block size is checked by every request's credit)
+            rows = [] if opts.engine == "vllm-cpu" else advertised_rows(cluster)
             out["event_format"], out["advertised"] = opts.event_format, [r.as_json() for r in rows]
             bad = next((r for r in rows if not r.ok), None)
             if bad is not None and out["failure"] is None:
