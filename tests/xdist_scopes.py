@@ -26,7 +26,7 @@ FAKE_WORKERS = "live: fake workers"
 LIVE_SCOPES = (REAL_ENGINE, FAKE_WORKERS)
 #: fixtures that start or need the real SGLang engine on CPU
 REAL_ENGINE_FIXTURES = frozenset({"sglang_cpu_engine", "shipped_release"})
-REAL_ENGINE_FILES = frozenset({"tests/e2e/test_fuzz.py"})
+REAL_ENGINE_FILES = frozenset({"tests/e2e/test_fuzz.py", "tests/e2e/test_vllm_cpu.py"})
 #: unit files sharing the ``mm_oracles`` session fixture (Dynamo's frontend process and SGLang's
 #: multimodal processor, 20-40 s of CPU to start): one scope, so they start once per session
 MM_ORACLES = "unit: multimodal oracles"

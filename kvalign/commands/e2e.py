@@ -26,6 +26,7 @@ from kvalign.live.cluster.lifecycle import Cluster, plan_specs
 from kvalign.live.wire.client import SseError
 from kvalign.live.engines.engine_model import PAIRS
 from kvalign.live.engines.sglang_cpu import TRANSFER_BACKENDS
+from kvalign.live.engines.vllm_cpu import DEFAULT_BLOCK_SIZE as VLLM_BLOCK_SIZE
 from kvalign.live.runs.disagg_eagle import ENGINES, E2eOptions
 from kvalign.live.cluster.processes import ProcessExited, ProcessSpec
 from kvalign.live.cluster.topology import CONTROL_PLANES, ClusterPlan, control_plane_missing
@@ -70,7 +71,9 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--router-eagle", choices=("on", "off"), default=None,
                    help=f"off = negative control: router hashes plain (env {ROUTER_EAGLE_ENV})")
-    p.add_argument("--page-size", type=int, default=16, help="KV page / router block size (default 16)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="KV page / router block size (default 16; 32 with --engine vllm-cpu, whose CPU attention "
+                        "backend needs a multiple of 32)")
     p.add_argument("--requests", type=int, default=4, help="prefix-extending requests (default 4)")
     p.add_argument("--max-tokens", type=int, default=10, help="max_tokens per request (default 10)")
     p.add_argument("--bind-host", choices=("0.0.0.0", "127.0.0.1"), default="0.0.0.0",
@@ -107,11 +110,13 @@ def _add_options(p: argparse.ArgumentParser) -> None:
 
 def options(args: argparse.Namespace) -> E2eOptions:
     eagle = router_eagle_from(args.router_eagle if args.router_eagle is not None else os.environ.get(ROUTER_EAGLE_ENV))
-    if args.page_size < 1:
-        raise UsageError(f"--page-size must be >= 1, got {args.page_size}")
     if args.cpu and args.engine not in (None, "fake-cpu"):
         raise UsageError(f"--cpu means --engine fake-cpu; it conflicts with --engine {args.engine}")
     engine = "fake-cpu" if args.cpu else args.engine or "sglang-gpu"
+    if args.page_size is None:
+        args.page_size = VLLM_BLOCK_SIZE if engine == "vllm-cpu" else 16
+    if args.page_size < 1:
+        raise UsageError(f"--page-size must be >= 1, got {args.page_size}")
     if args.single_gpu and engine != "sglang-gpu":
         raise UsageError(f"--single-gpu applies to --engine sglang-gpu, not {engine}")
     try:

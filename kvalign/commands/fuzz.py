@@ -17,6 +17,7 @@ from typing import Any
 
 from kvalign.commands import hicache_option
 from kvalign.errors import UsageError
+from kvalign.live.engines.vllm_cpu import DEFAULT_BLOCK_SIZE as VLLM_BLOCK_SIZE
 from kvalign.live.runs.fuzz.driver import FuzzDriver
 from kvalign.live.runs.fuzz.options import ENGINES, TOPOLOGIES, FuzzEnvironmentError, FuzzOptions, engine_problem
 from kvalign.live.runs.fuzz.plan import fuzz_cluster
@@ -146,7 +147,8 @@ def _options(args: argparse.Namespace, script: dict[str, Any] | None) -> FuzzOpt
             rank0_only=args.rank0_only if args.rank0_only is not None else bool(given.get("rank0_only", False)),
             topology=args.topology or given.get("topology", "agg"),
             sglang=args.sglang or given.get("sglang"), draft=args.draft or given.get("draft", "agree"),
-            page_size=args.page_size if args.page_size is not None else int(given.get("page_size", 16)),
+            page_size=args.page_size if args.page_size is not None else int(given.get(
+                "page_size", VLLM_BLOCK_SIZE if given.get("engine", args.engine) == "vllm-cpu" else 16)),
             hicache=hicache_option.hicache_from(args, given.get("hicache")),
             event_format=args.event_format or given.get("event_format", "default"),
             max_total_tokens=int(given.get("max_total_tokens", args.max_total_tokens)),
@@ -185,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     shape = (f"{opts.workers} prefill + 1 decode" if opts.topology == "disagg" else f"{opts.workers} aggregated"
              + (f" x {opts.dp_size} {'attention-DP groups' if opts.dp_attention else 'data-parallel ranks'}"
                 if opts.dp_size > 1 else ""))
-    progress(f"kvalign e2e fuzz: {what} on {shape} {opts.engine} EAGLE3 workers"
+    progress(f"kvalign e2e fuzz: {what} on {shape} {opts.engine} {'' if opts.engine == 'vllm-cpu' else 'EAGLE3 '}workers"
              f"{f' (SGLang {opts.sglang})' if opts.sglang else ''}, page {opts.page_size}, "
              f"KV pool {opts.max_total_tokens} tokens"
              + (f", SGLang's {opts.event_format} KV-event format" if opts.event_format != "default" else "") + ("" if opts.router_eagle else " [NEGATIVE CONTROL: router eagle off]")
@@ -217,7 +219,9 @@ def run(args: argparse.Namespace) -> int:
                                   report=progress)
             result.startup_s = startup_s
             out = result.as_json()
-            rows = advertised_rows(cluster)  # each worker's block sizes, live (the events of the whole run)
+            # each worker's block sizes, live (the events of the whole run); SGLang's /server_info descriptor,
+            # which vLLM's workers do not have (their block size is checked by every request's credit)
+            rows = [] if opts.engine == "vllm-cpu" else advertised_rows(cluster)
             out["event_format"], out["advertised"] = opts.event_format, [r.as_json() for r in rows]
             bad = next((r for r in rows if not r.ok), None)
             if bad is not None and out["failure"] is None:

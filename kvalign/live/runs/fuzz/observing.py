@@ -104,7 +104,7 @@ class Observing:
         return kind(self.requests, tokens, c, label, concurrent, self.opts.page_size,
                            self.engine_eagle(label) if label else True, predicted, engine_held, engine_tokens,
                            surface, faulted, best, engine_mark=eng_m.get(label, 0) if label else 0, salt=salt,
-                           engine_marks=dict(eng_m))
+                           engine_marks=dict(eng_m), vllm=self.opts.engine == "vllm-cpu")
 
     def _record(self, obs: Observation) -> None:
         self.history.append(Sent(tuple(obs.tokens), tuple(obs.completion.completion_token_ids)))

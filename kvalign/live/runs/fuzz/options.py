@@ -15,7 +15,7 @@ from kvalign.live.cluster.routers import RouterSetup
 from kvalign.live.engines.hicache import HiCache
 from kvalign.live.runs.fuzz.speculation import DEFAULT_SIZE as SPEC_WINDOW
 
-ENGINES = ("sglang-cpu", "fake-cpu", "sglang-gpu")
+ENGINES = ("sglang-cpu", "fake-cpu", "sglang-gpu", "vllm-cpu")
 
 TOPOLOGIES = ("agg", "disagg")
 
@@ -134,6 +134,10 @@ def engine_problem(opts: FuzzOptions) -> str | None:
         from kvalign.live.engines.sglang_gpu import engine_problem as gpu_problem
 
         return gpu_problem()
+    if opts.engine == "vllm-cpu":
+        from kvalign.live.engines.vllm_cpu import fuzz_problem
+
+        return fuzz_problem(opts)
     if opts.engine == "fake-cpu":
         return ("--engine fake-cpu has no engine reuse report (cached_tokens) and no "
                 "speculative decoder; the fuzz needs the real engine: run --engine sglang-cpu")

@@ -47,7 +47,10 @@ class FuzzPlan:
 
 
 def fuzz_topology(opts: FuzzOptions) -> Topology:
-    """The workers: EAGLE3 everywhere (registered without it for the cache-blind control)."""
+    """The workers: EAGLE3 everywhere (registered without it for the cache-blind control); vLLM's
+    aggregated workers key plain blocks and run no speculative decoder."""
+    if opts.engine == "vllm-cpu":
+        return Topology.aggregated(opts.workers, eagle=False, page_size=opts.page_size)
     register = None if opts.router_eagle else False
     if opts.topology == "disagg":
         return Topology.disaggregated(opts.workers, 1, eagle=True, register_eagle=register, page_size=opts.page_size)
@@ -67,7 +70,11 @@ def _hop_ports(plan: ClusterPlan, labels: list[str], *, taken: Sequence[int] = (
 def plan_fuzz(opts: FuzzOptions, run_dir: str | Path) -> FuzzPlan:
     """The cluster ``opts`` asks for (builds the tiny models under ``run_dir``, allocates every port)."""
     topology = fuzz_topology(opts)
-    if opts.engine == "sglang-gpu":
+    if opts.engine == "vllm-cpu":
+        from kvalign.live.engines import vllm_cpu
+
+        cluster, kind_of = vllm_cpu.plan_engine(topology, run_dir)
+    elif opts.engine == "sglang-gpu":
         from kvalign.live.engines import sglang_gpu
 
         cluster, kind_of = sglang_gpu.plan_engine(topology, run_dir, draft=opts.draft, hicache=opts.hicache,
@@ -82,10 +89,14 @@ def plan_fuzz(opts: FuzzOptions, run_dir: str | Path) -> FuzzPlan:
     labels = list(sources)
     downstream = _hop_ports(cluster, labels)
     taps = _hop_ports(cluster, labels, taken=list(downstream.values()), what="tap")
-    kind = kind_of(max_total_tokens=opts.max_total_tokens,  # the publishing workers': small, so they evict
-                   decode_max_total_tokens=DECODE_POOL_TOKENS, relay_subscribe=relay_subscriptions(cluster, downstream),
-                   event_format=opts.event_format, record_server_info=True,
-                   publisher_faults_dir=Path(run_dir) / "publisher-faults" if opts.publisher_faults else None)
+    relays = relay_subscriptions(cluster, downstream)
+    if opts.engine == "vllm-cpu":  # vLLM's workers: a pool small enough to evict, the relay on the hop; no SGLang setting
+        kind = kind_of(max_total_tokens=opts.max_total_tokens, relay_subscribe=relays)
+    else:
+        kind = kind_of(max_total_tokens=opts.max_total_tokens,  # the publishing workers': small, so they evict
+                       decode_max_total_tokens=DECODE_POOL_TOKENS, relay_subscribe=relays,
+                       event_format=opts.event_format, record_server_info=True,
+                       publisher_faults_dir=Path(run_dir) / "publisher-faults" if opts.publisher_faults else None)
     return FuzzPlan(cluster, kind, sources,
                     upstream={label: cluster.kv_events_connect(w, rank) for label, (w, rank) in sources.items()},
                     downstream=downstream, taps=taps,

@@ -20,6 +20,10 @@ from kvalign.live.cluster.topology import COMPONENT
 from kvalign.live.runs.fuzz.stores import cached_tokens_after, stored_page_range, stored_pages, stores_seen
 from kvalign.live.runs.fuzz.surfaces import applied_units
 from kvalign.live.runs.fuzz.options import FuzzEnvironmentError
+from kvalign.live.runs.fuzz.prompts import new_tokens
+
+#: the one-token prompt that makes an idle vLLM worker publish its queued reset: clear of every rule's seeds
+VLLM_STEP_SEED = 2**40 - 1
 
 
 class Settling:
@@ -149,7 +153,18 @@ class Settling:
         except ControlError as exc:
             raise FuzzEnvironmentError(str(exc)) from None
         answering = [lab for lab in labels if lab not in self.hop.silenced]  # a silenced rank's clear reaches no one
+        if self.opts.engine == "vllm-cpu":
+            self._step_vllm(answering)
         if not self.cluster.capture.wait_for(
                 lambda _snap: all(self.engine_views.mark(lab) > before[lab] for lab in answering), self.opts.settle_timeout_s):
             raise FuzzEnvironmentError(f"no AllBlocksCleared from {answering} after clear_kv_blocks")
         self._settle()
+
+    def _step_vllm(self, labels: list[str]) -> None:
+        """vLLM queues its ``AllBlocksCleared`` (``block_pool.py:863``) and publishes queued events only
+        after a model step (``Scheduler.update_from_output``, ``scheduler.py:2371-2385``): an idle
+        worker publishes a reset with its next request. A one-token request pinned to each cleared
+        worker (two tokens with its answer: no whole block to store) makes that step now. Until then
+        the router still credits the cleared blocks (kvalign's views, which wait for the event, too)."""
+        for lab in labels:
+            self._send(new_tokens(VLLM_STEP_SEED, 1), 1, pin=lab)
