@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -122,8 +123,10 @@ class Side:
 
 
 def _rows(out: str) -> list[dict]:
-    """The report's rows without what differs between two runs of the same rows (their seconds)."""
-    return [{k: v for k, v in row.items() if k not in ("seconds", "elapsed_s")} for row in json.loads(out)["rows"]]
+    """The report's rows without what differs between two runs of the same rows: their seconds, and the
+    loopback ports a row's detail names (the dp rows' schedulers bind free ports)."""
+    return [{k: re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:PORT", v) if isinstance(v, str) else v
+             for k, v in row.items() if k != "seconds"} for row in json.loads(out)["rows"]]
 
 
 def measure(a: Side, b: Side, extra: list[str], rounds: int, case: str) -> tuple[Paired, Run, Run]:
@@ -135,7 +138,10 @@ def measure(a: Side, b: Side, extra: list[str], rounds: int, case: str) -> tuple
         runs = {side.label: side.run(extra) for side in order}
         ra, rb = runs[a.label], runs[b.label]
         if ra.rows != rb.rows:
-            sys.exit(f"{case} round {r + 1}: the rows differ between {a.label} and {b.label}")
+            x, y = next((x, y) for x, y in zip(ra.rows, rb.rows) if x != y) if len(ra.rows) == len(rb.rows) else ({}, {})
+            fields = {k: (x.get(k), y.get(k)) for k in {*x, *y} if x.get(k) != y.get(k)}
+            sys.exit(f"{case} round {r + 1}: the rows differ between {a.label} and {b.label} "
+                     f"({len(ra.rows)} and {len(rb.rows)} rows; first difference: {fields})")
         a_walls.append(ra.wall)
         b_walls.append(rb.wall)
         a_peak = Run(0, max(a_peak.peak_rss, ra.peak_rss), max(a_peak.peak_pss, ra.peak_pss))
