@@ -1,4 +1,4 @@
-"""Benchmark: ``kvalign check``'s wall time at this tree against an earlier commit, paired, and its peak memory.
+"""Benchmark: ``kvalign check``'s wall time at this tree against an earlier commit or ``--jobs 1``, paired, and its peak memory.
 
 ``kvalign check`` is the job users run in CI on every change; this is how a change to its cost is
 shown. For each case (the default run, and ``--page-size 16``), each round runs the check once at
@@ -15,15 +15,23 @@ process's resident set, so a page the workers share with the fork server counts 
 and PSS (a page shared by n processes counts 1/n in each: the memory the run holds). The report gives
 each side's highest sums over all its runs.
 
+``--jobs-1`` instead of ``--against REF``: both sides run this tree, A with ``--jobs 1`` (every row in
+the command's own process), B with the default (a worker per usable core): how close the workers come
+to the cores' limit (0.5 on two cores; issue 45's target is 0.6 on ``--page-size 16``). The rows must
+be equal: each round compares A's and B's ``--json`` rows (the seed is fixed), and a difference stops
+the benchmark.
+
 A run must exit 0 or 1 (aligned, or a finding): anything else stops the benchmark with its stderr.
 
-Usage: .venv/bin/python bench/bench_check.py --against REF [--rounds 3] [--case default --case page16]
+Usage: .venv/bin/python bench/bench_check.py (--against REF | --jobs-1) [--rounds 3] [--case default --case page16]
 The last line of each case is ``<case>: B / A wall ratio: X``.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -79,19 +87,21 @@ class Run:
     wall: float
     peak_rss: int
     peak_pss: int
+    rows: object = None  # the --json report's rows, with their wall seconds taken out (--jobs-1)
 
 
 @dataclass(frozen=True)
 class Side:
     label: str
     tree: Path
+    args: tuple[str, ...] = ()
 
     def run(self, extra: list[str]) -> Run:
         env = dict(os.environ)
         if self.tree != ROOT:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.tree), env.get("PYTHONPATH")]))
         start = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "kvalign", "check", *extra], cwd=self.tree, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "kvalign", "check", *self.args, *extra], cwd=self.tree, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         peak, done = [0, 0], threading.Event()
 
@@ -109,7 +119,14 @@ class Side:
         sampler.join()
         if proc.returncode not in (0, 1):
             sys.exit(f"check {' '.join(extra)} failed ({self.label}, exit {proc.returncode}):\n{err[-3000:]}")
-        return Run(took, peak[0], peak[1])
+        return Run(took, peak[0], peak[1], _rows(out) if "--json" in self.args else None)
+
+
+def _rows(out: str) -> list[dict]:
+    """The report's rows without what differs between two runs of the same rows: their seconds, and the
+    loopback ports a row's detail names (the dp rows' schedulers bind free ports)."""
+    return [{k: re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:PORT", v) if isinstance(v, str) else v
+             for k, v in row.items() if k != "seconds"} for row in json.loads(out)["rows"]]
 
 
 def measure(a: Side, b: Side, extra: list[str], rounds: int, case: str) -> tuple[Paired, Run, Run]:
@@ -120,6 +137,11 @@ def measure(a: Side, b: Side, extra: list[str], rounds: int, case: str) -> tuple
         order = (a, b) if r % 2 == 0 else (b, a)
         runs = {side.label: side.run(extra) for side in order}
         ra, rb = runs[a.label], runs[b.label]
+        if ra.rows != rb.rows:
+            x, y = next((x, y) for x, y in zip(ra.rows, rb.rows) if x != y) if len(ra.rows) == len(rb.rows) else ({}, {})
+            fields = {k: (x.get(k), y.get(k)) for k in {*x, *y} if x.get(k) != y.get(k)}
+            sys.exit(f"{case} round {r + 1}: the rows differ between {a.label} and {b.label} "
+                     f"({len(ra.rows)} and {len(rb.rows)} rows; first difference: {fields})")
         a_walls.append(ra.wall)
         b_walls.append(rb.wall)
         a_peak = Run(0, max(a_peak.peak_rss, ra.peak_rss), max(a_peak.peak_pss, ra.peak_pss))
@@ -137,13 +159,18 @@ def _mib(run: Run) -> str:
 
 def main() -> int:
     ap = rounds_parser(__doc__, 3)
-    ap.add_argument("--against", metavar="REF", required=True, help="A is the commit REF, B this tree")
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--against", metavar="REF", help="A is the commit REF, B this tree")
+    which.add_argument("--jobs-1", action="store_true",
+                       help="A is this tree with --jobs 1, B this tree with the default jobs (rows compared)")
     ap.add_argument("--case", action="append", choices=tuple(CASES),
                     help="default (kvalign check) and/or page16 (kvalign check --page-size 16); default: both")
     args = parse_rounds(ap)
     with tempfile.TemporaryDirectory(prefix="bench-check-") as tmp:
-        a = Side(f"A = {args.against}", export(args.against, Path(tmp)))
-        b = Side("B = this tree", ROOT)
+        if args.jobs_1:
+            a, b = Side("A = --jobs 1", ROOT, ("--json", "--jobs", "1")), Side("B = default jobs", ROOT, ("--json",))
+        else:
+            a, b = Side(f"A = {args.against}", export(args.against, Path(tmp))), Side("B = this tree", ROOT)
         print(f"{a.label}; {b.label}; {os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} usable", flush=True)
         lines = []
         for case in args.case or list(CASES):

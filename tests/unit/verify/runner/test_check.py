@@ -32,6 +32,13 @@ PROGRESS = re.compile(r"^  (card|advertised|hash|pages|overlap|ingest|tenants|ti
 WIDTH = 100
 
 
+#: ``check`` in the test's own process, where SGLang and Dynamo are already imported: the default
+#: (a worker per core) would start a fork server that imports them again and two workers that open
+#: their own router paths, about 9 s of CPU per run, for no parallelism in a fast tier whose xdist
+#: workers already fill both cores. ``test_check_json_report`` keeps the default (the pool) in the
+#: fast tier; ``tests/unit/verify/test_pool.py`` compares the two.
+IN_PROCESS = ("--jobs", "1")
+
 PROPS = ("card", "advertised", "hash", "pages", "overlap", "ingest", "tenants", "tier", "servable", "dp")
 
 
@@ -101,7 +108,7 @@ def test_check_real_pair_is_aligned_but_for_small_hicache_pages_and_quiet(router
 
 
 def test_check_catches_router_that_ignores_is_eagle(capsys, router_hasher, sglang_available):
-    rc, out, err = run_cli(capsys, "check", "--examples", "15", "--router-hash", "kvalign.verify.misaligned:ignore_eagle",
+    rc, out, err = run_cli(capsys, "check", *IN_PROCESS, "--examples", "15", "--router-hash", "kvalign.verify.misaligned:ignore_eagle",
                          "--property", "hash", "--property", "pages", "--property", "overlap")
     assert rc == 1
     rows = [line.split() for line in out.splitlines() if line.startswith(("hash ", "pages ", "overlap "))]
@@ -117,7 +124,7 @@ def test_check_catches_router_that_ignores_is_eagle(capsys, router_hasher, sglan
 def test_page_size_pins_every_generated_case(capsys, router_hasher, sglang_available):
     """``--page-size 3`` (a size the strategies rarely draw): the negative control still fails, and its
     shrunk counterexample is at page 3, so the flag reaches the generated cases."""
-    rc, out, _ = run_cli(capsys, "check", "--examples", "15", "--json", "--page-size", "3", "--mode", "eagle",
+    rc, out, _ = run_cli(capsys, "check", *IN_PROCESS, "--examples", "15", "--json", "--page-size", "3", "--mode", "eagle",
                          "--router-hash", "kvalign.verify.misaligned:ignore_eagle", "--property", "hash")
     report = json.loads(out)
     assert rc == 1 and report["page_size"] == 3 and report["exit"] == 1 and report["aligned"] is False
@@ -129,14 +136,14 @@ def test_page_size_pins_every_generated_case(capsys, router_hasher, sglang_avail
 def test_event_format_both_runs_event_properties_per_format(capsys, router_hasher, sglang_available):
     """``--event-format both``: every row says its format; a property that reads events has rows in both,
     one that does not (hash) runs once as "any"; the dynamo rows say so in the table too."""
-    rc, out, _ = run_cli(capsys, "check", "--examples", "5", "--json", "--event-format", "both", "--property", "hash",
+    rc, out, _ = run_cli(capsys, "check", *IN_PROCESS, "--examples", "5", "--json", "--event-format", "both", "--property", "hash",
                          "--property", "pages", "--mode", "plain")
     report = json.loads(out)
     assert rc == 0 and report["event_formats"] == ["default", "dynamo"]
     by = {(r["prop"], r["event_format"]) for r in report["rows"]}
     assert by == {("hash", "any"), ("pages", "default"), ("pages", "dynamo")}
     assert all(r["mismatches"] == 0 for r in report["rows"])
-    rc, out, _ = run_cli(capsys, "check", "--examples", "5", "--event-format", "dynamo", "--property", "pages",
+    rc, out, _ = run_cli(capsys, "check", *IN_PROCESS, "--examples", "5", "--event-format", "dynamo", "--property", "pages",
                          "--mode", "plain")
     assert rc == 0 and "pages     plain  lora [dynamo]" in out
 
