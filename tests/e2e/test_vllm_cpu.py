@@ -23,7 +23,9 @@ import pytest
 from conftest import OUT_ROOT
 from kvalign.commands.fuzz import DEFAULT_SEED
 from kvalign.live.engines.vllm_cpu import engine_problem
-from kvalign.live.runs.fuzz.driver import FuzzDriver, FuzzOptions, fuzz_cluster
+from kvalign.live.runs.fuzz.driver import FuzzDriver
+from kvalign.live.runs.fuzz.options import FuzzOptions
+from kvalign.live.runs.fuzz.plan import fuzz_cluster
 from kvalign.live.runs.fuzz.machine import replay, run_fuzz
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
