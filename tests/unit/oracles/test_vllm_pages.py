@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from router_paths import open_router_path
-from vllm_paths import open_vllm_worker, rewrite_events
+from vllm_paths import open_vllm_worker, rewrite_events, vllm_on_router
 
 from kvalign.verify.props.vllm.controls import drop_removed
 
@@ -32,15 +32,8 @@ _ranges = itertools.count(1)
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[Any]:
-    path = open_router_path("the relay -> KvRouter path for vLLM's events")
-    w = None
-    try:
-        w = open_vllm_worker(path, B, NUM_BLOCKS)
+    with vllm_on_router(B, NUM_BLOCKS) as w:
         yield w
-    finally:
-        if w is not None:
-            w.close()
-        path.close()
 
 
 def prompts_from(shape: list[tuple[list[int], int]]) -> list[list[int]]:

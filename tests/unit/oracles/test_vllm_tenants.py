@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from router_paths import open_router_path
-from vllm_paths import open_vllm_worker, rewrite_events
+from vllm_paths import open_vllm_worker, rewrite_events, vllm_on_router
 
 from kvalign.model.vllm_keys import dynamo_salt
 from kvalign.verify.props.vllm.controls import tenant_blind
@@ -35,15 +35,8 @@ _ranges = itertools.count(1)
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[Any]:
-    path = open_router_path("the relay -> KvRouter path for vLLM's events")
-    w = None
-    try:
-        w = open_vllm_worker(path, B, NUM_BLOCKS)
+    with vllm_on_router(B, NUM_BLOCKS) as w:
         yield w
-    finally:
-        if w is not None:
-            w.close()
-        path.close()
 
 
 def _prefill(worker: Any, tokens: list[int], lora: str | None, ns: str | None) -> None:

@@ -155,7 +155,7 @@ def test_negative_control_without_the_restored_events_nothing_is_owed_to_the_wei
     routes as SGLang publishes, so no wrong choice is owed to the disk weight that is not owed to the events
     too, and none is fixed: the split comes from the events kvalign restores, not from the set-up."""
     from kvalign.oracles import router_pair
-    from kvalign.verify import impact_storage
+    from kvalign.verify.props.storage import impact as impact_storage
 
     monkeypatch.setattr(impact_storage, "as_disk", lambda raw: [])
     real_settle = router_pair.RouterPair.settle

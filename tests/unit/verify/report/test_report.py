@@ -116,7 +116,9 @@ def test_host_credit_report_on_the_installed_pair_installs_nothing(tmp_path, sgl
     head = text.split("**Pair:**")[0]
     assert "**Status:** not shipped together: ai-dynamo 1.6.1's `sglang` extra pins sglang 0.5.21, not 0.5.23" in head
     assert "**Class:** credit-skew, an advisory" in head and "bound: at most" in head and "the router" in head
-    assert "**Live:** reproduced live: `kvalign e2e fuzz --engine sglang-cpu --hicache --page-size 4 --json` (" in head
+    # from its recorded run (docs/findings/live/), never a hand-kept table
+    assert ("**Live:** reproduced live: `kvalign e2e fuzz --replay tests/e2e/fuzz_scripts/hicache-declined.json --json` "
+            "(exit 1, HOST_CREDIT_NOT_SERVABLE, ") in head
     assert "× sglang 0.5.23" in text and "`servable` property" in text
     steps = text.split("## Each step")[1].split("## The admitted request")[0]
     assert "BlockStored[CPU_PINNED" in steps and "BlockRemoved[GPU" in steps
