@@ -63,6 +63,12 @@ class Trial:
                 "changed": self.changed}
 
 
+def worst_flip(trials: Sequence[Trial]) -> Trial | None:
+    """The trial where the router's choice cost the most reuse (None: it changed no choice): a headline."""
+    flips = [t for t in trials if t.changed]
+    return max(flips, key=lambda t: t.reused[1 - t.chosen] - t.reused[t.chosen]) if flips else None
+
+
 def tie_share(trials: Sequence[Trial]) -> str:
     """How many of the trials a tie decided (the router split its picks), in words."""
     ties = [t for t in trials if t.tie]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvalign.model.causes import Cause
-from kvalign.verify.engine.trials import Trial, tie_share, trials_said
+from kvalign.verify.engine.trials import Trial, tie_share, trials_said, worst_flip
 from kvalign.verify.engine.rows import RowResult
 
 HYBRID_CAUSES = frozenset({Cause.SWA_STATE_NOT_REUSABLE.name, Cause.MAMBA_STATE_NOT_REUSABLE.name})
@@ -53,7 +53,7 @@ class HybridImpact:
                  f"router credits {self.credited} block(s), SGLang reuses {self.reusable} page(s)")
         flips = [t for t in self.trials if t.changed]
         if flips:
-            t = max(flips, key=lambda t: t.reused[1 - t.chosen] - t.reused[t.chosen])
+            t = worst_flip(flips)  # the largest loss
             return (f"changes the worker for {len(flips)} of {len(self.trials)} k ({', '.join(str(f.k) for f in flips)})"
                     f": {state}; with the other holding {t.k} page(s) intact the router picks the "
                     f"{'first' if t.chosen == 0 else 'other'} every time, which reuses {t.reused[t.chosen]} where the "

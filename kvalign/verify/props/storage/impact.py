@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvalign.model.causes import Cause
-from kvalign.verify.engine.trials import TAIL, Trial, tie_share, trials_said
+from kvalign.verify.engine.trials import TAIL, Trial, tie_share, trials_said, worst_flip
 from kvalign.verify.engine.rows import RowResult
 
 #: SGLang 0.5.23's default ``prefetch_threshold`` (tokens), from its storage extra config's parser.
@@ -75,7 +75,7 @@ class StorageImpact:
     def says(self) -> str:
         flips = [t for t in self.trials if t.changed]
         if flips:
-            t = max(flips, key=lambda t: t.reused[1 - t.chosen] - t.reused[t.chosen])  # the largest loss
+            t = worst_flip(flips)  # the largest loss
             picked = "it" if t.chosen == 1 else "the first"
             return (f"changes the worker for {len(flips)} of {len(self.trials)} k ({', '.join(str(f.k) for f in flips)})"
                     f": {self.setup()}; with the other holding {t.k} page(s) on device the router picks {picked} every "
