@@ -59,10 +59,11 @@ class VllmEngine:
     """One vLLM engine's prefix cache: ``num_blocks`` blocks of ``block_size`` tokens, one full-attention group.
 
     ``env``: extra environment for vLLM (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, say); the child
-    also gets ``PYTHONHASHSEED=0`` as ``python -m dynamo.vllm`` sets it before vLLM loads."""
+    also gets ``PYTHONHASHSEED=0`` as ``python -m dynamo.vllm`` sets it before vLLM loads. ``dp_rank``: the
+    data-parallel rank its batches are tagged with (one candidate of a two-rank router)."""
 
     def __init__(self, block_size: int, num_blocks: int, *, endpoint: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, dp_rank: int = 0) -> None:
         try:
             python = ensure()
         except ReleaseEnvError as exc:
@@ -82,7 +83,7 @@ class VllmEngine:
                                           stdout=subprocess.PIPE, stderr=self._log, env=child)
         try:
             info = self._call("init", timeout=START_TIMEOUT_S, block_size=block_size, num_blocks=num_blocks,
-                              endpoint=endpoint)
+                              endpoint=endpoint, dp_rank=dp_rank)
         except BaseException:
             self.close()
             raise
@@ -129,9 +130,10 @@ class VllmEngine:
         to the endpoint first unless ``publish`` is False."""
         return list(self._call("take_events", publish=publish))
 
-    def publish_sentinel(self, engine_hash: int, token: int) -> None:
-        """A one-block root ``BlockStored`` on vLLM's publisher (an ingestion barrier, in stream order)."""
-        self._call("sentinel", engine_hash=engine_hash, token=token)
+    def publish_sentinel(self, engine_hash: int, token: int, block_size: int | None = None) -> None:
+        """A one-block root ``BlockStored`` on vLLM's publisher (an ingestion barrier, in stream order), of
+        ``block_size`` tokens (default vLLM's: a relay configured with another size drops vLLM's own)."""
+        self._call("sentinel", engine_hash=engine_hash, token=token, block_size=block_size)
 
     def close(self) -> None:
         """Release the cache; the child waits, vLLM imported, for this process's next engine (:data:`_IDLE`)."""

@@ -55,9 +55,10 @@ class VllmCache:
     """One engine's KV cache: ``num_blocks`` blocks of ``block_size`` tokens in one full-attention group."""
 
     def __init__(self, block_size: int, num_blocks: int, *, endpoint: str | None = None,
-                 hash_algo: str | None = None, max_model_len: int = 1 << 16) -> None:
+                 hash_algo: str | None = None, max_model_len: int = 1 << 16, dp_rank: int = 0) -> None:
         """``endpoint``: where vLLM's ``ZmqEventPublisher`` connects (the relay's side of a loopback hop);
-        None publishes nothing."""
+        None publishes nothing. ``dp_rank``: the rank set on each batch (vLLM's publisher of rank 0 sets only
+        a batch's missing rank, and its own rank would move the endpoint's port)."""
         self.v = v = _import_vllm()
         self.block_size = block_size
         self.hash_algo = hash_algo or default_hash_algo(v)
@@ -73,6 +74,7 @@ class VllmCache:
         self._publisher = None if endpoint is None else v.kv_events.ZmqEventPublisher(
             data_parallel_rank=0, endpoint=endpoint, topic="")
         self._ids = 0
+        self._dp_rank = dp_rank
 
     def _request(self, tokens: Sequence[int], lora_name: str | None, cache_salt: str | None) -> Any:
         self._ids += 1
@@ -104,18 +106,22 @@ class VllmCache:
         """vLLM's events since the last call (its own structs); published first when a publisher is set."""
         events = self.manager.take_events()
         if publish and events and self._publisher is not None:
-            self._publisher.publish(self.v.kv_events.KVEventBatch(ts=time.time(), events=list(events)))
+            self._publisher.publish(self._batch(list(events)))
         return list(events)
 
-    def publish_sentinel(self, engine_hash: int, token: int) -> None:
+    def _batch(self, events: list[Any]) -> Any:
+        return self.v.kv_events.KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self._dp_rank)
+
+    def publish_sentinel(self, engine_hash: int, token: int, block_size: int | None = None) -> None:
         """One root block with vLLM's own ``BlockStored`` on the same publisher: an ingestion barrier
-        (everything published before it was relayed once the router indexed it)."""
+        (everything published before it was relayed once the router indexed it); ``block_size``: the
+        relay's, where it is configured with another than vLLM's."""
         if self._publisher is None:
             raise RuntimeError("this cache has no publisher")
-        ev = self.v.kv_events.BlockStored(block_hashes=[engine_hash], parent_block_hash=None,
-                                          token_ids=[token] * self.block_size, block_size=self.block_size,
-                                          lora_id=None, medium="GPU", lora_name=None)
-        self._publisher.publish(self.v.kv_events.KVEventBatch(ts=time.time(), events=[ev]))
+        b = block_size or self.block_size
+        ev = self.v.kv_events.BlockStored(block_hashes=[engine_hash], parent_block_hash=None, token_ids=[token] * b,
+                                          block_size=b, lora_id=None, medium="GPU", lora_name=None)
+        self._publisher.publish(self._batch([ev]))
 
     def close(self) -> None:
         if self._publisher is not None:

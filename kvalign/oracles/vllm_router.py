@@ -76,7 +76,7 @@ class VllmWorker:
         deadline, sent_at, pause = time.monotonic() + BARRIER_TIMEOUT_S, 0.0, POLL_FIRST_S
         while time.monotonic() < deadline:
             if time.monotonic() - sent_at > 1.0:
-                self.engine.publish_sentinel(sentinel_hash(k), SENTINEL_BASE + k)
+                self.engine.publish_sentinel(sentinel_hash(k), SENTINEL_BASE + k, self.ingest.block_size)
                 sent_at = time.monotonic()
             time.sleep(pause)
             pause = min(pause * 2, POLL_MAX_S)
@@ -97,8 +97,13 @@ class VllmWorker:
         self.hop.close()
 
 
-def vllm_worker(path: RouterPath, block_size: int, num_blocks: int, *, env: dict[str, str] | None = None) -> VllmWorker:
-    """A vLLM engine (``num_blocks`` blocks of ``block_size``) publishing into a fresh relay + ``KvRouter``."""
+def vllm_worker(path: RouterPath, block_size: int, num_blocks: int, *, env: dict[str, str] | None = None,
+                relay_block_size: int | None = None) -> VllmWorker:
+    """A vLLM engine (``num_blocks`` blocks of ``block_size``) publishing into a fresh relay + ``KvRouter``.
+
+    ``relay_block_size``: the relay's (and the registered card's, the router's) ``kv_block_size`` where it is
+    not vLLM's, as ``dynamo.vllm`` runs with ``additional_config={"dynamo_kv_event_block_size": N}``
+    (``dynamo/vllm/cache_info.py``); by default vLLM's, as ``dynamo.vllm`` reads it from the engine."""
     hop = VllmHop()
     try:
         engine = VllmEngine(block_size, num_blocks, endpoint=hop.engine_endpoint, env=env)
@@ -106,7 +111,7 @@ def vllm_worker(path: RouterPath, block_size: int, num_blocks: int, *, env: dict
         hop.close()
         raise
     try:
-        worker = VllmWorker(engine, path.attach(hop, block_size), hop)
+        worker = VllmWorker(engine, path.attach(hop, relay_block_size or block_size), hop)
         worker.barrier()
     except BaseException:
         engine.close()

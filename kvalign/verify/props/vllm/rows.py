@@ -1,5 +1,6 @@
 """The rows of ``check --engine vllm``: hash, pages, ingest and tenants on vLLM's real ``KVCacheManager``
-behind Dynamo's real relay and ``KvRouter``, each a Hypothesis search with its negative control beside it."""
+behind Dynamo's real relay and ``KvRouter``, each a Hypothesis search with its negative control beside it;
+then the block sizes and encodings (:func:`shape_rows`)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,14 @@ def vllm_rows(systems: Any, modes: tuple[str, ...], opts: Options) -> list[RowRe
                              ("tenant_blind (the relay reads neither extra_keys nor lora_name)",
                               control(bodies.tenants_body(worker), [Served((0, 1, 2), 3, tenants[0])],
                                       controls.tenant_blind), Cause.TENANTS_SHARE_KEYS)))
-        return rows
     finally:
         worker.close()
+    return rows + shape_rows(systems.router_path(), b, n, seed)
+
+
+def shape_rows(path: Any, b: int, n: int, seed: int | None) -> list[RowResult]:
+    """The block-size and encoding rows, each on vLLM workers of its own (:mod:`.blocks`, :mod:`.encodings`)."""
+    from kvalign.verify.props.vllm.blocks import block_rows
+    from kvalign.verify.props.vllm.encodings import encoding_rows
+
+    return block_rows(path, n, seed, NUM_BLOCKS, _row) + encoding_rows(path, n, seed, b, NUM_BLOCKS, _row)
