@@ -47,15 +47,15 @@ def render(data: dict[str, Any], command: str) -> str:
     out = [f"# {data['cause']}: {data['cause_text']}", "",
            f"**Status:** {status(v)}.  ",
            f"**Class:** {data['class']}, the router credits blocks the engine cannot reuse, or misses blocks it reuses, "
-           "without a constant bound (`kvalign check --engine vllm` exits 1); what disagrees is below.  ",
+           "without a constant bound; what disagrees is below.  ",
            f"**Routing impact (measured):** the router {data['impact']}.  ",
            f"**Live:** {live_note(data['cause'], v['ai-dynamo'], pair_name(v))}.  "]
     upstream = upstream_note(data["cause"])
     if upstream:
         out.append(f"**Upstream:** {upstream}.  ")
     out += [f"**Pair:** ai-dynamo {v['ai-dynamo']} (ai-dynamo-runtime {v['ai-dynamo-runtime']}) × {pair_name(v)}.  ",
-            "**Found by:** `kvalign check --engine vllm` (vLLM's real `KVCacheManager` → vLLM's `ZmqEventPublisher` → "
-            "Dynamo's relay → `KvRouter`).  ",
+            f"**Found by:** {data['found_by']}; vLLM's real `KVCacheManager` → vLLM's `ZmqEventPublisher` → Dynamo's "
+            "relay → `KvRouter`.  ",
             f"**Reproduce:** `{command}`", "",
             "## What goes wrong", ""]
     served = r["served_with"]

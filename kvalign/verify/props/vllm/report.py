@@ -20,6 +20,15 @@ from kvalign.verify.props.vllm.impact import BLOCKS, FINDING_ENV, RAW_SALT, TAIL
 
 CAUSES = frozenset(FINDING_ENV)
 BLOCK_SIZE = 16
+#: what shows each finding, for the report's "Found by" line
+FOUND_BY: dict[Cause, str] = {
+    Cause.VLLM_BYTES_HASHES_DROPPED: ("`kvalign check --engine vllm`'s `hashes` `bytes` row (Hypothesis search, shrunk), "
+                                      "which fails `check` (exit 1)"),
+    Cause.VLLM_SALT_UNPREFIXED: ("tests/unit/oracles/test_vllm_tenants.py "
+                                 "(`test_finding_a_salt_without_dynamos_prefix_is_ignored_by_the_router`) and the replay "
+                                 "below; no `check` row drives it: its `tenants` rows hand vLLM each salt as "
+                                 "`dynamo.vllm`'s handler does, prefixed"),
+}
 
 
 @dataclass(frozen=True)
@@ -133,7 +142,7 @@ def collect(cause: Cause) -> dict[str, Any]:
         evidence = replay(cause, path)
         impact = measure(cause, path, BLOCK_SIZE)
     roots = _roots()
-    return {"cause": cause.name, "cause_text": cause.value, "class": cause_class(cause),
+    return {"cause": cause.name, "cause_text": cause.value, "class": cause_class(cause), "found_by": FOUND_BY[cause],
             "versions": {"ai-dynamo": importlib.metadata.version("ai-dynamo"),
                          "ai-dynamo-runtime": importlib.metadata.version("ai-dynamo-runtime"),
                          "vllm_dist": VLLM_DIST, "vllm": VLLM_VERSION},
