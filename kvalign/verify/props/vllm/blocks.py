@@ -55,10 +55,10 @@ def blocks_body(worker: Any) -> Body:
     return body
 
 
-def block_rows(path: Any, n: int, seed: int | None, num_blocks: int,
+def block_rows(path: Any, sizes: tuple[int, ...], n: int, seed: int | None, num_blocks: int,
                row: Callable[..., RowResult]) -> list[RowResult]:
-    """One row per :data:`BLOCK_SIZES`, its control beside it (``row``: :func:`rows._row`). A size whose engine
-    cannot start is that row with its cause, never an exception."""
+    """One row per block size (:data:`BLOCK_SIZES` unless ``--page-size`` names one), its control beside it
+    (``row``: :func:`rows._row`). A size whose engine cannot start is that row with its cause, never an exception."""
     from hypothesis import strategies as st
 
     from kvalign.oracles.base import OracleUnavailable
@@ -69,7 +69,7 @@ def block_rows(path: Any, n: int, seed: int | None, num_blocks: int,
 
     out: list[RowResult] = []
     repeated = [Served((0, 1, 2), 3), Served((0, 1, 2), 3)]
-    for b in BLOCK_SIZES:
+    for b in sizes:
         try:
             worker = vllm_worker(path, b, num_blocks)
         except OracleUnavailable as exc:

@@ -99,12 +99,14 @@ def vllm_rows(systems: Any, modes: tuple[str, ...], opts: Options) -> list[RowRe
                                       controls.tenant_blind), Cause.TENANTS_SHARE_KEYS)))
     finally:
         worker.close()
-    return rows + shape_rows(systems.router_path(), b, n, seed)
+    return rows + shape_rows(systems.router_path(), b, n, seed, only_size=opts.page_size is not None)
 
 
-def shape_rows(path: Any, b: int, n: int, seed: int | None) -> list[RowResult]:
-    """The block-size and encoding rows, each on vLLM workers of its own (:mod:`.blocks`, :mod:`.encodings`)."""
-    from kvalign.verify.props.vllm.blocks import block_rows
+def shape_rows(path: Any, b: int, n: int, seed: int | None, *, only_size: bool = False) -> list[RowResult]:
+    """The block-size and encoding rows, each on vLLM workers of its own (:mod:`.blocks`, :mod:`.encodings`);
+    ``only_size``: the block-size rows at ``b`` alone (``--page-size``)."""
+    from kvalign.verify.props.vllm.blocks import BLOCK_SIZES, block_rows
     from kvalign.verify.props.vllm.encodings import encoding_rows
 
-    return block_rows(path, n, seed, NUM_BLOCKS, _row) + encoding_rows(path, n, seed, b, NUM_BLOCKS, _row)
+    sizes = (b,) if only_size else BLOCK_SIZES
+    return block_rows(path, sizes, n, seed, NUM_BLOCKS, _row) + encoding_rows(path, n, seed, b, NUM_BLOCKS, _row)
