@@ -3,7 +3,8 @@ vLLM's real ``KVCacheManager`` (in vLLM's own environment, :mod:`kvalign.release
 ``ZmqEventPublisher``, and Dynamo's real relay and ``KvRouter`` wired as ``dynamo.vllm`` wires them.
 
 One property, ``vllm``, whose one job starts one vLLM engine and prints its rows under the SGLang rows'
-names (``hash``, ``pages``, ``ingest``, ``tenants``), each with its negative control; off by default
+names (``hash``, ``pages``, ``ingest``, ``tenants``), then ``blocks`` (per block size), ``hashes`` (int and bytes)
+and ``events`` (vLLM's map encoding), each with its negative control; off by default
 (``check --engine vllm`` or ``--property vllm`` runs it). Importing this package imports neither vLLM,
 Dynamo nor SGLang.
 """
