@@ -46,6 +46,7 @@ def render(data: dict[str, Any], command: str) -> str:
                          f"not {data['class']}")
     out = [f"# {data['cause']}: {data['cause_text']}", "",
            f"**Status:** {status(v)}.  ",
+           f"**Who meets it:** {data['reach']}.  ",
            f"**Class:** {data['class']}, the router credits blocks the engine cannot reuse, or misses blocks it reuses, "
            "without a constant bound; what disagrees is below.  ",
            f"**Routing impact (measured):** the router {data['impact']}.  ",

@@ -30,6 +30,18 @@ FOUND_BY: dict[Cause, str] = {
                                  "`dynamo.vllm`'s handler does, prefixed"),
 }
 
+#: who can reach each finding in a ``dynamo.vllm`` deployment, read from the pinned Dynamo's own paths: a report says
+#: it first, so a hazard no shipped path reaches is never read as a finding of the pair.
+REACH: dict[Cause, str] = {
+    Cause.VLLM_BYTES_HASHES_DROPPED: ("any `dynamo.vllm` worker started with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0` in "
+                                      "its environment: `dynamo.vllm` neither sets nor checks it, and nothing is logged"),
+    Cause.VLLM_SALT_UNPREFIXED: ("**latent, not reached through `dynamo.vllm` 1.6.1**: every path of its handler that "
+                                 "hands vLLM a salt (`nvext.cache_salt`, `extra_args.nvext`, `extra_args.vllm_tito`) adds "
+                                 "the prefix (`handlers.py` `_apply_nvext_cache_salt`); only a salt set another way (a "
+                                 "client of vLLM's own server on a worker the router also indexes) meets it, so it is a "
+                                 "hazard for such deployments, not a finding of the shipped path"),
+}
+
 
 @dataclass(frozen=True)
 class Anchor:
@@ -143,6 +155,7 @@ def collect(cause: Cause) -> dict[str, Any]:
         impact = measure(cause, path, BLOCK_SIZE)
     roots = _roots()
     return {"cause": cause.name, "cause_text": cause.value, "class": cause_class(cause), "found_by": FOUND_BY[cause],
+            "reach": REACH[cause],
             "versions": {"ai-dynamo": importlib.metadata.version("ai-dynamo"),
                          "ai-dynamo-runtime": importlib.metadata.version("ai-dynamo-runtime"),
                          "vllm_dist": VLLM_DIST, "vllm": VLLM_VERSION},

