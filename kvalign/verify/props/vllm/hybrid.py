@@ -18,6 +18,7 @@ and the row fails ``INGEST_STALE``.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from kvalign.model.causes import Cause
@@ -30,9 +31,13 @@ NUM_BLOCKS = 14
 GAP_CAUSE = Cause.SWA_STATE_NOT_REUSABLE
 
 
-def full_attention_blocks(live: set[int], gone: set[int], events: list[dict[str, Any]]) -> None:
-    """Fold vLLM's events into the block hashes its full-attention group (``group_idx`` 0) holds (``live``)
-    and those it removed since (``gone``)."""
+def full_attention_blocks(live: Counter[int], gone: set[int], events: list[dict[str, Any]]) -> None:
+    """Fold vLLM's events into the copies of each block hash its full-attention group (``group_idx`` 0) holds
+    (``live``) and the hashes it no longer holds a copy of (``gone``), of the blocks stored since the fold began
+    (each example's own, in its fresh token range: earlier ones may have copies it never saw). A group can hold
+    two blocks of one hash:
+    where the sliding window misses, vLLM computes a prefix again and caches a second copy of a full-attention
+    block it still holds; evicting one copy publishes a ``BlockRemoved`` while the other stays."""
     for e in events:
         if e.get("group_idx", 0) != 0:
             continue
@@ -40,8 +45,12 @@ def full_attention_blocks(live: set[int], gone: set[int], events: list[dict[str,
             live.update(e["block_hashes"])
             gone.difference_update(e["block_hashes"])
         elif e["type"] == "BlockRemoved":
-            live.difference_update(e["block_hashes"])
-            gone.update(e["block_hashes"])
+            for h in e["block_hashes"]:
+                if h in live:  # a block stored before the fold began is not followed
+                    live[h] -= 1
+                    if live[h] <= 0:
+                        del live[h]
+                        gone.add(h)
         elif e["type"] == "AllBlocksCleared":
             gone.update(live)
             live.clear()
@@ -59,7 +68,7 @@ def hybrid_body(worker: Any, gaps: list[tuple[int, int]] | None = None) -> Any:
 
     def body(seq: list[Served]) -> None:
         base, b = fresh_base(), worker.engine.block_size
-        live: set[int] = set()
+        live: Counter[int] = Counter()
         gone: set[int] = set()
         for i, served in enumerate(seq):
             tokens = served.tokens(base, b)
@@ -72,8 +81,8 @@ def hybrid_body(worker: Any, gaps: list[tuple[int, int]] | None = None) -> Any:
             worker.engine.prefill(tokens)
             full_attention_blocks(live, gone, worker.sync())
             indexed = {h for _p, h, _k in worker.dump()}
-            if live - indexed:
-                raise Mismatch("hybrid", f"after prompt {i}: {len(live - indexed)} of the {len(live)} blocks vLLM's "
+            if set(live) - indexed:
+                raise Mismatch("hybrid", f"after prompt {i}: {len(set(live) - indexed)} of the {len(live)} blocks vLLM's "
                                          "full-attention group holds are not indexed", Cause.EVENTS_DROPPED, seq)
             if gone & indexed:
                 raise Mismatch("hybrid", f"after prompt {i}: {len(gone & indexed)} blocks vLLM's full-attention group "
