@@ -64,11 +64,13 @@ class VllmCache:
 
     def __init__(self, block_size: int, num_blocks: int, *, endpoint: str | None = None,
                  hash_algo: str | None = None, max_model_len: int = 1 << 16, sliding_window: int | None = None,
-                 offload: dict[str, int] | None = None) -> None:
+                 offload: dict[str, int] | None = None, dp_rank: int = 0) -> None:
         """``endpoint``: where vLLM's ``ZmqEventPublisher`` connects (the relay's side of a loopback hop);
         None publishes nothing. ``sliding_window``: tokens of a second, sliding-window group's window (vLLM's
         ``HybridKVCacheCoordinator`` then manages both groups in one block pool). ``offload``: a CPU tier behind
-        the cache (:class:`~kvalign.oracles.vllm_offload.CpuOffload`'s ``blocks_per_chunk`` and ``num_chunks``)."""
+        the cache (:class:`~kvalign.oracles.vllm_offload.CpuOffload`'s ``blocks_per_chunk`` and ``num_chunks``).
+        ``dp_rank``: the data-parallel rank its batches carry (``EventBatch.data_parallel_rank``; the publisher
+        itself is rank 0's, whose endpoint vLLM does not offset)."""
         self.v = v = _import_vllm()
         self.block_size = block_size
         self.hash_algo = hash_algo or default_hash_algo(v)
@@ -87,6 +89,7 @@ class VllmCache:
         self._publisher = None if endpoint is None else v.kv_events.ZmqEventPublisher(
             data_parallel_rank=0, endpoint=endpoint, topic="")
         self._ids = 0
+        self._rank = {"data_parallel_rank": dp_rank} if dp_rank else {}
         self.offload = None
         if offload is not None:
             from kvalign.oracles.vllm_offload import CpuOffload
@@ -141,7 +144,7 @@ class VllmCache:
         if self.offload is not None:
             events += self.offload.take_events()
         if publish and events and self._publisher is not None:
-            self._publisher.publish(self.v.kv_events.KVEventBatch(ts=time.time(), events=list(events)))
+            self._publisher.publish(self.v.kv_events.KVEventBatch(ts=time.time(), events=list(events), **self._rank))
         return list(events)
 
     def publish_sentinel(self, engine_hash: int, token: int) -> None:
@@ -152,7 +155,7 @@ class VllmCache:
         ev = self.v.kv_events.BlockStored(block_hashes=[engine_hash], parent_block_hash=None,
                                           token_ids=[token] * self.block_size, block_size=self.block_size,
                                           lora_id=None, medium="GPU", lora_name=None)
-        self._publisher.publish(self.v.kv_events.KVEventBatch(ts=time.time(), events=[ev]))
+        self._publisher.publish(self.v.kv_events.KVEventBatch(ts=time.time(), events=[ev], **self._rank))
 
     def close(self) -> None:
         if self._publisher is not None:

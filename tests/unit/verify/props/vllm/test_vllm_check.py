@@ -1,5 +1,5 @@
-"""``kvalign check --engine vllm`` as a user runs it: vLLM's hash, pages, ingest and tenants rows in the same
-table, classes and exit codes, every row's negative control failing as it must. (The differential checks
+"""``kvalign check --engine vllm`` as a user runs it: vLLM's hash, pages, ingest, tenants, mm, tiers and hybrid
+rows in the same table, classes and exit codes, every row's negative control failing as it must. (The differential checks
 and their controls at the oracle level: tests/unit/oracles/test_vllm_*.py, in the fast tier.)"""
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ def test_check_engine_vllm_rows_are_aligned_and_every_control_fails(tmp_path):
     rows = [(r["prop"], r["mode"], r["variant"], r["status"]) for r in report["rows"]]
     assert rows == [("hash", "plain", "base", "ok"), ("pages", "plain", "base", "ok"), ("ingest", "plain", "base", "ok"),
                     ("tenants", "plain", "lora", "ok"), ("tenants", "plain", "namespace", "ok"),
-                    ("tenants", "plain", "lora+namespace", "ok")]
+                    ("tenants", "plain", "lora+namespace", "ok"), ("mm", "plain", "base", "ok"),
+                    ("tiers", "plain", "base", "ok"), ("hybrid", "plain", "base", "ok")]
     assert all(r["cases"] == 8 for r in report["rows"])
     assert [(r["control"]["failed"], r["control"]["cause"]) for r in report["rows"]] == [
         (True, "LORA_DROPPED"), (True, "INGEST_STALE"), (True, "EVENTS_DROPPED"),
-        *[(True, "TENANTS_SHARE_KEYS")] * 3]
+        *[(True, "TENANTS_SHARE_KEYS")] * 3, (True, "MM_DROPPED"), (True, "TIER_MISFILED"), (True, "INGEST_STALE")]
 
 
 def test_an_unknown_engine_is_a_usage_error(tmp_path):
