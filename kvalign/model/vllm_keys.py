@@ -100,6 +100,7 @@ def block_mm_infos(num_tokens: int, block_size: int,
     out: list[dict[str, Any] | None] = []
     for i in range(num_tokens // block_size):
         lo, hi = i * block_size, (i + 1) * block_size
-        objs = [{"mm_hash": h, "offsets": []} for h, off, n in sorted(images, key=lambda im: im[1]) if off < hi and off + n > lo]
+        objs = [{"mm_hash": h, "offsets": []} for h, off, n in sorted(images, key=lambda im: im[1])
+                if off < hi and off + n > lo]
         out.append({"mm_objects": objs} if objs else None)
     return out

@@ -81,7 +81,8 @@ class VllmCache:
         groups = [v.KVCacheGroupSpec(["layer.0"], spec)]
         if sliding_window is not None:
             groups.append(v.KVCacheGroupSpec(["layer.1"], v.SlidingWindowSpec(
-                block_size=block_size, num_kv_heads=1, head_size=1, dtype=v.torch.float32, sliding_window=sliding_window)))
+                block_size=block_size, num_kv_heads=1, head_size=1, dtype=v.torch.float32,
+                sliding_window=sliding_window)))
         config = v.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.manager = v.KVCacheManager(config, max_model_len=max_model_len, scheduler_block_size=block_size,
                                         hash_block_size=block_size, enable_caching=True,
@@ -105,9 +106,10 @@ class VllmCache:
                                    lora_path=f"/kvalign/lora/{lora_name}"))
         # images as vLLM's input processor hands them to the engine core: no data (the encoder is not run),
         # the identifier (the hash vLLM keys the image's blocks by) and the placeholder range, sorted by offset
-        features = [self.v.MultiModalFeatureSpec(data=None, modality="image", identifier=str(ident),
-                                                 mm_position=self.v.PlaceholderRange(offset=int(offset), length=int(length)))
-                    for ident, offset, length in sorted(mm or (), key=lambda image: int(image[1]))]
+        features = [self.v.MultiModalFeatureSpec(
+            data=None, modality="image", identifier=str(ident),
+            mm_position=self.v.PlaceholderRange(offset=int(offset), length=int(length)))
+            for ident, offset, length in sorted(mm or (), key=lambda image: int(image[1]))]
         return self.v.Request(request_id=f"r{self._ids}", prompt_token_ids=list(tokens), sampling_params=params,
                               pooling_params=None, lora_request=lora, cache_salt=cache_salt,
                               mm_features=features or None, block_hasher=self._hasher)

@@ -82,8 +82,9 @@ def hybrid_body(worker: Any, gaps: list[tuple[int, int]] | None = None) -> Any:
             full_attention_blocks(live, gone, worker.sync())
             indexed = {h for _p, h, _k in worker.dump()}
             if set(live) - indexed:
-                raise Mismatch("hybrid", f"after prompt {i}: {len(set(live) - indexed)} of the {len(live)} blocks vLLM's "
-                                         "full-attention group holds are not indexed", Cause.EVENTS_DROPPED, seq)
+                missing = len(set(live) - indexed)
+                raise Mismatch("hybrid", f"after prompt {i}: {missing} of the {len(live)} blocks vLLM's full-attention "
+                                         "group holds are not indexed", Cause.EVENTS_DROPPED, seq)
             if gone & indexed:
                 raise Mismatch("hybrid", f"after prompt {i}: {len(gone & indexed)} blocks vLLM's full-attention group "
                                          "removed are still indexed", Cause.INGEST_STALE, seq)

@@ -53,7 +53,8 @@ class VllmHybridImpact:
         return (f"changes the worker for {len(flips)} of {len(self.trials)} k ({', '.join(map(str, flips))}): {state};"
                 f" with the other holding {t.k} block(s) intact the router picks the "
                 f"{'first' if t.chosen == 0 else 'other'} every time, which reuses {t.reused[t.chosen]} tokens where "
-                f"the {'other' if t.chosen == 0 else 'first'} would reuse {t.reused[1 - t.chosen]}; {tie_share(self.trials)}")
+                f"the {'other' if t.chosen == 0 else 'first'} would reuse {t.reused[1 - t.chosen]}; "
+                f"{tie_share(self.trials)}")
 
 
 def _join(pair: Any, engine: Any, k: int) -> None:

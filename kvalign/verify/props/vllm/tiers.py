@@ -53,7 +53,8 @@ def credit(worker: Any, tokens: list[int]) -> Credit:
 def judge(c: Credit) -> tuple[Cause, str] | None:
     """None when the router credits each tier what vLLM serves from it; else the cause and what differs."""
     if c.device != c.vllm_device:
-        return Cause.TIER_MISFILED, f"the router credits {c.device} device blocks, vLLM's device cache holds {c.vllm_device}"
+        return Cause.TIER_MISFILED, (f"the router credits {c.device} device blocks, vLLM's device cache holds "
+                                     f"{c.vllm_device}")
     if c.device + c.host > c.vllm_loaded:
         return (Cause.HOST_CREDIT_NOT_SERVABLE if c.host else Cause.INGEST_STALE,
                 f"the router credits {c.device} device + {c.host} host blocks, vLLM holds {c.vllm_loaded} after the "
