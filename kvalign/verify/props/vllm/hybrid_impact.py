@@ -31,12 +31,13 @@ JOIN_TIMEOUT_S = 30.0
 
 
 @dataclass
-class VllmHybridImpact:
+class VllmRoutingImpact:
     """The real router's choices on the finding's state against a candidate holding the query's prefix intact."""
 
     block_size: int
     credited: int  # blocks the router credits rank 0 for the query
     reusable: int  # blocks vLLM's rank-0 engine reuses of them
+    what: str = ""  # rank 0's engine, in words (default: the hybrid one)
     trials: list[Trial] = field(default_factory=list)
 
     @property
@@ -44,8 +45,9 @@ class VllmHybridImpact:
         return any(t.changed for t in self.trials)
 
     def says(self) -> str:
-        state = (f"vLLM hybrid (window {2 * self.block_size} tokens), block size {self.block_size}: the router credits "
-                 f"{self.credited} block(s), vLLM reuses {self.reusable}")
+        engine = self.what or f"vLLM hybrid (window {2 * self.block_size} tokens)"
+        state = (f"{engine}, block size {self.block_size}: the router credits {self.credited} block(s), vLLM reuses "
+                 f"{self.reusable}")
         t = worst_flip(self.trials)
         if t is None:
             return f"does not change the worker: {state}; {tie_share(self.trials)}"
@@ -57,7 +59,7 @@ class VllmHybridImpact:
                 f"{tie_share(self.trials)}")
 
 
-def _join(pair: Any, engine: Any, k: int) -> None:
+def join(pair: Any, engine: Any, k: int) -> None:
     """Publish a barrier block on ``engine`` until the pair's router indexed it (the relay's subscription to
     the hop joins after vLLM's publisher connects; what vLLM publishes before that is lost)."""
     deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -71,7 +73,7 @@ def _join(pair: Any, engine: Any, k: int) -> None:
     raise OracleUnavailable(f"the two-rank router never indexed vLLM rank {k % 2}'s barrier block")
 
 
-def measure_hybrid_routing(path: Any, b: int, base: int = 7 << 20) -> VllmHybridImpact:
+def measure_hybrid_routing(path: Any, b: int, base: int = 7 << 20) -> VllmRoutingImpact:
     """The finding's state on rank 0, a candidate holding k blocks of the query on rank 1, for k = 0 .. credit."""
     from kvalign.oracles.router_pair import RANKS, RouterPair
     from kvalign.oracles.vllm import VllmEngine
@@ -83,15 +85,15 @@ def measure_hybrid_routing(path: Any, b: int, base: int = 7 << 20) -> VllmHybrid
         for r in RANKS:
             engines.append(VllmEngine(b, NUM_BLOCKS, endpoint=pair.publishers[r].hop.xsub, sliding_window=2 * b,
                                       dp_rank=r))
-            _join(pair, engines[r], barriers[r])
+            join(pair, engines[r], barriers[r])
         first = [base + i for i in range(PROMPT_BLOCKS * b)] + [base + b * 64]
         for tokens in (first, first, [base + b * 32 + i for i in range(2 * b)] + [base + b * 64 + 1]):
             engines[0].prefill(tokens)
             engines[0].take_events()
-        _join(pair, engines[0], barriers[2])  # every event of the steps indexed (one stream, in order)
+        join(pair, engines[0], barriers[2])  # every event of the steps indexed (one stream, in order)
         query = first[: QUERY_BLOCKS * b] + [base + b * 64 + 2]
         credited = pair.tiers(query).get(0, (0, 0, 0))[0]
-        impact = VllmHybridImpact(b, credited, engines[0].match(query) // b)
+        impact = VllmRoutingImpact(b, credited, engines[0].match(query) // b)
         for k in range(credited + 1):
             if k:
                 engines[1].prefill(query[: k * b] + [base + b * 64 + 3])
