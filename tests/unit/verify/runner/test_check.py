@@ -159,7 +159,7 @@ def test_a_release_without_the_dynamo_format_is_said():
 
 
 def test_check_json_report(capsys, router_hasher, sglang_available):
-    rc, out, _ = run_cli(capsys, "check", "--examples", "20", "--json", "--property", "overlap",
+    rc, out, _ = run_cli(capsys, "check", "--examples", "20", "--json", "--property", "overlap", "--jobs", "1",
                          "--router-hash", "kvalign.verify.misaligned:drop_namespace")
     report = json.loads(out)
     assert rc == 1 and report["aligned"] is False
