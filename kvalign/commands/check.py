@@ -27,6 +27,7 @@ from kvalign.verify.engine.systems import SystemsSpec, open_systems
 from kvalign.verify.engine.scope import Scope
 from kvalign.verify.runner.confirm import unexplained
 from kvalign.errors import UsageError
+from kvalign.oracles.dynamo import load_router_hasher
 from kvalign.oracles.sglang import KINDS
 from kvalign.runtime_log import console
 from kvalign.releases.versions import installed_versions
@@ -137,6 +138,10 @@ def run(args: argparse.Namespace) -> int:
     # at most a worker per job: a run of one job (--property card) starts none and runs in this process
     workers = min(args.jobs or usable_cores(), len(plan(chosen, asked, opts)))
     spec = SystemsSpec(args.router_hash, args.cache)
+    if args.router_hash and workers > 1:
+        # a bad --router-hash is said before the pool starts, not after its fork server imported SGLang
+        # (seconds of CPU) and a worker failed on it; the workers load the same module again
+        load_router_hasher(args.router_hash)
     pool = systems = None
     try:
         if workers > 1:

@@ -15,16 +15,30 @@ leaks into the oracles that share the worker process.
 from __future__ import annotations
 
 import zlib
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
+from typing import TYPE_CHECKING
 
 import pytest
 
-from kvalign.oracles.sglang import _modules  # noqa: E402  # SGLang's import chain behind the torchvision shim
-from kvalign.standins.sglang_cpu import kv_transfer  # noqa: E402
+from kvalign.standins.sglang_cpu import kv_transfer
 
-torch = pytest.importorskip("torch")
-_modules()
-checksum = pytest.importorskip("sglang.srt.disaggregation.checksum")
+if TYPE_CHECKING:
+    import torch
+
+torch: ModuleType
+checksum: ModuleType
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _sglang() -> None:
+    """torch and SGLang (about 15 s of CPU), imported when this module's first test runs, not at
+    collection: every xdist worker collects every module, and most never run these tests."""
+    from kvalign.oracles.sglang import _modules  # SGLang's import chain behind the torchvision shim
+
+    global torch, checksum
+    torch = pytest.importorskip("torch")
+    _modules()
+    checksum = pytest.importorskip("sglang.srt.disaggregation.checksum")
 
 
 def _pools(seed: int = 0, layers: int = 3, pages: int = 6, page_bytes: int = 64) -> list[torch.Tensor]:

@@ -35,8 +35,10 @@ WIDTH = 100
 #: ``check`` in the test's own process, where SGLang and Dynamo are already imported: the default
 #: (a worker per core) would start a fork server that imports them again and two workers that open
 #: their own router paths, about 9 s of CPU per run, for no parallelism in a fast tier whose xdist
-#: workers already fill both cores. ``test_check_json_report`` keeps the default (the pool) in the
-#: fast tier; ``tests/unit/verify/test_pool.py`` compares the two.
+#: workers already fill both cores. ``test_check_json_report`` runs in-process too: with the pool it
+#: cost 12.9 s of CPU (cgroup, the fork server's SGLang import most of it), in-process 1.8 s. The pool
+#: is ``tests/unit/verify/runner/test_pool.py``'s (``slow``: the same rows as ``--jobs 1``, a failing
+#: worker named).
 IN_PROCESS = ("--jobs", "1")
 
 PROPS = ("card", "advertised", "hash", "pages", "overlap", "ingest", "tenants", "tier", "servable", "dp")
@@ -159,7 +161,7 @@ def test_a_release_without_the_dynamo_format_is_said():
 
 
 def test_check_json_report(capsys, router_hasher, sglang_available):
-    rc, out, _ = run_cli(capsys, "check", "--examples", "20", "--json", "--property", "overlap",
+    rc, out, _ = run_cli(capsys, "check", "--examples", "20", "--json", "--property", "overlap", *IN_PROCESS,
                          "--router-hash", "kvalign.verify.misaligned:drop_namespace")
     report = json.loads(out)
     assert rc == 1 and report["aligned"] is False
