@@ -441,6 +441,9 @@ def check_result(dynamo: str, sglang: str, res: subprocess.CompletedProcess[str]
                 pass
     if report is None:
         err = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        # a traceback's last line is its exception; a search's report may follow it (Hypothesis's failing case)
+        raised = [ln for ln in err if re.match(r"^[\w.]*(Error|Exception)\b[^:]*: ", ln)]
+        err = raised or err
         return PairResult(dynamo, sglang, "error", seconds=seconds,
                           error=f"check exited {res.returncode} without a JSON report" + (f": {err[-1]}" if err else ""))
     return pair_result(dynamo, sglang, report, seconds)

@@ -38,9 +38,9 @@ ENGINE = "vllm"
 DEFAULT_VLLM = ("0.33.0",)
 #: Seconds a release's import probe may take (vLLM's first import compiles its modules: 30-90 s here).
 PROBE_TIMEOUT_S = 600
-#: What :func:`probe` runs in a release's interpreter: the oracle's own import of vLLM's prefix-cache code,
-#: then the version of the distribution that answered.
-PROBE = ("import importlib.metadata as md; from kvalign.oracles.vllm_cache import _import_vllm; _import_vllm(); "
+#: What :func:`probe` runs in a release's interpreter: the oracle's own import of vLLM's prefix-cache code and
+#: a cache built as the oracle builds it, then the version of the distribution that answered.
+PROBE = ("import importlib.metadata as md; from kvalign.oracles.vllm_cache import VllmCache; VllmCache(16, 10).close(); "
          f"print(md.version({OFFICIAL_DIST!r}))")
 
 
@@ -55,10 +55,11 @@ def shipped_vllm(dynamo: str, *, log: Callable[[str], None] = lambda _m: None) -
 
 
 def probe(version: str, *, run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> str:
-    """Install official ``vllm==version`` (once) and import its prefix-cache code there; its interpreter.
+    """Install official ``vllm==version`` (once), import its prefix-cache code there and build a cache as the
+    oracle does; its interpreter.
 
-    Raises :class:`MatrixError` naming the release where it does not install, does not import on CPU,
-    or reports another version than asked."""
+    Raises :class:`MatrixError` naming the release where it does not install, does not import on CPU, has
+    another ``KVCacheManager`` API than the oracle drives, or reports another version than asked."""
     try:
         python = ensure(OFFICIAL_DIST, version)
     except ReleaseEnvError as exc:
@@ -69,7 +70,7 @@ def probe(version: str, *, run: Callable[..., subprocess.CompletedProcess[str]] 
     except subprocess.TimeoutExpired:
         raise MatrixError(f"vllm {version}: importing its prefix-cache code took over {PROBE_TIMEOUT_S}s") from None
     if res.returncode != 0:
-        raise MatrixError(f"vllm {version} does not import its prefix-cache code on CPU: "
+        raise MatrixError(f"vllm {version}: kvalign's vLLM oracle cannot run it on CPU: "
                           f"{one_line(res.stderr or res.stdout or f'exit {res.returncode}')}")
     got = one_line(res.stdout)
     if got != version:
@@ -146,8 +147,7 @@ def columns(results: Sequence[PairResult]) -> list[tuple[str, str]]:
 def scope_line(cols: Sequence[tuple[str, str]]) -> str:
     """What the verdicts speak for: the vLLM rows that ran (``check --engine vllm``'s), nothing else."""
     names = list(dict.fromkeys(p for p, _ in cols))
-    return (f"Verdicts for what ran only: {', '.join(names) or 'no row'} (the rows of "
-            "`kvalign check --engine vllm`, on the official vLLM wheels).")
+    return f"Verdicts for what ran only: {', '.join(names) or 'no row'} (`check --engine vllm`'s rows)."
 
 
 def report_json(results: Sequence[PairResult], versions: dict[str, Any], cols: Sequence[tuple[str, str]]) -> dict[str, Any]:
