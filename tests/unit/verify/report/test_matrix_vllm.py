@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from kvalign.cli import main
 from kvalign.releases.release_env import ReleaseEnvError
 from kvalign.releases.vllm_env import RELEASE_ENV
 from kvalign.verify.report import matrix_vllm
@@ -121,25 +120,6 @@ def test_the_json_names_each_row_s_vllm_release():
     assert doc["engine"] == "vllm" and doc["properties"] == ["hash"]
     assert [(r["dynamo"], r["vllm"], r["shipped"]) for r in doc["rows"]][0] == ("1.6.1", "0.31.0", True)
     assert all("sglang" not in r for r in doc["rows"])
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--sglang", "0.5.23"], "--sglang: SGLang's matrix only, not with --engine vllm"),
-    (["--live"], "--live: SGLang's matrix only"),
-    (["--property", "hash"], "--property: SGLang's matrix only"),
-    (["--event-format", "both"], "--event-format: SGLang's matrix only"),
-    (["--vllm", "0.33.x"], "--vllm takes comma-separated release versions"),
-    (["--examples", "0"], "--examples must be >= 1, got 0"),
-])
-def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
-    rc = main(["matrix", "--engine", "vllm", "--dynamo", "1.6.1", *argv])
-    out, err = capsys.readouterr()
-    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err, err
-
-
-def test_vllm_releases_without_engine_vllm_is_a_usage_error(capsys):
-    assert main(["matrix", "--dynamo", "1.6.1", "--vllm", "0.33.0"]) == 2
-    assert "--vllm names vLLM releases: it goes with --engine vllm" in capsys.readouterr().err
 
 
 @pytest.mark.matrix
