@@ -15,6 +15,8 @@ is an error row, named on stderr, and the exit is 2, so a dead cell job cannot s
 
 ``--markdown`` prints the compact table the README carries (a row per pair, the causes found), with
 the command that reproduces it under it.
+
+``--engine vllm`` checks Dynamo x vLLM pairs instead (``--vllm``; :mod:`kvalign.commands.matrix_vllm`).
 """
 
 from __future__ import annotations
