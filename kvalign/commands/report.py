@@ -65,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
     if args.finding not in Cause.__members__:
         raise UsageError(f"unknown finding {args.finding!r}; expected a cause name such as LORA_NOT_IN_EVENTS "
                          f"(one of {', '.join(Cause.__members__)})")
+    if args.finding.startswith("VLLM_"):
+        return run_vllm(args)
     for flag, value in (("--dynamo", args.dynamo), ("--sglang", args.sglang)):
         if value is not None and not re.match(VERSION, value):
             raise UsageError(f"{flag} takes one release version, got {value!r}")
@@ -106,6 +108,37 @@ def run(args: argparse.Namespace) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text, encoding="utf-8")
         print(f"kvalign report: wrote {args.out}", file=err)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    """A vLLM finding on the installed Dynamo and the pinned vLLM (collected here; vLLM runs in its own
+    interpreter): exit 0 report printed, 2 a pair it cannot collect on."""
+    from kvalign.oracles.base import OracleUnavailable
+    from kvalign.verify.props.vllm.report import CAUSES, collect
+    from kvalign.verify.report.matrix import installed, one_line
+    from kvalign.verify.report.vllm_finding import render
+
+    cause = Cause[args.finding]
+    if cause not in CAUSES:
+        raise UsageError(f"kvalign reports no vLLM finding {args.finding}; one of {', '.join(sorted(c.name for c in CAUSES))}")
+    dynamo = installed("ai-dynamo")
+    if args.sglang is not None or (args.dynamo is not None and args.dynamo != dynamo):
+        raise UsageError(f"{args.finding} is collected on the installed ai-dynamo ({dynamo}) and the pinned vLLM: "
+                         "drop --dynamo / --sglang")
+    print(f"kvalign report: {args.finding} on ai-dynamo {dynamo} x the pinned vLLM (replaying, then routing)",
+          file=sys.stderr, flush=True)
+    try:
+        data = collect(cause)
+    except OracleUnavailable as exc:
+        raise UsageError(f"collecting {args.finding} failed: {one_line(str(exc))}") from None
+    text = render(data, f"kvalign report {args.finding}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text, encoding="utf-8")
+        print(f"kvalign report: wrote {args.out}", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0

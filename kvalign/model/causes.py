@@ -76,6 +76,13 @@ class Cause(str, Enum):
     REPLICA_INDEX_DIVERGED = "router replicas would route the same prompt by indexes that hold different pages"
     REPLICA_STATE_UNSYNCED = ("a router replica misses its peers' active-sequence events (no replica sync): its "
                               "load view lacks their in-flight requests")
+    # vLLM behind Dynamo's relay (kvalign.verify.props.vllm): what vLLM publishes that the relay cannot key.
+    VLLM_BYTES_HASHES_DROPPED = ("vLLM publishes its block hashes as bytes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0): "
+                                 "Dynamo's relay drops every such event, silently, and the router indexes none of "
+                                 "vLLM's blocks")
+    VLLM_SALT_UNPREFIXED = ("a cache_salt reaches vLLM without Dynamo's dynamo-cache-salt: prefix: vLLM keys the "
+                            "tenant apart, the relay keys its blocks as unsalted ones and credits unsalted requests "
+                            "with blocks vLLM will not reuse for them")
     # Multimodal prompts (kvalign.verify.props.mm.body): how an image's pages stop matching.
     MM_PAD_WIDTH = ("SGLang keys an image's tokens by pad values wider than the router's u32 token ids: Dynamo's "
                     "relay drops every event batch holding one, and the frontend's u32 pad values cannot match them")

@@ -14,7 +14,7 @@ router's keys.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvalign.model.hashing import compute_block_hash_for_seq
@@ -78,3 +78,29 @@ class VllmRelayModel:
             self._namespace.clear()
         else:
             raise ValueError(f"unknown vLLM event type {kind!r}")
+
+
+def dynamo_mm_identifier(mm_hash: int) -> str:
+    """The image identifier ``dynamo.vllm`` 1.6.1 hands vLLM for the frontend's routing hash ``mm_hash``
+    (``multimodal_utils/request_processor.py``, ``mark_forwarded_mm_hashes_for_routing``): its 16 hex
+    digits, then 48 zeros. vLLM keys the image's blocks by it and publishes it in ``extra_keys`` as
+    ``(identifier, offset)``; the relay reads a 64-character key back as a routing hash only in this form."""
+    return f"{mm_hash & 0xFFFF_FFFF_FFFF_FFFF:016x}" + "0" * 48
+
+
+def block_mm_infos(num_tokens: int, block_size: int,
+                   images: Sequence[tuple[int, int, int]]) -> list[dict[str, Any] | None] | None:
+    """Per full block of a prompt, the image routing hashes the router keys it with: ``images`` are
+    ``(mm_hash, offset, length)``, and a block carries every image whose placeholder range it overlaps (the
+    blocks vLLM's ``_gen_mm_extra_hash_keys`` puts the image in). The relay builds this from vLLM's
+    ``extra_keys`` (``offsets`` left empty: the router's hash reads ``mm_hash`` only); kvalign queries the
+    router with the same shape, as the frontend's ``block_mm_infos``. None for a prompt without images."""
+    if not images:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for i in range(num_tokens // block_size):
+        lo, hi = i * block_size, (i + 1) * block_size
+        objs = [{"mm_hash": h, "offsets": []} for h, off, n in sorted(images, key=lambda im: im[1])
+                if off < hi and off + n > lo]
+        out.append({"mm_objects": objs} if objs else None)
+    return out

@@ -60,10 +60,14 @@ class VllmEngine:
     """One vLLM engine's prefix cache: ``num_blocks`` blocks of ``block_size`` tokens, one full-attention group.
 
     ``env``: extra environment for vLLM (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, say); the child
-    also gets ``PYTHONHASHSEED=0`` as ``python -m dynamo.vllm`` sets it before vLLM loads."""
+    also gets ``PYTHONHASHSEED=0`` as ``python -m dynamo.vllm`` sets it before vLLM loads. ``sliding_window``: a
+    hybrid model's second, sliding-window group of that many tokens; ``offload``: a CPU tier
+    (``blocks_per_chunk``, ``num_chunks``; :mod:`kvalign.oracles.vllm_offload`); ``dp_rank``: the data-parallel
+    rank its batches are tagged with (a routing candidate of :class:`~kvalign.oracles.router_pair.RouterPair`)."""
 
     def __init__(self, block_size: int, num_blocks: int, *, endpoint: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, sliding_window: int | None = None,
+                 offload: dict[str, int] | None = None, dp_rank: int = 0) -> None:
         try:
             python = ensure(*selected())
         except (ReleaseEnvError, UsageError) as exc:
@@ -82,8 +86,10 @@ class VllmEngine:
             self._proc = subprocess.Popen([python, "-m", "kvalign.oracles.vllm_child"], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, stderr=self._log, env=child)
         try:
+            extra = {k: v for k, v in (("sliding_window", sliding_window), ("offload", offload),
+                                       ("dp_rank", dp_rank or None)) if v is not None}
             info = self._call("init", timeout=START_TIMEOUT_S, block_size=block_size, num_blocks=num_blocks,
-                              endpoint=endpoint)
+                              endpoint=endpoint, **extra)
         except BaseException:
             self.close()
             raise
@@ -117,22 +123,30 @@ class VllmEngine:
         lines = [ln for ln in self._log.read().decode(errors="replace").splitlines() if ln.strip()]
         return lines[-1] if lines else "(no output)"
 
-    def match(self, tokens: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None) -> int:
-        """vLLM's prefix hit for this prompt now, in tokens (nothing allocated)."""
-        return int(self._call("match", tokens=list(tokens), lora_name=lora_name, cache_salt=cache_salt))
+    def match(self, tokens: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None,
+              mm: Sequence[tuple[str, int, int]] | None = None, device_only: bool = False) -> int:
+        """vLLM's prefix hit for this prompt now, in tokens (nothing allocated; with a CPU tier, after the
+        offload connector's load unless ``device_only``). ``mm``: the prompt's images, ``(identifier, offset,
+        length)`` each."""
+        extra = {"device_only": True} if device_only else {}
+        return int(self._call("match", tokens=list(tokens), lora_name=lora_name, cache_salt=cache_salt,
+                              **_images(mm), **extra))
 
-    def prefill(self, tokens: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None) -> int:
+    def prefill(self, tokens: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None,
+                mm: Sequence[tuple[str, int, int]] | None = None) -> int:
         """Serve and finish one prompt; returns vLLM's prefix hit in tokens (``num_cached_tokens``)."""
-        return int(self._call("prefill", tokens=list(tokens), lora_name=lora_name, cache_salt=cache_salt))
+        return int(self._call("prefill", tokens=list(tokens), lora_name=lora_name, cache_salt=cache_salt,
+                              **_images(mm)))
 
     def take_events(self, *, publish: bool = True) -> list[dict[str, Any]]:
         """vLLM's events since the last call, as plain maps (``type`` and the struct's fields), published
         to the endpoint first unless ``publish`` is False."""
         return list(self._call("take_events", publish=publish))
 
-    def publish_sentinel(self, engine_hash: int, token: int) -> None:
-        """A one-block root ``BlockStored`` on vLLM's publisher (an ingestion barrier, in stream order)."""
-        self._call("sentinel", engine_hash=engine_hash, token=token)
+    def publish_sentinel(self, engine_hash: int, token: int, block_size: int | None = None) -> None:
+        """A one-block root ``BlockStored`` on vLLM's publisher (an ingestion barrier, in stream order), of
+        ``block_size`` tokens (default vLLM's: a relay configured with another size drops vLLM's own)."""
+        self._call("sentinel", engine_hash=engine_hash, token=token, block_size=block_size)
 
     def close(self) -> None:
         """Release the cache; the child waits, vLLM imported, for this process's next engine (:data:`_IDLE`)."""
@@ -163,6 +177,11 @@ class VllmEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _images(mm: Sequence[tuple[str, int, int]] | None) -> dict[str, Any]:
+    """The request's ``mm`` argument for the child (none sent for a text prompt: an older child takes none)."""
+    return {"mm": [list(image) for image in mm]} if mm else {}
 
 
 def _read_with_timeout(proc: subprocess.Popen[bytes], timeout: float) -> Any:

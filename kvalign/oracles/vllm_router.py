@@ -76,7 +76,7 @@ class VllmWorker:
         deadline, sent_at, pause = time.monotonic() + BARRIER_TIMEOUT_S, 0.0, POLL_FIRST_S
         while time.monotonic() < deadline:
             if time.monotonic() - sent_at > 1.0:
-                self.engine.publish_sentinel(sentinel_hash(k), SENTINEL_BASE + k)
+                self.engine.publish_sentinel(sentinel_hash(k), SENTINEL_BASE + k, self.ingest.block_size)
                 sent_at = time.monotonic()
             time.sleep(pause)
             pause = min(pause * 2, POLL_MAX_S)
@@ -88,6 +88,17 @@ class VllmWorker:
         """The router's device-tier overlap (blocks) for a query."""
         return self.ingest.overlap(tokens, lora_name, cache_namespace)
 
+    def tiers(self, tokens: Sequence[int], *, block_mm_infos: list[Any] | None = None) -> dict[str, int]:
+        """The router's per-tier overlap (``device_blocks``, ``host_pinned_extension_blocks``,
+        ``disk_extension_blocks``) for a base-model query, with the frontend's per-block image infos when
+        given (``get_overlap_scores``' ``block_mm_infos``)."""
+        path, router = self.ingest.path, self.ingest.router
+        if not hasattr(router, "get_overlap_scores"):
+            raise OracleUnavailable(f"Dynamo {path.version}'s KvRouter has no get_overlap_scores")
+        rows = path.call(router.get_overlap_scores, list(tokens), block_mm_infos=block_mm_infos)["workers"]
+        keys = ("device_blocks", "host_pinned_extension_blocks", "disk_extension_blocks")
+        return {k: int(rows[0][k]) for k in keys} if rows else dict.fromkeys(keys, 0)
+
     def dump(self) -> list[tuple[int | None, int, int]]:
         """``(parent, vLLM's block hash, router local hash)`` per indexed block, barriers left out."""
         return [row for row in self.ingest.dump() if not sentinel_hash(0) <= row[1] < sentinel_hash(1 << 32)]
@@ -97,16 +108,22 @@ class VllmWorker:
         self.hop.close()
 
 
-def vllm_worker(path: RouterPath, block_size: int, num_blocks: int, *, env: dict[str, str] | None = None) -> VllmWorker:
-    """A vLLM engine (``num_blocks`` blocks of ``block_size``) publishing into a fresh relay + ``KvRouter``."""
+def vllm_worker(path: RouterPath, block_size: int, num_blocks: int, *, env: dict[str, str] | None = None,
+                relay_block_size: int | None = None, **options: Any) -> VllmWorker:
+    """A vLLM engine (``num_blocks`` blocks of ``block_size``; ``options``: :class:`VllmEngine`'s
+    ``sliding_window`` / ``offload``) publishing into a fresh relay + ``KvRouter``.
+
+    ``relay_block_size``: the relay's (and the registered card's, the router's) ``kv_block_size`` where it is
+    not vLLM's, as ``dynamo.vllm`` runs with ``additional_config={"dynamo_kv_event_block_size": N}``
+    (``dynamo/vllm/cache_info.py``); by default vLLM's, as ``dynamo.vllm`` reads it from the engine."""
     hop = VllmHop()
     try:
-        engine = VllmEngine(block_size, num_blocks, endpoint=hop.engine_endpoint, env=env)
+        engine = VllmEngine(block_size, num_blocks, endpoint=hop.engine_endpoint, env=env, **options)
     except BaseException:
         hop.close()
         raise
     try:
-        worker = VllmWorker(engine, path.attach(hop, block_size), hop)
+        worker = VllmWorker(engine, path.attach(hop, relay_block_size or block_size), hop)
         worker.barrier()
     except BaseException:
         engine.close()

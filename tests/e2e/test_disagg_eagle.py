@@ -130,8 +130,10 @@ def sglang_cpu_aligned(sglang_cpu_reference: list[DecodeRecord], sglang_release:
 @pytest.fixture(scope="module")
 def sglang_cpu_fake_transfer(sglang_cpu_reference: list[DecodeRecord], sglang_release: str | None,
                              module_run_dir: Path) -> E2eResult:
-    """The decode half's negative control: SGLang's ``fake`` backend, decode without the prompt's KV."""
-    opts = E2eOptions(engine="sglang-cpu", transfer="fake", startup_timeout_s=400, sglang=sglang_release)
+    """The decode half's negative control: SGLang's ``fake`` backend, decode without the prompt's KV.
+    One prefill worker: what fails here is the hand-off to decode, which one prefill worker makes as
+    two do (the routing choice between two is the aligned run's); a scheduler fewer to start."""
+    opts = E2eOptions(engine="sglang-cpu", transfer="fake", prefill=1, startup_timeout_s=400, sglang=sglang_release)
     return _run_sglang_cpu(opts, module_run_dir / "fake-transfer", sglang_cpu_reference)
 
 

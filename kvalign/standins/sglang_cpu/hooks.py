@@ -35,7 +35,7 @@ PATCHES: dict[str, tuple[Callable[[], None], ...]] = {
 #: for the releases whose default transfer is ``nixl`` (:attr:`~kvalign.standins.sglang_cpu.Release.transfer`).
 TRANSFER_PATCHES: dict[str, tuple[Callable[[], None], ...]] = {
     "sglang.srt.disaggregation.decode": (kv_transfer.arm_checksum_injector, kv_transfer.record_checksum_verifications),
-    "sglang.srt.disaggregation.nixl.conn": (kv_transfer.nixl_host_memory,),
+    "sglang.srt.disaggregation.nixl.conn": (kv_transfer.nixl_host_memory, kv_transfer.nixl_progress_thread_waits),
     "sglang.srt.disaggregation.checksum": (kv_transfer.kv_checksum_on_cpu,),
 }
 

@@ -19,6 +19,10 @@ dense path (``../shared/docs/reference/disagg-transfer.md``):
   pages and state, the order, the comparison and the abort on mismatch stay SGLang's; only the
   digest of the selected bytes runs here, as :func:`adler32_strided_checksum` — the same value the
   kernel's ordered combine defines (Adler-32 of the items concatenated in order; 1 when empty).
+
+And one thing stands between it and a machine the size of CI's: :func:`nixl_progress_thread_waits`
+— NIXL's progress thread, which never waits as NIXL's Python agent creates it, waits 1 ms between
+passes, so a NIXL worker no longer spins a core at rest.
 """
 
 from __future__ import annotations
@@ -86,6 +90,37 @@ def nixl_host_memory() -> None:
         original(self, args, disaggregation_mode, server_args, *rest, **kwargs)
 
     manager.__init__ = __init__
+
+
+#: How long NIXL's progress thread waits between passes over its UCX workers (microseconds).
+#: NIXL's Python agent hard-codes 0 (``nixl_agent.__init__``: ``agent_config.pthrDelay = 0``): the
+#: thread then never waits, and every prefill and decode worker spins a core on it even while the
+#: scheduler sleeps (``--sleep-on-idle``). A millisecond is far below one request's transfer here
+#: (12-20 ms on loopback) and lets the thread sleep between passes.
+PROGRESS_DELAY_US = 1000
+
+
+def nixl_progress_thread_waits() -> None:
+    """NIXL's agents (created by ``NixlKVManager``) start their progress thread with a
+    :data:`PROGRESS_DELAY_US` wait between passes instead of none; what moves, and how, stays NIXL's."""
+    from nixl import _api
+
+    bind = _api.nixlBind
+    _require(hasattr(bind, "nixlAgent") and "agent_config.pthrDelay = 0" in inspect.getsource(_api.nixl_agent.__init__),
+             "nixl_agent.__init__ no longer sets the progress thread's delay (pthrDelay) to 0 before creating its agent")
+
+    class _Bindings:
+        """``nixlBind`` as ``nixl._api`` reads it, but for the agent's progress delay."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(bind, name)
+
+        @staticmethod
+        def nixlAgent(name: str, config: Any) -> Any:  # noqa: N802 - NIXL's own name
+            config.pthrDelay = PROGRESS_DELAY_US
+            return bind.nixlAgent(name, config)
+
+    _api.nixlBind = _Bindings()
 
 
 def label_host_memory(args: Any, server_args: Any) -> None:

@@ -41,6 +41,14 @@ UPSTREAM: dict[str, tuple[str, ...]] = {
     "HOST_CREDIT_NOT_SERVABLE": (
         "vllm-project/vllm#57159 (vLLM's twin: an offload connector advertising per-block hashes for chunks it "
         "can only return whole)",),
+    "VLLM_SALT_UNPREFIXED": (
+        "NVIDIA/TensorRT-LLM#18156 (the precedent: TensorRT-LLM's router derived cache_salt otherwise than the "
+        "engine, 0 of 8 blocks overlapping while its tests stayed green)",
+        "ai-dynamo/dynamo#11571 (the same salt in extra_keys lost on another path: salted blocks offloaded to "
+        "storage published with extra_keys=None)",),
+    "VLLM_BYTES_HASHES_DROPPED": (
+        "vllm-project/vllm#26265 (vLLM's published hash type is ExternalBlockHash = bytes | int, and its own "
+        "subscriber example had to decode both); no Dynamo thread on the bytes form found",),
 }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvalign.model.hashing import compute_block_hash_for_seq
-from kvalign.model.vllm_keys import VllmRelayModel, dynamo_salt, relay_salt
+from kvalign.model.vllm_keys import VllmRelayModel, block_mm_infos, dynamo_mm_identifier, dynamo_salt, relay_salt
 
 B = 4
 
@@ -39,3 +39,17 @@ def test_model_keys_each_block_by_its_tokens_tenant_and_inherited_namespace():
 def test_an_unknown_event_is_an_error_naming_it():
     with pytest.raises(ValueError, match="'BlockMoved'"):
         VllmRelayModel(B).apply({"type": "BlockMoved"})
+
+
+def test_dynamo_mm_identifier_is_the_hash_in_16_hex_digits_then_48_zeros():
+    assert dynamo_mm_identifier(0x0123_4567_89AB_CDEF) == "0123456789abcdef" + "0" * 48
+    assert dynamo_mm_identifier(5) == "0000000000000005" + "0" * 48
+
+
+def test_block_mm_infos_put_an_image_on_every_full_block_its_placeholders_touch():
+    # 4 full blocks of 4 tokens and a partial one; the image covers tokens 3..9: blocks 0, 1 and 2
+    infos = block_mm_infos(18, 4, [(7, 3, 7)])
+    assert infos == [{"mm_objects": [{"mm_hash": 7, "offsets": []}]}] * 3 + [None]
+    two = block_mm_infos(8, 4, [(9, 6, 2), (7, 1, 2)])  # sorted by offset, one per block
+    assert two == [{"mm_objects": [{"mm_hash": 7, "offsets": []}]}, {"mm_objects": [{"mm_hash": 9, "offsets": []}]}]
+    assert block_mm_infos(8, 4, []) is None

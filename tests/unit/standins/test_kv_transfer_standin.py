@@ -6,6 +6,7 @@
   state handling untouched), and a page changed after the digest changes it: the checksum can fail
   on what it guards.
 * ``NixlKVManager`` gets ``DRAM`` kinds on a CPU device and keeps SGLang's own elsewhere.
+* NIXL's progress thread waits between passes (it spun a core per worker).
 
 Each patch is applied to the installed SGLang and undone after the test (monkeypatch), so nothing
 leaks into the oracles that share the worker process.
@@ -94,6 +95,21 @@ def test_the_nixl_manager_labels_a_cpu_devices_kv_memory_dram():
     assert conn._normalize_kv_mem_kinds(None, 2) == ["VRAM", "VRAM"]
 
 
+def test_nixls_progress_thread_waits_between_passes(monkeypatch):
+    """NIXL's Python agent starts its progress thread with no wait (``pthrDelay = 0``: a core spun per
+    worker, idle or not); through the patch the agent it creates gets :data:`kv_transfer.PROGRESS_DELAY_US`."""
+    from nixl import _api
+
+    monkeypatch.setattr(_api, "nixlBind", _api.nixlBind)
+    seen = []
+    real = _api.nixlBind.nixlAgent
+    monkeypatch.setattr(_api.nixlBind, "nixlAgent", lambda name, config: seen.append(config.pthrDelay) or real(name, config))
+    _api.nixl_agent("unpatched", _api.nixl_agent_config(backends=[]))
+    kv_transfer.nixl_progress_thread_waits()
+    _api.nixl_agent("patched", _api.nixl_agent_config(backends=[]))
+    assert seen == [0, kv_transfer.PROGRESS_DELAY_US] and kv_transfer.PROGRESS_DELAY_US > 0
+
+
 def test_each_patch_finds_the_sglang_code_it_was_written_for(monkeypatch):
     """The source checks hold on the installed SGLang (a changed release stops the worker at start-up)."""
     from sglang.srt.disaggregation import decode
@@ -105,7 +121,10 @@ def test_each_patch_finds_the_sglang_code_it_was_written_for(monkeypatch):
     monkeypatch.setattr(checksum.KvChecksumComputer, "compute", checksum.KvChecksumComputer.compute)
     monkeypatch.setenv(kv_transfer.CHECKSUM_LEDGER_ENV, "/nonexistent/ledger.jsonl")
     monkeypatch.setenv(kv_transfer.CHECKSUM_INJECTOR_ARM_ENV, "/nonexistent/arm")
-    for patch in (kv_transfer.nixl_host_memory, kv_transfer.kv_checksum_on_cpu,
+    from nixl import _api
+
+    monkeypatch.setattr(_api, "nixlBind", _api.nixlBind)
+    for patch in (kv_transfer.nixl_host_memory, kv_transfer.nixl_progress_thread_waits, kv_transfer.kv_checksum_on_cpu,
                   kv_transfer.arm_checksum_injector, kv_transfer.record_checksum_verifications):
         patch()
     assert mixin._verify_kv_checksums.__wrapped__.__wrapped__ is not None  # both decode hooks wrapped SGLang's

@@ -1,9 +1,12 @@
-"""vLLM behind Dynamo's KV router (``check --engine vllm``): the hash, pages, ingest and tenants rows on
-vLLM's real ``KVCacheManager`` (in vLLM's own environment, :mod:`kvalign.releases.vllm_env`), its real
+"""vLLM behind Dynamo's KV router (``check --engine vllm``): the hash, pages, ingest, tenants, mm, tiers and
+hybrid rows on vLLM's real ``KVCacheManager`` (in vLLM's own environment, :mod:`kvalign.releases.vllm_env`), its real
 ``ZmqEventPublisher``, and Dynamo's real relay and ``KvRouter`` wired as ``dynamo.vllm`` wires them.
 
 One property, ``vllm``, whose one job starts one vLLM engine and prints its rows under the SGLang rows'
-names (``hash``, ``pages``, ``ingest``, ``tenants``), each with its negative control; off by default
+names (``hash``, ``pages``, ``ingest``, ``tenants``), each with its negative control, then the rows of their own
+modules: ``mm`` (image prompts, :mod:`.mm`) on the same engine, ``tiers`` (the CPU offload tier, :mod:`.tiers`)
+and ``hybrid`` (full attention + sliding window, :mod:`.hybrid`) each on an engine of its own, ``blocks`` (per block
+size, :mod:`.blocks`), ``hashes`` (int and bytes) and ``events`` (vLLM's map encoding, :mod:`.encodings`); off by default
 (``check --engine vllm`` or ``--property vllm`` runs it). Importing this package imports neither vLLM,
 Dynamo nor SGLang.
 """

@@ -1,16 +1,18 @@
 """The rows of ``check --engine vllm``: hash, pages, ingest and tenants on vLLM's real ``KVCacheManager``
-behind Dynamo's real relay and ``KvRouter``, each a Hypothesis search with its negative control beside it."""
+behind Dynamo's real relay and ``KvRouter``, each a Hypothesis search with its negative control beside it;
+then the block sizes and encodings (:func:`shape_rows`)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kvalign.model.causes import Cause
 from kvalign.oracles.base import OracleUnavailable
 from kvalign.verify.engine.property import Options, found_row, unavailable
-from kvalign.verify.props.vllm import bodies, controls
+from kvalign.verify.props.vllm import bodies, controls, hybrid, mm, tiers
 from kvalign.verify.props.vllm.strategies import TENANTS, sequences
 from kvalign.verify.engine.rows import VARIANTS, RowResult
 
@@ -21,6 +23,8 @@ BLOCK_SIZE = 16
 #: the negative control's example budget (a control must fail within it)
 CONTROL_EXAMPLES = 25
 ROWS = ("hash", "pages", "ingest", "tenants")
+#: rows of their own modules: mm on the shared engine, tiers and hybrid each on an engine of its own
+GROUP_ROWS = ("mm", "tiers", "hybrid")
 
 
 def _tenants(variant: str) -> list[tuple[str | None, str | None]]:
@@ -45,6 +49,42 @@ def _row(prop: str, variant: str, body: Any, strategy: Any, n: int, seed: int | 
     return row
 
 
+def search_row(prop: str, body: Any, strategy: Any, n: int, seed: int | None,
+               control: tuple[str, Callable[[], Any], Cause]) -> RowResult:
+    """One ``base`` row: the search of ``body`` over ``strategy``, its negative control beside it."""
+    return _row(prop, "base", body, strategy, n, seed, control)
+
+
+def control_run(worker: Any, body: Any, seq: list[Any], seed: int | None, hop: Any) -> Callable[[], Any]:
+    """A negative control: ``body`` on the fixed ``seq`` with ``hop`` applied on ``worker``'s hop."""
+    from hypothesis import strategies as st
+
+    from kvalign.verify.engine.search import run_search
+
+    def run() -> Any:
+        with controls.on_hop(worker, hop):
+            return run_search(body, st.just(seq), CONTROL_EXAMPLES, seed=seed)
+    return run
+
+
+@contextmanager
+def own_engine(prop: str, path: Any, b: int, num_blocks: int, **options: Any) -> Iterator[Any]:
+    """A vLLM worker of its own for one row (``options``: the engine's ``sliding_window`` / ``offload``),
+    closed after it; one that cannot start is the row, unavailable with its cause."""
+    from kvalign.oracles.vllm_router import vllm_worker
+
+    start = time.perf_counter()
+    try:
+        worker = vllm_worker(path, b, num_blocks, **options)
+    except OracleUnavailable as exc:
+        yield unavailable(prop, ("plain",), ("base",), str(exc), seconds=time.perf_counter() - start)[0]
+        return
+    try:
+        yield worker
+    finally:
+        worker.close()
+
+
 def vllm_rows(systems: Any, modes: tuple[str, ...], opts: Options) -> list[RowResult]:
     """Every vLLM row (plain mode: vLLM keys no bigrams), one vLLM engine and router for all; tenants in each
     tenant variant asked. A path that cannot start is every row with its cause, never an exception."""
@@ -57,7 +97,8 @@ def vllm_rows(systems: Any, modes: tuple[str, ...], opts: Options) -> list[RowRe
     from kvalign.verify.engine.search import run_search
 
     tenant_variants = [v for v in opts.variants if v != "base"]
-    names = [(p, "base") for p in ROWS[:3]] + [("tenants", v) for v in tenant_variants]
+    names = ([(p, "base") for p in ROWS[:3]] + [("tenants", v) for v in tenant_variants]
+             + [(p, "base") for p in GROUP_ROWS])
     b, n, seed = opts.page_size or BLOCK_SIZE, opts.examples_for(BUDGET), opts.seed
     start = time.perf_counter()
     try:
@@ -96,6 +137,18 @@ def vllm_rows(systems: Any, modes: tuple[str, ...], opts: Options) -> list[RowRe
                              ("tenant_blind (the relay reads neither extra_keys nor lora_name)",
                               control(bodies.tenants_body(worker), [Served((0, 1, 2), 3, tenants[0])],
                                       controls.tenant_blind), Cause.TENANTS_SHARE_KEYS)))
-        return rows
+        rows.append(mm.row(worker, n, seed))
     finally:
         worker.close()
+    return (rows + [tiers.row(systems.router_path(), b, n, seed), hybrid.row(systems.router_path(), b, n, seed)]
+            + shape_rows(systems.router_path(), b, n, seed, only_size=opts.page_size is not None))
+
+
+def shape_rows(path: Any, b: int, n: int, seed: int | None, *, only_size: bool = False) -> list[RowResult]:
+    """The block-size and encoding rows, each on vLLM workers of its own (:mod:`.blocks`, :mod:`.encodings`);
+    ``only_size``: the block-size rows at ``b`` alone (``--page-size``)."""
+    from kvalign.verify.props.vllm.blocks import BLOCK_SIZES, block_rows
+    from kvalign.verify.props.vllm.encodings import encoding_rows
+
+    sizes = (b,) if only_size else BLOCK_SIZES
+    return block_rows(path, sizes, n, seed, NUM_BLOCKS, _row) + encoding_rows(path, n, seed, b, NUM_BLOCKS, _row)

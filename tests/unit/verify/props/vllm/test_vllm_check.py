@@ -1,5 +1,6 @@
-"""``kvalign check --engine vllm`` as a user runs it: vLLM's hash, pages, ingest and tenants rows in the same
-table, classes and exit codes, every row's negative control failing as it must. (The differential checks
+"""``kvalign check --engine vllm`` as a user runs it: vLLM's hash, pages, ingest, tenants, mm, tiers, hybrid, blocks,
+hashes and events
+rows in the same table, classes and exit codes, every row's negative control failing as it must. (The differential checks
 and their controls at the oracle level: tests/unit/oracles/test_vllm_*.py, in the fast tier.)"""
 
 from __future__ import annotations
@@ -22,19 +23,25 @@ def _check(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=600, cwd=ROOT, env=env)
 
 
-@pytest.mark.slow  # a vLLM engine and a Dynamo runtime in a child (about 60 s on two loaded cores)
-def test_check_engine_vllm_rows_are_aligned_and_every_control_fails(tmp_path):
+@pytest.mark.slow  # vLLM engines (one with bytes hashes) and a Dynamo runtime in a child (about 3 min on two loaded cores)
+def test_check_engine_vllm_rows_run_and_every_control_fails(tmp_path):
     res = _check("--vllm-examples", "8", "--json", tmp_path=tmp_path)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    # exit 1: the hashes/bytes row's finding (VLLM_BYTES_HASHES_DROPPED, cache-blind); every other row aligned
+    assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
     report = json.loads(res.stdout)
-    rows = [(r["prop"], r["mode"], r["variant"], r["status"]) for r in report["rows"]]
-    assert rows == [("hash", "plain", "base", "ok"), ("pages", "plain", "base", "ok"), ("ingest", "plain", "base", "ok"),
-                    ("tenants", "plain", "lora", "ok"), ("tenants", "plain", "namespace", "ok"),
-                    ("tenants", "plain", "lora+namespace", "ok")]
-    assert all(r["cases"] == 8 for r in report["rows"])
-    assert [(r["control"]["failed"], r["control"]["cause"]) for r in report["rows"]] == [
+    rows = {(r["prop"], r["variant"]): r for r in report["rows"]}
+    assert list(rows) == [("hash", "base"), ("pages", "base"), ("ingest", "base"), ("tenants", "lora"),
+                          ("tenants", "namespace"), ("tenants", "lora+namespace"), ("mm", "base"), ("tiers", "base"),
+                          ("hybrid", "base"), ("blocks", "b16"), ("blocks", "b32"), ("blocks", "b64"),
+                          ("hashes", "int"), ("events", "map"), ("hashes", "bytes")]
+    bytes_row = rows.pop(("hashes", "bytes"))
+    assert (bytes_row["status"], bytes_row["cause_name"], bytes_row["class"]) == (
+        "finding", "VLLM_BYTES_HASHES_DROPPED", "cache-blind") and bytes_row["cases"] >= 1
+    assert all(r["status"] == "ok" and r["mode"] == "plain" and r["cases"] == 8 for r in rows.values())
+    assert [(r["control"]["failed"], r["control"]["cause"]) for r in rows.values()] == [
         (True, "LORA_DROPPED"), (True, "INGEST_STALE"), (True, "EVENTS_DROPPED"),
-        *[(True, "TENANTS_SHARE_KEYS")] * 3]
+        *[(True, "TENANTS_SHARE_KEYS")] * 3, (True, "MM_DROPPED"), (True, "TIER_MISFILED"), (True, "INGEST_STALE"),
+        *[(True, "BLOCK_SIZE")] * 3, (True, "EVENTS_DROPPED"), (True, "TENANTS_SHARE_KEYS")]
 
 
 def test_an_unknown_engine_is_a_usage_error(tmp_path):

@@ -1,0 +1,133 @@
+"""The encoding rows of ``check --engine vllm``: vLLM's two block-hash encodings and its event encoding.
+
+**hashes**: vLLM publishes a block's hash as a 64-bit int by default and as the hash's 32 bytes with
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` (``vllm/envs.py``; ``kv_cache_utils.maybe_convert_block_hash``).
+Each row serves generated prompts on vLLM's real ``KVCacheManager`` in one encoding and requires every block
+vLLM holds indexed by the router under vLLM's hash. ``int`` is aligned; ``bytes`` is a finding,
+:attr:`~kvalign.model.causes.Cause.VLLM_BYTES_HASHES_DROPPED`: Dynamo 1.6.1's relay indexes none of them and
+says nothing at its default log level. The ``int`` row's negative control re-encodes vLLM's int hashes as
+32-byte strings on the hop (what the ``bytes`` setting puts on the wire): the router then indexes none.
+The ``bytes`` row is a finding, with no control of its own: the ``int`` row's is its mechanism.
+
+**events**: vLLM 0.32's ``KVCacheEvent`` structs are tagged msgpack *maps* (``tag=True`` without
+``array_like``; the batch is a positional ``[ts, events, data_parallel_rank]``), with no option for the
+positional arrays vLLM published before vllm-project/vllm#42892 (vLLM 0.26 already sends maps). So one
+row, ``map``: every tenant (LoRA by name, salt by Dynamo's prefix) credited what vLLM reuses for it, which
+needs the relay to read ``lora_name`` and ``extra_keys`` by name. (Dynamo 1.6.1's relay also decodes the
+positional form, salt and LoRA included: tests/unit/oracles/test_vllm_encodings.py.) Negative control: a
+hop renaming those two fields (a map consumer reading other names than vLLM writes, the break llm-d-kv-cache#661
+saw): the router then credits the tenants' blocks to the base model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvalign.model.causes import Cause
+from kvalign.verify.engine.properties import Mismatch
+from kvalign.verify.engine.rows import RowResult
+from kvalign.verify.props.vllm import bodies, controls
+from kvalign.verify.props.vllm.bodies import Body, _serve
+from kvalign.verify.props.vllm.strategies import TAIL, TENANTS, Served, fresh_base, sequences
+
+#: the environment each hash encoding runs vLLM with (its default: int)
+HASH_ENCODINGS: dict[str, dict[str, str] | None] = {"int": None, "bytes": {"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0"}}
+
+
+def hashes_body(worker: Any) -> Body:
+    """Every block vLLM holds after the sequence is indexed by the router under vLLM's own hash; one that is
+    not is ``VLLM_BYTES_HASHES_DROPPED`` where vLLM's hash is bytes, else ``EVENTS_DROPPED``."""
+
+    def body(seq: list[Served]) -> None:
+        base, b = fresh_base(), worker.engine.block_size
+        live: dict[Any, int] = {}  # vLLM's hash of each block it holds -> the prompt that stored it
+        for i, served in enumerate(seq):
+            for ev in _serve(worker, served.tokens(base, b), served.tenant):
+                if ev["type"] == "BlockStored":
+                    live.update(dict.fromkeys(ev["block_hashes"], i))
+                elif ev["type"] == "BlockRemoved":
+                    for h in ev["block_hashes"]:
+                        live.pop(h, None)
+                elif ev["type"] == "AllBlocksCleared":
+                    live.clear()
+        indexed = {engine for _p, engine, _l in worker.dump()}
+        missing = [h for h in live if h not in indexed]
+        if missing:
+            h, i = missing[0], live[missing[0]]
+            # the prompt that stored it, one token longer: vLLM reuses each of its full blocks it holds
+            tokens, tenant = seq[i].tokens(base, b) + [base + TAIL + 1], seq[i].tenant
+            hit = worker.engine.match(tokens, lora_name=tenant[0], cache_salt=bodies._salt(tenant))
+            kind = f"{len(h)}-byte" if isinstance(h, bytes) else "int"
+            raise Mismatch("hashes", f"{len(missing)} of the {len(live)} blocks vLLM holds never indexed (vLLM's {kind} "
+                                     f"hashes); prompt {i} and one token more: vLLM reuses {hit} tokens, the router "
+                                     f"credits {worker.overlap(tokens, lora_name=tenant[0], cache_namespace=tenant[1])} "
+                                     "blocks",
+                           Cause.VLLM_BYTES_HASHES_DROPPED if isinstance(h, bytes) else Cause.EVENTS_DROPPED, seq)
+
+    return body
+
+
+def int_as_bytes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's int block hashes (and parents) as 32-byte big-endian strings, as the bytes setting would send a hash."""
+    def as_bytes(h: Any) -> Any:
+        return h.to_bytes(32, "big") if isinstance(h, int) else h
+
+    for e in events:
+        if "block_hashes" in e:
+            e["block_hashes"] = [as_bytes(h) for h in e["block_hashes"]]
+        if e.get("parent_block_hash") is not None:
+            e["parent_block_hash"] = as_bytes(e["parent_block_hash"])
+    return events
+
+
+#: the fields the relay keys a tenant's block by, and the names the control's hop gives them instead
+RENAMED = {"lora_name": "lora", "extra_keys": "extra"}
+
+
+def renamed_fields(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's named maps with ``lora_name`` and ``extra_keys`` under other names."""
+    return [{RENAMED.get(k, k): v for k, v in e.items()} for e in events]
+
+
+def encoding_rows(path: Any, n: int, seed: int | None, block_size: int, num_blocks: int,
+                  row: Callable[..., RowResult]) -> list[RowResult]:
+    """``hashes`` (``int``, ``bytes``) and ``events`` (``map``), each on its own vLLM worker (``row``:
+    :func:`rows._row`); an engine that cannot start is its rows with their cause, never an exception."""
+    from hypothesis import strategies as st
+
+    from kvalign.oracles.base import OracleUnavailable
+    from kvalign.oracles.vllm_router import vllm_worker
+    from kvalign.verify.engine.property import unavailable
+    from kvalign.verify.engine.search import run_search
+    from kvalign.verify.props.vllm.rows import CONTROL_EXAMPLES
+
+    def on_hop(worker: Any, body: Body, seq: list[Served], fn: controls.EventsFn) -> Callable[[], Any]:
+        def run() -> Any:
+            with controls.on_hop(worker, fn):
+                return run_search(body, st.just(seq), CONTROL_EXAMPLES, seed=seed)
+        return run
+
+    out: list[RowResult] = []
+    for encoding, env in HASH_ENCODINGS.items():
+        names = [("hashes", encoding)] + ([("events", "map")] if env is None else [])
+        try:
+            worker = vllm_worker(path, block_size, num_blocks, env=env)
+        except OracleUnavailable as exc:
+            out += [r for p, v in names for r in unavailable(p, ("plain",), (v,), str(exc))]
+            continue
+        try:
+            body = hashes_body(worker)
+            control = None if env else ("int_as_bytes (the hop re-encodes vLLM's int block hashes as 32 bytes)",
+                                        on_hop(worker, body, [Served((0, 1, 2), 3)], int_as_bytes),
+                                        Cause.EVENTS_DROPPED)
+            out.append(row("hashes", encoding, body, sequences(block_size, TENANTS), n, seed, control))
+            if env is None:
+                tenants = bodies.tenants_body(worker)
+                out.append(row("events", "map", tenants, sequences(block_size, TENANTS), n, seed,
+                               ("renamed_fields (the hop names lora_name and extra_keys otherwise)",
+                                on_hop(worker, tenants, [Served((0, 1, 2), 3, ("adapterA", "t1"))], renamed_fields),
+                                Cause.TENANTS_SHARE_KEYS)))
+        finally:
+            worker.close()
+    return out

