@@ -349,8 +349,9 @@ def pair_env(dynamo_dir: Path | None, sglang_dir: Path | None, sglang_version: s
     return PairEnv(python, env)
 
 
-def _run_check(cmd: Sequence[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """Run one pair's check; one that overruns ``PAIR_TIMEOUT_S`` is sent SIGABRT, then killed (MatrixError).
+def _run_check(cmd: Sequence[str], env: dict[str, str], timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    """Run one pair's check; one that overruns ``timeout`` (default ``PAIR_TIMEOUT_S``) is sent SIGABRT, then
+    killed (MatrixError).
 
     A check that hangs (once seen in CI: nothing in its log after 900 s) would otherwise leave only
     "did not finish": with ``PYTHONFAULTHANDLER`` set, SIGABRT makes Python write every thread's
@@ -359,7 +360,8 @@ def _run_check(cmd: Sequence[str], env: dict[str, str]) -> subprocess.CompletedP
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env={**env, "PYTHONFAULTHANDLER": "1"}) as proc:
         try:
-            out, err = proc.communicate(timeout=PAIR_TIMEOUT_S)
+            limit = PAIR_TIMEOUT_S if timeout is None else timeout
+            out, err = proc.communicate(timeout=limit)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGABRT)
             try:
@@ -369,7 +371,7 @@ def _run_check(cmd: Sequence[str], env: dict[str, str]) -> subprocess.CompletedP
                 proc.communicate()
             logs = _check_logs(proc.pid)
             where = f"; its threads' stacks when it was stopped: {logs[-1]}" if logs else ""
-            raise MatrixError(f"check did not finish within {PAIR_TIMEOUT_S}s{where}") from None
+            raise MatrixError(f"check did not finish within {limit:.0f}s{where}") from None
         if not any(line.startswith("{") for line in out.splitlines()):  # no report: did it deadlock?
             stuck = _stuck_log(proc.pid)
             if stuck is not None:

@@ -36,6 +36,9 @@ from kvalign.verify.report.matrix import (MatrixError, Pair, PairResult, _run_ch
 ENGINE = "vllm"
 #: vLLM releases a matrix without ``--vllm`` checks (beside each Dynamo release's shipped one): the newest.
 DEFAULT_VLLM = ("0.33.0",)
+#: Seconds one pair's ``check --engine vllm`` may take: its ten rows take about 200 s at 8 examples on a quiet
+#: 2-core machine, and over 600 s (the SGLang pairs' limit) at load 15 with two pairs at once.
+PAIR_TIMEOUT_S = 1800
 #: Seconds a release's import probe may take (vLLM's first import compiles its modules: 30-90 s here).
 PROBE_TIMEOUT_S = 600
 #: What :func:`probe` runs in a release's interpreter: the oracle's own import of vLLM's prefix-cache code and
@@ -102,7 +105,7 @@ def run_pair(dynamo: str, version: str, *, examples: int | None, broken: str | N
         return PairResult(dynamo, version, "error", error=broken)
     try:
         python, env = pair_env(ensure_release("dynamo", dynamo, log=log), version)
-        res = _run_check(check_command(python, examples), env)
+        res = _run_check(check_command(python, examples), env, timeout=PAIR_TIMEOUT_S)
     except (MatrixError, ReleaseEnvError, subprocess.TimeoutExpired, OSError) as exc:
         return PairResult(dynamo, version, "error", error=str(exc), seconds=time.perf_counter() - start)
     return check_result(dynamo, version, res, time.perf_counter() - start)
