@@ -15,6 +15,8 @@ is an error row, named on stderr, and the exit is 2, so a dead cell job cannot s
 
 ``--markdown`` prints the compact table the README carries (a row per pair, the causes found), with
 the command that reproduces it under it.
+
+``--engine vllm`` checks Dynamo x vLLM pairs instead (``--vllm``; :mod:`kvalign.commands.matrix_vllm`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from kvalign.verify.report.matrix import (DEFAULT_SGLANG, LIVE_COLUMN, UNKNOWN, 
                                    report_json, run_live, run_matrix, shipped_sglang, unknown_result)
 from kvalign.runtime_log import console
 from kvalign.releases.versions import installed_versions
+from kvalign.verify.report import matrix_vllm
 
 VERSION = rf"^\d+(\.\d+)*(\.post\d+)?({local_build.LABEL})?$"
 #: ``--examples`` / ``--ingest-examples`` defaults (a reproducing command leaves them out)
@@ -57,7 +60,14 @@ def _versions(text: str | None, flag: str) -> list[str] | None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("matrix", help="run check for every Dynamo x SGLang release pair (wheels cached per version)")
+    p = sub.add_parser("matrix", help="run check for every Dynamo x SGLang (or x vLLM) release pair (wheels cached "
+                                      "per version)")
+    p.add_argument("--engine", choices=("sglang", matrix_vllm.ENGINE), default="sglang",
+                   help="the engine behind the router: sglang (default), or vllm: check --engine vllm's rows for each "
+                        "Dynamo x vLLM pair (--vllm), official vLLM wheels each in an environment of its own")
+    p.add_argument("--vllm", metavar="V1,V2,...", default=None,
+                   help=f"with --engine vllm: vllm releases (default: {','.join(matrix_vllm.DEFAULT_VLLM)} plus each "
+                        "Dynamo release's shipped one, its ai-dynamo[vllm] pin)")
     p.add_argument("--dynamo", metavar="V1,V2,...", default=None,
                    help="ai-dynamo releases (default: every ai-dynamo-runtime release 1.0.0 .. 1.6.1 on the index); "
                         "an item may be a local wheel (ai-dynamo or ai-dynamo-runtime) or a source checkout: a pull "
@@ -69,8 +79,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="add each Dynamo release's own SGLang (the ai-dynamo[sglang] pin in its wheel metadata); "
                         "alone, check only those pairs")
     p.add_argument("--jobs", type=int, default=2, help="pairs checked at once (default 2)")
-    p.add_argument("--examples", type=int, default=EXAMPLES, help=f"check --examples per pair (default {EXAMPLES})")
-    p.add_argument("--ingest-examples", type=int, default=INGEST_EXAMPLES,
+    p.add_argument("--examples", type=int, default=None,
+                   help=f"check --examples per pair (default {EXAMPLES}); with --engine vllm, check --vllm-examples "
+                        "(default: check's)")
+    p.add_argument("--ingest-examples", type=int, default=None,
                    help=f"check --ingest-examples per pair (default {INGEST_EXAMPLES})")
     p.add_argument("--property", dest="props", action="append", choices=registry.names(),
                    help="only these properties (check --property per pair; the table shows only their columns). "
@@ -81,7 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--live", action="store_true",
                    help="also run the seed scenario (kvalign e2e run --engine sglang-cpu) per pair, one at a time, "
                         f"as column {LIVE_COLUMN!r} (real CPU engines: ~3 min and ~6 GiB per pair)")
-    p.add_argument("--event-format", choices=("default", "both"), default="both",
+    p.add_argument("--event-format", choices=("default", "both"), default=None,
                    help="both (default): each pair's check also runs SGLang's \"dynamo\" KV-event format where the "
                         "release has it (a format:dynamo column); default: SGLang's default format only")
     out = p.add_mutually_exclusive_group()
@@ -201,6 +213,15 @@ def _print(results: list[PairResult], versions: dict, *, as_json: bool, props: l
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == matrix_vllm.ENGINE:
+        from kvalign.commands.matrix_vllm import run as run_vllm
+
+        return run_vllm(args)
+    if args.vllm is not None:
+        raise UsageError("--vllm names vLLM releases: it goes with --engine vllm")
+    args.examples = EXAMPLES if args.examples is None else args.examples
+    args.ingest_examples = INGEST_EXAMPLES if args.ingest_examples is None else args.ingest_examples
+    args.event_format = args.event_format or "both"
     if args.merge is None and (args.results or args.cells is not None):
         raise UsageError("RESULT.json files and --cells go with --merge")
     if args.markdown and (args.list_cells or args.cell is not None):

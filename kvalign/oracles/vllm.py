@@ -20,18 +20,19 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from kvalign.errors import OracleUnavailable
+from kvalign.errors import OracleUnavailable, UsageError
 from kvalign.oracles.vllm_child import read_frame, write_frame
 from kvalign.releases.release_env import ReleaseEnvError, child_env
-from kvalign.releases.vllm_env import ensure
+from kvalign.releases.vllm_env import ensure, selected
 
 #: Seconds the child may take to import vLLM and build its cache (about 12 s of CPU; a loaded machine
 #: stretches it), and to answer one request.
 START_TIMEOUT_S, CALL_TIMEOUT_S = 300.0, 60.0
 
 
-#: idle children by their extra environment: vLLM imported, no cache, waiting for an ``init``
-_IDLE: dict[tuple[tuple[str, str], ...], list[tuple[subprocess.Popen[bytes], Any]]] = {}
+#: idle children by their interpreter (the vLLM release) and extra environment: vLLM imported, no cache,
+#: waiting for an ``init``
+_IDLE: dict[tuple[str, tuple[tuple[str, str], ...]], list[tuple[subprocess.Popen[bytes], Any]]] = {}
 
 
 def _exit_idle() -> None:
@@ -68,11 +69,11 @@ class VllmEngine:
                  env: dict[str, str] | None = None, sliding_window: int | None = None,
                  offload: dict[str, int] | None = None, dp_rank: int = 0) -> None:
         try:
-            python = ensure()
-        except ReleaseEnvError as exc:
+            python = ensure(*selected())
+        except (ReleaseEnvError, UsageError) as exc:
             raise OracleUnavailable(f"vLLM's environment: {exc}") from None
         self.block_size = block_size
-        self._key = tuple(sorted((env or {}).items()))
+        self._key = (python, tuple(sorted((env or {}).items())))
         idle = [(p, log) for p, log in _IDLE.pop(self._key, []) if p.poll() is None]
         if idle:
             (self._proc, self._log), rest = idle[0], idle[1:]

@@ -39,8 +39,10 @@ def read_frame(inp: BinaryIO) -> Any:
 
 def event_dict(event: Any) -> dict[str, Any]:
     """One of vLLM's event structs as plain data: its fields by name, ``type`` its class name, bytes kept
-    (with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` block hashes are bytes)."""
-    out = msgspec.to_builtins(event, builtin_types=(bytes,))
+    (with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` block hashes are bytes). Read field by field: releases
+    before the named-map encoding (vllm 0.23.0) declare their events ``array_like``, which ``to_builtins``
+    turns into positional lists."""
+    out = {name: msgspec.to_builtins(getattr(event, name), builtin_types=(bytes,)) for name in event.__struct_fields__}
     out["type"] = type(event).__name__
     return out
 

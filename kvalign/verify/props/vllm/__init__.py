@@ -29,10 +29,11 @@ def _rows(systems: Any, modes: tuple[str, ...], opts: Options) -> list[RowResult
 
 def header(dynamo: str, examples: int, page_size: int | None) -> list[str]:
     """``check --engine vllm``'s header lines (the engine's version is the pinned one its environment runs)."""
-    from kvalign.releases.vllm_env import VLLM_DIST, VLLM_VERSION
+    from kvalign.releases.vllm_env import selected
     from kvalign.verify.props.vllm.rows import BLOCK_SIZE, NUM_BLOCKS
 
-    return [f"kvalign check: vLLM {VLLM_DIST} {VLLM_VERSION} (KVCacheManager) x Dynamo relay + KvRouter {dynamo}",
+    dist, version = selected()
+    return [f"kvalign check: vLLM {dist} {version} (KVCacheManager) x Dynamo relay + KvRouter {dynamo}",
             f"  {examples} examples per row (--vllm-examples); block size "
             f"{page_size or BLOCK_SIZE}; {NUM_BLOCKS} blocks"]
 

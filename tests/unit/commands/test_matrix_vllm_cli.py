@@ -1,0 +1,37 @@
+"""``kvalign matrix --engine vllm``'s options (kvalign/commands/matrix_vllm.py): SGLang-only options refused,
+bad versions and counts one line with exit 2, and the command the README's table names."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvalign.cli import build_parser, main
+from kvalign.commands.matrix_vllm import reproduce
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sglang", "0.5.23"], "--sglang: SGLang's matrix only, not with --engine vllm"),
+    (["--live"], "--live: SGLang's matrix only"),
+    (["--property", "hash"], "--property: SGLang's matrix only"),
+    (["--event-format", "both"], "--event-format: SGLang's matrix only"),
+    (["--vllm", "0.33.x"], "--vllm takes comma-separated release versions"),
+    (["--examples", "0"], "--examples must be >= 1, got 0"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    rc = main(["matrix", "--engine", "vllm", "--dynamo", "1.6.1", *argv])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_vllm_releases_without_engine_vllm_is_a_usage_error(capsys):
+    assert main(["matrix", "--dynamo", "1.6.1", "--vllm", "0.33.0"]) == 2
+    assert "--vllm names vLLM releases: it goes with --engine vllm" in capsys.readouterr().err
+
+
+def test_the_table_s_command_reproduces_the_run_and_parses():
+    command = reproduce(["1.6.1", "1.5.1"], ["0.33.0"], True, None)
+    assert command == "kvalign matrix --engine vllm --dynamo 1.6.1,1.5.1 --vllm 0.33.0 --shipped --markdown"
+    args = build_parser().parse_args(command.split()[1:])
+    assert (args.engine, args.dynamo, args.vllm, args.shipped, args.markdown) == ("vllm", "1.6.1,1.5.1", "0.33.0",
+                                                                                  True, True)
+    assert reproduce(None, None, False, 7) == "kvalign matrix --engine vllm --examples 7 --markdown"
