@@ -72,7 +72,7 @@ def test_rows_that_never_reached_the_relay_and_skews_are_not_re_checked():
 def test_an_unconfirmed_mismatch_fails_nothing_and_is_kept_apart_in_the_matrix():
     row = finding(Cause.INGEST_STALE, "the router still holds 1 block(s) SGLang removed or cleared")
     row.unconfirmed = "recurred in 3 of 10 replays of its example"
-    assert confirm_rows([row], path_used=True, rerun=no_rerun)[0].status == "unconfirmed"
+    assert confirm_rows([row], path_used=False, rerun=no_rerun)[0].status == "unconfirmed"
     assert not blocking([row]) and not blocking([row], strict=True)
     data = row_json(row)
     assert data["status"] == "unconfirmed"
@@ -128,3 +128,23 @@ def test_check_re_checks_a_relayed_finding_with_the_relay_apart_and_closes_that_
     assert len(opened) == 1  # one relay-apart path for the run, shared by every re-check
     systems.close()
     assert opened[0].closed and in_process.closed
+
+
+def test_an_in_process_unconfirmed_mismatch_is_what_the_relay_apart_shows():
+    """Where the in-process relay stops varies by run, so a mismatch that recurred in some of its replays
+    there is re-checked like a finding: clean apart -> n/a in-process only; unconfirmed apart -> that row
+    with its rate there; recurring apart -> the finding."""
+    def seen() -> RowResult:
+        row = finding(Cause.EVENTS_DROPPED, "the relay stopped indexing")
+        row.unconfirmed = "recurred in 9 of 10 replays of its example"
+        return row
+
+    clean = confirm_rows([seen()], path_used=True, rerun=lambda: [RowResult("ingest", "plain", "base", 20, 0)])[0]
+    assert clean.status == "n/a" and clean.skipped.startswith(IN_PROCESS_ONLY) and "20 case(s) ran clean" in clean.skipped
+    apart = finding(Cause.INGEST_STALE, "held a removed block")
+    apart.unconfirmed = "recurred in 2 of 10 replays of its example"
+    row = confirm_rows([seen()], path_used=True, rerun=lambda: [apart])[0]
+    assert row.status == "unconfirmed" and row.unconfirmed == apart.unconfirmed and row.cause_name == "INGEST_STALE"
+    assert row.detail.endswith("(with the relay in kvalign's process: EVENTS_DROPPED)")
+    row = confirm_rows([seen()], path_used=True, rerun=lambda: [finding(Cause.TENANTS_SHARE_KEYS)])[0]
+    assert row.status == "finding" and row.cause_name == "TENANTS_SHARE_KEYS" and blocking([row])
