@@ -585,15 +585,16 @@ def run_tier_search(path: TierPath, *, eagle: bool, lora: bool, namespace: bool,
     except Mismatch as exc:
         found = exc
     except Flaky:
-        # Hypothesis's replay of the failing example did not fail: it took another path, or the mismatch
-        # did not recur. Its recorded steps are replayed REPLAYS times (as every search's is, issue 46): a
-        # finding only if it recurred every time, else unconfirmed with its rate, never a finding.
+        # Hypothesis's replay of the failing example did not fail: it took another path (it does even
+        # for a deterministic broken hop), or the mismatch did not recur. Reported unshrunk.
         found = last[0]
         if found is None:
             raise
         found.detail += " (not shrunk: Hypothesis's replay of it did not fail)"
-        if not isinstance(found.example, dict) or "steps" not in found.example:
-            return tally.cases, tally.mismatches, found  # the path failed before a step: nothing to replay
+    if found is not None and isinstance(found.example, dict) and "steps" in found.example:
+        # As every search's (kvalign.verify.engine.search): a finding recurs each time its recorded steps are
+        # replayed on a fresh engine, else it is unconfirmed with its rate. (An example without steps: the
+        # path failed before the first one, nothing to replay.)
         recurred = sum(_recurs(lambda: TierMachine(path, eagle, lora, namespace, servable, make, cores, Tally(),
                                                    [None], page_sizes).replay(found.example))
                        for _ in range(REPLAYS))

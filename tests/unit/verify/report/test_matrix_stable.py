@@ -37,6 +37,8 @@ RUN: dict[str, Any] = {"rows": [{
     "unconfirmed": [{"property": "tier", "mode": "eagle", "variant": "base", "cause": "EVENTS_DROPPED",
                      "detail": "...", "rate": "recurred in 3 of 10 replays of its example", "event_format": "dynamo"}],
     "not_applicable": [{"property": "servable", "mode": "plain", "variant": "base",
+                        "reason": "the path could not run here: the relay's own process did not start"},
+                       {"property": "tier", "mode": "plain", "variant": "lora",
                         "reason": "only with the relay in kvalign's process: EVENTS_DROPPED (...); ... 14 case(s) ran clean"}],
 }]}
 
@@ -46,7 +48,8 @@ def test_two_runs_that_say_the_same_have_no_difference_whatever_their_details_ra
     pair = other["rows"][0]
     pair["findings"][0]["detail"] = "prompt [3, 2]: another example"
     pair["unconfirmed"][0]["rate"] = "recurred in 7 of 10 replays of its example"
-    pair["not_applicable"][0]["reason"] = "only with the relay in kvalign's process: PATH_UNAVAILABLE (...); 12 case(s)"
+    pair["not_applicable"][0]["reason"] = "the path could not run here: the relay's own process did not start in 60 s"
+    pair["not_applicable"][1]["reason"] = "only with the relay in kvalign's process: PATH_UNAVAILABLE (...); 12 case(s) ran clean"
     pair["seconds"] = 99.0
     assert differences(RUN, other) == []
 
@@ -58,6 +61,21 @@ def test_a_run_that_differs_in_one_rows_cause_differs_there_only():
     assert differences(RUN, other) == [
         "1.3.1 x 0.5.23 hash/plain/namespace/default: ('cache-blind', 'NAMESPACE_DROPPED', 'finding') | "
         "('cache-blind', 'TENANTS_SHARE_KEYS', 'finding')"]
+
+
+def test_an_in_process_only_row_the_relay_apart_ran_clean_says_ok_one_it_could_not_run_does_not():
+    """Which rows the in-process relay trips on varies by run; a row the deployment's layout then ran clean
+    says what an ok row says. One whose re-check could not run is n/a, and differs from ok."""
+    other = copy.deepcopy(RUN)
+    del other["rows"][0]["not_applicable"][1]
+    assert differences(RUN, other) == []
+    stuck = copy.deepcopy(RUN)
+    stuck["rows"][0]["not_applicable"][1]["reason"] = (
+        "only with the relay in kvalign's process: PATH_UNAVAILABLE (...); with the relay in its own process, as "
+        "deployed, the re-check could not run: the path could not run here: ...")
+    assert differences(stuck, other) == [
+        "1.3.1 x 0.5.23 tier/plain/lora/default: ('n/a', None, \"n/a: only with the relay in kvalign's process\") "
+        "| (None, None, 'ok')"]
 
 
 @pytest.mark.parametrize("change", ["unconfirmed_to_finding", "n/a_to_ok", "verdict"])

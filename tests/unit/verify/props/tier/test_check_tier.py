@@ -324,18 +324,23 @@ def _machine(tp: Any, *, eagle: bool = False) -> Any:
 def test_a_recorded_example_replays_its_mismatch_and_only_where_the_release_shows_it(tier_paths):
     """The steps a failing example recorded, run again on a fresh engine (what confirms a mismatch
     Hypothesis could not replay): through the hop that renames the host medium they fail again with the
-    same cause, every time (so the search's finding stands); through the real relay (the negative
-    control) the same steps pass."""
+    same cause; through the real relay (the negative control) the same steps never fail. (Not every
+    replay through the broken hop need fail: SGLang's Rust tree core evicts among equal leaves in an
+    order seeded per instance, so a replay may leave no page on host to miss; measured 5-10 of 10.)"""
     from kvalign.verify.engine.properties import Mismatch
 
     _calls, _failures, found = _search(tier_paths(unknown_host_medium), eagle=False, page_sizes=(4,))
     assert found is not None and found.cause.name == "MEDIUM_NOT_INDEXED", found and found.detail
-    assert found.unconfirmed is None, found.unconfirmed
     assert found.example["core_kind"] and found.example["steps"]
-    with pytest.raises(Mismatch) as again:
-        _machine(tier_paths(unknown_host_medium)).replay(found.example)
-    assert again.value.cause.name == "MEDIUM_NOT_INDEXED", again.value.detail
-    _machine(tier_paths()).replay(found.example)  # the real relay: no mismatch
+    causes = []
+    for _ in range(10):
+        try:
+            _machine(tier_paths(unknown_host_medium)).replay(found.example)
+        except Mismatch as exc:
+            causes.append(exc.cause.name)
+    assert causes and set(causes) == {"MEDIUM_NOT_INDEXED"}, causes
+    for _ in range(3):
+        _machine(tier_paths()).replay(found.example)  # the real relay: no mismatch
 
 
 def test_a_mismatch_hypothesis_could_not_replay_is_unconfirmed_with_its_rate(tier_paths):
