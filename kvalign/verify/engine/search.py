@@ -91,7 +91,7 @@ def run_search(body: Callable[[Any], None], strategy: st.SearchStrategy[Any], ex
     (never a finding: 0 failing examples). A mismatch that did not recur when Hypothesis replayed its
     shrunk example is replayed :data:`REPLAYS` times more, and is unconfirmed unless it recurred every time;
     so is the shrunk example of a search that ended with a mismatch Hypothesis did replay: one replay of
-    a mismatch that recurs in most runs (1.3.1's relay apart dropping a salted EAGLE page in some) would
+    a mismatch that recurs in some runs only (1.3.1's relay apart dropping a salted EAGLE page) would
     make it a finding in some matrix runs and not in others (issue 46), ten make both kinds stable.
     """
     tally = tally if tally is not None else Tally()

@@ -148,3 +148,38 @@ def test_an_in_process_unconfirmed_mismatch_is_what_the_relay_apart_shows():
     assert row.detail.endswith("(with the relay in kvalign's process: EVENTS_DROPPED)")
     row = confirm_rows([seen()], path_used=True, rerun=lambda: [finding(Cause.TENANTS_SHARE_KEYS)])[0]
     assert row.status == "finding" and row.cause_name == "TENANTS_SHARE_KEYS" and blocking([row])
+
+
+class _StaleApart(_Relayed):
+    """As :class:`_Relayed`, but the first relay-apart path cannot run the row (a stale router state);
+    a fresh one runs it clean."""
+
+    def run(self, job, systems, opts):
+        path = systems.router_path()
+        if path.apart and path.stale:
+            return [finding(Cause.PATH_UNAVAILABLE, "one worker per router expected, get_overlap_scores answered 2")]
+        return super().run(job, systems, opts)
+
+
+def test_a_re_check_that_could_not_run_on_the_shared_path_runs_once_more_on_a_fresh_one(monkeypatch):
+    """The control is the first path alone: its row would be n/a 'the re-check could not run'."""
+    import kvalign.oracles.relay_process as relay_process
+    from kvalign.verify.runner import check
+    from kvalign.verify.engine.property import Job, Options
+    from kvalign.verify.engine.systems import Systems
+
+    opened: list[_Path] = []
+
+    def open_apart(transform=None):
+        opened.append(_Path(True))
+        opened[-1].stale = len(opened) == 1
+        return opened[-1]
+
+    monkeypatch.setattr(relay_process, "ProcessRouterPath", open_apart)
+    monkeypatch.setattr(check, "by_name", lambda: {"ingest": _StaleApart()})
+    systems = Systems(None, None, None, open_router_path=lambda: _Path(False))  # type: ignore[arg-type]
+    [row] = check.run_job(0, Job("ingest", ("plain",)), systems, Options())
+    assert row.status == "n/a" and row.skipped.startswith(IN_PROCESS_ONLY) and "5 case(s) ran clean" in row.skipped
+    assert len(opened) == 2 and opened[0].closed and not opened[1].closed
+    systems.close()
+    assert opened[1].closed
