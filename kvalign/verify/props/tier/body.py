@@ -242,7 +242,8 @@ def name_tier_divergence(expected: _ExpectedTiers, dumped: list[tuple[str | None
 
 def _counted(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Count the examples a step fails in (Hypothesis itself only hands back the shrunk one), and keep the
-    last mismatch raised (a replay that took another path reports it unshrunk)."""
+    generated example's mismatch (where Hypothesis cannot replay it, it is reported unshrunk: the one a
+    derandomized search generates, where the last shrink step's varied from run to run, issue 46)."""
 
     @functools.wraps(fn)
     def step(self: TierMachine, *args: Any, **kwargs: Any) -> Any:
@@ -253,7 +254,8 @@ def _counted(fn: Callable[..., Any]) -> Callable[..., Any]:
                 raise Mismatch("tier", str(exc), Cause.PATH_UNAVAILABLE, self._example()) from None
         except Mismatch as exc:
             self.tally.fail()
-            self.last[0] = exc
+            if self.tally.generating or self.last[0] is None:
+                self.last[0] = exc  # the generated example's, not a shrink step's (those vary from run to run)
             raise
 
     return step
@@ -267,7 +269,7 @@ class TierMachine(RuleBasedStateMachine):
                  page_sizes: tuple[int, ...] = TIER_PAGE_SIZES, capped: list[Any] | None = None) -> None:
         super().__init__()
         self.page_sizes = page_sizes
-        #: the search's runs, generated apart from shrink steps; [the last Mismatch a step raised]
+        #: the search's runs, generated apart from shrink steps; [the generated example's Mismatch]
         self.tally, self.last = tally, last
         #: [examples with a LAST_PAGE_CAPPED request, the first such example, its judgement] (counted apart)
         self.capped = capped if capped is not None else [0, None, None]
