@@ -504,7 +504,9 @@ class RouterPath:
         if not rows:
             return dict.fromkeys(keys, 0)
         if len(rows) != 1:
-            raise OracleUnavailable(f"one worker per router expected, get_overlap_scores answered {len(rows)}")
+            seen = "; ".join(", ".join(f"{k}={v}" for k, v in sorted(r.items()) if k in ("worker_id", "dp_rank", *keys))
+                             for r in rows)
+            raise OracleUnavailable(f"one worker per router expected, get_overlap_scores answered {len(rows)}: {seen}")
         absent = [k for k in keys if k not in rows[0]]
         if absent:
             raise OracleUnavailable(f"Dynamo {self.version}'s get_overlap_scores rows have no {', '.join(absent)} "

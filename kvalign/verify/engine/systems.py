@@ -66,6 +66,12 @@ class Systems:
             view.start_job(self._loaded["job"])
         return view
 
+    def close_apart(self) -> None:
+        """Close the shared relay-apart path, so that the next :meth:`relay_apart` view opens a fresh one."""
+        apart = self._loaded.get("apart", {}).pop("path", None)
+        if apart is not None:
+            apart.close()
+
     def start_job(self, k: int) -> None:
         """The ``k``-th job of the run starts: its examples take the router path's ``k``-th token ranges,
         so what it generates and what the engines then do is the same in any process, after any job."""

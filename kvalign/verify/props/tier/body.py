@@ -50,7 +50,7 @@ from kvalign.model.hashing import U64_MASK
 from kvalign.oracles.base import OracleUnavailable
 from kvalign.verify.engine.properties import Mismatch
 from kvalign.model.relay import RELAY_TIERS
-from kvalign.verify.engine.search import Tally
+from kvalign.verify.engine.search import REPLAYS, Tally
 from kvalign.verify.props.tier.servable import judge, last_page_condition
 from kvalign.verify.engine.strategies import tenants
 
@@ -242,7 +242,8 @@ def name_tier_divergence(expected: _ExpectedTiers, dumped: list[tuple[str | None
 
 def _counted(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Count the examples a step fails in (Hypothesis itself only hands back the shrunk one), and keep the
-    last mismatch raised (a replay that took another path reports it unshrunk)."""
+    generated example's mismatch (where Hypothesis cannot replay it, it is reported unshrunk: the one a
+    derandomized search generates, where the last shrink step's varied from run to run, issue 46)."""
 
     @functools.wraps(fn)
     def step(self: TierMachine, *args: Any, **kwargs: Any) -> Any:
@@ -253,7 +254,8 @@ def _counted(fn: Callable[..., Any]) -> Callable[..., Any]:
                 raise Mismatch("tier", str(exc), Cause.PATH_UNAVAILABLE, self._example()) from None
         except Mismatch as exc:
             self.tally.fail()
-            self.last[0] = exc
+            if self.tally.generating or self.last[0] is None:
+                self.last[0] = exc  # the generated example's, not a shrink step's (those vary from run to run)
             raise
 
     return step
@@ -267,7 +269,7 @@ class TierMachine(RuleBasedStateMachine):
                  page_sizes: tuple[int, ...] = TIER_PAGE_SIZES, capped: list[Any] | None = None) -> None:
         super().__init__()
         self.page_sizes = page_sizes
-        #: the search's runs, generated apart from shrink steps; [the last Mismatch a step raised]
+        #: the search's runs, generated apart from shrink steps; [the generated example's Mismatch]
         self.tally, self.last = tally, last
         #: [examples with a LAST_PAGE_CAPPED request, the first such example, its judgement] (counted apart)
         self.capped = capped if capped is not None else [0, None, None]
@@ -306,9 +308,55 @@ class TierMachine(RuleBasedStateMachine):
         self.engine.take_raw_events()
         self._cache(data, first=True)
 
+    def replay(self, example: dict[str, Any]) -> None:
+        """Run a recorded example (:meth:`_example`: its configuration and steps) again on a fresh engine,
+        step by step as the rules ran it, raising its :class:`Mismatch` where one recurs. Hypothesis cannot
+        replay an example whose replay while shrinking took another path (``Flaky``); this does, from the
+        steps that example recorded, so that such a mismatch is confirmed or not as every search's is."""
+        try:
+            self._replay(example)
+        except OracleUnavailable as exc:  # as a rule's step reports it (_counted)
+            raise Mismatch("tier", str(exc), Cause.PATH_UNAVAILABLE, self._example()) from None
+
+    def _replay(self, example: dict[str, Any]) -> None:
+        p = example["page_size"]
+        host, device = example["host_tokens"], example["device_tokens"]
+        self.config = {k: example[k] for k in ("page_size", "eagle", "policy", "host_tokens", "device_tokens")}
+        self.config["core"] = example["core_kind"]
+        self.engine = self.make_engine(p, eagle=self.eagle, core=example["core_kind"], policy=example["policy"],
+                                       host_tokens=1 << 20 if host == "unbounded" else host,
+                                       device_tokens=None if device == "unbounded" else device)
+        self.worker, self.tap = self.path.worker(p, self.eagle)
+        self.base = self.worker.token_space()
+        self.engine.take_raw_events()
+        for step in example["steps"]:
+            kind = step[0]
+            if kind in ("cache", "admit"):
+                tokens, tenant = list(step[1]), tuple(step[2])
+                admitted = self._serve(tokens, tenant, step)
+                if "+transfers_done" in step:
+                    self.engine.transfers_done()
+                if admitted and kind == "cache":
+                    self.prompts.append((tokens, tenant))
+                self._after(None)
+                continue
+            if kind == "transfers_done":
+                self.engine.transfers_done()
+            elif kind == "evict_device":
+                self.engine.evict(step[1] * p)
+            elif kind == "evict_host":
+                self.engine.evict_host(step[1] * p)
+            elif kind == "flush":
+                self.engine.reset()
+            else:
+                raise ValueError(f"a tier example step kvalign does not know: {step!r}")
+            self._after(step)
+
     def _example(self) -> dict[str, Any]:
         config = getattr(self, "config", {})
-        return {**config, "core": getattr(self.engine, "core", config.get("core")), "steps": list(self.steps)}
+        # "core": the tree core in use (a class name, for reports); "core_kind": the option that built it (a replay's)
+        return {**config, "core": getattr(self.engine, "core", config.get("core")), "core_kind": config.get("core"),
+                "steps": list(self.steps)}
 
     def _shift(self, tokens: list[int]) -> list[int]:
         return [self.base + t for t in tokens]
@@ -408,11 +456,11 @@ class TierMachine(RuleBasedStateMachine):
         equals SGLang's residency of the prompt (a tier row checked every prompt after the previous step;
         a servable row checks this one now). False when SGLang deferred it."""
         query = self._shift(tokens)
+        self.steps.append(step)  # before the check below: a mismatch it raises names this step, so it replays
         if self.servable:  # the router's credit is SGLang's residency, or the tier divergence is named here
             self._check(tokens, tenant)
         tiers = self.path.path.query_tiers(self.worker.router, query, *tenant)
         admission = self.engine.serve(query, *tenant)
-        self.steps.append(step)
         if not admission.admitted:
             return False
         threshold = self.engine.load_back_threshold
@@ -539,14 +587,31 @@ def run_tier_search(path: TierPath, *, eagle: bool, lora: bool, namespace: bool,
     except Mismatch as exc:
         found = exc
     except Flaky:
-        # SGLang's eviction order among leaves of equal access time is not reproducible (the Rust
-        # core's maps are seeded per process), so a replay while shrinking can take another path.
-        # The mismatch seen is real; it is reported as found, unshrunk.
+        # Hypothesis's replay of the failing example did not fail: it took another path (it does even
+        # for a deterministic broken hop), or the mismatch did not recur. Reported unshrunk.
         found = last[0]
         if found is None:
             raise
-        found.detail += " (not shrunk: SGLang evicted differently when Hypothesis replayed the case)"
+        found.detail += " (not shrunk: Hypothesis's replay of it did not fail)"
+    if found is not None and isinstance(found.example, dict) and "steps" in found.example:
+        # As every search's (kvalign.verify.engine.search): a finding recurs each time its recorded steps are
+        # replayed on a fresh engine, else it is unconfirmed with its rate. (An example without steps: the
+        # path failed before the first one, nothing to replay.)
+        recurred = sum(_recurs(lambda: TierMachine(path, eagle, lora, namespace, servable, make, cores, Tally(),
+                                                   [None], page_sizes).replay(found.example))
+                       for _ in range(REPLAYS))
+        if recurred < REPLAYS:
+            found.unconfirmed = f"recurred in {recurred} of {REPLAYS} replays of its example"
     return tally.cases, tally.mismatches, found
+
+
+def _recurs(replay: Callable[[], None]) -> bool:
+    """Whether a replay raised a :class:`Mismatch` (an :class:`OracleUnavailable` of the path propagates)."""
+    try:
+        replay()
+    except Mismatch:
+        return True
+    return False
 
 
 #: servable rows run the base tenant only: load-back does not depend on the tenant.
@@ -618,6 +683,7 @@ def run_tier_rows(systems: Any, prop: str, modes: tuple[str, ...], variants: tup
                     row.cause, row.cause_name, row.detail = found.cause.value, found.cause.name, found.detail
                     row.counterexample, row.condition = found.example, found.condition
                     row.admission = getattr(found, "admission", None)
+                    row.unconfirmed = found.unconfirmed
                 if capped[0]:
                     row.scoped = {Cause.LAST_PAGE_CAPPED.name: scoped_entry(capped)}
                 rows.append(row)

@@ -72,7 +72,7 @@ def test_rows_that_never_reached_the_relay_and_skews_are_not_re_checked():
 def test_an_unconfirmed_mismatch_fails_nothing_and_is_kept_apart_in_the_matrix():
     row = finding(Cause.INGEST_STALE, "the router still holds 1 block(s) SGLang removed or cleared")
     row.unconfirmed = "recurred in 3 of 10 replays of its example"
-    assert confirm_rows([row], path_used=True, rerun=no_rerun)[0].status == "unconfirmed"
+    assert confirm_rows([row], path_used=False, rerun=no_rerun)[0].status == "unconfirmed"
     assert not blocking([row]) and not blocking([row], strict=True)
     data = row_json(row)
     assert data["status"] == "unconfirmed"
@@ -128,3 +128,58 @@ def test_check_re_checks_a_relayed_finding_with_the_relay_apart_and_closes_that_
     assert len(opened) == 1  # one relay-apart path for the run, shared by every re-check
     systems.close()
     assert opened[0].closed and in_process.closed
+
+
+def test_an_in_process_unconfirmed_mismatch_is_what_the_relay_apart_shows():
+    """Where the in-process relay stops varies by run, so a mismatch that recurred in some of its replays
+    there is re-checked like a finding: clean apart -> n/a in-process only; unconfirmed apart -> that row
+    with its rate there; recurring apart -> the finding."""
+    def seen() -> RowResult:
+        row = finding(Cause.EVENTS_DROPPED, "the relay stopped indexing")
+        row.unconfirmed = "recurred in 9 of 10 replays of its example"
+        return row
+
+    clean = confirm_rows([seen()], path_used=True, rerun=lambda: [RowResult("ingest", "plain", "base", 20, 0)])[0]
+    assert clean.status == "n/a" and clean.skipped.startswith(IN_PROCESS_ONLY) and "20 case(s) ran clean" in clean.skipped
+    apart = finding(Cause.INGEST_STALE, "held a removed block")
+    apart.unconfirmed = "recurred in 2 of 10 replays of its example"
+    row = confirm_rows([seen()], path_used=True, rerun=lambda: [apart])[0]
+    assert row.status == "unconfirmed" and row.unconfirmed == apart.unconfirmed and row.cause_name == "INGEST_STALE"
+    assert row.detail.endswith("(with the relay in kvalign's process: EVENTS_DROPPED)")
+    row = confirm_rows([seen()], path_used=True, rerun=lambda: [finding(Cause.TENANTS_SHARE_KEYS)])[0]
+    assert row.status == "finding" and row.cause_name == "TENANTS_SHARE_KEYS" and blocking([row])
+
+
+class _StaleApart(_Relayed):
+    """As :class:`_Relayed`, but the first relay-apart path cannot run the row (a stale router state);
+    a fresh one runs it clean."""
+
+    def run(self, job, systems, opts):
+        path = systems.router_path()
+        if path.apart and path.stale:
+            return [finding(Cause.PATH_UNAVAILABLE, "one worker per router expected, get_overlap_scores answered 2")]
+        return super().run(job, systems, opts)
+
+
+def test_a_re_check_that_could_not_run_on_the_shared_path_runs_once_more_on_a_fresh_one(monkeypatch):
+    """The control is the first path alone: its row would be n/a 'the re-check could not run'."""
+    import kvalign.oracles.relay_process as relay_process
+    from kvalign.verify.runner import check
+    from kvalign.verify.engine.property import Job, Options
+    from kvalign.verify.engine.systems import Systems
+
+    opened: list[_Path] = []
+
+    def open_apart(transform=None):
+        opened.append(_Path(True))
+        opened[-1].stale = len(opened) == 1
+        return opened[-1]
+
+    monkeypatch.setattr(relay_process, "ProcessRouterPath", open_apart)
+    monkeypatch.setattr(check, "by_name", lambda: {"ingest": _StaleApart()})
+    systems = Systems(None, None, None, open_router_path=lambda: _Path(False))  # type: ignore[arg-type]
+    [row] = check.run_job(0, Job("ingest", ("plain",)), systems, Options())
+    assert row.status == "n/a" and row.skipped.startswith(IN_PROCESS_ONLY) and "5 case(s) ran clean" in row.skipped
+    assert len(opened) == 2 and opened[0].closed and not opened[1].closed
+    systems.close()
+    assert opened[1].closed

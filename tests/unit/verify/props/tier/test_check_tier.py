@@ -310,3 +310,57 @@ def test_check_page_size_decides_the_servable_verdict(sglang_available, tmp_path
     assert a["prompt_tokens"] - 1 >= a["device_tokens"] + a["host_only_tokens"] and a["loaded_tokens"] < a["host_only_tokens"]
     rc, large = check(16)
     assert rc == 0 and large["aligned"] is True and large["rows"][0]["mismatches"] == 0
+
+
+def _machine(tp: Any, *, eagle: bool = False) -> Any:
+    """A tier machine outside Hypothesis, on ``tp``, as ``run_tier_search`` replays an example with."""
+    from kvalign.oracles.hicache import HiCacheEngine, available_cores
+    from kvalign.verify.engine.search import Tally
+    from kvalign.verify.props.tier.body import TIER_PAGE_SIZES, TierMachine
+
+    return TierMachine(tp, eagle, False, False, False, HiCacheEngine, available_cores(), Tally(), [None], TIER_PAGE_SIZES)
+
+
+def test_a_recorded_example_replays_its_mismatch_and_only_where_the_release_shows_it(tier_paths):
+    """The steps a failing example recorded, run again on a fresh engine (what confirms a mismatch
+    Hypothesis could not replay): through the hop that renames the host medium they fail again with the
+    same cause; through the real relay (the negative control) the same steps never fail. (Not every
+    replay through the broken hop need fail: SGLang's Rust tree core evicts among equal leaves in an
+    order seeded per instance, so a replay may leave no page on host to miss; measured 5-10 of 10.)"""
+    from kvalign.verify.engine.properties import Mismatch
+
+    _calls, _failures, found = _search(tier_paths(unknown_host_medium), eagle=False, page_sizes=(4,))
+    assert found is not None and found.cause.name == "MEDIUM_NOT_INDEXED", found and found.detail
+    assert found.example["core_kind"] and found.example["steps"]
+    causes = []
+    for _ in range(10):
+        try:
+            _machine(tier_paths(unknown_host_medium)).replay(found.example)
+        except Mismatch as exc:
+            causes.append(exc.cause.name)
+    assert causes and set(causes) == {"MEDIUM_NOT_INDEXED"}, causes
+    for _ in range(3):
+        _machine(tier_paths()).replay(found.example)  # the real relay: no mismatch
+
+
+def test_a_mismatch_hypothesis_could_not_replay_is_unconfirmed_with_its_rate(tier_paths):
+    """A hop broken for its first few batches only: the example that failed there passes when Hypothesis
+    replays it (``Flaky``), and its 10 replays of the recorded steps do not all fail: unconfirmed with its
+    rate, never a finding."""
+    import re
+
+    broken = {"left": 1}
+
+    def once(frames: list[bytes]) -> list[bytes]:
+        if broken["left"] <= 0:
+            return frames
+        out = host_as_device(frames)
+        if out != frames:
+            broken["left"] -= 1
+        return out
+
+    _calls, failures, found = _search(tier_paths(once), eagle=False, page_sizes=(4,), shrink=True)
+    assert found is not None and failures == 1, found and found.detail
+    rate = re.fullmatch(r"recurred in (\d+) of 10 replays of its example", found.unconfirmed or "")
+    assert rate and int(rate[1]) < 10, (found.unconfirmed, found.detail)
+    assert "not shrunk" in found.detail
