@@ -7,7 +7,8 @@ the frontend forwarded no hashes) leaves the blocks keyed by their placeholder t
 by text prefix (no image hashes in the query). Rank 0 of a two-rank worker
 (:class:`~kvalign.oracles.router_pair.RouterPair`) is a vLLM engine that served a prompt with one image; the query
 is the same tokens with another image. Rank 1 is a fresh vLLM engine holding the query's first ``k`` blocks (its
-own image at the same placeholders), for every ``k`` up to what the router credits rank 0; each state is routed
+own image at the same placeholders), for every ``k`` up to what the router credits rank 0, each ``k`` in its own
+token range (as :mod:`kvalign.verify.props.vllm.impact` does); each state is routed
 :data:`~kvalign.oracles.router_pair.ROUTES` times against each engine's prefix hit for the query.
 """
 
@@ -40,26 +41,33 @@ def measure_mm_routing(path: Any, b: int, base: int = 11 << 20) -> VllmRoutingIm
 
     pair = RouterPair(path, b, eagle=False)
     engines: list[Any] = []
-    barriers = [(1 << 23) + 4 * (base >> 20) + i for i in range(3)]
+    barriers = iter(range((1 << 24) + 64 * (base >> 20), (1 << 24) + 64 * (base >> 20) + 64))
     try:
         for r in RANKS:
             engines.append(VllmEngine(b, NUM_BLOCKS, endpoint=pair.publishers[r].hop.xsub, dp_rank=r))
-            join(pair, engines[r], barriers[r])
-        tokens, offset, length = image_prompt(base, b)
-        served, query = [(SERVED_IMAGE, offset, length)], [(QUERY_IMAGE, offset, length)]
-        engines[0].prefill(tokens, mm=served)
-        engines[0].take_events()
-        join(pair, engines[0], barriers[2])
-        credited = pair.tiers(tokens).get(0, (0, 0, 0))[0]
-        impact = VllmRoutingImpact(b, credited, engines[0].match(tokens, mm=query) // b,
-                                   what="vLLM handed unmarked image identifiers (the frontend routing by text prefix)")
-        for k in range(credited + 1):
+            join(pair, engines[r], next(barriers))
+        impact: VllmRoutingImpact | None = None
+        k = 0
+        while impact is None or k <= impact.credited:
+            # each k in its own token range, so each candidate's blocks arrive as one stored event
+            kb = base + k * 4096
+            tokens, offset, length = image_prompt(kb, b)
+            served, query = [(SERVED_IMAGE, offset, length)], [(QUERY_IMAGE, offset, length)]
+            engines[0].prefill(tokens, mm=served)
             if k:
-                engines[1].prefill(tokens[: k * b] + [base + b * 64 + 3], mm=_within(query, k * b))
-                engines[1].take_events()
-            pair.settle(tokens, {0: (credited,), 1: (k,)})
+                engines[1].prefill(tokens[: k * b] + [kb + b * 64 + 3], mm=_within(query, k * b))
+            for r in RANKS:
+                engines[r].take_events()
+                join(pair, engines[r], next(barriers))  # indexed, however loaded the machine
+            if impact is None:
+                impact = VllmRoutingImpact(b, pair.tiers(tokens).get(0, (0, 0, 0))[0],
+                                           engines[0].match(tokens, mm=query) // b,
+                                           what="vLLM handed unmarked image identifiers (the frontend routing by "
+                                                "text prefix)")
+            pair.settle(tokens, {0: (impact.credited,), 1: (k,)})
             impact.trials.append(Trial(k, pair.picks(tokens), (engines[0].match(tokens, mm=query),
                                                                engines[1].match(tokens, mm=query))))
+            k += 1
         return impact
     finally:
         for e in engines:
