@@ -93,7 +93,8 @@ def render(data: dict[str, Any], command: str) -> str:
     out += ["", "## Routing, measured", "",
             "Two vLLM engines (vLLM's real `KVCacheManager` each) are the two candidates of one real `KvRouter` (one "
             "worker, two data-parallel ranks, each engine's own publisher into its rank's relay). The first holds the "
-            f"finding's state, the other the prompt's first k blocks{'' if 'bound' in data else ', served plainly'}. "
+            "finding's state, the other the prompt's first k blocks"
+            f"{', served plainly' if 'served' not in r else ' (each as the heading below says)'}. "
             "`picks`: how often the router's `best_worker` chose the first / the other over repeated routings of the "
             "same state (both non-zero is a tie, broken at random: never counted as a flip); `credited`: the router's "
             f"{'overlap (device and host blocks)' if 'bound' in data else 'device overlap'} on each; `reused`: what "
