@@ -4,7 +4,9 @@ The pair defaults to the installed Dynamo release and the SGLang its ``ai-dynamo
 pins (the pair a deployment runs). The releases come from ``kvalign matrix``'s per-version cache;
 the evidence is collected in a subprocess run by that pair's own environment
 (:mod:`kvalign.verify.report.finding`, :mod:`kvalign.releases.release_env`). Exit 0 report printed, 1 the finding does not reproduce on that pair
-(no report), 2 usage or environment error.
+(no report), 2 usage or environment error. ``--engine vllm`` (implied by a ``VLLM_*`` cause) reports a finding of
+the vLLM properties instead, on the installed Dynamo and the pinned vLLM (:mod:`kvalign.verify.props.vllm.report`,
+:mod:`kvalign.verify.props.vllm.shared_report`); the SGLang report stays the default for the causes both share.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="only search this mode (default: plain, then eagle)")
     p.add_argument("--examples", type=positive_int, default=30,
                    help="generated cases per property x mode x variant in the search (default 30)")
+    p.add_argument("--engine", choices=("sglang", "vllm"), default=None,
+                   help="the engine whose finding to report (default: sglang; VLLM_* findings are vLLM's); "
+                        "vllm reports a finding of the vLLM properties on the installed Dynamo and the pinned vLLM")
     p.add_argument("--out", metavar="FILE", type=Path, default=None, help="write the report here instead of stdout")
     p.set_defaults(run=run)
 
@@ -65,8 +70,10 @@ def run(args: argparse.Namespace) -> int:
     if args.finding not in Cause.__members__:
         raise UsageError(f"unknown finding {args.finding!r}; expected a cause name such as LORA_NOT_IN_EVENTS "
                          f"(one of {', '.join(Cause.__members__)})")
-    if args.finding.startswith("VLLM_"):
+    if args.engine == "vllm" or (args.engine is None and args.finding.startswith("VLLM_")):
         return run_vllm(args)
+    if args.finding.startswith("VLLM_"):
+        raise UsageError(f"{args.finding} is a vLLM finding: drop --engine sglang")
     for flag, value in (("--dynamo", args.dynamo), ("--sglang", args.sglang)):
         if value is not None and not re.match(VERSION, value):
             raise UsageError(f"{flag} takes one release version, got {value!r}")
@@ -115,15 +122,18 @@ def run(args: argparse.Namespace) -> int:
 
 def run_vllm(args: argparse.Namespace) -> int:
     """A vLLM finding on the installed Dynamo and the pinned vLLM (collected here; vLLM runs in its own
-    interpreter): exit 0 report printed, 2 a pair it cannot collect on."""
+    interpreter): a ``VLLM_*`` cause, or (``--engine vllm``) one the vLLM properties share with SGLang. Exit 0
+    report printed, 2 a pair it cannot collect on."""
     from kvalign.oracles.base import OracleUnavailable
-    from kvalign.verify.props.vllm.report import CAUSES, collect
+    from kvalign.verify.props.vllm import report, shared_report
     from kvalign.verify.report.matrix import installed, one_line
     from kvalign.verify.report.vllm_finding import render
 
     cause = Cause[args.finding]
-    if cause not in CAUSES:
-        raise UsageError(f"kvalign reports no vLLM finding {args.finding}; one of {', '.join(sorted(c.name for c in CAUSES))}")
+    known = report.CAUSES | shared_report.SHARED
+    if cause not in known:
+        raise UsageError(f"kvalign reports no vLLM finding {args.finding}; one of {', '.join(sorted(c.name for c in known))}")
+    collect = report.collect if cause in report.CAUSES else shared_report.collect
     dynamo = installed("ai-dynamo")
     if args.sglang is not None or (args.dynamo is not None and args.dynamo != dynamo):
         raise UsageError(f"{args.finding} is collected on the installed ai-dynamo ({dynamo}) and the pinned vLLM: "
@@ -134,7 +144,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         data = collect(cause)
     except OracleUnavailable as exc:
         raise UsageError(f"collecting {args.finding} failed: {one_line(str(exc))}") from None
-    text = render(data, f"kvalign report {args.finding}")
+    text = render(data, f"kvalign report {args.finding}" + (" --engine vllm" if cause in shared_report.SHARED else ""))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text, encoding="utf-8")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvalign.model.causes import CACHE_BLIND
+from kvalign.model.causes import CACHE_BLIND, CREDIT_SKEW
 from kvalign.verify.report.finding_status import live_note, upstream_note
 
 #: the vLLM Dynamo 1.6.1's ``ai-dynamo[vllm]`` extra pins (read from the wheel's METADATA: docs/vllm.md)
@@ -34,6 +34,33 @@ def status(v: dict[str, Any]) -> str:
     return f"not shipped together: ai-dynamo {v['ai-dynamo']}'s `vllm` extra pins vllm {shipped}; {checked}"
 
 
+def class_line(data: dict[str, Any]) -> str:
+    """The class and what it means: a credit skew states its bound (as SGLang's reports do); a cache-blind finding
+    has none. A credit skew collected without its bound is an error naming it."""
+    klass = data["class"]
+    if klass == CACHE_BLIND:
+        return (f"{klass}, the router credits blocks the engine cannot reuse, or misses blocks it reuses, without a "
+                "constant bound; what disagrees is below")
+    if klass == CREDIT_SKEW:
+        if not data.get("bound"):
+            raise ValueError(f"{data['cause']} is a credit skew, and the collected data has no bound")
+        return (f"{klass}, the router credits more than the engine reuses, by at most a constant: bound: "
+                f"{data['bound']}")
+    raise ValueError(f"{data['cause']}: kvalign's vLLM reports are written for cache-blind and credit-skew findings, "
+                     f"not {klass}")
+
+
+def served(r: dict[str, Any]) -> str:
+    """What vLLM served before the requests below: the replay's own words where its steps are several (the
+    findings sharing an SGLang cause), else one prompt and how it was served."""
+    if "served" in r:
+        return r["served"]
+    how = ", ".join([f"cache_salt {r['served_with']['cache_salt']!r}"] if r["served_with"]["cache_salt"] else []
+                    + [f"{k}={val}" for k, val in r["served_with"]["env"].items()]) or "as configured by default"
+    return (f"vLLM (block size {r['block_size']}) served one {r['prompt_tokens']}-token prompt ({how}); its events "
+            "reached Dynamo's relay as vLLM published them")
+
+
 def _fence(text: str, lang: str = "") -> str:
     return f"```{lang}\n{text}\n```"
 
@@ -41,17 +68,14 @@ def _fence(text: str, lang: str = "") -> str:
 def render(data: dict[str, Any], command: str) -> str:
     """The Markdown report for one collected vLLM finding; ``command`` reproduces it."""
     v, r = data["versions"], data["replay"]
-    if data["class"] != CACHE_BLIND:
-        raise ValueError(f"{data['cause']}: kvalign's vLLM reports are written for cache-blind findings, "
-                         f"not {data['class']}")
     out = [f"# {data['cause']}: {data['cause_text']}", "",
            f"**Status:** {status(v)}.  ",
            f"**Who meets it:** {data['reach']}.  ",
-           f"**Class:** {data['class']}, the router credits blocks the engine cannot reuse, or misses blocks it reuses, "
-           "without a constant bound; what disagrees is below.  ",
+           f"**Class:** {class_line(data)}.  ",
            f"**Routing impact (measured):** the router {data['impact']}.  ",
            f"**Live:** {live_note(data['cause'], v['ai-dynamo'], pair_name(v))}.  "]
-    upstream = upstream_note(data["cause"])
+    # a finding that shares an SGLang cause names its own threads (None: none applies to vLLM's)
+    upstream = data["upstream"] if "upstream" in data else upstream_note(data["cause"])
     if upstream:
         out.append(f"**Upstream:** {upstream}.  ")
     out += [f"**Pair:** ai-dynamo {v['ai-dynamo']} (ai-dynamo-runtime {v['ai-dynamo-runtime']}) × {pair_name(v)}.  ",
@@ -59,11 +83,7 @@ def render(data: dict[str, Any], command: str) -> str:
             "relay → `KvRouter`.  ",
             f"**Reproduce:** `{command}`", "",
             "## What goes wrong", ""]
-    served = r["served_with"]
-    how = ", ".join([f"cache_salt {served['cache_salt']!r}"] if served["cache_salt"] else []
-                    + [f"{k}={val}" for k, val in served["env"].items()]) or "as configured by default"
-    out += [f"vLLM (block size {r['block_size']}) served one {r['prompt_tokens']}-token prompt ({how}); its events "
-            f"reached Dynamo's relay as vLLM published them. The router indexed {len(r['indexed'])} block(s).", "",
+    out += [f"{served(r)}. The router indexed {len(r['indexed'])} block(s).", "",
             "| request | vLLM reuses (tokens) | the router credits (blocks) |", "|---|---|---|"]
     out += [f"| {q['request']} | {q['vllm_reuses']} | {q['router_blocks']} |" for q in r["requests"]]
     out += ["", "## vLLM's events, as published (decoded)", "", _fence(json.dumps(r["events"], ensure_ascii=False), "json"),
@@ -73,10 +93,13 @@ def render(data: dict[str, Any], command: str) -> str:
     out += ["", "## Routing, measured", "",
             "Two vLLM engines (vLLM's real `KVCacheManager` each) are the two candidates of one real `KvRouter` (one "
             "worker, two data-parallel ranks, each engine's own publisher into its rank's relay). The first holds the "
-            "finding's state, the other the prompt's first k blocks, served plainly. `picks`: how often the router's "
-            "`best_worker` chose the first / the other over repeated routings of the same state (both non-zero is a "
-            "tie, broken at random: never counted as a flip); `credited`: the router's device overlap on each; "
-            "`reused`: what each vLLM would reuse of the prompt (its prefix hit).", ""]
+            "finding's state, the other the prompt's first k blocks"
+            f"{', served plainly' if 'served' not in r else ' (each as the heading below says)'}. "
+            "`picks`: how often the router's `best_worker` chose the first / the other over repeated routings of the "
+            "same state (both non-zero is a tie, broken at random: never counted as a flip); `credited`: the router's "
+            f"{'overlap (device and host blocks)' if 'bound' in data else 'device overlap'} on each; `reused`: what "
+            "each vLLM would reuse of the prompt (its prefix hit"
+            f"{', after its connector loads' if 'bound' in data else ''}).", ""]
     for name, m in data["routing"].items():
         out += [f"### {name}: {m['state']}", "", "| k | picks | credited (blocks) | reused (tokens) |",
                 "|---|---|---|---|"]

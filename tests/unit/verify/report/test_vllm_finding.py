@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvalign.cli import main
-from kvalign.model.causes import CACHE_BLIND, Cause, cause_class
+from kvalign.model.causes import CACHE_BLIND, CREDIT_SKEW, Cause, cause_class
 from kvalign.verify.props.vllm.report import ANCHORS, CAUSES, _roots, locate
 from kvalign.verify.report.vllm_finding import render
 
@@ -89,3 +89,55 @@ def test_every_vllm_finding_says_who_meets_it_and_the_unreachable_salt_says_late
     assert set(REACH) == set(CAUSES)
     assert REACH[Cause.VLLM_SALT_UNPREFIXED].startswith("**latent, not reached through `dynamo.vllm`")
     assert "latent" not in REACH[Cause.VLLM_BYTES_HASHES_DROPPED]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    # --engine vllm takes the vLLM path for a cause SGLang shares (its usage checks, not SGLang's)
+    (["report", "MM_IMAGE_REUSED", "--engine", "vllm", "--sglang", "0.5.23"], "drop --dynamo / --sglang"),
+    (["report", "LORA_NOT_IN_EVENTS", "--engine", "vllm"], "kvalign reports no vLLM finding LORA_NOT_IN_EVENTS"),
+    (["report", "VLLM_SALT_UNPREFIXED", "--engine", "sglang"], "is a vLLM finding: drop --engine sglang"),
+    # without --engine a shared cause stays SGLang's report: the SGLang path's own check answers
+    (["report", "HOST_CREDIT_NOT_SERVABLE", "--dynamo", "not-a-version"], "--dynamo takes one release version"),
+    (["report", "SWA_STATE_NOT_REUSABLE", "--engine", "sglang", "--dynamo", "x"], "--dynamo takes one release version"),
+])
+def test_engine_dispatch_bad_input_is_one_line_exit_2(capsys, argv, message):
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1 and message in err
+
+
+def _skew(**over):
+    data = {**_data([{"k": 1, "picks": [40, 0], "reused": [0, 16], "tie": False, "changed": True,
+                      "credited": [3, 1]}]),
+            "cause": "HOST_CREDIT_NOT_SERVABLE", "cause_text": "vllm#57159: chunks", "class": CREDIT_SKEW,
+            "bound": "at most 3 host blocks per request", "upstream": "vllm-project/vllm#57159 (this finding)"}
+    data["replay"] = {**data["replay"], "served": "vLLM served a chunked prompt",
+                      "requests": [{"request": "3 of 4", "vllm_reuses": 0, "router_blocks": "0 device + 3 host"}]}
+    return {**data, **over}
+
+
+def test_a_credit_skew_report_states_its_bound_and_its_own_upstream():
+    text = render(_skew(), "kvalign report HOST_CREDIT_NOT_SERVABLE --engine vllm")
+    assert ("**Class:** credit-skew, the router credits more than the engine reuses, by at most a constant: bound: "
+            "at most 3 host blocks per request.  ") in text
+    assert "**Upstream:** vllm-project/vllm#57159 (this finding).  " in text
+    assert "vllm-project/vllm#57159 (vLLM's twin" not in text  # SGLang's words for the same cause, not used
+    assert "vLLM served a chunked prompt. The router indexed 0 block(s)." in text
+    assert "| 3 of 4 | 0 | 0 device + 3 host |" in text
+    assert "`credited`: the router's overlap (device and host blocks) on each" in text
+    assert "| 1 | 40 / 0 (first, reuses less) | 3 vs 1 | 0 vs 16 |" in text
+    assert "**Reproduce:** `kvalign report HOST_CREDIT_NOT_SERVABLE --engine vllm`" in text
+
+
+def test_a_shared_finding_with_no_upstream_thread_says_none():
+    text = render(_skew(cause="SWA_STATE_NOT_REUSABLE", **{"class": CACHE_BLIND, "upstream": None}), "x")
+    assert "**Upstream:**" not in text and "without a constant bound" in text
+
+
+@pytest.mark.parametrize(("over", "message"), [
+    ({"bound": None}, "HOST_CREDIT_NOT_SERVABLE is a credit skew, and the collected data has no bound"),
+    ({"class": "scoped"}, "written for cache-blind and credit-skew findings, not scoped"),
+])
+def test_a_report_refuses_a_missing_bound_or_another_class(over, message):
+    with pytest.raises(ValueError, match=message):
+        render(_skew(**over), "x")
