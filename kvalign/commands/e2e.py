@@ -141,7 +141,7 @@ def _options(args: argparse.Namespace, eagle: bool, engine: str) -> E2eOptions:
 
 def release_version(text: str | None, flag: str = "--sglang") -> str | None:
     """``--sglang`` / ``--dynamo``: one release version, or None."""
-    from kvalign.commands.matrix import VERSION
+    from kvalign.commands.release_args import VERSION
 
     if text is not None and not re.match(VERSION, text):
         raise UsageError(f"{flag} takes one release version, got {text!r}")

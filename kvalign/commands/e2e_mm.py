@@ -36,7 +36,7 @@ def register(actions: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvalign.commands.matrix import VERSION
+    from kvalign.commands.release_args import VERSION
     from kvalign.live.cluster.processes import ProcessExited
     from kvalign.live.engines.sglang_cpu import engine_problem
     from kvalign.live.runs.mm import MmLiveOptions, render, run_mm

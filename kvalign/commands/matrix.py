@@ -26,7 +26,6 @@ import json
 import sys
 import time
 
-from kvalign.releases import local_build
 from kvalign.verify import props as registry
 from kvalign.errors import UsageError
 from kvalign.verify.report.matrix import (DEFAULT_SGLANG, LIVE_COLUMN, UNKNOWN, CellFileError, MatrixError, PairResult, cache_root,
@@ -36,27 +35,10 @@ from kvalign.verify.report.matrix import (DEFAULT_SGLANG, LIVE_COLUMN, UNKNOWN, 
 from kvalign.runtime_log import console
 from kvalign.releases.versions import installed_versions
 from kvalign.verify.report import matrix_vllm
+from kvalign.commands.release_args import VERSION, versions as _versions
 
-VERSION = rf"^\d+(\.\d+)*(\.post\d+)?({local_build.LABEL})?$"
 #: ``--examples`` / ``--ingest-examples`` defaults (a reproducing command leaves them out)
 EXAMPLES, INGEST_EXAMPLES = 100, 20
-
-
-def _versions(text: str | None, flag: str) -> list[str] | None:
-    """Release versions; an item that names a wheel file or a source checkout stands for that
-    build, as its label (``1.6.1+local.3f9c0a1b``)."""
-    if text is None:
-        return None
-    import re
-
-    items = [v.strip() for v in text.split(",") if v.strip()]
-    kind = flag.lstrip("-")
-    versions = [local_build.resolve(kind, v, cache_root() / "local-builds").label if local_build.looks_local(v) else v
-                for v in items]
-    bad = [v for v in versions if not re.match(VERSION, v)]
-    if not versions or bad:
-        raise UsageError(f"{flag} takes comma-separated release versions, wheel files or source checkouts, got {text!r}")
-    return list(dict.fromkeys(versions))
 
 
 def register(sub: argparse._SubParsersAction) -> None:

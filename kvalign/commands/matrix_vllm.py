@@ -16,6 +16,7 @@ import json
 import sys
 import time
 
+from kvalign.commands.release_args import versions as _versions
 from kvalign.errors import UsageError
 from kvalign.releases.versions import installed_versions
 from kvalign.runtime_log import console
@@ -43,8 +44,6 @@ def reproduce(dynamo: list[str] | None, vllm: list[str] | None, shipped: bool, e
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvalign.commands.matrix import _versions
-
     given = [_flag(d) for d, unset in SGLANG_ONLY.items() if getattr(args, d) != unset]
     if given:
         raise UsageError(f"{', '.join(given)}: SGLang's matrix only, not with --engine vllm")

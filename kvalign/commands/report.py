@@ -63,7 +63,7 @@ def _shipped(dynamo: str, log: Any) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvalign.commands.matrix import VERSION
+    from kvalign.commands.release_args import VERSION
     from kvalign.verify.report.matrix import MatrixError, ensure_release, installed, one_line, pair_env, shipped_sglang
     from kvalign.releases.release_env import ReleaseEnvError
 

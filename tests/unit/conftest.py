@@ -90,3 +90,15 @@ def hicache_router_path(sglang_available: str) -> Iterator[Any]:
     path = open_router_path("real Dynamo router path unavailable")
     yield path
     path.close()
+
+
+@pytest.fixture
+def official_vllm_wheels(request: pytest.FixtureRequest) -> None:
+    """Tests that install official vLLM wheels (hundreds of MB each) run in the nightly only, as the SGLang
+    release matrix does: ``KVALIGN_NIGHTLY=1``, ``-m nightly`` or ``-m matrix``."""
+    from recorded import is_nightly
+
+    expr = request.config.getoption("markexpr") or ""
+    if not (is_nightly(expr) or "matrix" in expr):
+        pytest.skip("official vLLM wheels (hundreds of MB each): nightly only (KVALIGN_NIGHTLY=1, -m nightly or "
+                    "-m matrix)")

@@ -50,6 +50,9 @@ class Mismatch(AssertionError):
         self.condition = condition
         #: how often it recurred when its example was replayed, where it did not recur every time (None: it did)
         self.unconfirmed: str | None = None
+        #: the input the body was handed, as the search drew it (replayed to confirm a finding): ``example`` may be a
+        #: display form (a dict) the body cannot take; the search sets it where it saw the mismatch raised
+        self.drawn: Any = example
 
 
 def _call(hasher: RouterHasher, tokens: list[int], b: int, eagle: bool, lora: str | None, ns: str | None) -> list[int]:

@@ -113,6 +113,7 @@ def run_search(body: Callable[[Any], None], strategy: st.SearchStrategy[Any], ex
         try:
             body(value)
         except Mismatch as exc:
+            exc.drawn = replay
             if tally.generating and replay_rate(body, replay) < REPLAYS:
                 flaky.append(exc)  # not a failure: the search goes on, so a real mismatch after it is still found
                 return
@@ -142,11 +143,11 @@ def run_search(body: Callable[[Any], None], strategy: st.SearchStrategy[Any], ex
     if broken is not None:  # whatever the search found before it, the examples after it did not run
         raise broken
     if found is not None:  # a finding recurs every time its example is replayed, however Hypothesis ended
-        recurred = replay_rate(body, found.example)
+        recurred = replay_rate(body, found.drawn)
         if recurred < REPLAYS:
             found.unconfirmed = f"recurred in {recurred} of {REPLAYS} replays of its example"
     if found is None and flaky:  # only mismatches that did not recur: the first, with its rate over REPLAYS replays
         found = flaky[0]
-        found.unconfirmed = (f"recurred in {replay_rate(body, found.example, REPLAYS - 1)} of {REPLAYS} replays of "
+        found.unconfirmed = (f"recurred in {replay_rate(body, found.drawn, REPLAYS - 1)} of {REPLAYS} replays of "
                              "its example")
     return tally.cases, tally.mismatches, found

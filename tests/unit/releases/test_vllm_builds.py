@@ -36,8 +36,9 @@ def test_a_changed_or_missing_file_is_named(tmp_path):
 
 
 @pytest.mark.matrix
+@pytest.mark.nightly
 @pytest.mark.timeout(900)
-def test_the_community_build_runs_the_official_0_32_0_code_wherever_the_oracle_reads():
+def test_the_community_build_runs_the_official_0_32_0_code_wherever_the_oracle_reads(official_vllm_wheels):
     community = vllm_env.vllm_dir()
     official = vllm_env.vllm_dir(vllm_env.OFFICIAL_DIST, vllm_env.VLLM_VERSION)
     vllm_env.ensure(vllm_env.OFFICIAL_DIST, vllm_env.VLLM_VERSION)

@@ -30,7 +30,7 @@ def _rows(systems: Any, modes: tuple[str, ...], opts: Options) -> list[RowResult
 def header(dynamo: str, examples: int, page_size: int | None) -> list[str]:
     """``check --engine vllm``'s header lines (the engine's version is the pinned one its environment runs)."""
     from kvalign.releases.vllm_env import selected
-    from kvalign.verify.props.vllm.rows import BLOCK_SIZE, NUM_BLOCKS
+    from kvalign.verify.props.vllm.running import BLOCK_SIZE, NUM_BLOCKS
 
     dist, version = selected()
     return [f"kvalign check: vLLM {dist} {version} (KVCacheManager) x Dynamo relay + KvRouter {dynamo}",

@@ -58,14 +58,14 @@ def blocks_body(worker: Any) -> Body:
 def block_rows(path: Any, sizes: tuple[int, ...], n: int, seed: int | None, num_blocks: int,
                row: Callable[..., RowResult]) -> list[RowResult]:
     """One row per block size (:data:`BLOCK_SIZES` unless ``--page-size`` names one), its control beside it
-    (``row``: :func:`rows._row`). A size whose engine cannot start is that row with its cause, never an exception."""
+    (``row``: :func:`running._row`). A size whose engine cannot start is that row with its cause, never an exception."""
     from hypothesis import strategies as st
 
     from kvalign.oracles.base import OracleUnavailable
     from kvalign.oracles.vllm_router import VllmWorker, vllm_worker
     from kvalign.verify.engine.property import unavailable
     from kvalign.verify.engine.search import run_search
-    from kvalign.verify.props.vllm.rows import CONTROL_EXAMPLES
+    from kvalign.verify.props.vllm.controls import CONTROL_EXAMPLES
 
     out: list[RowResult] = []
     repeated = [Served((0, 1, 2), 3), Served((0, 1, 2), 3)]

@@ -12,6 +12,9 @@ import msgspec
 
 from kvalign.oracles.router_path import SENTINEL_BASE
 
+#: a negative control's example budget (a control must fail within it)
+CONTROL_EXAMPLES = 25
+
 EventsFn = Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
 
 

@@ -93,14 +93,14 @@ def renamed_fields(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def encoding_rows(path: Any, n: int, seed: int | None, block_size: int, num_blocks: int,
                   row: Callable[..., RowResult]) -> list[RowResult]:
     """``hashes`` (``int``, ``bytes``) and ``events`` (``map``), each on its own vLLM worker (``row``:
-    :func:`rows._row`); an engine that cannot start is its rows with their cause, never an exception."""
+    :func:`running._row`); an engine that cannot start is its rows with their cause, never an exception."""
     from hypothesis import strategies as st
 
     from kvalign.oracles.base import OracleUnavailable
     from kvalign.oracles.vllm_router import vllm_worker
     from kvalign.verify.engine.property import unavailable
     from kvalign.verify.engine.search import run_search
-    from kvalign.verify.props.vllm.rows import CONTROL_EXAMPLES
+    from kvalign.verify.props.vllm.controls import CONTROL_EXAMPLES
 
     def on_hop(worker: Any, body: Body, seq: list[Served], fn: controls.EventsFn) -> Callable[[], Any]:
         def run() -> Any:

@@ -107,7 +107,7 @@ CONTROL_SEQUENCE = [Served((0, 1, 2, 0, 1), 1), Served((1, 1, 1), 1), Served((2,
 
 def row(path: Any, b: int, n: int, seed: int | None) -> Any:
     """The ``hybrid`` row on a hybrid vLLM engine of its own (full attention + a window of two blocks)."""
-    from kvalign.verify.props.vllm.rows import control_run, own_engine, search_row
+    from kvalign.verify.props.vllm.running import control_run, own_engine, search_row
     from kvalign.verify.props.vllm.strategies import sequences
 
     with own_engine("hybrid", path, b, NUM_BLOCKS, sliding_window=2 * b) as worker:

@@ -105,7 +105,7 @@ CONTROL_SEQUENCE = [ImagePrompt((0,), 3, 0, 20, (1,), 2), ImagePrompt((0,), 3, 0
 
 def row(worker: Any, n: int, seed: int | None) -> Any:
     """The ``mm`` row on ``worker`` (the rows' shared vLLM engine), with its negative control."""
-    from kvalign.verify.props.vllm.rows import control_run, search_row
+    from kvalign.verify.props.vllm.running import control_run, search_row
 
     return search_row("mm", mm_body(worker), image_prompts(worker.engine.block_size), n, seed,
                       ("drop_mm (the relay reads no image from extra_keys)",

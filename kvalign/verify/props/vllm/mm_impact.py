@@ -1,6 +1,6 @@
 """The routing impact of an unmarked image identifier on the real router, measured as the hybrid finding's is.
 
-The finding (tests/unit/verify/props/vllm/test_mm.py): vLLM keys an image's blocks by whatever identifier it is
+The finding (tests/unit/verify/props/vllm/test_vllm_mm.py): vLLM keys an image's blocks by whatever identifier it is
 handed, and Dynamo's relay reads an identifier back as an image only in Dynamo's marked form (16 hex digits and 48
 zeros); any other identifier (a client's ``multi_modal_uuids``, or the blake3 digest ``dynamo.vllm`` computes when
 the frontend forwarded no hashes) leaves the blocks keyed by their placeholder tokens, and the frontend then routes

@@ -5,23 +5,18 @@ then the block sizes and encodings (:func:`shape_rows`)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 from kvalign.model.causes import Cause
 from kvalign.oracles.base import OracleUnavailable
-from kvalign.verify.engine.property import Options, found_row, unavailable
+from kvalign.verify.engine.property import Options, unavailable
 from kvalign.verify.props.vllm import bodies, controls, hybrid, mm, tiers
+from kvalign.verify.props.vllm.controls import CONTROL_EXAMPLES
+from kvalign.verify.props.vllm.running import BLOCK_SIZE, NUM_BLOCKS, _row
 from kvalign.verify.props.vllm.strategies import TENANTS, sequences
 from kvalign.verify.engine.rows import VARIANTS, RowResult
 
-#: vLLM's blocks in the checked cache (one is vLLM's null block): small, so generated sequences evict
-NUM_BLOCKS = 10
-#: the block size when ``--page-size`` is not given
-BLOCK_SIZE = 16
-#: the negative control's example budget (a control must fail within it)
-CONTROL_EXAMPLES = 25
 ROWS = ("hash", "pages", "ingest", "tenants")
 #: rows of their own modules: mm on the shared engine, tiers and hybrid each on an engine of its own
 GROUP_ROWS = ("mm", "tiers", "hybrid")
@@ -30,59 +25,6 @@ GROUP_ROWS = ("mm", "tiers", "hybrid")
 def _tenants(variant: str) -> list[tuple[str | None, str | None]]:
     lora, namespace = VARIANTS[variant]
     return [t for t in TENANTS if bool(t[0]) == lora and bool(t[1]) == namespace]
-
-
-def _row(prop: str, variant: str, body: Any, strategy: Any, n: int, seed: int | None,
-         control: tuple[str, Callable[[], Any], Cause] | None) -> RowResult:
-    from kvalign.verify.engine.search import Tally, run_search
-
-    start, tally = time.perf_counter(), Tally()
-    calls, failures, found = run_search(body, strategy, n, seed=seed, tally=tally)
-    row = found_row(RowResult(prop, "plain", variant, calls, failures, time.perf_counter() - start), found)
-    row.shrink_steps = tally.shrink_steps
-    if control is not None:
-        what, run_control, expected = control
-        c_calls, _c_failures, c_found = run_control()
-        row.control = {"mutation": what, "cases": c_calls, "failed": c_found is not None and c_found.cause == expected,
-                       "cause": c_found.cause.name if c_found else None, "expected": expected.name}
-        row.seconds = time.perf_counter() - start
-    return row
-
-
-def search_row(prop: str, body: Any, strategy: Any, n: int, seed: int | None,
-               control: tuple[str, Callable[[], Any], Cause]) -> RowResult:
-    """One ``base`` row: the search of ``body`` over ``strategy``, its negative control beside it."""
-    return _row(prop, "base", body, strategy, n, seed, control)
-
-
-def control_run(worker: Any, body: Any, seq: list[Any], seed: int | None, hop: Any) -> Callable[[], Any]:
-    """A negative control: ``body`` on the fixed ``seq`` with ``hop`` applied on ``worker``'s hop."""
-    from hypothesis import strategies as st
-
-    from kvalign.verify.engine.search import run_search
-
-    def run() -> Any:
-        with controls.on_hop(worker, hop):
-            return run_search(body, st.just(seq), CONTROL_EXAMPLES, seed=seed)
-    return run
-
-
-@contextmanager
-def own_engine(prop: str, path: Any, b: int, num_blocks: int, **options: Any) -> Iterator[Any]:
-    """A vLLM worker of its own for one row (``options``: the engine's ``sliding_window`` / ``offload``),
-    closed after it; one that cannot start is the row, unavailable with its cause."""
-    from kvalign.oracles.vllm_router import vllm_worker
-
-    start = time.perf_counter()
-    try:
-        worker = vllm_worker(path, b, num_blocks, **options)
-    except OracleUnavailable as exc:
-        yield unavailable(prop, ("plain",), ("base",), str(exc), seconds=time.perf_counter() - start)[0]
-        return
-    try:
-        yield worker
-    finally:
-        worker.close()
 
 
 def vllm_rows(systems: Any, modes: tuple[str, ...], opts: Options) -> list[RowResult]:

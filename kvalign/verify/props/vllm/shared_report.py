@@ -42,7 +42,7 @@ FINDINGS: dict[Cause, SharedFinding] = {
     Cause.SWA_STATE_NOT_REUSABLE: SharedFinding(
         "the router credits full-attention blocks of a hybrid model whose sliding-window blocks vLLM evicted "
         "(their removal names the window group, which the relay skips): vLLM reuses none of the prefix",
-        "tests/unit/verify/props/vllm/test_hybrid.py (`test_finding_the_router_credits_blocks_whose_window_vllm_"
+        "tests/unit/verify/props/vllm/test_vllm_hybrid.py (`test_finding_the_router_credits_blocks_whose_window_vllm_"
         "evicted`) and the replay below; the `hybrid` row of `check --engine vllm` does not fail on it (it guards "
         "that the router's index is vLLM's full-attention group, as Dynamo designs it)",
         "any `dynamo.vllm` worker serving a hybrid model with sliding-window layers and prefix caching on, with KV "
@@ -85,7 +85,7 @@ FINDINGS: dict[Cause, SharedFinding] = {
         "an image identifier not in Dynamo's marked form reaches vLLM: vLLM keys the image by it, the relay keys "
         "the image's blocks by their placeholder tokens only, and the router credits a prompt with another image "
         "blocks vLLM will not reuse",
-        "tests/unit/verify/props/vllm/test_mm.py (`test_finding_an_unmarked_image_identifier_is_keyed_by_tokens_"
+        "tests/unit/verify/props/vllm/test_vllm_mm.py (`test_finding_an_unmarked_image_identifier_is_keyed_by_tokens_"
         "only`) and the replay below; the `mm` row of `check --engine vllm` hands vLLM each image as `dynamo.vllm` "
         "does with the frontend's hashes, marked",
         "any `dynamo.vllm` deployment taking image requests on a path where the vLLM frontend forwards no image "

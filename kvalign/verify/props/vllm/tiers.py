@@ -103,7 +103,7 @@ CONTROL_SEQUENCE = [Served((0, 1, 2), 3), Served((0, 0, 0, 0, 0), 1), Served((1,
 
 def row(path: Any, b: int, n: int, seed: int | None) -> Any:
     """The ``tiers`` row on a vLLM engine of its own (a CPU tier behind a small device cache), with its control."""
-    from kvalign.verify.props.vllm.rows import NUM_BLOCKS, control_run, own_engine, search_row
+    from kvalign.verify.props.vllm.running import NUM_BLOCKS, control_run, own_engine, search_row
 
     with own_engine("tiers", path, b, NUM_BLOCKS, offload=OFFLOAD) as worker:
         if not hasattr(worker, "engine"):

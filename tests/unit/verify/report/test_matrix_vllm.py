@@ -123,8 +123,9 @@ def test_the_json_names_each_row_s_vllm_release():
 
 
 @pytest.mark.matrix
+@pytest.mark.nightly
 @pytest.mark.timeout(1800)
-def test_the_shipped_pair_and_the_newest_vllm_run_their_rows_on_the_official_wheels():
+def test_the_shipped_pair_and_the_newest_vllm_run_their_rows_on_the_official_wheels(official_vllm_wheels):
     """Dynamo 1.6.1 x vllm 0.31.0 (its pin) and x 0.33.0, each official wheel installed once into the wheel
     cache and imported on CPU: every row of check --engine vllm ran on each, none n/a."""
     res = _kvalign("matrix", "--engine", "vllm", "--dynamo", "1.6.1", "--vllm", "0.33.0", "--shipped",
