@@ -65,6 +65,8 @@ RELAY = textwrap.dedent("""
 
     def child(q):
         q.put(signal.getsignal(signal.SIGQUIT) == signal.SIG_DFL)  # spawned children have the default
+        from multiprocessing import forkserver
+        q.put(forkserver._forkserver._preload_modules)  # what a grandchild's fork server would import
         os.kill(os.getppid(), signal.SIGQUIT)  # SGLang's failure report: parent_process.send_signal
 
     if __name__ == "__main__":
@@ -74,21 +76,22 @@ RELAY = textwrap.dedent("""
         q = ctx.Queue()
         p = ctx.Process(target=child, args=(q,))
         p.start()
-        default = q.get(timeout=60)
+        default, preload = q.get(timeout=60), q.get(timeout=60)
         p.join(60)
         end = time.monotonic() + 10
         while not got and time.monotonic() < end:
             time.sleep(0.05)
-        print(default, got == ["quit"])
+        print(default, got == ["quit"], preload == sys.argv[1:] + ["sglang.srt.managers.scheduler",
+                                                                 "sglang.srt.managers.detokenizer_manager"])
 """)
 
 
 @pytest.mark.parametrize("preload, relayed", [(["kvalign.standins.sglang_cpu.forkserver_preload"], True),
                                               ([], False)])  # the control: without the relay it is lost
-def test_a_child_s_sigquit_reaches_the_worker_through_the_fork_server(tmp_path, preload, relayed):
+def test_a_child_s_sigquit_reaches_the_worker_and_its_own_children_get_the_preload(tmp_path, preload, relayed):
     script = tmp_path / "relay.py"
     script.write_text(RELAY)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, str(script), *preload], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", str(relayed)]
+    assert out.stdout.split() == ["True", str(relayed), str(relayed)]
