@@ -47,6 +47,7 @@ from kvalign.live.engines.hicache import HiCache
 from kvalign.live.cluster.processes import ProcessSpec
 from kvalign.live.engines.sglang_worker import RELAY_SUBSCRIBE_ENV, ROUTER_EAGLE_ENV, SERVER_INFO_ENV
 from kvalign.live.cluster.ports import LOOPBACK
+from kvalign.standins.sglang_cpu.forkserver import FORKSERVER_ENV
 from kvalign.standins.sglang_cpu.kv_transfer import CHECKSUM_INJECTOR_ARM_ENV, CHECKSUM_LEDGER_ENV
 from kvalign.oracles.sglang import torch_extensions_dir
 from kvalign.live.cluster.topology import ClusterPlan, ControlPlane, Topology, WorkerSpec
@@ -88,7 +89,7 @@ class SglangCpuWorkerKind:
                  extra_env: Mapping[str, str] | None = None, transfer: str = "nixl",
                  checksum_injector: bool = False, decode_max_total_tokens: int | None = None,
                  event_format: str = "default", record_server_info: bool = False,
-                 publisher_faults_dir: Path | None = None) -> None:
+                 publisher_faults_dir: Path | None = None, forkserver: bool = True) -> None:
         if transfer not in TRANSFER_BACKENDS:
             raise ValueError(f"transfer backend must be one of {', '.join(TRANSFER_BACKENDS)}, got {transfer!r}")
         self.draft_model, self.eagle = draft_model, eagle
@@ -122,6 +123,10 @@ class SglangCpuWorkerKind:
         #: publisher-fault hook, armed through ``<dir>/<worker>.json`` (never set on the normal path)
         self.publisher_faults_dir = publisher_faults_dir
         self.extra_env = dict(extra_env or {})  # e.g. a stand-in switched on for this run only
+        #: SGLang's scheduler and detokenizer forked from one fork server that imported SGLang once,
+        #: not spawned (each spawned child re-imports torch/transformers/SGLang, ~9-10 CPU-s):
+        #: :mod:`kvalign.standins.sglang_cpu.forkserver`; a 1-worker cluster starts in 24.7 CPU-s, not 33.1
+        self.forkserver = forkserver
 
     def _kv_ipc(self, worker: WorkerSpec, plan: ClusterPlan) -> str:
         """The IPC endpoint ``worker``'s SGLang binds for its events (releases without ``bind``)."""
@@ -227,7 +232,8 @@ class SglangCpuWorkerKind:
 
     def device_env(self, worker: WorkerSpec) -> dict[str, str]:
         """The CPU stand-in, loaded through the worker's ``PYTHONPATH``."""
-        return sglang_cpu_standin.worker_env(None if self.sglang_dir else os.environ.get("PYTHONPATH") or None)
+        env = sglang_cpu_standin.worker_env(None if self.sglang_dir else os.environ.get("PYTHONPATH") or None)
+        return env | ({FORKSERVER_ENV: "1"} if self.forkserver else {})
 
 
 #: SGLang's prefill->decode transfer backends the CPU workers run: ``nixl`` moves the KV pages (host

@@ -18,7 +18,7 @@ from typing import Any
 from kvalign.standins import hicache_cpu
 from kvalign.standins.hicache_cpu import patches as hicache_patches
 from kvalign.standins import sglang_scalar_pads
-from kvalign.standins.sglang_cpu import SUPPORTED, kv_transfer, patches, publisher_faults, version_problem
+from kvalign.standins.sglang_cpu import SUPPORTED, forkserver, kv_transfer, patches, publisher_faults, version_problem
 
 #: module -> patches to run once it has executed, in every supported release (each release's own
 #: extra ones come from ``SUPPORTED[version].patches``).
@@ -120,4 +120,7 @@ def install() -> None:
         if os.environ.get(sglang_scalar_pads.ENABLE_ENV) == "1":  # the live multimodal control: 0.5.21's pad rule
             module = "sglang.srt.managers.schedule_batch"
             table[module] = (*table.get(module, ()), sglang_scalar_pads.install_in_module)
+        if os.environ.get(forkserver.FORKSERVER_ENV) == "1":  # an experiment: children forked, not spawned
+            module = "sglang.srt.entrypoints.engine"
+            table[module] = (*table.get(module, ()), forkserver.forkserver_children)
         sys.meta_path.insert(0, PatchOnImport(table))
