@@ -6,13 +6,18 @@ to install — they never pass without having run.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import xdist_scopes
 
 from kvalign.oracles.base import OracleUnavailable, RouterHasher
 from router_paths import open_router_path
+
+#: a vLLM child started outside the vLLM scope fails its test (see the hook's docstring)
+sys.addaudithook(xdist_scopes.refuse_vllm_child_outside_scope)
 
 
 @pytest.fixture(scope="session")

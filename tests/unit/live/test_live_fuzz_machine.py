@@ -140,6 +140,10 @@ class EndJudgingDriver(RecordingDriver):
                                   request=requests[-1])
 
 
+# slow: 3.6 s CPU (-n 0) of shrinking for up to 20 s, not a control. Shrinking a failure to a script stays proven in
+# the fast tier by test_a_failure_is_shrunk_to_its_minimal_steps_and_written_as_a_script, judging at the example's
+# end by test_a_replay_judges_the_examples_end and its negative control; the two together, in the full suite.
+@pytest.mark.slow
 def test_a_failure_judged_at_the_examples_end_is_shrunk_and_written_as_a_script(tmp_path: Path) -> None:
     """It may shrink less far than a step's failure (measured: 1 to 5 steps, varying with the time
     Hypothesis's shrinker gets), always to a script that ends with a request its window fails on."""

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import xdist_scopes
-from xdist_scopes import FAKE_WORKERS, MM_ORACLES, REAL_ENGINE, scope
+from xdist_scopes import FAKE_WORKERS, MM_ORACLES, REAL_ENGINE, VLLM_CHILD, VLLM_ORACLES, scope
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_a_unit_file_is_its_own_scope():
@@ -37,3 +44,46 @@ def test_the_multimodal_oracles_files_share_one_scope():
                    "tests/unit/verify/props/mm/test_mm.py::test_aligned_baseline_holds[True]"):
         assert scope(nodeid) == MM_ORACLES, nodeid
     assert scope("tests/unit/verify/runner/test_check.py::test_check_json_report") == "tests/unit/verify/runner/test_check.py"
+
+
+def test_the_files_that_start_vllm_share_one_scope_by_their_path():
+    """vLLM's interpreter (a 12 s import) then starts once per run, and each later engine reuses it."""
+    for nodeid in ("tests/unit/oracles/test_vllm_hash.py::test_relay_keys_equal_the_model",
+                   "tests/unit/oracles/test_vllm_encodings.py::test_x",
+                   "tests/unit/verify/props/vllm/test_blocks.py::test_vllm_is_credited_what_it_reuses_at_each_block_size[16]",
+                   "tests/unit/verify/props/vllm/test_tiers_chunks.py::test_x",
+                   "tests/unit/verify/report/test_vllm_finding.py::test_x"):
+        assert scope(nodeid) == VLLM_ORACLES, nodeid
+    # a file that merely mentions vLLM elsewhere in its name is its own scope; the live vLLM test is the real engine's
+    assert scope("tests/unit/live/test_live_vllm_cpu_worker.py::test_x") == "tests/unit/live/test_live_vllm_cpu_worker.py"
+    assert scope("tests/e2e/test_vllm_cpu.py::test_x") == REAL_ENGINE
+
+
+def test_every_unit_file_that_opens_a_vllm_worker_is_in_the_scope():
+    """The files on disk today: each one that calls the helpers starting a vLLM child is scheduled with the others."""
+    starters = ("open_vllm_worker(", "vllm_on_router(", "VllmEngine(", "vllm_worker(")
+    found = [p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "tests/unit").rglob("test_*.py"))
+             if p != Path(__file__).resolve() and any(s in p.read_text() for s in starters)]
+    assert len(found) >= 11, found  # the files that start a child in the fast tier alone
+    assert [p for p in found if scope(f"{p}::t") != VLLM_ORACLES] == []
+
+
+def _popen_as(monkeypatch: pytest.MonkeyPatch, nodeid: str, argv: list[str]) -> None:
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", f"{nodeid} (call)")
+    xdist_scopes.refuse_vllm_child_outside_scope("subprocess.Popen", ("/env/bin/python", argv, None, None))
+
+
+def test_a_vllm_child_is_refused_only_outside_the_scope(monkeypatch):
+    child = ["/env/bin/python", "-m", VLLM_CHILD]
+    _popen_as(monkeypatch, "tests/unit/oracles/test_vllm_pages.py::test_x[a b]", child)
+    _popen_as(monkeypatch, "tests/unit/verify/props/vllm/test_vllm_mm.py::test_x", child)
+    _popen_as(monkeypatch, "tests/e2e/test_vllm_cpu.py::test_x", child)  # the live scopes are their own
+    _popen_as(monkeypatch, "tests/unit/verify/runner/test_check.py::test_x", ["/env/bin/python", "-m", "kvalign"])
+    with pytest.raises(RuntimeError, match=r"test_check\.py::test_x starts a vLLM child.*name it test_vllm_\*\.py"):
+        _popen_as(monkeypatch, "tests/unit/verify/runner/test_check.py::test_x", child)
+
+
+def test_negative_control_this_file_cannot_start_a_vllm_child():
+    """The hook is installed in the test process: a Popen naming the child, from this file, never starts."""
+    with pytest.raises(RuntimeError, match="starts a vLLM child, but its file is not in the vLLM scope"):
+        subprocess.Popen([sys.executable, "-c", "pass", "-m", VLLM_CHILD])

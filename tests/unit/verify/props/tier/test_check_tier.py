@@ -127,6 +127,10 @@ def test_servable_finds_host_credit_below_sglangs_load_back_threshold(tier_paths
     assert 0 < a["host_only_tokens"] < 10 and a["loaded_tokens"] < a["host_only_tokens"]
 
 
+# slow: 9.3 s CPU (-n 0), the fast tier's heaviest test, and not a control. That a search counts its generated runs,
+# not its shrink steps, stays proven in the fast tier by tests/unit/verify/engine/test_search.py (its Tally, which the
+# tier search counts with too, on a shrinking search); this, the tier search's own count, in the full suite.
+@pytest.mark.slow
 def test_a_servable_searchs_counts_are_its_generated_runs_not_its_shrink_steps(tier_paths):
     """Shrinking on, as ``check`` runs it: the runs and failing runs counted, and the LAST_PAGE_CAPPED cases
     counted apart, are of the generated runs only, as Hypothesis records each run's phase (issue 43)."""
