@@ -61,12 +61,13 @@ class VllmEngine:
 
     ``env``: extra environment for vLLM (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, say); the child
     also gets ``PYTHONHASHSEED=0`` as ``python -m dynamo.vllm`` sets it before vLLM loads. ``sliding_window``: a
-    hybrid model's second, sliding-window group of that many tokens; ``offload``: a CPU tier
+    hybrid model's second, sliding-window group of that many tokens; ``mamba``: a hybrid model's second, Mamba
+    group instead (vLLM's default ``'align'`` mode; :mod:`kvalign.oracles.vllm_mamba`); ``offload``: a CPU tier
     (``blocks_per_chunk``, ``num_chunks``; :mod:`kvalign.oracles.vllm_offload`); ``dp_rank``: the data-parallel
     rank its batches are tagged with (a routing candidate of :class:`~kvalign.oracles.router_pair.RouterPair`)."""
 
     def __init__(self, block_size: int, num_blocks: int, *, endpoint: str | None = None,
-                 env: dict[str, str] | None = None, sliding_window: int | None = None,
+                 env: dict[str, str] | None = None, sliding_window: int | None = None, mamba: bool = False,
                  offload: dict[str, int] | None = None, dp_rank: int = 0) -> None:
         try:
             python = ensure(*selected())
@@ -86,8 +87,8 @@ class VllmEngine:
             self._proc = subprocess.Popen([python, "-m", "kvalign.oracles.vllm_child"], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, stderr=self._log, env=child)
         try:
-            extra = {k: v for k, v in (("sliding_window", sliding_window), ("offload", offload),
-                                       ("dp_rank", dp_rank or None)) if v is not None}
+            extra = {k: v for k, v in (("sliding_window", sliding_window), ("mamba", mamba or None),
+                                       ("offload", offload), ("dp_rank", dp_rank or None)) if v is not None}
             info = self._call("init", timeout=START_TIMEOUT_S, block_size=block_size, num_blocks=num_blocks,
                               endpoint=endpoint, **extra)
         except BaseException:

@@ -60,14 +60,17 @@ Image = Sequence[Any]
 
 class VllmCache:
     """One engine's KV cache: ``num_blocks`` blocks of ``block_size`` tokens in one full-attention group, or
-    (``sliding_window``) a hybrid model's two: full attention (group 0) and sliding window (group 1)."""
+    a hybrid model's two: full attention (group 0) and sliding window (``sliding_window``) or Mamba (``mamba``)
+    (group 1)."""
 
     def __init__(self, block_size: int, num_blocks: int, *, endpoint: str | None = None,
                  hash_algo: str | None = None, max_model_len: int = 1 << 16, sliding_window: int | None = None,
-                 offload: dict[str, int] | None = None, dp_rank: int = 0) -> None:
+                 mamba: bool = False, offload: dict[str, int] | None = None, dp_rank: int = 0) -> None:
         """``endpoint``: where vLLM's ``ZmqEventPublisher`` connects (the relay's side of a loopback hop);
         None publishes nothing. ``sliding_window``: tokens of a second, sliding-window group's window (vLLM's
-        ``HybridKVCacheCoordinator`` then manages both groups in one block pool). ``offload``: a CPU tier behind
+        ``HybridKVCacheCoordinator`` then manages both groups in one block pool). ``mamba``: a second, Mamba group
+        in vLLM's default mode for it, whose prefills run in the steps vLLM's scheduler splits them into
+        (:mod:`kvalign.oracles.vllm_mamba`). ``offload``: a CPU tier behind
         the cache (:class:`~kvalign.oracles.vllm_offload.CpuOffload`'s ``blocks_per_chunk`` and ``num_chunks``).
         ``dp_rank``: the data-parallel rank its batches carry (``EventBatch.data_parallel_rank``; the publisher
         itself is rank 0's, whose endpoint vLLM does not offset)."""
@@ -83,6 +86,15 @@ class VllmCache:
             groups.append(v.KVCacheGroupSpec(["layer.1"], v.SlidingWindowSpec(
                 block_size=block_size, num_kv_heads=1, head_size=1, dtype=v.torch.float32,
                 sliding_window=sliding_window)))
+        if sliding_window is not None and mamba:
+            raise ValueError("a hybrid cache here has one second group: sliding_window or mamba, not both")
+        #: a Mamba group's prefill split (vLLM's scheduler's rule), None without one: a prefill is one step
+        self._split = None
+        if mamba:
+            from kvalign.oracles.vllm_mamba import aligned_split, mamba_spec
+
+            groups.append(v.KVCacheGroupSpec(["layer.1"], mamba_spec(v, block_size)))
+            self._split = aligned_split(groups[1].kv_cache_spec, block_size, max_model_len)
         config = v.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.manager = v.KVCacheManager(config, max_model_len=max_model_len, scheduler_block_size=block_size,
                                         hash_block_size=block_size, enable_caching=True,
@@ -132,12 +144,29 @@ class VllmCache:
         (vLLM would not schedule it)."""
         request = self._request(tokens, lora_name, cache_salt, mm)
         blocks, hit, *_ = self.manager.get_computed_blocks(request)
-        if self.manager.allocate_slots(request, request.num_tokens - hit, hit, blocks) is None:
-            raise MemoryError(f"vLLM cannot allocate {request.num_tokens} tokens in this cache")
+        if self._split is None:
+            if self.manager.allocate_slots(request, request.num_tokens - hit, hit, blocks) is None:
+                raise MemoryError(f"vLLM cannot allocate {request.num_tokens} tokens in this cache")
+        else:
+            self._prefill_steps(request, hit, blocks)
         if self.offload is not None:
             self.offload.store(request)
         self.manager.free(request)
         return int(hit)
+
+    def _prefill_steps(self, request: Any, hit: int, blocks: Any) -> None:
+        """The prefill in the scheduler's steps, as vLLM's scheduler runs one request: each step starts
+        (``new_step_starts``), is clipped by the Mamba split, allocated (the first with the prefix hit), then
+        counted computed; an ``'align'`` Mamba group keeps a state where a step ends at a block boundary."""
+        first = True
+        while (remaining := request.num_tokens - request.num_computed_tokens - (hit if first else 0)) > 0:
+            local = hit if first else 0
+            self.manager.new_step_starts()
+            n = self._split(request, remaining, local)
+            if n <= 0 or self.manager.allocate_slots(request, n, local, blocks if first else None) is None:
+                raise MemoryError(f"vLLM cannot allocate {request.num_tokens} tokens in this cache")
+            request.num_computed_tokens += local + n
+            first = False
 
     def take_events(self, *, publish: bool = True) -> list[Any]:
         """vLLM's events since the last call (its own structs), the offload connector's after the cache's, as

@@ -111,7 +111,7 @@ class VllmWorker:
 def vllm_worker(path: RouterPath, block_size: int, num_blocks: int, *, env: dict[str, str] | None = None,
                 relay_block_size: int | None = None, **options: Any) -> VllmWorker:
     """A vLLM engine (``num_blocks`` blocks of ``block_size``; ``options``: :class:`VllmEngine`'s
-    ``sliding_window`` / ``offload``) publishing into a fresh relay + ``KvRouter``.
+    ``sliding_window`` / ``mamba`` / ``offload``) publishing into a fresh relay + ``KvRouter``.
 
     ``relay_block_size``: the relay's (and the registered card's, the router's) ``kv_block_size`` where it is
     not vLLM's, as ``dynamo.vllm`` runs with ``additional_config={"dynamo_kv_event_block_size": N}``

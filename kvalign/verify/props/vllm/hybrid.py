@@ -6,6 +6,11 @@ and ``kv_cache_spec_kind``, with the *same* block hashes in both groups. Dynamo 
 full-attention groups (their removals too), so the router's index is vLLM's full-attention group. vLLM's own
 hit needs both: the full-attention blocks of the prefix and the sliding window's blocks just before its end.
 
+A Mamba hybrid (variant ``mamba``) is the same check on a full-attention + Mamba cache: vLLM's Mamba group keeps
+a state only at a block boundary where a prefill step ended (``'align'``, vLLM's default for a Mamba model with
+prefix caching), and publishes its stores tagged ``mamba``, which the relay skips; vLLM's hit needs that state at
+the prefix's end, so where none is kept vLLM reuses less than the router credits (:data:`MAMBA_GAP_CAUSE`).
+
 The row checks, after each prompt of a generated sequence (a small pool, so both groups evict), that the
 router's index holds every block vLLM's full-attention group holds and none it removed, and before each prompt that vLLM
 never reuses more than the router credits (``B * min(R, (n - 1) // B)``). Where vLLM reuses *less* (its
@@ -29,6 +34,8 @@ from kvalign.verify.props.vllm.strategies import Served, fresh_base
 NUM_BLOCKS = 14
 #: what the router's over-credit of a hybrid prompt is (the SGLang hybrid property's cause for the same gap)
 GAP_CAUSE = Cause.SWA_STATE_NOT_REUSABLE
+#: the same gap on a Mamba hybrid (variant ``mamba``): vLLM keeps a Mamba state only where a prefill step ended
+MAMBA_GAP_CAUSE = Cause.MAMBA_STATE_NOT_REUSABLE
 
 
 def full_attention_blocks(live: Counter[int], gone: set[int], events: list[dict[str, Any]]) -> None:
@@ -103,17 +110,25 @@ def untag_groups(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 #: the control's sequence: a 5-block prompt, then two whose allocation evicts sliding-window blocks of it
 CONTROL_SEQUENCE = [Served((0, 1, 2, 0, 1), 1), Served((1, 1, 1), 1), Served((2, 2, 2), 1)]
+#: the Mamba variant's (the search's shrunk counterexample under ``untag_groups``): a 2-block prompt, then its first
+#: block alone, served again and again; the Mamba group's stores of that block's hash, untagged, keep it indexed
+#: after the full-attention group removed its last copy
+MAMBA_CONTROL_SEQUENCE = [Served((0, 0), 0)] + [Served((0,), 0)] * 5
 
 
-def row(path: Any, b: int, n: int, seed: int | None) -> Any:
-    """The ``hybrid`` row on a hybrid vLLM engine of its own (full attention + a window of two blocks)."""
+def row(path: Any, b: int, n: int, seed: int | None, variant: str = "base") -> Any:
+    """The ``hybrid`` row on a hybrid vLLM engine of its own: full attention + a window of two blocks (``base``)
+    or + a Mamba group in vLLM's default ``'align'`` mode (``mamba``)."""
     from kvalign.verify.props.vllm.running import control_run, own_engine, search_row
     from kvalign.verify.props.vllm.strategies import sequences
 
-    with own_engine("hybrid", path, b, NUM_BLOCKS, sliding_window=2 * b) as worker:
+    mamba = variant == "mamba"
+    options: dict[str, Any] = {"mamba": True} if mamba else {"sliding_window": 2 * b}
+    control_seq = MAMBA_CONTROL_SEQUENCE if mamba else CONTROL_SEQUENCE
+    with own_engine("hybrid", path, b, NUM_BLOCKS, variant=variant, **options) as worker:
         if not hasattr(worker, "engine"):
             return worker
         return search_row("hybrid", hybrid_body(worker), sequences(b), n, seed,
                           ("untag_groups (the relay takes every group for full attention)",
-                           control_run(worker, hybrid_body(worker), CONTROL_SEQUENCE, seed, untag_groups),
-                           Cause.INGEST_STALE))
+                           control_run(worker, hybrid_body(worker), control_seq, seed, untag_groups),
+                           Cause.INGEST_STALE), variant=variant)

@@ -18,7 +18,8 @@ from kvalign.verify.props.vllm.strategies import TENANTS, sequences
 from kvalign.verify.engine.rows import VARIANTS, RowResult
 
 ROWS = ("hash", "pages", "ingest", "tenants")
-#: rows of their own modules: mm on the shared engine, tiers and hybrid each on an engine of its own
+#: rows of their own modules: mm on the shared engine, tiers and hybrid each on an engine of its own (hybrid twice:
+#: sliding window ``base``, then ``mamba``)
 GROUP_ROWS = ("mm", "tiers", "hybrid")
 
 
@@ -40,7 +41,7 @@ def vllm_rows(systems: Any, modes: tuple[str, ...], opts: Options) -> list[RowRe
 
     tenant_variants = [v for v in opts.variants if v != "base"]
     names = ([(p, "base") for p in ROWS[:3]] + [("tenants", v) for v in tenant_variants]
-             + [(p, "base") for p in GROUP_ROWS])
+             + [(p, "base") for p in GROUP_ROWS] + [("hybrid", "mamba")])
     b, n, seed = opts.page_size or BLOCK_SIZE, opts.examples_for(BUDGET), opts.seed
     start = time.perf_counter()
     try:
@@ -82,7 +83,8 @@ def vllm_rows(systems: Any, modes: tuple[str, ...], opts: Options) -> list[RowRe
         rows.append(mm.row(worker, n, seed))
     finally:
         worker.close()
-    return (rows + [tiers.row(systems.router_path(), b, n, seed), hybrid.row(systems.router_path(), b, n, seed)]
+    return (rows + [tiers.row(systems.router_path(), b, n, seed), hybrid.row(systems.router_path(), b, n, seed),
+                    hybrid.row(systems.router_path(), b, n, seed, "mamba")]
             + shape_rows(systems.router_path(), b, n, seed, only_size=opts.page_size is not None))
 
 

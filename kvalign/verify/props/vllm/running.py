@@ -39,9 +39,9 @@ def _row(prop: str, variant: str, body: Any, strategy: Any, n: int, seed: int | 
 
 
 def search_row(prop: str, body: Any, strategy: Any, n: int, seed: int | None,
-               control: tuple[str, Callable[[], Any], Cause]) -> RowResult:
-    """One ``base`` row: the search of ``body`` over ``strategy``, its negative control beside it."""
-    return _row(prop, "base", body, strategy, n, seed, control)
+               control: tuple[str, Callable[[], Any], Cause], *, variant: str = "base") -> RowResult:
+    """One row (``base`` unless ``variant``): the search of ``body`` over ``strategy``, its negative control beside it."""
+    return _row(prop, variant, body, strategy, n, seed, control)
 
 
 def control_run(worker: Any, body: Any, seq: list[Any], seed: int | None, hop: Any) -> Callable[[], Any]:
@@ -57,16 +57,17 @@ def control_run(worker: Any, body: Any, seq: list[Any], seed: int | None, hop: A
 
 
 @contextmanager
-def own_engine(prop: str, path: Any, b: int, num_blocks: int, **options: Any) -> Iterator[Any]:
-    """A vLLM worker of its own for one row (``options``: the engine's ``sliding_window`` / ``offload``),
-    closed after it; one that cannot start is the row, unavailable with its cause."""
+def own_engine(prop: str, path: Any, b: int, num_blocks: int, *, variant: str = "base",
+               **options: Any) -> Iterator[Any]:
+    """A vLLM worker of its own for one row (``options``: the engine's ``sliding_window`` / ``mamba`` /
+    ``offload``), closed after it; one that cannot start is the row (its ``variant``), unavailable with its cause."""
     from kvalign.oracles.vllm_router import vllm_worker
 
     start = time.perf_counter()
     try:
         worker = vllm_worker(path, b, num_blocks, **options)
     except OracleUnavailable as exc:
-        yield unavailable(prop, ("plain",), ("base",), str(exc), seconds=time.perf_counter() - start)[0]
+        yield unavailable(prop, ("plain",), (variant,), str(exc), seconds=time.perf_counter() - start)[0]
         return
     try:
         yield worker

@@ -1,4 +1,4 @@
-"""A hybrid model's groups on vLLM behind the real relay and router (``check --engine vllm``'s ``hybrid`` row).
+"""A hybrid model's groups on vLLM behind the real relay and router (``check --engine vllm``'s ``hybrid`` rows).
 
 vLLM's real ``KVCacheManager`` with a full-attention and a sliding-window group (window: two blocks) in one
 pool publishes each group's stores and removals, tagged; Dynamo's real relay keeps the full-attention group's.
@@ -6,30 +6,61 @@ Checked: the router's index is vLLM's full-attention group, and vLLM never reuse
 Negative control: a hop stripping the group tags (``INGEST_STALE``). Candidate finding
 (``SWA_STATE_NOT_REUSABLE``, as SGLang's hybrid property names it): the router credits full-attention blocks
 whose sliding-window blocks vLLM evicted, and vLLM reuses none of them.
+
+The same on a full-attention + Mamba cache (variant ``mamba``) in vLLM's default ``'align'`` mode, its prefills split
+by vLLM's scheduler's own rule: the relay skips the Mamba group's stores, and the router credits every full-attention
+block of a prefix while vLLM reuses only up to a kept Mamba state (``MAMBA_STATE_NOT_REUSABLE``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from hypothesis import strategies as st
+from router_paths import open_router_path
 from vllm_paths import vllm_on_router
 
-from kvalign.model.causes import Cause
+from kvalign.model.causes import CACHE_BLIND, Cause, cause_class
 from kvalign.verify.engine.search import run_search
-from kvalign.verify.props.vllm import controls
-from kvalign.verify.props.vllm.hybrid import CONTROL_SEQUENCE, NUM_BLOCKS, credit_gap, hybrid_body, untag_groups
+from kvalign.verify.props.vllm import controls, hybrid
+from kvalign.verify.props.vllm.hybrid import (CONTROL_SEQUENCE, MAMBA_CONTROL_SEQUENCE, MAMBA_GAP_CAUSE, NUM_BLOCKS,
+                                              credit_gap, hybrid_body, untag_groups)
 from kvalign.verify.props.vllm.strategies import fresh_base, sequences
 
 B = 16
+#: each kind's engine: full attention + a window of two blocks, or + a Mamba group
+OPTIONS: dict[str, dict[str, Any]] = {"swa": {"sliding_window": 2 * B}, "mamba": {"mamba": True}}
 
 
 @pytest.fixture(scope="module")
-def worker() -> Iterator[Any]:
-    with vllm_on_router(B, NUM_BLOCKS, sliding_window=2 * B) as w:
-        yield w
+def hybrid_worker() -> Iterator[Callable[[str | None], Any]]:
+    """``open(kind)``: the module's one hybrid worker, of that kind (None: none open). Switching closes the other
+    first, so the file holds one vLLM child at a time (a closed engine's child builds the next one's cache)."""
+    stack, current = contextlib.ExitStack(), {}
+
+    def open_(kind: str | None) -> Any:
+        if kind not in current:
+            stack.close()
+            current.clear()
+            if kind is not None:
+                current[kind] = stack.enter_context(vllm_on_router(B, NUM_BLOCKS, **OPTIONS[kind]))
+        return current.get(kind)
+
+    with stack:
+        yield open_
+
+
+@pytest.fixture
+def worker(hybrid_worker: Callable[[str | None], Any]) -> Any:
+    return hybrid_worker("swa")
+
+
+@pytest.fixture
+def mamba_worker(hybrid_worker: Callable[[str | None], Any]) -> Any:
+    return hybrid_worker("mamba")
 
 
 def test_vllm_publishes_each_groups_stores_tagged(worker):
@@ -69,3 +100,61 @@ def test_finding_the_router_credits_blocks_whose_window_vllm_evicted(worker):
     gaps = [credit_gap(worker, first[: n * B] + [base + 997]) for n in range(1, 5)]
     assert gaps == [(1, 0), (2, 0), (3, 0), (4, 0)]
     assert credit_gap(worker, first) == (5, 5)
+
+
+def test_vllm_keeps_a_mamba_state_only_where_its_scheduler_ends_a_prefill_step(mamba_worker):
+    """A 5-block prompt and a token: vLLM's scheduler splits the prefill at the last block boundary before the
+    prompt's last token (80 of 81 tokens, then 1), so the Mamba group stores one state, at the fifth block's hash,
+    tagged ``mamba``; the full-attention group stores all five."""
+    base = fresh_base()
+    mamba_worker.engine.prefill([base + i for i in range(5 * B)] + [base + 999])
+    stored = [(e["group_idx"], e["kv_cache_spec_kind"], e["block_hashes"]) for e in mamba_worker.sync()
+              if e["type"] == "BlockStored"]
+    assert [(g, kind, len(hashes)) for g, kind, hashes in stored] == [(0, "full_attention", 5), (1, "mamba", 1)]
+    assert stored[1][2] == stored[0][2][-1:]
+
+
+def test_the_routers_index_is_vllms_full_attention_group_beside_a_mamba_group(mamba_worker):
+    cases, failures, found = run_search(hybrid_body(mamba_worker), sequences(B), 20, seed=0)
+    assert (cases, failures, found) == (20, 0, None)
+
+
+def test_negative_control_a_relay_taking_the_mamba_group_for_full_attention_is_caught(mamba_worker):
+    assert run_search(hybrid_body(mamba_worker), st.just(MAMBA_CONTROL_SEQUENCE), 5, seed=0)[1:] == (0, None)
+    with controls.on_hop(mamba_worker, untag_groups):
+        _cases, _failures, found = run_search(hybrid_body(mamba_worker), st.just(MAMBA_CONTROL_SEQUENCE), 5, seed=0)
+    assert found is not None and found.cause is Cause.INGEST_STALE
+    assert "removed are still indexed" in found.detail
+
+
+def test_finding_the_router_credits_blocks_past_vllms_last_mamba_state(mamba_worker):
+    """MAMBA_STATE_NOT_REUSABLE on vLLM (cache-blind, the row's class for it): after a 5-block prompt, every
+    shorter prefix of it is credited in full by the router (the full-attention group holds its blocks), and vLLM
+    reuses none of it (no Mamba state was kept at its end: the prefill was one step to the fifth block); the whole
+    prompt, ending at the kept state, is reused in full. No event says where a state is missing."""
+    base = fresh_base()
+    first = [base + i for i in range(5 * B)] + [base + 999]
+    mamba_worker.engine.prefill(first)
+    mamba_worker.sync()
+    gaps = [credit_gap(mamba_worker, first[: n * B] + [base + 997]) for n in range(1, 5)]
+    assert gaps == [(1, 0), (2, 0), (3, 0), (4, 0)]
+    assert credit_gap(mamba_worker, first) == (5, 5)
+    assert MAMBA_GAP_CAUSE is Cause.MAMBA_STATE_NOT_REUSABLE and cause_class(MAMBA_GAP_CAUSE) == CACHE_BLIND
+
+
+def test_the_searched_row_meets_the_finding_and_never_fails_on_it(mamba_worker):
+    """The row's search on the Mamba hybrid records gaps (vLLM reusing less than credited) without failing."""
+    gaps: list[tuple[int, int]] = []
+    assert run_search(hybrid_body(mamba_worker, gaps), sequences(B), 10, seed=1)[1:] == (0, None)
+    assert gaps and all(reused < credited for credited, reused in gaps)
+
+
+def test_the_mamba_row_runs_with_its_control_failing(hybrid_worker):
+    hybrid_worker(None)  # the row opens its own engine: the module's is closed first
+    path = open_router_path("the relay -> KvRouter path for vLLM's events")
+    try:
+        row = hybrid.row(path, B, 4, 0, "mamba")
+    finally:
+        path.close()
+    assert (row.prop, row.variant, row.cases, row.status) == ("hybrid", "mamba", 4, "ok")
+    assert (row.control["failed"], row.control["cause"]) == (True, "INGEST_STALE")
