@@ -6,7 +6,8 @@ at the end of a scheduler step that ends at a block boundary, so *where the sche
 prefixes have a state to reuse. The split is vLLM's own: ``Scheduler._mamba_block_aligned_split``, a method that
 reads nothing of the scheduler but the settings its ``__init__`` derives from the config (listed in
 :func:`split_settings`). It is called here on a stand-in holding those settings, so a prefill runs the steps a real
-scheduler gives one request alone in its batch (the budget is the default ``SchedulerConfig``'s ``max_num_batched_tokens``, 2048 tokens).
+scheduler gives one request alone in its batch (the budget: the default ``SchedulerConfig``'s
+``max_num_batched_tokens``, 2048 tokens).
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ def _row(prop: str, variant: str, body: Any, strategy: Any, n: int, seed: int | 
 
 def search_row(prop: str, body: Any, strategy: Any, n: int, seed: int | None,
                control: tuple[str, Callable[[], Any], Cause], *, variant: str = "base") -> RowResult:
-    """One row (``base`` unless ``variant``): the search of ``body`` over ``strategy``, its negative control beside it."""
+    """One row (``base`` unless ``variant``): the search of ``body`` over ``strategy``, its negative control
+    beside it."""
     return _row(prop, variant, body, strategy, n, seed, control)
 
 

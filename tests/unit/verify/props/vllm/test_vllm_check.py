@@ -1,7 +1,7 @@
-"""``kvalign check --engine vllm`` as a user runs it: vLLM's hash, pages, ingest, tenants, mm, tiers, hybrid, blocks,
-hashes and events
-rows in the same table, classes and exit codes, every row's negative control failing as it must. (The differential checks
-and their controls at the oracle level: tests/unit/oracles/test_vllm_*.py, in the fast tier.)"""
+"""``kvalign check --engine vllm`` as a user runs it: vLLM's hash, pages, ingest, tenants, mm, tiers, hybrid (sliding
+window and Mamba), blocks, hashes and events rows in the same table, classes and exit codes, every row's negative
+control failing as it must. (The differential checks and their controls at the oracle level:
+tests/unit/oracles/test_vllm_*.py, in the fast tier.)"""
 
 from __future__ import annotations
 
@@ -32,16 +32,17 @@ def test_check_engine_vllm_rows_run_and_every_control_fails(tmp_path):
     rows = {(r["prop"], r["variant"]): r for r in report["rows"]}
     assert list(rows) == [("hash", "base"), ("pages", "base"), ("ingest", "base"), ("tenants", "lora"),
                           ("tenants", "namespace"), ("tenants", "lora+namespace"), ("mm", "base"), ("tiers", "base"),
-                          ("hybrid", "base"), ("blocks", "b16"), ("blocks", "b32"), ("blocks", "b64"),
-                          ("hashes", "int"), ("events", "map"), ("hashes", "bytes")]
+                          ("hybrid", "base"), ("hybrid", "mamba"), ("blocks", "b16"), ("blocks", "b32"),
+                          ("blocks", "b64"), ("hashes", "int"), ("events", "map"), ("hashes", "bytes")]
     bytes_row = rows.pop(("hashes", "bytes"))
     assert (bytes_row["status"], bytes_row["cause_name"], bytes_row["class"]) == (
         "finding", "VLLM_BYTES_HASHES_DROPPED", "cache-blind") and bytes_row["cases"] >= 1
     assert all(r["status"] == "ok" and r["mode"] == "plain" and r["cases"] == 8 for r in rows.values())
     assert [(r["control"]["failed"], r["control"]["cause"]) for r in rows.values()] == [
         (True, "LORA_DROPPED"), (True, "INGEST_STALE"), (True, "EVENTS_DROPPED"),
-        *[(True, "TENANTS_SHARE_KEYS")] * 3, (True, "MM_DROPPED"), (True, "TIER_MISFILED"), (True, "INGEST_STALE"),
-        *[(True, "BLOCK_SIZE")] * 3, (True, "EVENTS_DROPPED"), (True, "TENANTS_SHARE_KEYS")]
+        *[(True, "TENANTS_SHARE_KEYS")] * 3, (True, "MM_DROPPED"), (True, "TIER_MISFILED"),
+        *[(True, "INGEST_STALE")] * 2, *[(True, "BLOCK_SIZE")] * 3, (True, "EVENTS_DROPPED"),
+        (True, "TENANTS_SHARE_KEYS")]
 
 
 def test_an_unknown_engine_is_a_usage_error(tmp_path):
