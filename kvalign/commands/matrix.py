@@ -81,7 +81,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=int, default=2, help="pairs checked at once (default 2)")
     p.add_argument("--examples", type=int, default=None,
                    help=f"check --examples per pair (default {EXAMPLES}); with --engine vllm, check --vllm-examples "
-                        "(default: check's)")
+                        f"(default {matrix_vllm.EXAMPLES})")
     p.add_argument("--ingest-examples", type=int, default=None,
                    help=f"check --ingest-examples per pair (default {INGEST_EXAMPLES})")
     p.add_argument("--property", dest="props", action="append", choices=registry.names(),

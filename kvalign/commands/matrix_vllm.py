@@ -38,7 +38,7 @@ def reproduce(dynamo: list[str] | None, vllm: list[str] | None, shipped: bool, e
     argv += ["--dynamo", ",".join(dynamo)] if dynamo else []
     argv += ["--vllm", ",".join(vllm)] if vllm else []
     argv += ["--shipped"] if shipped else []
-    argv += ["--examples", str(examples)] if examples is not None else []
+    argv += ["--examples", str(examples)] if examples not in (None, matrix_vllm.EXAMPLES) else []
     return " ".join([*argv, "--markdown"])
 
 
@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  [{done}/{total}] dynamo {r.dynamo} x vllm {r.sglang}: {what} in {r.seconds:.0f}s"
               + (f" — {one_line(r.error)}" if r.error else ""), file=err, flush=True)
 
-    results = matrix_vllm.run_matrix(pairs, examples=args.examples, jobs=args.jobs, progress=progress, log=log)
+    examples = matrix_vllm.EXAMPLES if args.examples is None else args.examples
+    results = matrix_vllm.run_matrix(pairs, examples=examples, jobs=args.jobs, progress=progress, log=log)
     results += [PairResult(d, UNKNOWN, "error", error=f"shipped vLLM unknown: {why}", shipped=True)
                 for d, why in unknown.items()]
     cols = matrix_vllm.columns(results)

@@ -36,6 +36,10 @@ from kvalign.verify.report.matrix import (MatrixError, Pair, PairResult, _run_ch
 ENGINE = "vllm"
 #: vLLM releases a matrix without ``--vllm`` checks (beside each Dynamo release's shipped one): the newest.
 DEFAULT_VLLM = ("0.33.0",)
+#: ``--vllm-examples`` per pair when ``--examples`` is not given (the SGLang matrix likewise runs fewer cases
+#: than ``check``): most of a pair's time is fixed (a vLLM worker per row group, each control's own
+#: ``CONTROL_EXAMPLES``), so 5 generated cases per row keep the README's four pairs near 10 minutes on 2 cores.
+EXAMPLES = 5
 #: Seconds one pair's ``check --engine vllm`` may take: its ten rows take about 200 s at 8 examples on a quiet
 #: 2-core machine, and over 600 s (the SGLang pairs' limit) at load 15 with two pairs at once.
 PAIR_TIMEOUT_S = 1800
