@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     results = matrix_vllm.run_matrix(pairs, examples=examples, jobs=args.jobs, progress=progress, log=log)
     results += [PairResult(d, UNKNOWN, "error", error=f"shipped vLLM unknown: {why}", shipped=True)
                 for d, why in unknown.items()]
-    cols = matrix_vllm.columns(results)
+    cols = matrix_vllm.columns([r for r in results if r.verdict != matrix_vllm.NOT_APPLICABLE])
+    matrix_vllm.fill_not_applicable(results, cols)
     scope = matrix_vllm.scope_line(cols)
     if args.json:
         json.dump(matrix_vllm.report_json(results, installed_versions(), cols), sys.stdout, ensure_ascii=False)
@@ -91,5 +92,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvalign matrix: {len(results)} pairs in {time.perf_counter() - start:.0f}s wall "
           f"({sum(r.verdict == 'aligned' for r in results)} aligned, "
           f"{sum(r.verdict == 'misaligned' for r in results)} misaligned, "
-          f"{sum(r.verdict == 'error' for r in results)} error)", file=err, flush=True)
+          f"{sum(r.verdict == 'error' for r in results)} error, "
+          f"{sum(r.verdict == matrix_vllm.NOT_APPLICABLE for r in results)} n/a)", file=err, flush=True)
     return exit_code(results)
