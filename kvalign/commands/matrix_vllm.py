@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     given = [_flag(d) for d, unset in SGLANG_ONLY.items() if getattr(args, d) != unset]
     if given:
         raise UsageError(f"{', '.join(given)}: SGLang's matrix only, not with --engine vllm")
+    args.jobs = matrix_vllm.JOBS if args.jobs is None else args.jobs
     if args.jobs < 1:
         raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
     if args.examples is not None and args.examples < 1:

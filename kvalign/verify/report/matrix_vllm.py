@@ -43,6 +43,12 @@ EXAMPLES = 5
 #: Seconds one pair's ``check --engine vllm`` may take: its ten rows take about 200 s at 8 examples on a quiet
 #: 2-core machine, and over 600 s (the SGLang pairs' limit) at load 15 with two pairs at once.
 PAIR_TIMEOUT_S = 1800
+#: Pairs checked at once when ``--jobs`` is not given: one. A Dynamo 1.6.1 pair's check holds up to 80 inotify
+#: instances at once (its routers' file-discovery watches; measured), and Linux allows 128 per user by default
+#: (``fs.inotify.max_user_instances``): two such checks at once failed with "Internal filesystem error: Too many
+#: open files (os error 24)" in both runs of the README's table. One at a time, the four pairs take about as long
+#: on two cores (each pair is CPU-bound).
+JOBS = 1
 #: A pair's verdict where kvalign's vLLM oracle does not drive its vLLM release: no row ran, so it counts
 #: toward nothing (exit status 0 as for an aligned pair), never an error row and never a finding.
 NOT_APPLICABLE = "n/a"
