@@ -40,8 +40,8 @@ DEFAULT_VLLM = ("0.33.0",)
 #: than ``check``): most of a pair's time is fixed (a vLLM worker per row group, each control's own
 #: ``CONTROL_EXAMPLES``), so 5 generated cases per row keep the README's four pairs near 10 minutes on 2 cores.
 EXAMPLES = 5
-#: Seconds one pair's ``check --engine vllm`` may take: its ten rows take about 200 s at 8 examples on a quiet
-#: 2-core machine, and over 600 s (the SGLang pairs' limit) at load 15 with two pairs at once.
+#: Seconds one pair's ``check --engine vllm`` may take: its fifteen rows took 44-88 s per 1.6.1 / 1.5.1 pair at
+#: 5 examples, one pair at a time at load 7-9, but 634 s for 1.3.1 x 0.23.0 at load ~15 beside other pairs.
 PAIR_TIMEOUT_S = 1800
 #: Pairs checked at once when ``--jobs`` is not given: one. A Dynamo 1.6.1 pair's check holds up to 80 inotify
 #: instances at once (its routers' file-discovery watches; measured), and Linux allows 128 per user by default
