@@ -60,10 +60,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shipped", action="store_true",
                    help="add each Dynamo release's own SGLang (the ai-dynamo[sglang] pin in its wheel metadata); "
                         "alone, check only those pairs")
-    p.add_argument("--jobs", type=int, default=2, help="pairs checked at once (default 2)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help=f"pairs checked at once (default 2; with --engine vllm, {matrix_vllm.JOBS})")
     p.add_argument("--examples", type=int, default=None,
                    help=f"check --examples per pair (default {EXAMPLES}); with --engine vllm, check --vllm-examples "
-                        "(default: check's)")
+                        f"(default {matrix_vllm.EXAMPLES})")
     p.add_argument("--ingest-examples", type=int, default=None,
                    help=f"check --ingest-examples per pair (default {INGEST_EXAMPLES})")
     p.add_argument("--property", dest="props", action="append", choices=registry.names(),
@@ -201,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
         return run_vllm(args)
     if args.vllm is not None:
         raise UsageError("--vllm names vLLM releases: it goes with --engine vllm")
+    args.jobs = 2 if args.jobs is None else args.jobs
     args.examples = EXAMPLES if args.examples is None else args.examples
     args.ingest_examples = INGEST_EXAMPLES if args.ingest_examples is None else args.ingest_examples
     args.event_format = args.event_format or "both"

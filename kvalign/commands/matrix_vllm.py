@@ -39,7 +39,7 @@ def reproduce(dynamo: list[str] | None, vllm: list[str] | None, shipped: bool, e
     argv += ["--dynamo", ",".join(dynamo)] if dynamo else []
     argv += ["--vllm", ",".join(vllm)] if vllm else []
     argv += ["--shipped"] if shipped else []
-    argv += ["--examples", str(examples)] if examples is not None else []
+    argv += ["--examples", str(examples)] if examples not in (None, matrix_vllm.EXAMPLES) else []
     return " ".join([*argv, "--markdown"])
 
 
@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     given = [_flag(d) for d, unset in SGLANG_ONLY.items() if getattr(args, d) != unset]
     if given:
         raise UsageError(f"{', '.join(given)}: SGLang's matrix only, not with --engine vllm")
+    args.jobs = matrix_vllm.JOBS if args.jobs is None else args.jobs
     if args.jobs < 1:
         raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
     if args.examples is not None and args.examples < 1:
@@ -73,10 +74,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"  [{done}/{total}] dynamo {r.dynamo} x vllm {r.sglang}: {what} in {r.seconds:.0f}s"
               + (f" — {one_line(r.error)}" if r.error else ""), file=err, flush=True)
 
-    results = matrix_vllm.run_matrix(pairs, examples=args.examples, jobs=args.jobs, progress=progress, log=log)
+    examples = matrix_vllm.EXAMPLES if args.examples is None else args.examples
+    results = matrix_vllm.run_matrix(pairs, examples=examples, jobs=args.jobs, progress=progress, log=log)
     results += [PairResult(d, UNKNOWN, "error", error=f"shipped vLLM unknown: {why}", shipped=True)
                 for d, why in unknown.items()]
-    cols = matrix_vllm.columns(results)
+    cols = matrix_vllm.columns([r for r in results if r.verdict != matrix_vllm.NOT_APPLICABLE])
+    matrix_vllm.fill_not_applicable(results, cols)
     scope = matrix_vllm.scope_line(cols)
     if args.json:
         json.dump(matrix_vllm.report_json(results, installed_versions(), cols), sys.stdout, ensure_ascii=False)
@@ -89,5 +92,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvalign matrix: {len(results)} pairs in {time.perf_counter() - start:.0f}s wall "
           f"({sum(r.verdict == 'aligned' for r in results)} aligned, "
           f"{sum(r.verdict == 'misaligned' for r in results)} misaligned, "
-          f"{sum(r.verdict == 'error' for r in results)} error)", file=err, flush=True)
+          f"{sum(r.verdict == 'error' for r in results)} error, "
+          f"{sum(r.verdict == matrix_vllm.NOT_APPLICABLE for r in results)} n/a)", file=err, flush=True)
     return exit_code(results)

@@ -22,7 +22,7 @@ import argparse
 import asyncio
 import json
 import os
-import select
+import selectors
 import shutil
 import subprocess
 import sys
@@ -56,14 +56,17 @@ class RelayProcess:
     def _wait_ready(self) -> list[str]:
         deadline = time.monotonic() + READY_TIMEOUT_S
         assert self.proc.stdout is not None
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if ready:
-                line = self.proc.stdout.readline()
-                if line.startswith(READY):
-                    return list(json.loads(line[len(READY):]))
-                if not line:  # the child exited before it was ready
-                    break
+        # a selector, not select(): a check that has started many relays holds descriptors past select()'s
+        # 1024 ("filedescriptor out of range in select()": Dynamo 1.3.1 x vLLM 0.23.0's fifteen rows)
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while time.monotonic() < deadline:
+                if sel.select(0.5):
+                    line = self.proc.stdout.readline()
+                    if line.startswith(READY):
+                        return list(json.loads(line[len(READY):]))
+                    if not line:  # the child exited before it was ready
+                        break
         self.close()
         self.log.seek(0)
         err = [ln for ln in self.log.read().splitlines() if ln.strip()]

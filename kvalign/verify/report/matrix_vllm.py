@@ -36,9 +36,26 @@ from kvalign.verify.report.matrix import (MatrixError, Pair, PairResult, _run_ch
 ENGINE = "vllm"
 #: vLLM releases a matrix without ``--vllm`` checks (beside each Dynamo release's shipped one): the newest.
 DEFAULT_VLLM = ("0.33.0",)
-#: Seconds one pair's ``check --engine vllm`` may take: its ten rows take about 200 s at 8 examples on a quiet
-#: 2-core machine, and over 600 s (the SGLang pairs' limit) at load 15 with two pairs at once.
+#: ``--vllm-examples`` per pair when ``--examples`` is not given (the SGLang matrix likewise runs fewer cases
+#: than ``check``): most of a pair's time is fixed (a vLLM worker per row group, each control's own
+#: ``CONTROL_EXAMPLES``), so 5 generated cases per row keep the README's four pairs near 10 minutes on 2 cores.
+EXAMPLES = 5
+#: Seconds one pair's ``check --engine vllm`` may take: its fifteen rows took 44-88 s per 1.6.1 / 1.5.1 pair at
+#: 5 examples, one pair at a time at load 7-9, but 634 s for 1.3.1 x 0.23.0 at load ~15 beside other pairs.
 PAIR_TIMEOUT_S = 1800
+#: Pairs checked at once when ``--jobs`` is not given: one. A Dynamo 1.6.1 pair's check holds up to 80 inotify
+#: instances at once (its routers' file-discovery watches; measured), and Linux allows 128 per user by default
+#: (``fs.inotify.max_user_instances``): two such checks at once failed with "Internal filesystem error: Too many
+#: open files (os error 24)" in both runs of the README's table. One at a time, the four pairs take about as long
+#: on two cores (each pair is CPU-bound).
+JOBS = 1
+#: A pair's verdict where kvalign's vLLM oracle does not drive its vLLM release: no row ran, so it counts
+#: toward nothing (exit status 0 as for an aligned pair), never an error row and never a finding.
+NOT_APPLICABLE = "n/a"
+#: vLLM releases the oracle does not drive, and why (read in each release's source; both hold for 0.16.0, the
+#: release Dynamo 1.0.2's ``vllm`` extra pins).
+NOT_DRIVEN = {"0.16.0": "vLLM 0.16.0's KVCacheManager takes no scheduler_block_size (kvalign's vLLM oracle drives "
+                        "the API of 0.23.0 and later) and its import needs diskcache"}
 #: Seconds a release's import probe may take (vLLM's first import compiles its modules: 30-90 s here).
 PROBE_TIMEOUT_S = 600
 #: What :func:`probe` runs in a release's interpreter: the oracle's own import of vLLM's prefix-cache code and
@@ -101,6 +118,9 @@ def run_pair(dynamo: str, version: str, *, examples: int | None, broken: str | N
              log: Callable[[str], None] = lambda _m: None) -> PairResult:
     """One pair's row (``broken``: why its vLLM release cannot run, from :func:`probe`: an error row)."""
     start = time.perf_counter()
+    if version in NOT_DRIVEN:
+        return PairResult(dynamo, version, NOT_APPLICABLE, not_applicable=[
+            {"property": "vllm", "mode": "plain", "variant": "base", "reason": NOT_DRIVEN[version]}])
     if broken is not None:
         return PairResult(dynamo, version, "error", error=broken)
     try:
@@ -117,7 +137,7 @@ def run_matrix(pairs: Sequence[Pair], *, examples: int | None, jobs: int = 1,
     """Every pair, ``jobs`` at a time, results in the order given; each vLLM release installed and
     probed first, once, one at a time (the downloads and the first import are the slow part)."""
     broken: dict[str, str] = {}
-    for version in dict.fromkeys(p.sglang for p in pairs):
+    for version in dict.fromkeys(p.sglang for p in pairs if p.sglang not in NOT_DRIVEN):
         log(f"vllm {version}: installing (once) and importing its prefix-cache code")
         try:
             probe(version)
@@ -145,6 +165,15 @@ def columns(results: Sequence[PairResult]) -> list[tuple[str, str]]:
             if (row["property"], row["mode"]) not in cols:
                 cols.append((row["property"], row["mode"]))
     return cols
+
+
+def fill_not_applicable(results: Sequence[PairResult], cols: Sequence[tuple[str, str]]) -> None:
+    """Give each pair whose vLLM release the oracle does not drive an ``n/a`` row per column (with its reason),
+    so no cell of its reads ``ok``: nothing ran there."""
+    for r in results:
+        if r.verdict == NOT_APPLICABLE and cols:
+            why = r.not_applicable[0]["reason"]
+            r.not_applicable = [{"property": p, "mode": m, "variant": "base", "reason": why} for p, m in cols]
 
 
 def scope_line(cols: Sequence[tuple[str, str]]) -> str:

@@ -35,3 +35,23 @@ def test_the_table_s_command_reproduces_the_run_and_parses():
     assert (args.engine, args.dynamo, args.vllm, args.shipped, args.markdown) == ("vllm", "1.6.1,1.5.1", "0.33.0",
                                                                                   True, True)
     assert reproduce(None, None, False, 7) == "kvalign matrix --engine vllm --examples 7 --markdown"
+    # the matrix's own default (5 cases per row) is what a command without --examples runs: left out
+    assert reproduce(None, None, False, 5) == "kvalign matrix --engine vllm --markdown"
+
+
+def test_vllm_pairs_run_one_at_a_time_unless_jobs_is_given(monkeypatch):
+    """Two Dynamo 1.6.1 vLLM checks at once exceed Linux's 128 inotify instances per user: the default is 1;
+    SGLang's matrix keeps 2."""
+    from kvalign.verify.report import matrix_vllm
+
+    seen: dict[str, int] = {}
+
+    def stop(pairs, *, examples, jobs, **_kw):
+        seen.update(jobs=jobs, examples=examples)
+        return []
+
+    monkeypatch.setattr(matrix_vllm, "run_matrix", stop)
+    monkeypatch.setattr(matrix_vllm, "shipped_vllm", lambda d, log=None: "0.31.0")
+    for argv, jobs in ([], 1), (["--jobs", "3"], 3):
+        main(["matrix", "--engine", "vllm", "--dynamo", "1.6.1", "--shipped", *argv])
+        assert seen == {"jobs": jobs, "examples": matrix_vllm.EXAMPLES}

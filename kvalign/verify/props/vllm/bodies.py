@@ -31,9 +31,11 @@ def predicted_hit(worker: Any, tokens: list[int], tenant: Tenant) -> int:
     return b * min(worker.overlap(tokens, lora_name=tenant[0], cache_namespace=tenant[1]), (len(tokens) - 1) // b)
 
 
-def _hit_cause(hit: int, predicted: int, *, tenants: bool = False) -> Cause:
+def _hit_cause(hit: int, predicted: int, *, tenants: bool = False, no_namespace: bool = False) -> Cause:
+    """``no_namespace``: a salted tenant asked a router whose query takes no ``cache_namespace`` (Dynamo
+    1.3.1's and older: the SGLang rows' namespace finding)."""
     if predicted > hit:
-        return Cause.TENANTS_SHARE_KEYS if tenants else Cause.INGEST_STALE
+        return Cause.NAMESPACE_DROPPED if no_namespace else Cause.TENANTS_SHARE_KEYS if tenants else Cause.INGEST_STALE
     return Cause.EVENTS_DROPPED
 
 
@@ -81,8 +83,13 @@ def pages_body(worker: Any) -> Body:
 
 def ingest_body(worker: Any) -> Body:
     """ingest: every block vLLM stores is indexed under vLLM's hash, chained to vLLM's parent, keyed by
-    the router binding's own hash of its ``token_ids`` (with the tenant's LoRA and namespace)."""
-    from dynamo._core import compute_block_hash_for_seq
+    the router binding's own hash of its ``token_ids`` (with the tenant's LoRA and namespace, where the
+    release's binding takes them: :func:`~kvalign.oracles.dynamo.adapt_hasher`)."""
+    from dynamo._core import compute_block_hash_for_seq as binding
+
+    from kvalign.oracles.dynamo import adapt_hasher
+
+    compute_block_hash_for_seq = adapt_hasher(binding)
 
     def body(seq: list[Served]) -> None:
         base, b = fresh_base(), worker.engine.block_size
@@ -92,7 +99,8 @@ def ingest_body(worker: Any) -> Body:
             for ev in _serve(worker, served.tokens(base, b), served.tenant):
                 if ev["type"] == "BlockStored":
                     parent = ev["parent_block_hash"]
-                    keys = compute_block_hash_for_seq(ev["token_ids"], b, None, lora, False, namespace)
+                    keys = compute_block_hash_for_seq(ev["token_ids"], b, None, lora, is_eagle=False,
+                                                      cache_namespace=namespace)
                     for h, key in zip(ev["block_hashes"], keys):
                         live[h], parent = (parent, key), h
                 elif ev["type"] == "BlockRemoved":
@@ -123,6 +131,7 @@ def tenants_body(worker: Any) -> Body:
                 if hit != predicted:
                     raise Mismatch("tenants", f"prompt {i} stored by {served.tenant}: tenant {tenant} — vLLM reuses "
                                               f"{hit} tokens, the router's overlap predicts {predicted}",
-                                   _hit_cause(hit, predicted, tenants=True), seq)
+                                   _hit_cause(hit, predicted, tenants=True, no_namespace=bool(tenant[1]) and
+                                              "KvRouter query cache_namespace" in worker.ingest.path.missing), seq)
 
     return body

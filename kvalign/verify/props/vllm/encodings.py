@@ -11,8 +11,9 @@ The ``bytes`` row is a finding, with no control of its own: the ``int`` row's is
 
 **events**: vLLM 0.32's ``KVCacheEvent`` structs are tagged msgpack *maps* (``tag=True`` without
 ``array_like``; the batch is a positional ``[ts, events, data_parallel_rank]``), with no option for the
-positional arrays vLLM published before vllm-project/vllm#42892 (vLLM 0.26 already sends maps). So one
-row, ``map``: every tenant (LoRA by name, salt by Dynamo's prefix) credited what vLLM reuses for it, which
+positional arrays vLLM published before vllm-project/vllm#42892 (vLLM 0.26 already sends maps; 0.23 still
+sends arrays). So one row, named after the encoding the release's publisher sends (``map`` or ``positional``,
+seen on the hop): every tenant (LoRA by name, salt by Dynamo's prefix) credited what vLLM reuses for it, which
 needs the relay to read ``lora_name`` and ``extra_keys`` by name. (Dynamo 1.6.1's relay also decodes the
 positional form, salt and LoRA included: tests/unit/oracles/test_vllm_encodings.py.) Negative control: a
 hop renaming those two fields (a map consumer reading other names than vLLM writes, the break llm-d-kv-cache#661
@@ -92,7 +93,7 @@ def renamed_fields(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def encoding_rows(path: Any, n: int, seed: int | None, block_size: int, num_blocks: int,
                   row: Callable[..., RowResult]) -> list[RowResult]:
-    """``hashes`` (``int``, ``bytes``) and ``events`` (``map``), each on its own vLLM worker (``row``:
+    """``hashes`` (``int``, ``bytes``) and ``events`` (``map`` or ``positional``), each on its own vLLM worker (``row``:
     :func:`running._row`); an engine that cannot start is its rows with their cause, never an exception."""
     from hypothesis import strategies as st
 
@@ -123,9 +124,10 @@ def encoding_rows(path: Any, n: int, seed: int | None, block_size: int, num_bloc
                                         Cause.EVENTS_DROPPED)
             out.append(row("hashes", encoding, body, sequences(block_size, TENANTS), n, seed, control))
             if env is None:
-                tenants = bodies.tenants_body(worker)
-                out.append(row("events", "map", tenants, sequences(block_size, TENANTS), n, seed,
-                               ("renamed_fields (the hop names lora_name and extra_keys otherwise)",
+                tenants, wire = bodies.tenants_body(worker), controls.wire_encoding(worker)
+                out.append(row("events", wire, tenants, sequences(block_size, TENANTS), n, seed,
+                               ("renamed_fields (the hop names lora_name and extra_keys otherwise)" if wire == "map" else
+                                "renamed_fields (the hop empties lora_name's and extra_keys' positions)",
                                 on_hop(worker, tenants, [Served((0, 1, 2), 3, ("adapterA", "t1"))], renamed_fields),
                                 Cause.TENANTS_SHARE_KEYS)))
         finally:

@@ -147,3 +147,20 @@ def test_a_check_that_crashed_is_an_error_row_naming_its_exception_not_the_searc
     assert r.verdict == "error" and r.error.endswith("VllmError: TypeError: list indices must be integers")
     plain = check_result("1.3.1", "0.23.0", subprocess.CompletedProcess([], 1, "", "a\nlast words\n"), 1.0)
     assert plain.error == "check exited 1 without a JSON report: last words"  # no exception: the last line
+
+
+def test_a_vllm_release_the_oracle_does_not_drive_is_n_a_with_its_reason_never_an_error(monkeypatch):
+    """Dynamo 1.0.2 x vLLM 0.16.0 (its pin): nothing installed or probed, every column n/a with the reason, exit 0."""
+    monkeypatch.setattr(matrix_vllm, "probe", lambda v: pytest.fail(f"probed {v}"))
+    [na] = matrix_vllm.run_matrix([Pair("1.0.2", "0.16.0", shipped=True)], examples=1)
+    ran = PairResult("1.6.1", "0.31.0", "aligned", rows=[("hash", "plain"), ("events", "map")])
+    cols = matrix_vllm.columns([ran])
+    matrix_vllm.fill_not_applicable([na, ran], cols)
+    assert na.verdict == "n/a" and exit_code([na, ran]) == 0
+    assert [(n["property"], n["mode"]) for n in na.not_applicable] == cols
+    assert all(n["reason"] == matrix_vllm.NOT_DRIVEN["0.16.0"] for n in na.not_applicable)
+    plain = render([ran, na], engine="vllm", columns=cols, scope="s")
+    assert "| 1.0.2  | 0.16.0 (shipped) | n/a " in plain and "ok" not in plain.splitlines()[3]
+    assert f"1.0.2 x 0.16.0: n/a hash:plain, events:map: {matrix_vllm.NOT_DRIVEN['0.16.0']}" in plain
+    md = render_markdown([na], "kvalign matrix --engine vllm --markdown", engine="vllm", scope="s")
+    assert "| 1.0.2 | **0.16.0 (shipped)** | n/a | n/a: hash, events |" in md
