@@ -522,10 +522,17 @@ def run_matrix(pairs: Sequence[Pair], *, examples: int, ingest_examples: int, jo
                 ensure_release(kind, v, log=log)
             except MatrixError:
                 pass  # reported by the pairs that need it
+    return run_pairs(pairs, lambda p: run_pair(p.dynamo, p.sglang, examples=examples, ingest_examples=ingest_examples,
+                                               props=props, log=log, event_format=event_format), jobs, progress)
+
+
+def run_pairs(pairs: Sequence[Pair], run_one: Callable[[Pair], PairResult], jobs: int,
+              progress: Callable[[PairResult, int, int], None] | None) -> list[PairResult]:
+    """``run_one`` on every pair, ``jobs`` at a time (either engine's matrix): results in the order given, progress
+    as pairs finish."""
     results: dict[Pair, PairResult] = {}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = {pool.submit(run_pair, p.dynamo, p.sglang, examples=examples, ingest_examples=ingest_examples,
-                               props=props, log=log, event_format=event_format): p for p in pairs}
+        futures = {pool.submit(run_one, p): p for p in pairs}
         for fut in as_completed(futures):
             pair = futures[fut]
             results[pair] = fut.result()

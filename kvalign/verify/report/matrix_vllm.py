@@ -24,14 +24,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
 from kvalign.releases.release_env import ReleaseEnvError, child_env, python_for
 from kvalign.releases.vllm_env import OFFICIAL_DIST, RELEASE_ENV, ensure
 from kvalign.verify.report.matrix import (MatrixError, Pair, PairResult, _run_check, check_result, dynamo_metadata,
-                                          ensure_release, extra_pin, one_line)
+                                          ensure_release, extra_pin, one_line, run_pairs)
 
 ENGINE = "vllm"
 #: vLLM releases a matrix without ``--vllm`` checks (beside each Dynamo release's shipped one): the newest.
@@ -143,17 +142,8 @@ def run_matrix(pairs: Sequence[Pair], *, examples: int | None, jobs: int = 1,
             probe(version)
         except MatrixError as exc:
             broken[version] = str(exc)
-    results: dict[Pair, PairResult] = {}
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = {pool.submit(run_pair, p.dynamo, p.sglang, examples=examples, broken=broken.get(p.sglang),
-                               log=log): p for p in pairs}
-        for fut in as_completed(futures):
-            pair = futures[fut]
-            results[pair] = fut.result()
-            results[pair].shipped = pair.shipped
-            if progress:
-                progress(results[pair], len(results), len(pairs))
-    return [results[p] for p in pairs]
+    return run_pairs(pairs, lambda p: run_pair(p.dynamo, p.sglang, examples=examples, broken=broken.get(p.sglang),
+                                               log=log), jobs, progress)
 
 
 def columns(results: Sequence[PairResult]) -> list[tuple[str, str]]:
