@@ -27,6 +27,20 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
+# inotify instances: every Dynamo runtime and KvRouter watches its discovery files, one instance each; a
+# `check --engine vllm` holds up to 80 at once, a real-engine cluster dozens more, and Linux allows 128 per
+# user by default. The suite runs both side by side (one per xdist worker): at 128 a router failed "Too many
+# open files (os error 24)" in the 2026-12-07 run. Raised once per boot, where this user may (checked every time).
+INOTIFY=/proc/sys/fs/inotify/max_user_instances
+if [ -r "$INOTIFY" ] && [ "$(cat "$INOTIFY")" -lt 1024 ]; then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo -n"; fi
+  if echo 1024 | $SUDO tee "$INOTIFY" >/dev/null 2>&1; then
+    log "fs.inotify.max_user_instances raised to 1024 (Dynamo runtimes watch their discovery files)"
+  else
+    log "warning: fs.inotify.max_user_instances is $(cat "$INOTIFY"); the suite's vLLM check beside a live cluster needs more (sysctl -w fs.inotify.max_user_instances=1024)"
+  fi
+fi
+
 # System packages are checked every time (cheap); the venv is reused once complete.
 if [ -f "$STAMP" ]; then
   log "reusing $VENV (sglang $SGLANG_VERSION, ai-dynamo-runtime $DYNAMO_VERSION)"
