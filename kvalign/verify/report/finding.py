@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvalign.verify.engine.anchors import find_text
 from kvalign.model.causes import CREDIT_SKEW, Cause, cause_class
 
 #: The properties searched for a finding, most telling evidence first (``ingest`` has wire bytes).
@@ -178,16 +179,12 @@ def locate(anchor: Anchor) -> dict[str, Any]:
         version = None
     found: dict[str, Any] = {"package": anchor.package, "dist": dist, "version": version, "path": anchor.path,
                              "text": anchor.text, "why": anchor.why, "line": None}
-    if root is None or not (root / anchor.path).is_file():
-        found["missing"] = "file not in this release"
+    at = "file not in this release" if root is None else find_text(root / anchor.path, anchor.text)
+    if isinstance(at, str):
+        found["missing"] = at
         return found
     source = (root / anchor.path).read_text(encoding="utf-8", errors="replace")
-    lines = source.splitlines()
-    for i, line in enumerate(lines, 1):
-        if anchor.text in line:
-            found.update(line=i, function=_enclosing(source, i), source=line.strip())
-            return found
-    found["missing"] = "text not found in this release"
+    found.update(line=at[0], function=_enclosing(source, at[0]), source=at[1])
     return found
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvalign.model.causes import Cause, cause_class
+from kvalign.verify.engine.anchors import find_text
 from kvalign.model.vllm_keys import dynamo_salt
 from kvalign.verify.props.vllm.impact import BLOCKS, FINDING_ENV, RAW_SALT, TAIL, measure
 
@@ -93,13 +94,10 @@ def _roots() -> dict[str, Path]:
 def locate(anchor: Anchor, roots: dict[str, Path]) -> dict[str, Any]:
     """The anchor's file, line and source in the pinned release, or what is missing."""
     found: dict[str, Any] = {"root": anchor.root, "path": anchor.path, "text": anchor.text, "why": anchor.why, "line": None}
-    file = roots[anchor.root] / anchor.path
-    if not file.is_file():
-        return {**found, "missing": "file not in this release"}
-    for i, line in enumerate(file.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-        if anchor.text in line:
-            return {**found, "line": i, "source": line.strip()}
-    return {**found, "missing": "text not found in this release"}
+    at = find_text(roots[anchor.root] / anchor.path, anchor.text)
+    if isinstance(at, str):
+        return {**found, "missing": at}
+    return {**found, "line": at[0], "source": at[1]}
 
 
 def _plain(value: Any) -> Any:
