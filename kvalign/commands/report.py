@@ -130,7 +130,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     from kvalign.verify.report.vllm_finding import render
 
     cause = Cause[args.finding]
-    known = report.CAUSES | shared_report.SHARED
+    known = report.CAUSES | frozenset(shared_report.FINDINGS)
     if cause not in known:
         raise UsageError(f"kvalign reports no vLLM finding {args.finding}; one of {', '.join(sorted(c.name for c in known))}")
     collect = report.collect if cause in report.CAUSES else shared_report.collect

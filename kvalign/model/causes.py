@@ -83,6 +83,9 @@ class Cause(str, Enum):
     VLLM_SALT_UNPREFIXED = ("a cache_salt reaches vLLM without Dynamo's dynamo-cache-salt: prefix: vLLM keys the "
                             "tenant apart, the relay keys its blocks as unsalted ones and credits unsalted requests "
                             "with blocks vLLM will not reuse for them")
+    VLLM_RESET_PUBLISHED_LATE = ("vLLM publishes a prefix-cache reset (AllBlocksCleared) only after its next model "
+                                 "step: until an idle worker's next request runs, the router credits it every block "
+                                 "it cleared")
     # Multimodal prompts (kvalign.verify.props.mm.body): how an image's pages stop matching.
     MM_PAD_WIDTH = ("SGLang keys an image's tokens by pad values wider than the router's u32 token ids: Dynamo's "
                     "relay drops every event batch holding one, and the frontend's u32 pad values cannot match them")
@@ -132,8 +135,10 @@ class Cause(str, Enum):
 CACHE_BLIND, CREDIT_SKEW, SCOPED = "cache-blind", "credit-skew", "scoped"
 CLASSES = (CACHE_BLIND, CREDIT_SKEW, SCOPED)
 #: Bounded by a documented constant: SGLang's load_back_threshold and the router's host weight; the router's
-#: disk weight (a router setting: at most the pages in storage x (1 - weight) blocks of credit per request).
-_CREDIT_SKEW = frozenset({Cause.HOST_CREDIT_NOT_SERVABLE, Cause.DISK_CREDIT_WEIGHTED})
+#: disk weight (a router setting: at most the pages in storage x (1 - weight) blocks of credit per request);
+#: vLLM's reset published with its next step (per reset, the requests routed to the worker before that step's
+#: events arrive, each credited at most the blocks it cleared: measured, one request when they come one at a time).
+_CREDIT_SKEW = frozenset({Cause.HOST_CREDIT_NOT_SERVABLE, Cause.DISK_CREDIT_WEIGHTED, Cause.VLLM_RESET_PUBLISHED_LATE})
 #: Causes counted apart: the page past the scheduler's cap (one block per request, every release), the
 #: engine's events arriving after the routing decision (a timing race, not a key).
 _SCOPED = frozenset({Cause.LAST_PAGE_CAPPED, Cause.ENGINE_EVENTS_LATE})

@@ -139,6 +139,12 @@ class VllmEngine:
         return int(self._call("prefill", tokens=list(tokens), lora_name=lora_name, cache_salt=cache_salt,
                               **_images(mm)))
 
+    def reset(self) -> bool:
+        """Reset vLLM's prefix cache (``KVCacheManager.reset_prefix_cache``, what ``dynamo.vllm``'s
+        ``clear_kv_blocks`` reaches on an idle engine); its ``AllBlocksCleared`` is published with the next
+        :meth:`take_events`, as vLLM's scheduler publishes it with its next step's. False: vLLM refused."""
+        return bool(self._call("reset"))
+
     def take_events(self, *, publish: bool = True) -> list[dict[str, Any]]:
         """vLLM's events since the last call, as plain maps (``type`` and the struct's fields), published
         to the endpoint first unless ``publish`` is False."""

@@ -168,6 +168,13 @@ class VllmCache:
             request.num_computed_tokens += local + n
             first = False
 
+    def reset(self) -> bool:
+        """Reset the prefix cache as vLLM's scheduler does for an idle engine (``Scheduler.reset_prefix_cache``
+        with no running request calls ``KVCacheManager.reset_prefix_cache``): every block's hash dropped, and
+        ``AllBlocksCleared`` queued, published with the next :meth:`take_events` (vLLM's scheduler publishes
+        queued events only after a model step). False: vLLM refused (a block still in use)."""
+        return bool(self.manager.reset_prefix_cache())
+
     def take_events(self, *, publish: bool = True) -> list[Any]:
         """vLLM's events since the last call (its own structs), the offload connector's after the cache's, as
         vLLM's scheduler gathers them; published first when a publisher is set."""

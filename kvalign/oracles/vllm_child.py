@@ -78,7 +78,7 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
             elif op == "release":  # this cache is done; the interpreter (vLLM imported) waits for the next init
                 cache.close()
                 cache, result = None, None
-            elif op in ("match", "prefill"):
+            elif op in ("match", "prefill", "reset"):
                 result = getattr(cache, op)(**args)
             else:
                 raise ValueError(f"unknown request {op!r}")

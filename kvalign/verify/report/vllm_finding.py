@@ -65,6 +65,20 @@ def _fence(text: str, lang: str = "") -> str:
     return f"```{lang}\n{text}\n```"
 
 
+def _streams(streams: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Requests sent one at a time, each served by the engine the router picked before the next was routed (the
+    reset finding's bound): per request the pick, its credit there and what that engine reused."""
+    out = []
+    for name, served in streams.items():
+        out += [f"### one request at a time, {name.replace('_', ' ')}: each served by the engine the router picked "
+                "(its step publishing what that engine queued) before the next was routed", "",
+                "| request | picked | credited there (blocks) | reused (tokens) | stale credit |", "|---|---|---|---|---|"]
+        out += [f"| {i} | {'first' if s['rank'] == 0 else 'other'} | {s['credited']} | {s['reused']} | "
+                f"{'yes' if s['stale'] else 'no'} |" for i, s in enumerate(served, 1)]
+        out.append("")
+    return out
+
+
 def render(data: dict[str, Any], command: str) -> str:
     """The Markdown report for one collected vLLM finding; ``command`` reproduces it."""
     v, r = data["versions"], data["replay"]
@@ -97,9 +111,9 @@ def render(data: dict[str, Any], command: str) -> str:
             f"{', served plainly' if 'served' not in r else ' (each as the heading below says)'}. "
             "`picks`: how often the router's `best_worker` chose the first / the other over repeated routings of the "
             "same state (both non-zero is a tie, broken at random: never counted as a flip); `credited`: the router's "
-            f"{'overlap (device and host blocks)' if 'bound' in data else 'device overlap'} on each; `reused`: what "
+            f"{'overlap (device and host blocks)' if data.get('tiered') else 'device overlap'} on each; `reused`: what "
             "each vLLM would reuse of the prompt (its prefix hit"
-            f"{', after its connector loads' if 'bound' in data else ''}).", ""]
+            f"{', after its connector loads' if data.get('tiered') else ''}).", ""]
     for name, m in data["routing"].items():
         out += [f"### {name}: {m['state']}", "", "| k | picks | credited (blocks) | reused (tokens) |",
                 "|---|---|---|---|"]
@@ -109,6 +123,7 @@ def render(data: dict[str, Any], command: str) -> str:
             out.append(f"| {t['k']} | {p0} / {p1} ({verdict}) | {t['credited'][0]} vs {t['credited'][1]} | "
                        f"{t['reused'][0]} vs {t['reused'][1]} |")
         out.append("")
+    out += _streams(data.get("streams", {}))
     out += ["## Source lines responsible", ""]
     for a in data["anchors"]:
         dist = f"{v['vllm_dist']} {v['vllm']}" if a["root"] == "vllm" else f"ai-dynamo {v['ai-dynamo']}"

@@ -110,7 +110,8 @@ def _skew(**over):
     data = {**_data([{"k": 1, "picks": [40, 0], "reused": [0, 16], "tie": False, "changed": True,
                       "credited": [3, 1]}]),
             "cause": "HOST_CREDIT_NOT_SERVABLE", "cause_text": "vllm#57159: chunks", "class": CREDIT_SKEW,
-            "bound": "at most 3 host blocks per request", "upstream": "vllm-project/vllm#57159 (this finding)"}
+            "bound": "at most 3 host blocks per request", "upstream": "vllm-project/vllm#57159 (this finding)",
+            "tiered": True}
     data["replay"] = {**data["replay"], "served": "vLLM served a chunked prompt",
                       "requests": [{"request": "3 of 4", "vllm_reuses": 0, "router_blocks": "0 device + 3 host"}]}
     return {**data, **over}
@@ -141,3 +142,14 @@ def test_a_shared_finding_with_no_upstream_thread_says_none():
 def test_a_report_refuses_a_missing_bound_or_another_class(over, message):
     with pytest.raises(ValueError, match=message):
         render(_skew(**over), "x")
+
+
+def test_a_stream_of_requests_is_a_table_of_its_own():
+    """The reset finding's bound: requests one at a time, each with the rank picked, its credit there, what that
+    engine reused and whether the credit was stale."""
+    streams = {"late": [{"rank": 0, "credited": 4, "reused": 0, "stale": True},
+                        {"rank": 0, "credited": 4, "reused": 64, "stale": False}]}
+    text = render(_skew(cause="VLLM_RESET_PUBLISHED_LATE", upstream=None, tiered=False, streams=streams), "x")
+    assert "### one request at a time, late: each served by the engine the router picked" in text
+    assert "| 1 | first | 4 | 0 | yes |\n| 2 | first | 4 | 64 | no |" in text
+    assert "`credited`: the router's device overlap on each" in text

@@ -11,18 +11,30 @@ from kvalign.model.causes import CACHE_BLIND, CREDIT_SKEW, Cause, cause_class
 from kvalign.verify.engine.trials import Trial
 from kvalign.verify.props.vllm.hybrid_impact import VllmRoutingImpact
 from kvalign.verify.props.vllm.report import CAUSES, _roots, locate
-from kvalign.verify.props.vllm.shared_report import FINDINGS, SHARED, chunk_bound, routing
+from kvalign.verify.props.vllm.reset_impact import ResetImpact, Served
+from kvalign.verify.props.vllm.shared_report import FINDINGS, SHARED, chunk_bound, reset_bound, routing, tables
 
 
 def test_the_shared_findings_and_their_classes():
-    assert SHARED == {Cause.SWA_STATE_NOT_REUSABLE, Cause.HOST_CREDIT_NOT_SERVABLE, Cause.MM_IMAGE_REUSED}
+    assert SHARED == {Cause.SWA_STATE_NOT_REUSABLE, Cause.MAMBA_STATE_NOT_REUSABLE, Cause.HOST_CREDIT_NOT_SERVABLE,
+                      Cause.MM_IMAGE_REUSED}
     assert not SHARED & CAUSES
     assert {c: cause_class(c) for c in SHARED} == {Cause.SWA_STATE_NOT_REUSABLE: CACHE_BLIND,
+                                                   Cause.MAMBA_STATE_NOT_REUSABLE: CACHE_BLIND,
                                                    Cause.HOST_CREDIT_NOT_SERVABLE: CREDIT_SKEW,
                                                    Cause.MM_IMAGE_REUSED: CACHE_BLIND}
 
 
-@pytest.mark.parametrize("cause", sorted(SHARED, key=lambda c: c.name))
+def test_the_reset_is_a_vllm_cause_reported_the_same_way():
+    """``VLLM_RESET_PUBLISHED_LATE`` carries no SGLang cause (``kvalign report`` takes it without ``--engine``),
+    and is a credit skew: its stale credit ends with the worker's next step."""
+    assert set(FINDINGS) == SHARED | {Cause.VLLM_RESET_PUBLISHED_LATE}
+    assert Cause.VLLM_RESET_PUBLISHED_LATE not in CAUSES | SHARED
+    assert cause_class(Cause.VLLM_RESET_PUBLISHED_LATE) == CREDIT_SKEW
+    assert "`clear_kv_blocks`" in FINDINGS[Cause.VLLM_RESET_PUBLISHED_LATE].reach
+
+
+@pytest.mark.parametrize("cause", sorted(FINDINGS, key=lambda c: c.name))
 def test_anchors_are_found_in_the_pinned_releases(cause):
     from kvalign.releases.vllm_env import installed
 
@@ -74,3 +86,23 @@ def test_the_routing_table_credits_the_finding_and_k_on_the_other():
     assert [t["changed"] for t in table["trials"]] == [False, True]
     assert table["state"].startswith("the first: vLLM CPU tier of 4-block chunks after the finding's steps, "
                                      "credited 3 block(s) of the query and reusing 0")
+
+
+def _reset_impact() -> ResetImpact:
+    late = VllmRoutingImpact(16, 4, 0, what="a vLLM engine reset while idle",
+                             trials=[Trial(0, (40, 0), (0, 0)), Trial(1, (40, 0), (0, 16))])
+    at_once = VllmRoutingImpact(16, 0, 0, what="a vLLM engine reset, published at once",
+                                trials=[Trial(0, (21, 19), (0, 0)), Trial(1, (0, 40), (0, 16))])
+    streams = {"late": [Served(0, 4, 0, 16), Served(0, 4, 64, 16)], "at_once": [Served(1, 1, 16, 16)]}
+    return ResetImpact(late, at_once, streams)
+
+
+def test_the_reset_report_has_its_control_table_and_its_bound_in_requests():
+    impact = _reset_impact()
+    assert list(tables(Cause.VLLM_RESET_PUBLISHED_LATE, impact)) == ["the reset queued",
+                                                                     "control, the reset published at once"]
+    assert [s.stale for s in impact.streams["late"]] == [True, False]
+    assert "measured: 1 of 2 requests sent one at a time" in reset_bound(impact)
+    assert "0 of 1 with the reset published at once" in reset_bound(impact)
+    assert impact.says().startswith("changes the worker for 1 of 2 k (1)")
+    assert "with the reset published at once (the control) it does not change the worker; " in impact.says()
