@@ -1,4 +1,5 @@
-"""What ``kvalign report CAUSE --engine vllm`` says of the vLLM findings that carry an SGLang cause's name.
+"""What ``kvalign report CAUSE --engine vllm`` says of the vLLM findings that carry an SGLang cause's name, and
+``kvalign report VLLM_RESET_PUBLISHED_LATE`` of the one vLLM cause measured the same way.
 
 Four findings of the vLLM properties share their cause with an SGLang finding (the same disagreement on the other
 engine): ``SWA_STATE_NOT_REUSABLE`` (the router credits hybrid blocks whose sliding window vLLM evicted),
@@ -10,6 +11,10 @@ on vLLM's real ``KVCacheManager`` behind Dynamo's real relay and ``KvRouter`` (t
 on the real two-rank router (the tests' measurements: :mod:`~kvalign.verify.props.vllm.hybrid_impact`,
 :mod:`~kvalign.verify.props.vllm.tiers_impact`, :mod:`~kvalign.verify.props.vllm.mm_impact`), who meets it in a
 ``dynamo.vllm`` deployment (read from Dynamo's own paths), and the source lines in the pinned releases.
+
+``VLLM_RESET_PUBLISHED_LATE`` (vLLM publishes a prefix-cache reset only with its next model step) is collected here
+too: its state is a candidate holding k blocks against the finding's engine, as these are
+(:mod:`~kvalign.verify.props.vllm.reset_impact`), with its control's table beside it and its bound in requests.
 """
 
 from __future__ import annotations
