@@ -8,11 +8,16 @@ hop to its relay), started once for this module; every test flushes the workers 
 * a generated workload holds every invariant, ``router_credits_engine_reuse`` (router credit =
   vLLM's ``usage.prompt_tokens_details.cached_tokens``) judged on every request;
 * its negative control: the hop loses a store batch and kvalign predicts the router from vLLM's own
-  stream (gap check off): ``router_matches_prediction`` must fail; with the gap check on it passes.
+  stream (gap check off): ``router_matches_prediction`` must fail; with the gap check on it passes;
+* ``VLLM_BYTES_HASHES_DROPPED`` live: ``fuzz_scripts/vllm-bytes-hashes.json`` restarts worker0 with
+  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``; vLLM reuses the follow-up's blocks, the router credits 0 and the
+  failure names the finding; its twin ``vllm-int-hashes.json`` (worker0 restarted with int hashes, which also
+  leaves the cluster as the other tests found it) passes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +34,7 @@ from kvalign.live.runs.fuzz.plan import fuzz_cluster
 from kvalign.live.runs.fuzz.machine import replay, run_fuzz
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
+SCRIPTS = Path(__file__).parent / "fuzz_scripts"
 LOST_BATCH = {"kvalign_fuzz_script": 1, "options": {}, "steps": [
     {"rule": "drop_batch", "prompt": {"kind": "fresh", "seed": 7, "length": 100}, "max_tokens": 4}]}
 
@@ -65,3 +71,19 @@ def test_lost_store_with_the_gap_check_off_fails_router_matches_prediction(live)
     assert blind.failure is not None and blind.failure.invariant == "router_matches_prediction", blind.as_json()
     seeing = replay(_driver(live), LOST_BATCH, live[3] / "replayed.json")
     assert seeing.passed, seeing.as_json()["failure"]
+
+
+def test_bytes_block_hashes_fail_router_credit_naming_the_finding_and_int_hashes_pass(live) -> None:
+    """Two worker restarts on the module's cluster instead of a cluster of its own (the suite's time)."""
+    try:
+        dropped = replay(_driver(live), json.loads((SCRIPTS / "vllm-bytes-hashes.json").read_text()),
+                         live[3] / "replayed-bytes.json")
+        f = dropped.failure
+        assert f is not None and f.cause == "VLLM_BYTES_HASHES_DROPPED", dropped.as_json()
+        assert f.invariant == "router_credits_engine_reuse" and f.numbers["router_tokens"] == 0, f.as_json()
+        assert f.numbers["engine_tokens"] > 0 and f.evidence["bytes_hash_stores"]["hash_bytes"] == [32], f.as_json()
+    finally:  # the twin: worker0 back on vLLM's default, int hashes
+        twin = replay(_driver(live), json.loads((SCRIPTS / "vllm-int-hashes.json").read_text()),
+                      live[3] / "replayed-int.json")
+    assert twin.passed, twin.as_json()["failure"]
+    assert twin.as_json()["invariants"]["router_credits_engine_reuse"] == {"checked": 2, "failed": 0}
