@@ -56,7 +56,9 @@ class Judging:
                                   numbers=numbers, failing=names, evidence=evidence)
 
     def cause(self, obs: Observation, failing: list[str]) -> tuple[str, dict[str, Any] | None]:
-        """Why a request failed, and the evidence: the tenant cause when the hop delivered a stored
+        """Why a request failed, and the evidence: on vLLM workers first ``VLLM_BYTES_HASHES_DROPPED`` where the
+        worker publishes bytes hashes the relay dropped (:mod:`.vllm_hashes`: its events are unreadable to kvalign's
+        views too, which would otherwise name the empty stream); the tenant cause when the hop delivered a stored
         block without the ``cache_salt`` the engine published it with; the engine's own events when
         the engine reused pages its stream did not hold in the prompt's chain at the routing mark
         (:func:`.recorded.engine_cause`, from the stream recorded for the failure); else ``kvalign
