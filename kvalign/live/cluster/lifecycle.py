@@ -185,8 +185,10 @@ class Cluster:
             raise TimeoutError(f"{' and '.join(pending)} did not serve within {self.startup_timeout_s:.0f}s "
                                f"(logs: {self.group.log_dir})")
 
-    def restart_worker(self, name: str, timeout_s: float | None = None) -> WorkerHandle:
-        """Stop worker ``name`` and start it again (same ports, a new Dynamo instance id).
+    def restart_worker(self, name: str, timeout_s: float | None = None, *,
+                       env: Mapping[str, str] | None = None) -> WorkerHandle:
+        """Stop worker ``name`` and start it again (same ports, a new Dynamo instance id); ``env``: settings
+        over the kind's command for this start (a user's engine setting, e.g. vLLM's hash encoding).
 
         Returns once the new instance is registered and the old one is gone from discovery, so
         the router has been told of both; the ``restart_forgotten`` check starts from there.
@@ -194,7 +196,8 @@ class Cluster:
         old = self.workers[name]
         deadline = time.monotonic() + (timeout_s or self.startup_timeout_s)
         self.group.stop_one(name)
-        self.group.start(self.kind.command(old.spec, self.plan))
+        spec = self.kind.command(old.spec, self.plan)
+        self.group.start(dataclasses.replace(spec, env={**spec.env, **env}) if env else spec)
         handle = self._await_registration(old.spec, deadline, replacing=old.instance_id)
         store = self.plan.discovery_store
         while any(i.instance_id == old.instance_id for i in discovery.instances(store)):

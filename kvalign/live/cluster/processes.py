@@ -167,6 +167,19 @@ class ProcessGroup:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
+    def environ(self, name: str) -> dict[str, str] | None:
+        """The environment process ``name`` runs with, read from the kernel (``/proc/PID/environ``): what
+        it inherited and what its spec set, as the program sees them (None: no such process, or no /proc)."""
+        proc = next((p for p in self.procs if p.spec.name == name), None)
+        if proc is None:
+            return None
+        try:
+            raw = Path(f"/proc/{proc.pid}/environ").read_bytes()
+        except OSError:
+            return None
+        pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+        return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
 
 def _signal_group(pgid: int, sig: int) -> None:
     try:

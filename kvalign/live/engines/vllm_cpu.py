@@ -50,6 +50,11 @@ IPC_PATH_MAX = 100  # a Unix socket path's limit is 108 bytes
 #: leads the workers' PYTHONPATH: its ``sitecustomize`` shims torchvision in every process vLLM starts
 SITE_DIR = Path(__file__).resolve().parent / "vllm_site"
 SHIM_ENV = "KVALIGN_VLLM_SHIM"
+#: vLLM's switch between its two block-hash encodings in KV events (``vllm/envs.py``: ``bool(int(value))``, default
+#: "1"): int publishes ``maybe_convert_block_hash``'s 64-bit int, 0 the hash's 32 bytes
+#: (``kv_cache_utils.py:96-99``), which Dynamo 1.6.1's relay drops (``VLLM_BYTES_HASHES_DROPPED``)
+INT_BLOCK_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
+BLOCK_HASH_ENCODINGS = {"int": "1", "bytes": "0"}
 
 
 def block_size_problem(block_size: int) -> str | None:
@@ -58,6 +63,23 @@ def block_size_problem(block_size: int) -> str | None:
         return (f"--page-size {block_size}: vLLM's CPU attention backend needs a block size that is a multiple of "
                 f"{BLOCK_MULTIPLE}")
     return None
+
+
+def block_hashes_env(encoding: str) -> dict[str, str]:
+    """The environment a vLLM worker runs with to publish ``encoding`` (``int`` or ``bytes``) block hashes."""
+    if encoding not in BLOCK_HASH_ENCODINGS:
+        raise ValueError(f"vLLM block hashes are {' or '.join(BLOCK_HASH_ENCODINGS)}, got {encoding!r}")
+    return {INT_BLOCK_HASHES_ENV: BLOCK_HASH_ENCODINGS[encoding]}
+
+
+def hash_encoding(environ: Mapping[str, str]) -> str:
+    """The block-hash encoding a vLLM process with ``environ`` publishes, parsed as vLLM parses it
+    (``bool(int(value))``, unset: int); a value vLLM would refuse is an error naming it."""
+    value = environ.get(INT_BLOCK_HASHES_ENV, "1")
+    try:
+        return "int" if int(value) else "bytes"
+    except ValueError:
+        raise ValueError(f"{INT_BLOCK_HASHES_ENV}={value!r}: vLLM reads it as an integer") from None
 
 
 def engine_reused_tokens(held_blocks: int, n_tokens: int, block_size: int) -> int:

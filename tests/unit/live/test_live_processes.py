@@ -113,3 +113,16 @@ def test_stop_one_ends_only_that_group_and_frees_its_name(tmp_path):
             group.stop_one("zz")
     finally:
         group.stop(grace_s=1)
+
+
+def test_environ_is_the_running_process_s_own_environment(tmp_path) -> None:
+    """What a started process runs with, read from the kernel: its spec's settings over the inherited ones (the
+    live rules read an engine's settings there, not from the command kvalign meant to start)."""
+    group = ProcessGroup(tmp_path, base_env={"PATH": "/usr/bin:/bin", "KVALIGN_INHERITED": "a"})
+    try:
+        group.start(ProcessSpec("sleeper", [PY, "-c", "import time; time.sleep(60)"], {"KVALIGN_SET": "0"}))
+        env = group.environ("sleeper")
+        assert env is not None and env["KVALIGN_SET"] == "0" and env["KVALIGN_INHERITED"] == "a"
+        assert group.environ("absent") is None
+    finally:
+        group.stop()

@@ -153,3 +153,16 @@ def test_worker_refuses_to_start_without_a_relay_endpoint(monkeypatch):
     monkeypatch.delenv(vllm_worker.RELAY_SUBSCRIBE_ENV, raising=False)
     with pytest.raises(SystemExit, match=vllm_worker.RELAY_SUBSCRIBE_ENV):
         vllm_worker.main([])
+
+
+def test_block_hash_encoding_is_read_as_vllm_reads_it():
+    """``bool(int(value))``, default int (vllm/envs.py); the environment a restart step sets for each encoding."""
+    assert vllm_cpu.hash_encoding({}) == "int"
+    assert vllm_cpu.hash_encoding({vllm_cpu.INT_BLOCK_HASHES_ENV: "0"}) == "bytes"
+    assert vllm_cpu.hash_encoding({vllm_cpu.INT_BLOCK_HASHES_ENV: "2"}) == "int"
+    with pytest.raises(ValueError, match="reads it as an integer"):
+        vllm_cpu.hash_encoding({vllm_cpu.INT_BLOCK_HASHES_ENV: "no"})
+    for encoding in ("int", "bytes"):
+        assert vllm_cpu.hash_encoding(vllm_cpu.block_hashes_env(encoding)) == encoding
+    with pytest.raises(ValueError, match="int or bytes"):
+        vllm_cpu.block_hashes_env("hex")

@@ -19,6 +19,8 @@ from kvalign.live.runs.fuzz.invariants import InvariantFailed, Observation, eval
 from kvalign.live.runs.fuzz.recorded import record_engine_stream, engine_cause
 from kvalign.live.runs.fuzz.speculation import Judged
 from kvalign.live.runs.fuzz.views import WorkerViews
+from kvalign.live.runs.fuzz.vllm_hashes import bytes_hash_stores, bytes_hashes_cause, undecoded_payloads
+from kvalign.live.cluster import ranks
 from kvalign.live.runs.fuzz import hicache as tiers_check
 from kvalign.live.runs.fuzz import hicache_rules
 
@@ -45,17 +47,27 @@ class Judging:
             hicache_cause = tiers_check.cause(obs)
             rank_cause = None if self.dp is None else self.dp.cause(obs)
             cause, evidence = (hicache_cause or rank_cause, None) if hicache_cause or rank_cause else self.cause(obs, names)
+            if cause == Cause.VLLM_BYTES_HASHES_DROPPED.name and "router_credits_engine_reuse" in names:
+                # kvalign's engine view decodes hashes as the relay does and is as empty: the failure a user
+                # meets is the router's credit, with engine_matches_index failing beside it
+                name, detail = next(f for f in failures if f[0] == "router_credits_engine_reuse")
             numbers = {**failure_numbers(obs), **({"rank": obs.label} if self.dp is not None else {})}
             raise InvariantFailed(name, detail, cause=cause, worker=obs.label, request=obs.request,
                                   numbers=numbers, failing=names, evidence=evidence)
 
     def cause(self, obs: Observation, failing: list[str]) -> tuple[str, dict[str, Any] | None]:
-        """Why a request failed, and the evidence: the tenant cause when the hop delivered a stored
+        """Why a request failed, and the evidence: on vLLM workers first ``VLLM_BYTES_HASHES_DROPPED`` where the
+        worker publishes bytes hashes the relay dropped (:mod:`.vllm_hashes`: its events are unreadable to kvalign's
+        views too, which would otherwise name the empty stream); the tenant cause when the hop delivered a stored
         block without the ``cache_salt`` the engine published it with; the engine's own events when
         the engine reused pages its stream did not hold in the prompt's chain at the routing mark
         (:func:`.recorded.engine_cause`, from the stream recorded for the failure); else ``kvalign
         diagnose``'s cause for the prompt on the worker's router-side capture."""
         label = obs.label
+        if label is not None and self.opts.engine == "vllm-cpu":
+            found = self._bytes_hashes(obs, label)
+            if found is not None:
+                return found
         if label is not None and self._salt_lost(label):
             return Cause.TENANTS_SHARE_KEYS.name, None
         if label is not None and "engine_matches_index" in failing and obs.engine_tokens is not None:
@@ -70,6 +82,15 @@ class Judging:
                 return found
         d = self.diagnose(label, obs.tokens)
         return ("none" if d is None or d.cause is None else d.cause.name), None
+
+    def _bytes_hashes(self, obs: Observation, label: str) -> tuple[str, dict[str, Any]] | None:
+        """``VLLM_BYTES_HASHES_DROPPED`` from the worker's environment, its stream and the relay's (:mod:`.vllm_hashes`)."""
+        relay_pages = sum(len(ev.block_hashes) for b in self.router_views.since_epoch(label) for ev in b.events
+                          if isinstance(ev, BlockStored))
+        wire = bytes_hash_stores(undecoded_payloads(self.cluster.capture.capture_path(label)))
+        return bytes_hashes_cause(environ=self.cluster.group.environ(ranks.split_label(label)[0]),
+                                  engine_tokens=obs.engine_tokens, credited=obs.credited, relay_pages=relay_pages,
+                                  wire=wire)
 
     def _salt_lost(self, label: str) -> bool:
         def salts(views: WorkerViews) -> dict[int | None, list[str | None]]:

