@@ -46,6 +46,7 @@ def split_settings(spec: Any, block_size: int, max_model_len: int) -> types.Simp
         mamba_prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment,
         mamba_has_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks > 0,
         use_eagle_block_drop=False,  # no speculative config
+        num_hash_lookahead_tokens=0,  # VllmConfig's, 0 with no speculative config (vLLM 0.33.0's split reads it)
         max_num_scheduled_tokens=config.max_num_scheduled_tokens or config.max_num_batched_tokens,
         scheduler_config=config)
 

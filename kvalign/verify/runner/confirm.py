@@ -7,7 +7,9 @@ release, not for the harness. One rule for every property on every pair, applied
 - **The environment is not a finding.** A row whose path could not start (``PATH_UNAVAILABLE``: a
   relay or router that would not start here, a relay that never indexed even the first sentinel
   page) is ``n/a`` with what it saw as the reason, never a cause; where it went through the in-process
-  path it is re-checked first, as below.
+  path it is re-checked first, as below, and where the re-check could not run either it stays the
+  environment's (never "only with the relay in kvalign's process": vLLM 0.23.0 has no offload connector
+  for the tiers row in either layout).
 - **No in-process artifact.** ``check`` runs a release's relay and router inside its own process
   (:class:`~kvalign.oracles.router_path.RouterPath`); a deployment runs the relay in the worker's
   process. A cache-blind finding (``PATH_UNAVAILABLE`` included) of a job that went through that path is
@@ -68,6 +70,10 @@ def confirm_rows(rows: list[RowResult], path_used: bool, rerun: Callable[[], lis
             out.append(r)
         elif other is None:  # the re-check has no such row: nothing confirms it
             out.append(_in_process_only(r, "the re-check ran no such row"))
+        elif other.skipped and r.cause_name == Cause.PATH_UNAVAILABLE.name:  # neither layout could run it
+            environment_rows([r])
+            r.skipped = f"{r.skipped}; with the relay in its own process too ({other.skipped})"
+            out.append(r)
         elif other.skipped:
             out.append(_in_process_only(r, f"the re-check could not run: {other.skipped}"))
         elif not other.mismatches:

@@ -10,6 +10,7 @@ from typing import Any
 from kvalign.model.causes import Cause
 from kvalign.model.vllm_keys import VllmRelayModel, dynamo_salt
 from kvalign.verify.engine.properties import Mismatch
+from kvalign.verify.props.vllm import namespace
 from kvalign.verify.props.vllm.strategies import TENANTS, Served, Tenant, fresh_base
 
 Body = Callable[[list[Served]], None]
@@ -32,10 +33,13 @@ def predicted_hit(worker: Any, tokens: list[int], tenant: Tenant) -> int:
 
 
 def _hit_cause(hit: int, predicted: int, *, tenants: bool = False, no_namespace: bool = False) -> Cause:
-    """``no_namespace``: a salted tenant asked a router whose query takes no ``cache_namespace`` (Dynamo
-    1.3.1's and older: the SGLang rows' namespace finding)."""
+    """``no_namespace``: the mismatch is one tenant keyed as another of its LoRA in another namespace by a release
+    whose hash takes no namespace (:mod:`.namespace`; Dynamo 1.3.1's and older: the SGLang rows' namespace finding),
+    whichever way it went (credited another's blocks, or its own store never indexed)."""
+    if no_namespace:
+        return Cause.NAMESPACE_DROPPED
     if predicted > hit:
-        return Cause.NAMESPACE_DROPPED if no_namespace else Cause.TENANTS_SHARE_KEYS if tenants else Cause.INGEST_STALE
+        return Cause.TENANTS_SHARE_KEYS if tenants else Cause.INGEST_STALE
     return Cause.EVENTS_DROPPED
 
 
@@ -85,22 +89,20 @@ def ingest_body(worker: Any) -> Body:
     """ingest: every block vLLM stores is indexed under vLLM's hash, chained to vLLM's parent, keyed by
     the router binding's own hash of its ``token_ids`` (with the tenant's LoRA and namespace, where the
     release's binding takes them: :func:`~kvalign.oracles.dynamo.adapt_hasher`)."""
-    from dynamo._core import compute_block_hash_for_seq as binding
-
-    from kvalign.oracles.dynamo import adapt_hasher
-
-    compute_block_hash_for_seq = adapt_hasher(binding)
+    compute_block_hash_for_seq = namespace.release_hasher()
 
     def body(seq: list[Served]) -> None:
         base, b = fresh_base(), worker.engine.block_size
         live: dict[int, tuple[int | None, int]] = {}  # what vLLM holds: hash -> (parent, the binding's key)
+        log = namespace.StoreLog(compute_block_hash_for_seq, b)
         for served in seq:
-            lora, namespace = served.tenant
+            lora, ns = served.tenant
             for ev in _serve(worker, served.tokens(base, b), served.tenant):
+                log.add(ev, served.tenant)
                 if ev["type"] == "BlockStored":
                     parent = ev["parent_block_hash"]
                     keys = compute_block_hash_for_seq(ev["token_ids"], b, None, lora, is_eagle=False,
-                                                      cache_namespace=namespace)
+                                                      cache_namespace=ns)
                     for h, key in zip(ev["block_hashes"], keys):
                         live[h], parent = (parent, key), h
                 elif ev["type"] == "BlockRemoved":
@@ -109,7 +111,9 @@ def ingest_body(worker: Any) -> Body:
         indexed = {engine: (parent, local) for parent, engine, local in worker.dump()}
         for h, want in live.items():
             if h not in indexed:
-                raise Mismatch("ingest", f"vLLM's block {h} was never indexed", Cause.EVENTS_DROPPED, seq)
+                shared = log.collision(h, set(indexed))
+                raise Mismatch("ingest", f"vLLM's block {h} was never indexed" + (f": {shared}" if shared else ""),
+                               Cause.NAMESPACE_DROPPED if shared else Cause.EVENTS_DROPPED, seq)
             if indexed[h] != want:
                 raise Mismatch("ingest", f"vLLM's block {h} indexed as (parent, key) {indexed[h]}, stored as {want}",
                                Cause.UNKNOWN, seq)
@@ -120,18 +124,24 @@ def ingest_body(worker: Any) -> Body:
 def tenants_body(worker: Any) -> Body:
     """tenants: after each prompt, every tenant asking for it is credited what vLLM reuses for that tenant."""
 
+    hasher = namespace.release_hasher()
+
     def body(seq: list[Served]) -> None:
         base, b = fresh_base(), worker.engine.block_size
         for i, served in enumerate(seq):
             tokens = served.tokens(base, b)
             _serve(worker, tokens, served.tenant)
+            # the tenants that stored this prompt's first block: a tenant keyed as one of them is the namespace
+            stored_by = [s.tenant for s in seq[:i + 1] if s.chunks[0] == served.chunks[0]]
             for tenant in TENANTS:
                 hit = worker.engine.match(tokens, lora_name=tenant[0], cache_salt=_salt(tenant))
                 predicted = predicted_hit(worker, tokens, tenant)
                 if hit != predicted:
+                    shared = namespace.tenant_sharing(hasher, tokens[:b], tenant, stored_by)
                     raise Mismatch("tenants", f"prompt {i} stored by {served.tenant}: tenant {tenant} — vLLM reuses "
-                                              f"{hit} tokens, the router's overlap predicts {predicted}",
-                                   _hit_cause(hit, predicted, tenants=True, no_namespace=bool(tenant[1]) and
-                                              "KvRouter query cache_namespace" in worker.ingest.path.missing), seq)
+                                              f"{hit} tokens, the router's overlap predicts {predicted}"
+                                   + (f"; the router keys it as tenant {shared}: {namespace.why(hasher)}"
+                                      if shared else ""),
+                                   _hit_cause(hit, predicted, tenants=True, no_namespace=shared is not None), seq)
 
     return body

@@ -28,7 +28,7 @@ from typing import Any
 from kvalign.model.causes import Cause
 from kvalign.verify.engine.properties import Mismatch
 from kvalign.verify.engine.rows import RowResult
-from kvalign.verify.props.vllm import bodies, controls
+from kvalign.verify.props.vllm import bodies, controls, namespace
 from kvalign.verify.props.vllm.bodies import Body, _serve
 from kvalign.verify.props.vllm.strategies import TAIL, TENANTS, Served, fresh_base, sequences
 
@@ -38,13 +38,18 @@ HASH_ENCODINGS: dict[str, dict[str, str] | None] = {"int": None, "bytes": {"VLLM
 
 def hashes_body(worker: Any) -> Body:
     """Every block vLLM holds after the sequence is indexed by the router under vLLM's own hash; one that is
-    not is ``VLLM_BYTES_HASHES_DROPPED`` where vLLM's hash is bytes, else ``EVENTS_DROPPED``."""
+    not is ``VLLM_BYTES_HASHES_DROPPED`` where vLLM's hash is bytes, ``NAMESPACE_DROPPED`` where another tenant's
+    block holds its keys on a release whose hash takes no namespace (:mod:`.namespace`), else ``EVENTS_DROPPED``."""
+
+    hasher = namespace.release_hasher()
 
     def body(seq: list[Served]) -> None:
         base, b = fresh_base(), worker.engine.block_size
         live: dict[Any, int] = {}  # vLLM's hash of each block it holds -> the prompt that stored it
+        log = namespace.StoreLog(hasher, b)
         for i, served in enumerate(seq):
             for ev in _serve(worker, served.tokens(base, b), served.tenant):
+                log.add(ev, served.tenant)
                 if ev["type"] == "BlockStored":
                     live.update(dict.fromkeys(ev["block_hashes"], i))
                 elif ev["type"] == "BlockRemoved":
@@ -60,11 +65,13 @@ def hashes_body(worker: Any) -> Body:
             tokens, tenant = seq[i].tokens(base, b) + [base + TAIL + 1], seq[i].tenant
             hit = worker.engine.match(tokens, lora_name=tenant[0], cache_salt=bodies._salt(tenant))
             kind = f"{len(h)}-byte" if isinstance(h, bytes) else "int"
+            shared = None if isinstance(h, bytes) else log.collision(h, indexed)
             raise Mismatch("hashes", f"{len(missing)} of the {len(live)} blocks vLLM holds never indexed (vLLM's {kind} "
                                      f"hashes); prompt {i} and one token more: vLLM reuses {hit} tokens, the router "
                                      f"credits {worker.overlap(tokens, lora_name=tenant[0], cache_namespace=tenant[1])} "
-                                     "blocks",
-                           Cause.VLLM_BYTES_HASHES_DROPPED if isinstance(h, bytes) else Cause.EVENTS_DROPPED, seq)
+                                     "blocks" + (f"; {shared}" if shared else ""),
+                           Cause.VLLM_BYTES_HASHES_DROPPED if isinstance(h, bytes) else
+                           Cause.NAMESPACE_DROPPED if shared else Cause.EVENTS_DROPPED, seq)
 
     return body
 

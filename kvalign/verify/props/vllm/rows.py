@@ -11,7 +11,7 @@ from typing import Any
 from kvalign.model.causes import Cause
 from kvalign.oracles.base import OracleUnavailable
 from kvalign.verify.engine.property import Options, unavailable
-from kvalign.verify.props.vllm import bodies, controls, hybrid, mm, tiers
+from kvalign.verify.props.vllm import bodies, controls, hybrid, mm, namespace, tiers
 from kvalign.verify.props.vllm.controls import CONTROL_EXAMPLES
 from kvalign.verify.props.vllm.running import BLOCK_SIZE, NUM_BLOCKS, _row
 from kvalign.verify.props.vllm.strategies import TENANTS, sequences
@@ -79,7 +79,7 @@ def vllm_rows(systems: Any, modes: tuple[str, ...], opts: Options) -> list[RowRe
             rows.append(_row("tenants", v, bodies.tenants_body(worker), sequences(b, tenants), n, seed,
                              ("tenant_blind (the relay reads neither extra_keys nor lora_name)",
                               control(bodies.tenants_body(worker), [Served((0, 1, 2), 3, tenants[0])],
-                                      controls.tenant_blind), Cause.TENANTS_SHARE_KEYS)))
+                                      controls.tenant_blind), namespace.blind_cause(tenants[0], b))))
         rows.append(mm.row(worker, n, seed))
     finally:
         worker.close()
