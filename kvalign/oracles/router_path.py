@@ -58,6 +58,9 @@ TOKEN_SPACE = 16
 #: Token ranges one ``check`` job may take (:meth:`RouterPath.start_range`): 2**19 examples, so 200 jobs stay
 #: below 2**31 token ids, far under the sentinels'.
 RANGES_PER_BLOCK = 1 << 19
+#: Releases before this one recover a worker's whole tree when their router discovers it, after the first
+#: examples began (:meth:`RouterPath.await_recovery`); later ones restore differently and are left as they are.
+RECOVERY_SYNC_BEFORE = (1, 1)
 #: Sentinel pages use token ids from here up (kvalign's strategies draw from a tiny vocabulary); each
 #: sentinel gets its own id, since the router keeps one node per (parent, local hash).
 SENTINEL_BASE = 0xF000_0000
@@ -126,6 +129,8 @@ class LoopbackProxy:
 
     def __init__(self, transform: Transform | None = None) -> None:
         self.transform = transform
+        #: while set, published messages are dropped here (subscriptions still travel): :meth:`RouterPath.await_recovery`
+        self.withheld = False
         self._ctx = zmq.Context()
         self._xsub, self._xpub = self._ctx.socket(zmq.XSUB), self._ctx.socket(zmq.XPUB)
         for s in (self._xsub, self._xpub):
@@ -153,7 +158,7 @@ class LoopbackProxy:
                 frames = self._xsub.recv_multipart()
                 if self.transform is not None:
                     frames = self.transform(frames)
-                if frames is not None:
+                if frames is not None and not self.withheld:
                     self._xpub.send_multipart(frames)
 
     def close(self) -> None:
@@ -452,7 +457,40 @@ class RouterPath:
                 raise OracleUnavailable(f"{what}: {type(exc).__name__}: "
                                         f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
             self._workers[key] = IngestWorker(self, block_size, eagle, pub, router, relay)
+            if _version_tuple(self.version) < RECOVERY_SYNC_BEFORE:
+                self.await_recovery(self._workers[key])
         return self._workers[key]
+
+    def await_recovery(self, worker: IngestWorker) -> bool:
+        """Wait until ``worker``'s new router has applied what it recovers from the relay when it discovers it.
+
+        Dynamo 1.0.2's ``KvRouter`` (local-indexer mode), on discovering a worker, asks the relay's local indexer
+        for its whole tree ("WorkerQueryClient: discovered worker ..., recovering"); the first ask fails and is
+        retried 200 ms later ("Got tree dump ... count: N", "Recovered N events", its log at
+        ``DYN_LOG=dynamo_llm::kv_router=info``), so the tree it applies was taken while kvalign's first examples on
+        the worker were already under way: blocks an example had removed since came back, and which examples
+        (and which replays of them) it landed in followed the machine's load. 1.0.2's ``ingest`` and ``tenants``
+        rows changed from one matrix run to the next that way (a finding in one, unconfirmed at 7 of 10 in the
+        other; INGEST_STALE recurring in 0 of 10). A barrier sentinel does not cover it: the recovery is no event
+        on the stream. So a sentinel is published while the event plane withholds everything the relay sends:
+        the relay's local indexer holds it and the router can only learn it from that recovery. Once the router's
+        index holds it, the recovery is applied and nothing later races it. False where it never arrived within
+        :data:`INGEST_TIMEOUT_S` (its tree was taken before the relay indexed the sentinel)."""
+        k = next(worker._sentinels)
+        engine_hash = sentinel_hash(k)
+        deadline, sent_at = time.monotonic() + INGEST_TIMEOUT_S, 0.0
+        self.broker.withheld = True
+        try:
+            while time.monotonic() < deadline:
+                if time.monotonic() - sent_at > 0.05:  # re-send: the first may precede the relay's subscription
+                    worker.publisher.publish([worker.publisher.sentinel(k, worker.block_size)])
+                    sent_at = time.monotonic()
+                time.sleep(POLL_MAX_S)
+                if any(h == engine_hash for _p, h, _t in worker.dump()):
+                    return True
+            return False
+        finally:
+            self.broker.withheld = False
 
     def attach(self, publisher: Any, block_size: int) -> IngestWorker:
         """A newly registered worker whose relay subscribes to ``publisher.endpoint`` (another engine's

@@ -50,7 +50,7 @@ from kvalign.model.hashing import U64_MASK
 from kvalign.oracles.base import OracleUnavailable
 from kvalign.verify.engine.properties import Mismatch
 from kvalign.model.relay import RELAY_TIERS
-from kvalign.verify.engine.search import REPLAYS, Tally
+from kvalign.verify.engine.search import REPLAYS, Tally, generated_cause
 from kvalign.verify.props.tier.servable import judge, last_page_condition
 from kvalign.verify.engine.strategies import tenants
 
@@ -593,6 +593,7 @@ def run_tier_search(path: TierPath, *, eagle: bool, lora: bool, namespace: bool,
         if found is None:
             raise
         found.detail += " (not shrunk: Hypothesis's replay of it did not fail)"
+    found = generated_cause(found, last[0])
     if found is not None and isinstance(found.example, dict) and "steps" in found.example:
         # As every search's (kvalign.verify.engine.search): a finding recurs each time its recorded steps are
         # replayed on a fresh engine, else it is unconfirmed with its rate. (An example without steps: the

@@ -68,3 +68,27 @@ def test_a_search_rows_shrink_steps_are_apart_in_its_json() -> None:
     assert row.shrink_steps == len(calls) - row.cases - 2 * REPLAYS > 0
     report = row_json(row)
     assert (report["cases"], report["mismatches"], report["shrink_steps"]) == (row.cases, 1, row.shrink_steps)
+
+
+
+def test_a_state_machine_search_reports_the_generated_examples_cause_where_shrinking_reached_another() -> None:
+    """Which example a tier machine's shrinking ends at varied from run to run on 1.3.1, and with it the row's
+    cause; the generated example is the same in every run: its cause is the row's, noted as not shrunk."""
+    from kvalign.verify.engine.search import generated_cause
+
+    generated = Mismatch("tier", "generated", Cause.TIER_MISFILED, {"steps": [1, 2, 3]})
+    shrunk = Mismatch("tier", "shrunk", Cause.EVENTS_DROPPED, {"steps": [1]})
+    got = generated_cause(shrunk, generated)
+    assert got is generated and got.cause is Cause.TIER_MISFILED
+    assert got.detail == "generated (not shrunk: shrinking it reached another cause, EVENTS_DROPPED)"
+
+
+def test_a_shrunk_example_with_the_generated_examples_cause_is_kept() -> None:
+    """The negative control: where shrinking keeps the cause, the row is the shrunk example, unchanged."""
+    from kvalign.verify.engine.search import generated_cause
+
+    generated = Mismatch("tier", "generated", Cause.TIER_MISFILED, {"steps": [1, 2, 3]})
+    shrunk = Mismatch("tier", "shrunk", Cause.TIER_MISFILED, {"steps": [1]})
+    assert generated_cause(shrunk, generated) is shrunk and shrunk.detail == "shrunk"
+    assert generated_cause(generated, generated) is generated and generated.detail == "generated"
+    assert generated_cause(None, generated) is None and generated_cause(shrunk, None) is shrunk

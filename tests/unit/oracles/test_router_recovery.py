@@ -1,0 +1,103 @@
+"""A new router's recovery of its worker's tree is applied before kvalign's first example (issue 46).
+
+Dynamo 1.0.2's ``KvRouter`` asks the relay's local indexer for its whole tree when it discovers the worker,
+and applies it about 200 ms later (the first ask fails and is retried): while kvalign's first examples on
+that worker ran, so 1.0.2's ``ingest`` / ``tenants`` rows changed from one matrix run to the next.
+:meth:`~kvalign.oracles.router_path.RouterPath.await_recovery` waits for it with a sentinel that the event
+plane withholds (:attr:`~kvalign.oracles.router_path.LoopbackProxy.withheld`): the router can learn it only
+from that recovery.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from kvalign.oracles.router_path import INGEST_TIMEOUT_S, LoopbackProxy
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_a_withheld_proxy_drops_what_is_published_and_forwards_it_again_after():
+    """Withheld, a published message is dropped; the control on either side: forwarded when not withheld."""
+    proxy = LoopbackProxy()
+    try:
+        ctx = zmq.Context()
+        sub, pub = ctx.socket(zmq.SUB), ctx.socket(zmq.PUB)
+        for s in (sub, pub):
+            s.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(proxy.xpub)
+        pub.connect(proxy.xsub)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # subscription live
+            pub.send_multipart([b"probe"])
+            if sub.poll(50):
+                sub.recv_multipart()
+                break
+        while sub.poll(100):
+            sub.recv_multipart()
+        pub.send_multipart([b"before"])
+        assert sub.poll(2000) and sub.recv_multipart() == [b"before"]
+        proxy.withheld = True
+        pub.send_multipart([b"withheld"])
+        assert not sub.poll(300)  # dropped at the proxy
+        proxy.withheld = False
+        pub.send_multipart([b"after"])
+        assert sub.poll(2000) and sub.recv_multipart() == [b"after"]
+        sub.close(linger=0)
+        pub.close(linger=0)
+        ctx.term()
+    finally:
+        proxy.close()
+
+
+@pytest.mark.slow  # installs (or reuses) ai-dynamo 1.0.2 into the wheel cache, then starts its relay and routers
+@pytest.mark.timeout(600)
+def test_1_0_2s_router_learns_a_withheld_sentinel_only_from_its_recovery_of_a_new_worker():
+    from kvalign.verify.report.matrix import MatrixError, ensure_release, pair_env
+
+    try:
+        python, env = pair_env(ensure_release("dynamo", "1.0.2"), None, "0.5.23")
+    except MatrixError as exc:
+        pytest.skip(f"ai-dynamo 1.0.2 cannot be installed here: {exc}")
+    probe = """
+import json, time
+import kvalign.oracles.router_path as rp
+from kvalign.oracles.relay_process import ProcessRouterPath
+seen = []
+real = rp.RouterPath.await_recovery
+def timed(self, w):
+    t = time.monotonic(); ok = real(self, w); seen.append((ok, time.monotonic() - t)); return ok
+rp.RouterPath.await_recovery = timed
+out = {}
+for name, cls in (("in_process", rp.RouterPath), ("apart", ProcessRouterPath)):
+    path = cls()
+    try:
+        seen.clear()
+        w = path.worker(2, False)
+        first = list(seen)
+        again = real(path, w)  # the control: no new discovery, so no recovery brings the withheld sentinel
+        out[name] = {"first": first, "again": again, "barrier": w.barrier(), "version": path.version}
+    finally:
+        path.close()
+print(json.dumps(out))
+"""
+    res = subprocess.run([python, "-c", probe], capture_output=True, text=True, env=env, timeout=500, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    for name in ("in_process", "apart"):
+        got = out[name]
+        assert got["version"] == "1.0.2"
+        (ok, secs), = got["first"]  # the worker's start waited once, for its recovery
+        # it came with the recovery's retry (200 ms), not at once; a relay in a process just started may not have
+        # indexed the sentinel when its tree was taken (about 1 in 5 there): then the recovery was already applied
+        # and the wait runs out
+        assert (ok and secs >= 0.15) or (name == "apart" and not ok and secs >= INGEST_TIMEOUT_S), got
+        assert got["again"] is False, got  # withheld and never recovered: the sentinel only comes that way
+        assert got["barrier"] is True, got  # the event plane forwards again afterwards
