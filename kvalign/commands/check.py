@@ -21,7 +21,7 @@ from kvalign.verify import props
 from kvalign.verify.runner.check import plan, run_jobs, selected
 from kvalign.verify.engine.impact import blocking
 from kvalign.verify.runner.pool import Pool, usable_cores
-from kvalign.verify.engine.property import Budget, Options
+from kvalign.verify.engine.property import Budget, Options, Property
 from kvalign.verify.engine.rows import EVENT_FORMATS, MODES, VARIANTS, RowResult, row_json
 from kvalign.verify.engine.systems import SystemsSpec, open_systems
 from kvalign.verify.engine.scope import Scope
@@ -50,12 +50,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="only these properties (default: " + ", ".join(props.default_names()) + "; the verdict "
                         "names those that did not run)")
     p.add_argument("--all", dest="all_props", action="store_true",
-                   help="run every property of the engine, the opt-in ones too (" + ", ".join(
-                       p.name for p in props.REGISTRY if not p.default and p.name != VLLM) + "): a verdict for every "
+                   help="run every property of the engine, the opt-in ones too (" + ", ".join(props.opt_in_names("sglang"))
+                        + f"; with --engine {VLLM}: " + ", ".join(props.opt_in_names(VLLM)) + "): a verdict for every "
                         "surface")
     p.add_argument("--engine", choices=("sglang", VLLM), default="sglang",
-                   help=f"the engine behind the router: sglang (default), or {VLLM} (its hash, pages, ingest and "
-                        f"tenants rows: --property {VLLM})")
+                   help=f"the engine behind the router: sglang (default), or {VLLM} (its hash, pages, ingest, tenants "
+                        "and other rows, for workers with vLLM's default int block hashes; --all adds the bytes ones)")
     p.add_argument("--mode", dest="modes", action="append", choices=MODES, help="only these modes")
     for budget in budgets():
         p.add_argument(f"--{budget.option}-examples", dest=f"{budget.option}_examples", type=int, default=None,
@@ -107,6 +107,18 @@ def control_error(rows: Sequence[RowResult]) -> str | None:
                         f"expected {r.control['expected']}" for r in missed))
 
 
+def engine_properties(engine: str, all_props: bool, asked: Sequence[str] | None) -> list[Property]:
+    """What ``check --engine ENGINE`` runs: the engine's default properties, every one of its properties with
+    ``--all``, or those ``--property`` names (another engine's is a usage error naming the engine to run it with)."""
+    mine = props.of_engine(engine)
+    chosen = selected([p.name for p in mine] if all_props else asked or props.default_names(engine))
+    other = [p for p in chosen if p.engine != engine]
+    if other:
+        raise UsageError(f"--property {', '.join(p.name for p in other)} checks another engine: run it with "
+                         f"--engine {other[0].engine}")
+    return chosen
+
+
 def run(args: argparse.Namespace) -> int:
     if args.examples < 1:
         raise UsageError(f"--examples must be >= 1, got {args.examples}")
@@ -123,17 +135,8 @@ def run(args: argparse.Namespace) -> int:
                    page_size=args.page_size, caps=tuple(sorted(caps.items())))
     if args.all_props and args.props:
         raise UsageError("--all runs every property: give it or --property, not both")
-    # each engine's own properties: the vLLM one runs alone, the SGLang ones never against vLLM
-    engine_props = props.of_engine(args.engine)
-    if args.engine == VLLM:
-        chosen = selected([VLLM])
-    else:
-        chosen = selected([p.name for p in engine_props] if args.all_props else args.props)
-        other = [p for p in chosen if p.engine != args.engine]
-        if other:
-            raise UsageError(f"--property {', '.join(p.name for p in other)} checks another engine: run it with "
-                             f"--engine {other[0].engine}")
-    scope = Scope.of(engine_props, (p.name for p in chosen))
+    chosen = engine_properties(args.engine, args.all_props, args.props)
+    scope = Scope.of(props.of_engine(args.engine), (p.name for p in chosen))
     asked = EVENT_FORMATS if args.event_format == "both" else (args.event_format,)
     # at most a worker per job: a run of one job (--property card) starts none and runs in this process
     workers = min(args.jobs or usable_cores(), len(plan(chosen, asked, opts)))

@@ -71,8 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="only these properties (check --property per pair; the table shows only their columns). "
                         "E.g. --property card for a dynamo.sglang change: the card row alone decides it")
     p.add_argument("--all", dest="all_props", action="store_true",
-                   help="every property, the opt-in ones too (check --all per pair): without it the table says "
-                        "which did not run")
+                   help="every property, the opt-in ones too (check --all per pair; with --engine vllm: vLLM's bytes "
+                        "block hashes): without it the table says which did not run")
     p.add_argument("--live", action="store_true",
                    help="also run the seed scenario (kvalign e2e run --engine sglang-cpu) per pair, one at a time, "
                         f"as column {LIVE_COLUMN!r} (real CPU engines: ~3 min and ~6 GiB per pair)")

@@ -3,7 +3,9 @@
 The options mean what they mean for SGLang: ``--dynamo`` the Dynamo releases, ``--vllm`` the vLLM
 ones (the official wheels), ``--shipped`` each Dynamo release's own vLLM (its ``ai-dynamo[vllm]``
 pin; without ``--vllm`` those pairs are in the default matrix), ``--json`` / ``--markdown`` the
-report and the README's table with the command that reproduces it. The table has the SGLang
+report and the README's table with the command that reproduces it, ``--all`` each check's opt-in properties too
+(the bytes block hashes; without it the verdicts are for workers with vLLM's default int hashes, and say so under the
+table, as the SGLang matrix says what it left out). The table has the SGLang
 matrix's shape, verdicts, classes and exit codes (0 aligned, 1 misaligned, 2 a pair in error: a
 release that does not install or import). What belongs to SGLang's check only (its event formats,
 properties, live scenario, CI cells) is a usage error here.
@@ -26,19 +28,21 @@ from kvalign.verify.report.matrix import (MatrixError, PairResult, UNKNOWN, defa
 
 #: SGLang-only options and the value each has when not given.
 SGLANG_ONLY = {"sglang": None, "live": False, "list_cells": False, "cell": None, "merge": None, "cells": None,
-               "props": None, "all_props": False, "event_format": None, "ingest_examples": None, "results": []}
+               "props": None, "event_format": None, "ingest_examples": None, "results": []}
 
 
 def _flag(dest: str) -> str:
-    return {"props": "--property", "all_props": "--all", "results": "RESULT.json"}.get(dest, "--" + dest.replace("_", "-"))
+    return {"props": "--property", "results": "RESULT.json"}.get(dest, "--" + dest.replace("_", "-"))
 
 
-def reproduce(dynamo: list[str] | None, vllm: list[str] | None, shipped: bool, examples: int | None) -> str:
+def reproduce(dynamo: list[str] | None, vllm: list[str] | None, shipped: bool, examples: int | None,
+              all_props: bool = False) -> str:
     """The one ``kvalign matrix --engine vllm`` command whose run gives this table."""
     argv = ["kvalign", "matrix", "--engine", matrix_vllm.ENGINE]
     argv += ["--dynamo", ",".join(dynamo)] if dynamo else []
     argv += ["--vllm", ",".join(vllm)] if vllm else []
     argv += ["--shipped"] if shipped else []
+    argv += ["--all"] if all_props else []
     argv += ["--examples", str(examples)] if examples not in (None, matrix_vllm.EXAMPLES) else []
     return " ".join([*argv, "--markdown"])
 
@@ -75,17 +79,19 @@ def run(args: argparse.Namespace) -> int:
               + (f" — {one_line(r.error)}" if r.error else ""), file=err, flush=True)
 
     examples = matrix_vllm.EXAMPLES if args.examples is None else args.examples
-    results = matrix_vllm.run_matrix(pairs, examples=examples, jobs=args.jobs, progress=progress, log=log)
+    results = matrix_vllm.run_matrix(pairs, examples=examples, jobs=args.jobs, all_props=args.all_props,
+                                     progress=progress, log=log)
     results += [PairResult(d, UNKNOWN, "error", error=f"shipped vLLM unknown: {why}", shipped=True)
                 for d, why in unknown.items()]
     cols = matrix_vllm.columns([r for r in results if r.verdict != matrix_vllm.NOT_APPLICABLE])
     matrix_vllm.fill_not_applicable(results, cols)
-    scope = matrix_vllm.scope_line(cols)
+    scope = matrix_vllm.scope_line(args.all_props)
     if args.json:
-        json.dump(matrix_vllm.report_json(results, installed_versions(), cols), sys.stdout, ensure_ascii=False)
+        json.dump(matrix_vllm.report_json(results, installed_versions(), cols, args.all_props), sys.stdout,
+                  ensure_ascii=False)
         sys.stdout.write("\n")
     elif args.markdown:
-        print(render_markdown(results, reproduce(asked_dynamo, asked_vllm, args.shipped, args.examples),
+        print(render_markdown(results, reproduce(asked_dynamo, asked_vllm, args.shipped, args.examples, args.all_props),
                               engine=matrix_vllm.ENGINE, scope=scope))
     else:
         print(render(results, engine=matrix_vllm.ENGINE, columns=cols, scope=scope))

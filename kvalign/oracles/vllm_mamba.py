@@ -18,6 +18,18 @@ from typing import Any
 
 #: the mode vLLM 0.32 gives a Mamba model with prefix caching on (``vllm/model_executor/models/config.py``)
 MAMBA_CACHE_MODE = "align"
+#: the vLLM releases (major, minor) whose ``Scheduler.__init__`` :func:`split_settings` mirrors, read in 0.32.0's source.
+#: Others derive other settings: 0.33.0's split reads ``num_hash_lookahead_tokens`` (given here as 0, but 0.33.0's other
+#: settings are not compared), and under 0.31.0's the Mamba row's control sequence is no counterexample (its control
+#: did not fail: the row would prove nothing). There a Mamba cache does not start, so the row is ``n/a`` naming this.
+DRIVEN = ((0, 32),)
+
+
+def check_driven(version: tuple[object, ...]) -> None:
+    """Refuse (``ValueError``) a vLLM release whose scheduler settings :func:`split_settings` does not mirror."""
+    if tuple(version[:2]) not in DRIVEN:
+        raise ValueError(f"kvalign's Mamba scheduler stand-in mirrors vLLM {', '.join('.'.join(map(str, d)) for d in DRIVEN)}'s "
+                         f"Scheduler settings, not vLLM {'.'.join(map(str, version[:3]))}'s")
 
 
 def mamba_spec(v: types.SimpleNamespace, block_size: int) -> Any:
@@ -55,7 +67,9 @@ def aligned_split(spec: Any, block_size: int, max_model_len: int) -> Callable[[A
     """``split(request, num_new_tokens, num_new_local_computed_tokens)``: vLLM's scheduler's block-aligned clip
     of one prefill step (its ``num_new_tokens`` capped by the step's token budget first, as the scheduler does)."""
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.version import __version_tuple__
 
+    check_driven(__version_tuple__)
     settings = split_settings(spec, block_size, max_model_len)
 
     def split(request: Any, num_new_tokens: int, local_hit: int) -> int:

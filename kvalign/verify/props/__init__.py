@@ -32,6 +32,7 @@ HOMES = (
     "hybrid",
     "storage",
     "vllm",
+    "vllm_bytes",
 )
 
 
@@ -54,9 +55,14 @@ def names() -> tuple[str, ...]:
     return tuple(by_name())
 
 
-def default_names() -> tuple[str, ...]:
-    """What ``check`` and ``matrix`` run without ``--property``."""
-    return tuple(p.name for p in REGISTRY if p.default)
+def default_names(engine: str = "sglang") -> tuple[str, ...]:
+    """What ``check --engine ENGINE`` and ``matrix --engine ENGINE`` run without ``--property`` or ``--all``."""
+    return tuple(p.name for p in REGISTRY if p.default and p.engine == engine)
+
+
+def opt_in_names(engine: str) -> tuple[str, ...]:
+    """The properties of ``engine`` that only ``--all`` (or ``--property``) runs."""
+    return tuple(p.name for p in REGISTRY if not p.default and p.engine == engine)
 
 
 def event_names() -> tuple[str, ...]:

@@ -716,14 +716,15 @@ def report_json(results: Sequence[PairResult], versions: dict[str, Any],
             "rows": [r.as_json() for r in results]}
 
 
-def scope_of(props: Sequence[str] | None) -> Scope:
-    """What a run's verdicts speak for: the SGLang properties it checked against those it left out."""
-    return Scope.of(registry.of_engine("sglang"), registry.default_names() if props is None else props)
+def scope_of(props: Sequence[str] | None, engine: str = "sglang") -> Scope:
+    """What a run's verdicts speak for: the properties of ``engine`` it checked (None: its default ones) against
+    those it left out."""
+    return Scope.of(registry.of_engine(engine), registry.default_names(engine) if props is None else props)
 
 
-def scope_line(props: Sequence[str] | None) -> str | None:
+def scope_line(props: Sequence[str] | None, engine: str = "sglang") -> str | None:
     """Under a table: the verdicts are for deployments without what did not run (None: everything ran)."""
-    scope = scope_of(props)
+    scope = scope_of(props, engine)
     if scope.complete:
         return None
     return f"Verdicts for {scope.aligned_for()}; {scope.not_run_line()}."

@@ -29,8 +29,9 @@ from typing import Any
 
 from kvalign.releases.release_env import ReleaseEnvError, child_env, python_for
 from kvalign.releases.vllm_env import OFFICIAL_DIST, RELEASE_ENV, ensure
+from kvalign.verify import props as registry
 from kvalign.verify.report.matrix import (MatrixError, Pair, PairResult, _run_check, check_result, dynamo_metadata,
-                                          ensure_release, extra_pin, one_line, run_pairs)
+                                          ensure_release, extra_pin, one_line, run_pairs, scope_of)
 
 ENGINE = "vllm"
 #: vLLM releases a matrix without ``--vllm`` checks (beside each Dynamo release's shipped one): the newest.
@@ -107,13 +108,19 @@ def pair_env(dynamo_dir: Path | None, version: str) -> tuple[str, dict[str, str]
     return python, env
 
 
-def check_command(python: str, examples: int | None) -> list[str]:
-    """The pair's ``check --engine vllm --json`` (``examples``: ``--vllm-examples``; None: check's default)."""
-    return [python, "-m", "kvalign", "check", "--engine", ENGINE, "--json",
+def check_command(python: str, examples: int | None, all_props: bool = False) -> list[str]:
+    """The pair's ``check --engine vllm --json`` (``examples``: ``--vllm-examples``; None: check's default;
+    ``all_props``: ``--all``, the opt-in properties too)."""
+    return [python, "-m", "kvalign", "check", "--engine", ENGINE, "--json", *(["--all"] if all_props else []),
             *(["--vllm-examples", str(examples)] if examples is not None else [])]
 
 
-def run_pair(dynamo: str, version: str, *, examples: int | None, broken: str | None = None,
+def checked(all_props: bool) -> list[str]:
+    """The vLLM properties each pair's check runs: the default ones (workers with int block hashes), or every one."""
+    return [p.name for p in registry.of_engine(ENGINE)] if all_props else list(registry.default_names(ENGINE))
+
+
+def run_pair(dynamo: str, version: str, *, examples: int | None, broken: str | None = None, all_props: bool = False,
              log: Callable[[str], None] = lambda _m: None) -> PairResult:
     """One pair's row (``broken``: why its vLLM release cannot run, from :func:`probe`: an error row)."""
     start = time.perf_counter()
@@ -124,17 +131,18 @@ def run_pair(dynamo: str, version: str, *, examples: int | None, broken: str | N
         return PairResult(dynamo, version, "error", error=broken)
     try:
         python, env = pair_env(ensure_release("dynamo", dynamo, log=log), version)
-        res = _run_check(check_command(python, examples), env, timeout=PAIR_TIMEOUT_S)
+        res = _run_check(check_command(python, examples, all_props), env, timeout=PAIR_TIMEOUT_S)
     except (MatrixError, ReleaseEnvError, subprocess.TimeoutExpired, OSError) as exc:
         return PairResult(dynamo, version, "error", error=str(exc), seconds=time.perf_counter() - start)
     return check_result(dynamo, version, res, time.perf_counter() - start)
 
 
-def run_matrix(pairs: Sequence[Pair], *, examples: int | None, jobs: int = 1,
+def run_matrix(pairs: Sequence[Pair], *, examples: int | None, jobs: int = 1, all_props: bool = False,
                progress: Callable[[PairResult, int, int], None] | None = None,
                log: Callable[[str], None] = lambda _m: None) -> list[PairResult]:
-    """Every pair, ``jobs`` at a time, results in the order given; each vLLM release installed and
-    probed first, once, one at a time (the downloads and the first import are the slow part)."""
+    """Every pair, ``jobs`` at a time, results in the order given (``all_props``: each check with ``--all``); each
+    vLLM release installed and probed first, once, one at a time (the downloads and the first import are the slow
+    part)."""
     broken: dict[str, str] = {}
     for version in dict.fromkeys(p.sglang for p in pairs if p.sglang not in NOT_DRIVEN):
         log(f"vllm {version}: installing (once) and importing its prefix-cache code")
@@ -143,7 +151,7 @@ def run_matrix(pairs: Sequence[Pair], *, examples: int | None, jobs: int = 1,
         except MatrixError as exc:
             broken[version] = str(exc)
     return run_pairs(pairs, lambda p: run_pair(p.dynamo, p.sglang, examples=examples, broken=broken.get(p.sglang),
-                                               log=log), jobs, progress)
+                                               all_props=all_props, log=log), jobs, progress)
 
 
 def columns(results: Sequence[PairResult]) -> list[tuple[str, str]]:
@@ -166,19 +174,24 @@ def fill_not_applicable(results: Sequence[PairResult], cols: Sequence[tuple[str,
             r.not_applicable = [{"property": p, "mode": m, "variant": "base", "reason": why} for p, m in cols]
 
 
-def scope_line(cols: Sequence[tuple[str, str]]) -> str:
-    """What the verdicts speak for: the vLLM rows that ran (``check --engine vllm``'s), nothing else."""
-    names = list(dict.fromkeys(p for p, _ in cols))
-    return f"Verdicts for what ran only: {', '.join(names) or 'no row'} (`check --engine vllm`'s rows)."
+def scope_line(all_props: bool) -> str | None:
+    """What the verdicts speak for, as the SGLang matrix says it: deployments without the surfaces of the vLLM
+    properties that did not run (by default the opt-in bytes hashes: "Verdicts for deployments without vLLM workers
+    with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0; not run: vllm_bytes (--all runs every property)."); None where
+    every one ran (``--all``)."""
+    scope = scope_of(checked(all_props), ENGINE)
+    return None if scope.complete else f"Verdicts for {scope.aligned_for()}; {scope.not_run_line()}."
 
 
-def report_json(results: Sequence[PairResult], versions: dict[str, Any], cols: Sequence[tuple[str, str]]) -> dict[str, Any]:
-    """``matrix --engine vllm --json``: the SGLang matrix's document, a row's engine release under ``vllm``."""
+def report_json(results: Sequence[PairResult], versions: dict[str, Any], cols: Sequence[tuple[str, str]],
+                all_props: bool = False) -> dict[str, Any]:
+    """``matrix --engine vllm --json``: the SGLang matrix's document, a row's engine release under ``vllm``;
+    ``properties`` the rows check printed (the table's columns), ``scope`` the vLLM properties that ran and those
+    that did not, with their surfaces (:class:`~kvalign.verify.engine.scope.Scope`)."""
     names = list(dict.fromkeys(p for p, _ in cols))
     rows = []
     for r in results:
         row = r.as_json()
         rows.append({"dynamo": row.pop("dynamo"), ENGINE: row.pop("sglang"), **row})
     return {"engine": ENGINE, "versions": versions, "properties": names,
-            "scope": {"ran": names, "not_run": [], "aligned_for": f"what ran only: {', '.join(names)}"},
-            "rows": rows}
+            "scope": scope_of(checked(all_props), ENGINE).as_json(), "rows": rows}

@@ -30,9 +30,9 @@ from kvalign.verify.engine.systems import Systems
 
 
 def selected(props: Iterable[str] | None) -> list[Property]:
-    """The registered properties named in ``props`` (registry order), or the default ones."""
+    """The registered properties named in ``props`` (registry order), or SGLang's default ones."""
     if props is None:
-        return [p for p in REGISTRY if p.default]
+        return [p for p in REGISTRY if p.default and p.engine == "sglang"]
     wanted = set(props)
     return [p for p in REGISTRY if p.name in wanted]
 

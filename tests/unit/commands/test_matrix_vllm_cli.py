@@ -37,6 +37,7 @@ def test_the_table_s_command_reproduces_the_run_and_parses():
     assert reproduce(None, None, False, 7) == "kvalign matrix --engine vllm --examples 7 --markdown"
     # the matrix's own default (5 cases per row) is what a command without --examples runs: left out
     assert reproduce(None, None, False, 5) == "kvalign matrix --engine vllm --markdown"
+    assert reproduce(["1.6.1"], None, True, None, True) == "kvalign matrix --engine vllm --dynamo 1.6.1 --shipped --all --markdown"
 
 
 def test_vllm_pairs_run_one_at_a_time_unless_jobs_is_given(monkeypatch):
@@ -46,12 +47,28 @@ def test_vllm_pairs_run_one_at_a_time_unless_jobs_is_given(monkeypatch):
 
     seen: dict[str, int] = {}
 
-    def stop(pairs, *, examples, jobs, **_kw):
-        seen.update(jobs=jobs, examples=examples)
+    def stop(pairs, *, examples, jobs, all_props, **_kw):
+        seen.update(jobs=jobs, examples=examples, all_props=all_props)
         return []
 
     monkeypatch.setattr(matrix_vllm, "run_matrix", stop)
     monkeypatch.setattr(matrix_vllm, "shipped_vllm", lambda d, log=None: "0.31.0")
     for argv, jobs in ([], 1), (["--jobs", "3"], 3):
         main(["matrix", "--engine", "vllm", "--dynamo", "1.6.1", "--shipped", *argv])
-        assert seen == {"jobs": jobs, "examples": matrix_vllm.EXAMPLES}
+        assert seen == {"jobs": jobs, "examples": matrix_vllm.EXAMPLES, "all_props": False}
+
+
+def test_all_runs_each_pairs_opt_in_vllm_properties_and_the_table_says_what_did_not_run(monkeypatch, capsys):
+    """--all is each pair's check --all (vLLM's bytes block hashes); without it the line under the table names them."""
+    from kvalign.verify.report import matrix_vllm
+
+    seen: list[bool] = []
+    monkeypatch.setattr(matrix_vllm, "run_matrix", lambda pairs, *, all_props, **_kw: seen.append(all_props) or [])
+    monkeypatch.setattr(matrix_vllm, "shipped_vllm", lambda d, log=None: "0.31.0")
+    main(["matrix", "--engine", "vllm", "--dynamo", "1.6.1", "--shipped", "--markdown"])
+    default = capsys.readouterr().out
+    main(["matrix", "--engine", "vllm", "--dynamo", "1.6.1", "--shipped", "--all", "--markdown"])
+    everything = capsys.readouterr().out
+    assert seen == [False, True]
+    assert "not run: vllm_bytes (--all runs every property)" in default and "not run" not in everything
+    assert everything.rstrip().endswith("`kvalign matrix --engine vllm --dynamo 1.6.1 --shipped --all --markdown`")

@@ -6,9 +6,9 @@ One property, ``vllm``, whose one job starts one vLLM engine and prints its rows
 names (``hash``, ``pages``, ``ingest``, ``tenants``), each with its negative control, then the rows of their own
 modules: ``mm`` (image prompts, :mod:`.mm`) on the same engine, ``tiers`` (the CPU offload tier, :mod:`.tiers`)
 and ``hybrid`` (full attention + sliding window, :mod:`.hybrid`) each on an engine of its own, ``blocks`` (per block
-size, :mod:`.blocks`), ``hashes`` (int and bytes) and ``events`` (vLLM's map encoding, :mod:`.encodings`); off by default
-(``check --engine vllm`` or ``--property vllm`` runs it). Importing this package imports neither vLLM,
-Dynamo nor SGLang.
+size, :mod:`.blocks`), ``hashes int`` and ``events`` (vLLM's map encoding, :mod:`.encodings`). It is the default of
+``check --engine vllm`` (SGLang's ``check`` never runs it); the opt-in ``hashes bytes`` row is a property of its own
+(:mod:`kvalign.verify.props.vllm_bytes`, ``--all``). Importing this package imports neither vLLM, Dynamo nor SGLang.
 """
 
 from __future__ import annotations
@@ -38,5 +38,5 @@ def header(dynamo: str, examples: int, page_size: int | None) -> list[str]:
             f"{page_size or BLOCK_SIZE}; {NUM_BLOCKS} blocks"]
 
 
-PROPERTY = SetUpOnceProperty("vllm", modes=("plain",), default=False, surface="vLLM workers", engine="vllm", events="own", budget=BUDGET, cost=60.0,
+PROPERTY = SetUpOnceProperty("vllm", modes=("plain",), default=True, surface="vLLM workers", engine="vllm", events="own", budget=BUDGET, cost=60.0,
                              rows=_rows, variants=())

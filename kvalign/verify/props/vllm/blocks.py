@@ -15,7 +15,6 @@ relay's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from kvalign.model.causes import Cause
@@ -55,38 +54,30 @@ def blocks_body(worker: Any) -> Body:
     return body
 
 
-def block_rows(path: Any, sizes: tuple[int, ...], n: int, seed: int | None, num_blocks: int,
-               row: Callable[..., RowResult]) -> list[RowResult]:
-    """One row per block size (:data:`BLOCK_SIZES` unless ``--page-size`` names one), its control beside it
-    (``row``: :func:`running._row`). A size whose engine cannot start is that row with its cause, never an exception."""
+def block_rows(path: Any, sizes: tuple[int, ...], n: int, seed: int | None, num_blocks: int) -> list[RowResult]:
+    """One row per block size (:data:`BLOCK_SIZES` unless ``--page-size`` names one), its control beside it, each on
+    a vLLM worker of its own (:func:`~kvalign.verify.props.vllm.running.on_engine`: one that cannot start is that row
+    with its cause, never an exception)."""
     from hypothesis import strategies as st
 
-    from kvalign.oracles.base import OracleUnavailable
-    from kvalign.oracles.vllm_router import VllmWorker, vllm_worker
-    from kvalign.verify.engine.property import unavailable
+    from kvalign.oracles.vllm_router import VllmWorker
     from kvalign.verify.engine.search import run_search
     from kvalign.verify.props.vllm.controls import CONTROL_EXAMPLES
+    from kvalign.verify.props.vllm.running import on_engine, search_row
 
-    out: list[RowResult] = []
     repeated = [Served((0, 1, 2), 3), Served((0, 1, 2), 3)]
-    for b in sizes:
-        try:
-            worker = vllm_worker(path, b, num_blocks)
-        except OracleUnavailable as exc:
-            out += unavailable("blocks", ("plain",), (f"b{b}",), str(exc))
-            continue
-        wrong = misconfigured(b)
 
-        def control(worker: Any = worker, wrong: int = wrong) -> Any:
+    def rows(worker: Any) -> list[RowResult]:
+        b, wrong = worker.engine.block_size, misconfigured(worker.engine.block_size)
+
+        def control() -> Any:
             # a second relay (card, router) at the wrong size on the same vLLM publisher: no second engine
             misread = VllmWorker(worker.engine, path.attach(worker.hop, wrong), worker.hop)
             misread.barrier()
             return run_search(blocks_body(misread), st.just(repeated), CONTROL_EXAMPLES, seed=seed)
 
-        try:
-            out.append(row("blocks", f"b{b}", blocks_body(worker), sequences(b), n, seed,
+        return [search_row("blocks", blocks_body(worker), sequences(b), n, seed,
                            (f"relay_block_size {wrong} (the relay, card and router at {wrong}, vLLM at {b})", control,
-                            Cause.BLOCK_SIZE)))
-        finally:
-            worker.close()
-    return out
+                            Cause.BLOCK_SIZE), variant=f"b{b}")]
+
+    return [r for b in sizes for r in on_engine([("blocks", f"b{b}")], path, b, num_blocks, rows)]

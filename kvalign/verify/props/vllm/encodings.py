@@ -7,7 +7,10 @@ vLLM holds indexed by the router under vLLM's hash. ``int`` is aligned; ``bytes`
 :attr:`~kvalign.model.causes.Cause.VLLM_BYTES_HASHES_DROPPED`: Dynamo 1.6.1's relay indexes none of them and
 says nothing at its default log level. The ``int`` row's negative control re-encodes vLLM's int hashes as
 32-byte strings on the hop (what the ``bytes`` setting puts on the wire): the router then indexes none.
-The ``bytes`` row is a finding, with no control of its own: the ``int`` row's is its mechanism.
+The ``bytes`` row is a finding, with no control of its own: the ``int`` row's is its mechanism. ``bytes`` is a
+setting a user opts into, so its row is a property of its own (:mod:`kvalign.verify.props.vllm_bytes`, surface
+"vLLM workers with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0"): ``check --engine vllm`` is a verdict on workers with
+int hashes and names it as not run; ``--all`` runs it.
 
 **events**: vLLM 0.32's ``KVCacheEvent`` structs are tagged msgpack *maps* (``tag=True`` without
 ``array_like``; the batch is a positional ``[ts, events, data_parallel_rank]``), with no option for the
@@ -22,7 +25,6 @@ saw): the router then credits the tenants' blocks to the base model.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from kvalign.model.causes import Cause
@@ -98,45 +100,38 @@ def renamed_fields(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{RENAMED.get(k, k): v for k, v in e.items()} for e in events]
 
 
-def encoding_rows(path: Any, n: int, seed: int | None, block_size: int, num_blocks: int,
-                  row: Callable[..., RowResult]) -> list[RowResult]:
-    """``hashes`` (``int``, ``bytes``) and ``events`` (``map`` or ``positional``), each on its own vLLM worker (``row``:
-    :func:`running._row`); an engine that cannot start is its rows with their cause, never an exception."""
-    from hypothesis import strategies as st
+def encoding_rows(path: Any, n: int, seed: int | None, block_size: int, num_blocks: int) -> list[RowResult]:
+    """``hashes int`` and ``events`` (``map`` or ``positional``) on a vLLM worker of their own, as vLLM runs by default
+    (int hashes), each with its control; a worker that cannot start is its rows with their cause, never an exception."""
+    from kvalign.verify.props.vllm.running import control_run, on_engine, search_row
 
-    from kvalign.oracles.base import OracleUnavailable
-    from kvalign.oracles.vllm_router import vllm_worker
-    from kvalign.verify.engine.property import unavailable
-    from kvalign.verify.engine.search import run_search
-    from kvalign.verify.props.vllm.controls import CONTROL_EXAMPLES
+    def rows(worker: Any) -> list[RowResult]:
+        body = hashes_body(worker)
+        out = [search_row("hashes", body, sequences(block_size, TENANTS), n, seed,
+                          ("int_as_bytes (the hop re-encodes vLLM's int block hashes as 32 bytes)",
+                           control_run(worker, body, [Served((0, 1, 2), 3)], seed, int_as_bytes), Cause.EVENTS_DROPPED),
+                          variant="int")]
+        tenants, wire = bodies.tenants_body(worker), controls.wire_encoding(worker)
+        out.append(search_row("events", tenants, sequences(block_size, TENANTS), n, seed,
+                              ("renamed_fields (the hop names lora_name and extra_keys otherwise)" if wire == "map" else
+                               "renamed_fields (the hop empties lora_name's and extra_keys' positions)",
+                               control_run(worker, tenants, [Served((0, 1, 2), 3, ("adapterA", "t1"))], seed,
+                                           renamed_fields), Cause.TENANTS_SHARE_KEYS), variant=wire))
+        return out
 
-    def on_hop(worker: Any, body: Body, seq: list[Served], fn: controls.EventsFn) -> Callable[[], Any]:
-        def run() -> Any:
-            with controls.on_hop(worker, fn):
-                return run_search(body, st.just(seq), CONTROL_EXAMPLES, seed=seed)
-        return run
+    # where the worker cannot run, the events row is named after the encoding vLLM 0.26 and later send
+    return on_engine([("hashes", "int"), ("events", "map")], path, block_size, num_blocks, rows,
+                     env=HASH_ENCODINGS["int"])
 
-    out: list[RowResult] = []
-    for encoding, env in HASH_ENCODINGS.items():
-        names = [("hashes", encoding)] + ([("events", "map")] if env is None else [])
-        try:
-            worker = vllm_worker(path, block_size, num_blocks, env=env)
-        except OracleUnavailable as exc:
-            out += [r for p, v in names for r in unavailable(p, ("plain",), (v,), str(exc))]
-            continue
-        try:
-            body = hashes_body(worker)
-            control = None if env else ("int_as_bytes (the hop re-encodes vLLM's int block hashes as 32 bytes)",
-                                        on_hop(worker, body, [Served((0, 1, 2), 3)], int_as_bytes),
-                                        Cause.EVENTS_DROPPED)
-            out.append(row("hashes", encoding, body, sequences(block_size, TENANTS), n, seed, control))
-            if env is None:
-                tenants, wire = bodies.tenants_body(worker), controls.wire_encoding(worker)
-                out.append(row("events", wire, tenants, sequences(block_size, TENANTS), n, seed,
-                               ("renamed_fields (the hop names lora_name and extra_keys otherwise)" if wire == "map" else
-                                "renamed_fields (the hop empties lora_name's and extra_keys' positions)",
-                                on_hop(worker, tenants, [Served((0, 1, 2), 3, ("adapterA", "t1"))], renamed_fields),
-                                Cause.TENANTS_SHARE_KEYS)))
-        finally:
-            worker.close()
-    return out
+
+def bytes_rows(path: Any, n: int, seed: int | None, block_size: int, num_blocks: int) -> list[RowResult]:
+    """``hashes bytes``: the opt-in encoding (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``) on a vLLM worker of its own,
+    the ``vllm_bytes`` property's one row. No control of its own: the ``int`` row's ``int_as_bytes`` is its
+    mechanism (the same bytes on the wire, from an int worker, indexed by none)."""
+    from kvalign.verify.props.vllm.running import on_engine, search_row
+
+    def rows(worker: Any) -> list[RowResult]:
+        return [search_row("hashes", hashes_body(worker), sequences(block_size, TENANTS), n, seed, None,
+                           variant="bytes")]
+
+    return on_engine([("hashes", "bytes")], path, block_size, num_blocks, rows, env=HASH_ENCODINGS["bytes"])

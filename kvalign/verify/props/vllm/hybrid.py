@@ -28,6 +28,7 @@ from typing import Any
 
 from kvalign.model.causes import Cause
 from kvalign.verify.engine.properties import Mismatch
+from kvalign.verify.engine.rows import RowResult
 from kvalign.verify.props.vllm.strategies import Served, fresh_base
 
 #: the hybrid engine's pool (both groups share it; the window is two blocks)
@@ -116,19 +117,20 @@ CONTROL_SEQUENCE = [Served((0, 1, 2, 0, 1), 1), Served((1, 1, 1), 1), Served((2,
 MAMBA_CONTROL_SEQUENCE = [Served((0, 0), 0)] + [Served((0,), 0)] * 5
 
 
-def row(path: Any, b: int, n: int, seed: int | None, variant: str = "base") -> Any:
+def row(path: Any, b: int, n: int, seed: int | None, variant: str = "base") -> RowResult:
     """The ``hybrid`` row on a hybrid vLLM engine of its own: full attention + a window of two blocks (``base``)
     or + a Mamba group in vLLM's default ``'align'`` mode (``mamba``)."""
-    from kvalign.verify.props.vllm.running import control_run, own_engine, search_row
+    from kvalign.verify.props.vllm.running import control_run, on_engine, search_row
     from kvalign.verify.props.vllm.strategies import sequences
 
     mamba = variant == "mamba"
     options: dict[str, Any] = {"mamba": True} if mamba else {"sliding_window": 2 * b}
     control_seq = MAMBA_CONTROL_SEQUENCE if mamba else CONTROL_SEQUENCE
-    with own_engine("hybrid", path, b, NUM_BLOCKS, variant=variant, **options) as worker:
-        if not hasattr(worker, "engine"):
-            return worker
-        return search_row("hybrid", hybrid_body(worker), sequences(b), n, seed,
-                          ("untag_groups (the relay takes every group for full attention)",
-                           control_run(worker, hybrid_body(worker), control_seq, seed, untag_groups),
-                           Cause.INGEST_STALE), variant=variant)
+
+    def rows(worker: Any) -> list[RowResult]:
+        return [search_row("hybrid", hybrid_body(worker), sequences(b), n, seed,
+                           ("untag_groups (the relay takes every group for full attention)",
+                            control_run(worker, hybrid_body(worker), control_seq, seed, untag_groups),
+                            Cause.INGEST_STALE), variant=variant)]
+
+    return on_engine([("hybrid", variant)], path, b, NUM_BLOCKS, rows, **options)[0]

@@ -23,8 +23,8 @@ CAUSES = frozenset(FINDING_ENV)
 BLOCK_SIZE = 16
 #: what shows each finding, for the report's "Found by" line
 FOUND_BY: dict[Cause, str] = {
-    Cause.VLLM_BYTES_HASHES_DROPPED: ("`kvalign check --engine vllm`'s `hashes` `bytes` row (Hypothesis search, shrunk), "
-                                      "which fails `check` (exit 1)"),
+    Cause.VLLM_BYTES_HASHES_DROPPED: ("`kvalign check --engine vllm --all`'s `hashes` `bytes` row (the opt-in property "
+                                      "`vllm_bytes`; Hypothesis search, shrunk), which fails `check --all` (exit 1)"),
     Cause.VLLM_SALT_UNPREFIXED: ("tests/unit/oracles/test_vllm_tenants.py "
                                  "(`test_finding_a_salt_without_dynamos_prefix_is_ignored_by_the_router`) and the replay "
                                  "below; no `check` row drives it: its `tenants` rows hand vLLM each salt as "

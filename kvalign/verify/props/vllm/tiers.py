@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from kvalign.model.causes import Cause
 from kvalign.verify.engine.properties import Mismatch
+from kvalign.verify.engine.rows import RowResult
 from kvalign.verify.props.vllm.strategies import Served, fresh_base
 
 #: vLLM's media (``vllm.distributed.kv_events.MEDIUM_*``) -> the router tier Dynamo 1.6.1's relay files them
@@ -101,14 +102,14 @@ CONTROL_SEQUENCE = [Served((0, 1, 2), 3), Served((0, 0, 0, 0, 0), 1), Served((1,
                     Served((2, 2, 2, 2), 1), Served((0, 1, 2), 3)]
 
 
-def row(path: Any, b: int, n: int, seed: int | None) -> Any:
+def row(path: Any, b: int, n: int, seed: int | None) -> RowResult:
     """The ``tiers`` row on a vLLM engine of its own (a CPU tier behind a small device cache), with its control."""
-    from kvalign.verify.props.vllm.running import NUM_BLOCKS, control_run, own_engine, search_row
+    from kvalign.verify.props.vllm.running import NUM_BLOCKS, control_run, on_engine, search_row
 
-    with own_engine("tiers", path, b, NUM_BLOCKS, offload=OFFLOAD) as worker:
-        if not hasattr(worker, "engine"):
-            return worker
-        return search_row("tiers", tiers_body(worker), tier_sequences(b), n, seed,
-                          ("cpu_as_gpu (the relay files the CPU tier's blocks as device blocks)",
-                           control_run(worker, tiers_body(worker), CONTROL_SEQUENCE, seed, cpu_as_gpu),
-                           Cause.TIER_MISFILED))
+    def rows(worker: Any) -> list[RowResult]:
+        return [search_row("tiers", tiers_body(worker), tier_sequences(b), n, seed,
+                           ("cpu_as_gpu (the relay files the CPU tier's blocks as device blocks)",
+                            control_run(worker, tiers_body(worker), CONTROL_SEQUENCE, seed, cpu_as_gpu),
+                            Cause.TIER_MISFILED))]
+
+    return on_engine([("tiers", "base")], path, b, NUM_BLOCKS, rows, offload=OFFLOAD)[0]

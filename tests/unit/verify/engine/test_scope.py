@@ -40,3 +40,23 @@ def test_a_misaligned_run_still_names_what_did_not_run() -> None:
     text = check_text.verdict(rows, 1.0, scope=DEFAULT).splitlines()
     assert text[0].startswith("MISALIGNED: 10 cases") and text[1].startswith("  not run: mm, hybrid, storage")
     assert DEFAULT.as_json()["not_run"][0] == {"property": "mm", "surface": "image prompts"}
+
+
+def test_check_engine_vllm_is_a_verdict_on_int_hash_workers_and_all_adds_the_bytes_ones():
+    """vLLM's bytes block hashes are a setting a user opts into (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0): the default
+    verdict leaves them out and names them; --all runs them (issue 44)."""
+    from kvalign.commands.check import engine_properties
+
+    vllm = props.of_engine("vllm")
+    default = Scope.of(vllm, [p.name for p in engine_properties("vllm", False, None)])
+    assert default.ran == ("vllm",) and default.not_run == (
+        ("vllm_bytes", "vLLM workers with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0"),)
+    rows = [RowResult("hashes", "plain", "int", 10, 0, 0.1)]
+    text = check_text.verdict(rows, 1.0, scope=default).splitlines()
+    assert text[0] == "ALIGNED for deployments without vLLM workers with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0"
+    assert text[2] == "  not run: vllm_bytes (--all runs every property)"
+    everything = Scope.of(vllm, [p.name for p in engine_properties("vllm", True, None)])
+    assert everything.complete and everything.ran == ("vllm", "vllm_bytes")
+    # negative control: the SGLang engine's default run never picks a vLLM property, nor --all one
+    assert not {p.engine for p in engine_properties("sglang", False, None)} - {"sglang"}
+    assert not {p.engine for p in engine_properties("sglang", True, None)} - {"sglang"}

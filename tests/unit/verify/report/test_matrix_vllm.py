@@ -80,6 +80,7 @@ def test_the_pair_runs_check_engine_vllm_in_dynamo_s_environment_on_its_vllm():
     assert matrix_vllm.check_command(python, 7)[1:] == ["-m", "kvalign", "check", "--engine", "vllm", "--json",
                                                         "--vllm-examples", "7"]
     assert "--vllm-examples" not in matrix_vllm.check_command(python, None)
+    assert "--all" in matrix_vllm.check_command(python, 7, True) and "--all" not in matrix_vllm.check_command(python, 7)
 
 
 def _results() -> list[PairResult]:
@@ -95,13 +96,16 @@ def test_the_table_has_the_sglang_matrix_s_shape_with_a_vllm_column_per_row_chec
     results = _results()
     cols = matrix_vllm.columns(results)
     assert cols == [("hash", "plain"), ("pages", "plain"), ("tenants", "plain")]
-    scope = matrix_vllm.scope_line(cols)
+    scope = matrix_vllm.scope_line(False)
     lines = render(results, engine="vllm", columns=cols, scope=scope).splitlines()
     assert [c.strip() for c in lines[0].strip("|").split("|")] == [
         "dynamo", "vllm", "verdict", "hash:plain", "pages:plain", "tenants:plain"]
     assert [c.strip() for c in lines[3].strip("|").split("|")][1:] == [
         "0.28.0 (shipped)", "misaligned", "ok", "ok", "TENANTS_SHARE_KEYS"]
-    assert scope in lines and scope.startswith("Verdicts for what ran only: hash, pages, tenants")
+    assert scope in lines and scope == ("Verdicts for deployments without vLLM workers with "
+                                        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0; not run: vllm_bytes (--all runs every "
+                                        "property).")
+    assert matrix_vllm.scope_line(True) is None  # --all: every vLLM property ran, as the SGLang matrix says nothing
     md = render_markdown(results, "kvalign matrix --engine vllm --markdown", engine="vllm", scope=scope).splitlines()
     assert md[0] == "| dynamo | vllm | verdict | causes (properties) |"
     assert md[3] == "| 1.5.1 | **0.28.0 (shipped)** | misaligned | TENANTS_SHARE_KEYS (tenants) |"
@@ -118,6 +122,9 @@ def test_a_row_only_a_finding_names_still_gets_its_column():
 def test_the_json_names_each_row_s_vllm_release():
     doc = matrix_vllm.report_json(_results(), {"kvalign": "x"}, [("hash", "plain")])
     assert doc["engine"] == "vllm" and doc["properties"] == ["hash"]
+    assert doc["scope"]["ran"] == ["vllm"] and doc["scope"]["not_run"] == [
+        {"property": "vllm_bytes", "surface": "vLLM workers with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0"}]
+    assert matrix_vllm.report_json([], {}, [], all_props=True)["scope"]["not_run"] == []
     assert [(r["dynamo"], r["vllm"], r["shipped"]) for r in doc["rows"]][0] == ("1.6.1", "0.31.0", True)
     assert all("sglang" not in r for r in doc["rows"])
 

@@ -1,6 +1,7 @@
 """``kvalign check --engine vllm`` as a user runs it: vLLM's hash, pages, ingest, tenants, mm, tiers, hybrid (sliding
-window and Mamba), blocks, hashes and events rows in the same table, classes and exit codes, every row's negative
-control failing as it must. (The differential checks and their controls at the oracle level:
+window and Mamba), blocks, hashes (int) and events rows in the same table, classes and exit codes, every row's negative
+control failing as it must; a verdict for workers with vLLM's default int block hashes, naming the bytes ones as not
+run, and ``--all`` adding them (a finding: exit 1). (The differential checks and their controls at the oracle level:
 tests/unit/oracles/test_vllm_*.py, in the fast tier.)"""
 
 from __future__ import annotations
@@ -23,26 +24,44 @@ def _check(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=600, cwd=ROOT, env=env)
 
 
-@pytest.mark.slow  # vLLM engines (one with bytes hashes) and a Dynamo runtime in a child (about 3 min on two loaded cores)
-def test_check_engine_vllm_rows_run_and_every_control_fails(tmp_path):
+#: the rows of check --engine vllm's default property, in order (workers with vLLM's default int block hashes)
+DEFAULT_ROWS = [("hash", "base"), ("pages", "base"), ("ingest", "base"), ("tenants", "lora"), ("tenants", "namespace"),
+                ("tenants", "lora+namespace"), ("mm", "base"), ("tiers", "base"), ("hybrid", "base"), ("hybrid", "mamba"),
+                ("blocks", "b16"), ("blocks", "b32"), ("blocks", "b64"), ("hashes", "int"), ("events", "map")]
+#: each default row's control: (failed, cause)
+CONTROLS = [(True, "LORA_DROPPED"), (True, "INGEST_STALE"), (True, "EVENTS_DROPPED"), *[(True, "TENANTS_SHARE_KEYS")] * 3,
+            (True, "MM_DROPPED"), (True, "TIER_MISFILED"), *[(True, "INGEST_STALE")] * 2, *[(True, "BLOCK_SIZE")] * 3,
+            (True, "EVENTS_DROPPED"), (True, "TENANTS_SHARE_KEYS")]
+BYTES_SURFACE = "vLLM workers with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0"
+
+
+@pytest.mark.slow  # vLLM engines and a Dynamo runtime in a child (about 3 min on two loaded cores)
+def test_check_engine_vllm_is_aligned_for_int_hash_workers_and_names_the_bytes_ones_as_not_run(tmp_path):
     res = _check("--vllm-examples", "8", "--json", tmp_path=tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    report = json.loads(res.stdout)
+    rows = {(r["prop"], r["variant"]): r for r in report["rows"]}
+    assert list(rows) == DEFAULT_ROWS
+    assert all(r["status"] == "ok" and r["mode"] == "plain" and r["cases"] == 8 for r in rows.values())
+    assert [(r["control"]["failed"], r["control"]["cause"]) for r in rows.values()] == CONTROLS
+    assert report["aligned"] and report["scope"] == {"ran": ["vllm"], "not_run": [
+        {"property": "vllm_bytes", "surface": BYTES_SURFACE}], "aligned_for": f"deployments without {BYTES_SURFACE}"}
+
+
+@pytest.mark.slow  # every vLLM row, the bytes one on a second vLLM interpreter (about 3 min on two loaded cores)
+def test_all_adds_the_bytes_hashes_row_and_its_finding_exits_1(tmp_path):
+    res = _check("--all", "--vllm-examples", "8", "--json", tmp_path=tmp_path)
     # exit 1: the hashes/bytes row's finding (VLLM_BYTES_HASHES_DROPPED, cache-blind); every other row aligned
     assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
     report = json.loads(res.stdout)
     rows = {(r["prop"], r["variant"]): r for r in report["rows"]}
-    assert list(rows) == [("hash", "base"), ("pages", "base"), ("ingest", "base"), ("tenants", "lora"),
-                          ("tenants", "namespace"), ("tenants", "lora+namespace"), ("mm", "base"), ("tiers", "base"),
-                          ("hybrid", "base"), ("hybrid", "mamba"), ("blocks", "b16"), ("blocks", "b32"),
-                          ("blocks", "b64"), ("hashes", "int"), ("events", "map"), ("hashes", "bytes")]
+    assert list(rows) == [*DEFAULT_ROWS, ("hashes", "bytes")]
     bytes_row = rows.pop(("hashes", "bytes"))
     assert (bytes_row["status"], bytes_row["cause_name"], bytes_row["class"]) == (
         "finding", "VLLM_BYTES_HASHES_DROPPED", "cache-blind") and bytes_row["cases"] >= 1
     assert all(r["status"] == "ok" and r["mode"] == "plain" and r["cases"] == 8 for r in rows.values())
-    assert [(r["control"]["failed"], r["control"]["cause"]) for r in rows.values()] == [
-        (True, "LORA_DROPPED"), (True, "INGEST_STALE"), (True, "EVENTS_DROPPED"),
-        *[(True, "TENANTS_SHARE_KEYS")] * 3, (True, "MM_DROPPED"), (True, "TIER_MISFILED"),
-        *[(True, "INGEST_STALE")] * 2, *[(True, "BLOCK_SIZE")] * 3, (True, "EVENTS_DROPPED"),
-        (True, "TENANTS_SHARE_KEYS")]
+    assert [(r["control"]["failed"], r["control"]["cause"]) for r in rows.values()] == CONTROLS
+    assert report["scope"]["ran"] == ["vllm", "vllm_bytes"] and report["scope"]["not_run"] == []
 
 
 def test_an_unknown_engine_is_a_usage_error(tmp_path):
