@@ -23,7 +23,13 @@ from kvalign.oracles.base import OracleUnavailable
 EXAMPLES = 6
 
 
-SENTINEL_HASHES = 1 << 62  # kvalign's barrier pages (kvalign.oracles.router_path.sentinel_hash)
+SENTINEL_HASHES = 1 << 62  # kvalign's barrier pages (kvalign.oracles.router_path.sentinel_hash): 2^62 + k
+
+
+def _is_sentinel(h: int) -> bool:
+    """A barrier page's hash (k counts up from 0), not an engine page's: a quarter of SGLang's u64 hashes
+    are >= 2^62 too, and a hop that left those alone left the engine's events half-broken (INGEST_STALE)."""
+    return SENTINEL_HASHES <= int(h) < SENTINEL_HASHES + (1 << 32)
 
 
 def _rewrite_medium(old: str, new: str, *, sentinels: bool) -> Callable[[list[bytes]], list[bytes]]:
@@ -35,7 +41,7 @@ def _rewrite_medium(old: str, new: str, *, sentinels: bool) -> Callable[[list[by
         batch = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
         for ev in batch[1]:
             if isinstance(ev, dict) and ev.get("medium") == old:
-                if sentinels or not any(int(h) >= SENTINEL_HASHES for h in ev.get("block_hashes") or []):
+                if sentinels or not any(map(_is_sentinel, ev.get("block_hashes") or [])):
                     ev["medium"] = new
         return [frames[0], frames[1], msgpack.packb(batch, use_bin_type=True)]
 
@@ -353,12 +359,12 @@ def test_a_recorded_example_replays_its_mismatch_and_only_where_the_release_show
 
 
 def test_a_mismatch_hypothesis_could_not_replay_is_unconfirmed_with_its_rate(tier_paths):
-    """A hop broken for its first few batches only: the example that failed there passes when Hypothesis
+    """A hop broken for its first three batches only: the example that failed there passes when Hypothesis
     replays it (``Flaky``), and its 10 replays of the recorded steps do not all fail: unconfirmed with its
     rate, never a finding."""
     import re
 
-    broken = {"left": 1}
+    broken = {"left": 3}
 
     def once(frames: list[bytes]) -> list[bytes]:
         if broken["left"] <= 0:
