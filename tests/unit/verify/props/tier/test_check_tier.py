@@ -359,20 +359,23 @@ def test_a_recorded_example_replays_its_mismatch_and_only_where_the_release_show
 
 
 def test_a_mismatch_hypothesis_could_not_replay_is_unconfirmed_with_its_rate(tier_paths):
-    """A hop broken for its first three batches only: the example that failed there passes when Hypothesis
-    replays it (``Flaky``), and its 10 replays of the recorded steps do not all fail: unconfirmed with its
-    rate, never a finding."""
+    """A hop broken for one batch only (it drops the first that stores engine pages: the router misses
+    them at once, where a misfiled write-through backup shows only once its device copy goes): the
+    example that failed there passes when Hypothesis replays it (``Flaky``), and its 10 replays of the
+    recorded steps do not all fail: unconfirmed with its rate, never a finding."""
     import re
 
-    broken = {"left": 3}
+    broken = {"left": 1}
 
-    def once(frames: list[bytes]) -> list[bytes]:
+    def once(frames: list[bytes]) -> list[bytes] | None:
         if broken["left"] <= 0:
             return frames
-        out = host_as_device(frames)
-        if out != frames:
+        batch = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
+        if any(isinstance(ev, dict) and ev.get("type") == "BlockStored"
+               and not any(map(_is_sentinel, ev.get("block_hashes") or [])) for ev in batch[1]):
             broken["left"] -= 1
-        return out
+            return None
+        return frames
 
     _calls, failures, found = _search(tier_paths(once), eagle=False, page_sizes=(4,), shrink=True)
     assert found is not None and failures == 1, found and found.detail
