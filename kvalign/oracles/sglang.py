@@ -19,7 +19,7 @@ import types
 import uuid
 import warnings
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import cache
 from typing import Any
 
@@ -59,6 +59,16 @@ def shutdown_publisher(publisher: Any) -> None:
     """
     publisher.shutdown()
     atexit.unregister(publisher.shutdown)
+
+
+def shutdown_publishers(publishers: Iterable[Any]) -> None:
+    """:func:`shutdown_publisher` for each, at once: SGLang's shutdown sleeps 0.1 s for its queue to
+    drain, so nine publishers stopped one after the other took 0.9 s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    publishers = list(publishers)
+    with ThreadPoolExecutor(max(1, len(publishers))) as pool:
+        list(pool.map(shutdown_publisher, publishers))
 
 
 def _seed_host_transfer_ops() -> None:

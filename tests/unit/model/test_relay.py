@@ -85,11 +85,10 @@ class DynamoRelayedWorkers:
         return sum(w["device_blocks"] for w in answer["workers"] if w["worker_id"] == self.workers[key])
 
     def close(self) -> None:
-        from kvalign.oracles.sglang import shutdown_publisher
+        from kvalign.oracles.sglang import shutdown_publishers
 
         self.service.shutdown()
-        for p in self.publishers.values():
-            shutdown_publisher(p)  # not SGLang's own atexit copy as well: 1 s each at exit
+        shutdown_publishers(self.publishers.values())  # not SGLang's own atexit copy as well: 1 s each at exit
         self.loop.close()
 
 

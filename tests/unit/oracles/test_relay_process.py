@@ -43,8 +43,13 @@ def test_the_relay_runs_in_its_own_process_and_the_router_indexes_what_sglang_pu
 
 
 @pytest.mark.timeout(300)
-def test_a_broken_hop_before_the_relay_applies_out_of_process_too():
+def test_a_broken_hop_before_the_relay_applies_out_of_process_too(monkeypatch):
+    from kvalign.oracles import router_path
+
     path = _open(lambda frames: None)  # every SGLang batch dropped on its way to the relay
+    # a sentinel that can never arrive: 1 s (two sends, the relay indexes one in milliseconds) is the
+    # control's whole point, the default 4 s was only waited out
+    monkeypatch.setattr(router_path, "INGEST_TIMEOUT_S", 1.0)
     try:
         assert not path.worker(4, False).barrier()
     finally:

@@ -61,11 +61,11 @@ def test_workers_are_armed_by_default_and_not_when_turned_off():
 
 RELAY = textwrap.dedent("""
     import multiprocessing, os, signal, sys, time
+    from multiprocessing import forkserver
     got = []
 
     def child(q):
         q.put(signal.getsignal(signal.SIGQUIT) == signal.SIG_DFL)  # spawned children have the default
-        from multiprocessing import forkserver
         q.put(forkserver._forkserver._preload_modules)  # what a grandchild's fork server would import
         os.kill(os.getppid(), signal.SIGQUIT)  # SGLang's failure report: parent_process.send_signal
 
@@ -78,9 +78,14 @@ RELAY = textwrap.dedent("""
         p.start()
         default, preload = q.get(timeout=60), q.get(timeout=60)
         p.join(60)
+        # until the worker has the quit, or the fork server is gone (SIGQUIT's default action: without
+        # the relay the signal ends the fork server and is lost), rather than sitting out the bound
+        server = forkserver._forkserver._forkserver_pid
         end = time.monotonic() + 10
         while not got and time.monotonic() < end:
-            time.sleep(0.05)
+            if os.waitid(os.P_PID, server, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                break
+            time.sleep(0.01)
         print(default, got == ["quit"], preload == sys.argv[1:] + ["sglang.srt.managers.scheduler",
                                                                  "sglang.srt.managers.detokenizer_manager"])
 """)

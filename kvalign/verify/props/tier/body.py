@@ -111,8 +111,11 @@ class WireTap:
 class TierPath:
     """The ``ingest`` router path, with a wire tap per worker and a cheap per-step barrier."""
 
-    def __init__(self, path: Any) -> None:
+    def __init__(self, path: Any, host_grace_s: float = HOST_SENTINEL_GRACE_S) -> None:
         self.path = path
+        #: how long a step waits for the host sentinel once the device one is indexed (a test of a hop
+        #: that never lets it reach the host tier need not sit out the default)
+        self.host_grace_s = host_grace_s
         self._taps: dict[int, WireTap] = {}
 
     def worker(self, page_size: int, eagle: bool) -> tuple[Any, WireTap]:
@@ -138,7 +141,8 @@ class TierPath:
         device sentinel alone, Dynamo 1.6.1 sometimes answered before applying the host events
         published ahead of it (the index dump read just after held them): its tiers are not applied
         in one order.
-        Polls the router's own overlap answer, not its index dump. None when settled, else the
+        Polls the router's own overlap answer, not its index dump. A host sentinel the router credits
+        in its device tier is misfiled at once (no grace to sit out). None when settled, else the
         named reason (from the index dump and the wire tap) why not."""
         from kvalign.oracles.router_path import SENTINEL_BASE, sentinel_hash
 
@@ -158,18 +162,25 @@ class TierPath:
                 worker.publisher.publish(sentinels)
                 sent_at = time.monotonic()
             time.sleep(0.001)
-            got = [self.path.query_tiers(worker.router, tokens, None, None)[key] >= 1 for tokens, key in queries]
+            answers = [self.path.query_tiers(worker.router, tokens, None, None) for tokens, _ in queries]
+            got = [answer[key] >= 1 for answer, (_, key) in zip(answers, queries)]
             if all(got):
                 tap.drain()
                 return None
             if got[0] and device_at is None:  # the batch arrived; its host page must be in the host tier by now
                 device_at = time.monotonic()
-                deadline = min(deadline, device_at + HOST_SENTINEL_GRACE_S)
+                deadline = min(deadline, device_at + self.host_grace_s)
+            if got[0] and answers[1]["device_blocks"] >= 1:  # the host sentinel is in the device tier
+                break
         if device_at is None:
             return Cause.EVENTS_DROPPED, (f"the relay stopped indexing (Dynamo {self.path.version}): a sentinel page "
                                           "published after this step never reached the router")
-        tap.drain()
         h = int(sentinels[1].block_hashes[0])
+        tap.drain()
+        seen_by = time.monotonic() + HOST_SENTINEL_GRACE_S
+        while h not in tap.stored_medium and time.monotonic() < seen_by:  # the tap reads the hop beside the relay
+            time.sleep(0.001)
+            tap.drain()
         held = sorted(str(t) for t, hh in worker.dump_tiers() if hh == h)
         what = ("a host-tier sentinel page (BlockStored[CPU_PINNED], published with a device one after this "
                 "step) is not credited in the router's host tier")
