@@ -83,6 +83,11 @@ class Cause(str, Enum):
     VLLM_SALT_UNPREFIXED = ("a cache_salt reaches vLLM without Dynamo's dynamo-cache-salt: prefix: vLLM keys the "
                             "tenant apart, the relay keys its blocks as unsalted ones and credits unsalted requests "
                             "with blocks vLLM will not reuse for them")
+    VLLM_BLOCK_COPIES_UNCOUNTED = ("the router keeps one entry per block hash and drops it at the first BlockRemoved "
+                                   "of that hash while vLLM still holds another copy (a hybrid model's full-attention "
+                                   "group computes a prefix again where its sliding window missed, and a relay that "
+                                   "reads no group tags takes the window's copies for full attention's): the router "
+                                   "credits none of the blocks vLLM reuses from that block on")
     VLLM_RESET_PUBLISHED_LATE = ("vLLM publishes a prefix-cache reset (AllBlocksCleared) only after its next model "
                                  "step: until an idle worker's next request runs, the router credits it every block "
                                  "it cleared")
