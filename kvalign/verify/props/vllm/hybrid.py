@@ -19,6 +19,13 @@ finding :data:`GAP_CAUSE`, measured by :func:`credit_gap` and shown by tests, no
 control strips the group tags on the hop (a relay that takes every group for full attention): the sliding
 window's stores of the shared hashes then keep blocks the full-attention group removed in the router's index,
 and the row fails ``INGEST_STALE``.
+
+Dynamo 1.0.2's relay reads no group tags (its core names neither ``group_idx`` nor ``kv_cache_spec_kind``) and its
+index keeps one entry per hash, dropped at the first ``BlockRemoved`` of it: there the control changes nothing, and
+a block vLLM's full-attention group holds twice (computed again where the window missed) leaves the router at the
+first eviction of a copy, with everything stored below it. The row names that :data:`COPIES_CAUSE`, and its control
+expects it on such a release (:func:`control_cause`), as the tenants control expects ``NAMESPACE_DROPPED`` on a
+release that already drops the namespace (docs/vllm.md, the 1.0.2 rows).
 """
 
 from __future__ import annotations

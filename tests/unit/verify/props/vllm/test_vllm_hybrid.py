@@ -15,7 +15,12 @@ block of a prefix while vLLM reuses only up to a kept Mamba state (``MAMBA_STATE
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import subprocess
+from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,11 +31,13 @@ from vllm_paths import vllm_on_router
 from kvalign.model.causes import CACHE_BLIND, Cause, cause_class
 from kvalign.verify.engine.search import run_search
 from kvalign.verify.props.vllm import controls, hybrid
-from kvalign.verify.props.vllm.hybrid import (CONTROL_SEQUENCE, MAMBA_CONTROL_SEQUENCE, MAMBA_GAP_CAUSE, NUM_BLOCKS,
-                                              credit_gap, hybrid_body, untag_groups)
+from kvalign.verify.props.vllm.hybrid import (CONTROL_SEQUENCE, COPIES_CAUSE, COPIES_SEQUENCE, MAMBA_CONTROL_SEQUENCE,
+                                              MAMBA_GAP_CAUSE, NUM_BLOCKS, control_cause, credit_gap,
+                                              full_attention_blocks, hybrid_body, reads_group_tags, untag_groups)
 from kvalign.verify.props.vllm.strategies import fresh_base, sequences
 
 B = 16
+ROOT = Path(__file__).resolve().parents[5]
 #: each kind's engine: full attention + a window of two blocks, or + a Mamba group
 OPTIONS: dict[str, dict[str, Any]] = {"swa": {"sliding_window": 2 * B}, "mamba": {"mamba": True}}
 
@@ -158,3 +165,81 @@ def test_the_mamba_row_runs_with_its_control_failing(hybrid_worker):
         path.close()
     assert (row.prop, row.variant, row.cases, row.status) == ("hybrid", "mamba", 4, "ok")
     assert (row.control["failed"], row.control["cause"]) == (True, "INGEST_STALE")
+
+
+def _stored(group: int, *hashes: int) -> dict:
+    return {"type": "BlockStored", "block_hashes": list(hashes), "group_idx": group}
+
+
+def _removed(group: int, *hashes: int) -> dict:
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "group_idx": group}
+
+
+def test_the_fold_records_a_removal_of_a_hash_the_full_attention_group_still_holds():
+    """The evidence the row names VLLM_BLOCK_COPIES_UNCOUNTED on: a BlockRemoved of a hash whose full-attention copy
+    stays (its second copy's, or the window group's). Its negative control: a removal of the last copy is not."""
+    live, gone, copies = Counter(), set(), set()
+    full_attention_blocks(live, gone, [_stored(0, 1, 2), _stored(1, 1, 2), _stored(0, 1)], copies)
+    full_attention_blocks(live, gone, [_removed(1, 2), _removed(0, 1)], copies)
+    assert (dict(live), gone, copies) == ({1: 1, 2: 1}, set(), {1, 2})
+    live, gone, copies = Counter(), set(), set()
+    full_attention_blocks(live, gone, [_stored(0, 1, 2), _removed(0, 1, 2), _removed(1, 1)], copies)
+    assert (dict(live), gone, copies) == ({}, {1, 2}, set())
+
+
+def test_the_control_expects_the_releases_own_cause_where_its_relay_reads_no_group_tags():
+    assert reads_group_tags()  # the installed Dynamo (1.6.1) reads them
+    assert control_cause(True) is Cause.INGEST_STALE
+    assert control_cause(False) is COPIES_CAUSE is Cause.VLLM_BLOCK_COPIES_UNCOUNTED
+    assert cause_class(COPIES_CAUSE) == CACHE_BLIND
+
+
+def test_a_relay_reading_the_tags_and_counting_copies_indexes_the_copies_sequence(worker):
+    """The control of the 1.0.2 test below: the sequence that drops a held block on 1.0.2 runs clean on the
+    installed relay (1.6.1), after the untag control's own prompts too; untagged, it still fails INGEST_STALE."""
+    assert run_search(hybrid_body(worker), st.just(COPIES_SEQUENCE), 3, seed=0)[1:] == (0, None)
+    assert run_search(hybrid_body(worker), st.just(CONTROL_SEQUENCE + COPIES_SEQUENCE), 3, seed=0)[1:] == (0, None)
+    with controls.on_hop(worker, untag_groups):
+        found = run_search(hybrid_body(worker), st.just(CONTROL_SEQUENCE + COPIES_SEQUENCE), 3, seed=0)[2]
+    assert found is not None and found.cause is Cause.INGEST_STALE
+
+
+DRIVE_102 = """
+import json
+from kvalign.oracles.router_path import RouterPath
+from kvalign.verify.props.vllm import hybrid
+path = RouterPath()
+try:
+    row = hybrid.row(path, 16, 5, 0)
+finally:
+    path.close()
+print("RESULT" + json.dumps({"tags": hybrid.reads_group_tags(), "status": row.status, "detail": row.detail,
+                             "control": row.control}))
+"""
+
+
+@pytest.mark.matrix
+@pytest.mark.nightly
+@pytest.mark.timeout(1800)
+def test_on_dynamo_1_0_2_the_row_finds_the_uncounted_copies_and_its_control_fails_on_them(official_vllm_wheels):
+    """Dynamo 1.0.2 x vLLM 0.33.0 (official wheel): 1.0.2's relay reads no group tags and its index keeps one entry
+    per hash, so a block vLLM's full-attention group holds twice is dropped at the first BlockRemoved of it, with
+    every store chained below: the row's finding, VLLM_BLOCK_COPIES_UNCOUNTED; its control (untag_groups, which
+    changes nothing there) fails with that cause. The control for this test is the one above: 1.6.1 runs the same
+    sequence clean."""
+    from kvalign.releases.release_env import child_env, python_for
+    from kvalign.releases.vllm_env import RELEASE_ENV
+    from kvalign.verify.report import matrix_vllm
+    from kvalign.verify.report.matrix import ensure_release
+
+    matrix_vllm.probe("0.33.0")  # installs the official wheel once
+    env = {**child_env(), RELEASE_ENV: "vllm==0.33.0", "DYN_LOG": "error",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([python_for([ensure_release("dynamo", "1.0.2")]), "-c", DRIVE_102], capture_output=True,
+                         text=True, env=env, timeout=900, cwd=ROOT)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT")]
+    assert res.returncode == 0 and lines, res.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT"):])
+    assert (got["tags"], got["status"]) == (False, "finding"), got
+    assert "after a BlockRemoved of another copy of its hash" in got["detail"], got
+    assert (got["control"]["failed"], got["control"]["cause"]) == (True, "VLLM_BLOCK_COPIES_UNCOUNTED"), got
