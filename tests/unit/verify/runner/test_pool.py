@@ -1,7 +1,7 @@
 """``check --jobs N``: the same report whatever N, and a failing worker named, exit 2, never a hang.
 
-Each run here is the ``kvalign`` command in a subprocess, as a user runs it: its fork server imports
-Dynamo and SGLang before it forks the workers, so each run costs seconds of CPU (``slow``).
+Each run here is the ``kvalign`` command in a subprocess, as a user runs it: it imports Dynamo and
+SGLang before it forks the workers, so each run costs seconds of CPU (``slow``).
 """
 
 from __future__ import annotations
