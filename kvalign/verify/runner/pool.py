@@ -14,7 +14,10 @@ sight: a full collection in a worker (Hypothesis runs one when it first seeds it
 neither walks SGLang's and torch's objects nor writes to the pages the workers share.
 
 Each worker takes jobs from the parent one at a time; the parent hands them out longest first (the
-property's ``cost``), so the long rows start early and the short ones fill in. Every job runs with
+property's ``cost``), so the long rows start early and the short ones fill in, but for a job that
+loads a set-up another worker already loaded (:attr:`~kvalign.verify.engine.property.Job.shares`:
+``card`` and ``advertised`` both import dynamo.sglang, about 1.2 s of CPU): that one waits for its
+worker while jobs without it remain (:class:`Schedule`). Every job runs with
 the same options and seed as under ``--jobs 1``, and its rows are put back in plan order, so the
 report is the same whichever worker ran what.
 
@@ -79,6 +82,29 @@ def _worker(conn: Connection, systems: Systems, opts: Options) -> None:
         os._exit(0)
 
 
+class Schedule:
+    """The jobs not handed out yet, longest first, and which worker loaded each shared set-up."""
+
+    def __init__(self, jobs: Sequence[Job]) -> None:
+        self.jobs = jobs
+        self.queue = sorted(range(len(jobs)), key=lambda k: (-jobs[k].cost, k))
+        #: set-up (:attr:`Job.shares`) -> the worker that took the first job loading it
+        self.owners: dict[str, int] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.queue)
+
+    def take(self, worker: int) -> int:
+        """The job ``worker`` runs next: the longest whose set-up no other worker has loaded, else the longest
+        (a free worker never waits while jobs remain)."""
+        pos = next((pos for pos, k in enumerate(self.queue)
+                    if self.owners.get(self.jobs[k].shares or "", worker) == worker), 0)
+        k = self.queue.pop(pos)
+        if self.jobs[k].shares:
+            self.owners.setdefault(self.jobs[k].shares, worker)
+        return k
+
+
 class Pool:
     """``workers`` worker processes forked from this one, each with its own copy of ``systems`` (none of it opened yet)."""
 
@@ -125,15 +151,15 @@ class Pool:
         raise WorkerError(f"row {job.label() if job else '?'} failed in check worker {i + 1}: {first}")
 
     def run(self, jobs: Sequence[Job], progress: Callable[[RowResult], None] | None = None) -> list[RowResult]:
-        """Every job's rows, in the order of ``jobs``; handed out longest first, to whichever worker is free."""
-        queue = sorted(range(len(jobs)), key=lambda k: (-jobs[k].cost, k))
+        """Every job's rows, in the order of ``jobs``; handed out longest first (:class:`Schedule`), to whichever worker is free."""
+        schedule = Schedule(jobs)
         results: dict[int, list[RowResult]] = {}
         busy: dict[int, tuple[int, Job]] = {}
 
         def hand_out() -> None:
             for i in range(len(self._procs)):
-                if i not in busy and queue:
-                    k = queue.pop(0)
+                if i not in busy and schedule:
+                    k = schedule.take(i)
                     busy[i] = (k, jobs[k])
                     self._conns[i].send((k, jobs[k]))
 
