@@ -27,7 +27,6 @@ from kvalign.verify.engine.systems import SystemsSpec, open_systems
 from kvalign.verify.engine.scope import Scope
 from kvalign.verify.runner.confirm import unexplained
 from kvalign.errors import UsageError
-from kvalign.oracles.dynamo import load_router_hasher
 from kvalign.oracles.sglang import KINDS
 from kvalign.runtime_log import console
 from kvalign.releases.versions import installed_versions
@@ -141,17 +140,12 @@ def run(args: argparse.Namespace) -> int:
     # at most a worker per job: a run of one job (--property card) starts none and runs in this process
     workers = min(args.jobs or usable_cores(), len(plan(chosen, asked, opts)))
     spec = SystemsSpec(args.router_hash, args.cache)
-    if args.router_hash and workers > 1:
-        # a bad --router-hash is said before the pool starts, not after its fork server imported SGLang
-        # (seconds of CPU) and a worker failed on it; the workers load the same module again
-        load_router_hasher(args.router_hash)
     pool = systems = None
     try:
+        # the workers are forked from this process once its systems are built, as --jobs 1 builds them
+        systems, facts = open_systems(spec)
         if workers > 1:
-            pool = Pool(workers, spec, opts)
-            facts = pool.facts()
-        else:
-            systems, facts = open_systems(spec)
+            pool = Pool(workers, systems, opts)
         versions = {**installed_versions(), "sglang": facts.sglang, "ai-dynamo-runtime": facts.dynamo}
         formats = formats_to_run(args.event_format, facts.dynamo_format, facts.sglang)
         label = args.router_hash or "dynamo._core.compute_block_hash_for_seq"

@@ -99,6 +99,9 @@ class Job:
     cost: float = 1.0
     #: why these rows cannot run with this release (its rows are ``skipped`` with it, nothing runs)
     skipped: str | None = None
+    #: a set-up this job loads once per process and other jobs load too (``"registration"``: dynamo.sglang's
+    #: import, about 1.2 s of CPU); ``check --jobs`` hands such jobs to the worker that loaded it where it can
+    shares: str | None = None
 
     def label(self) -> str:
         """The job as a row name (``tier/eagle/lora``), for progress and a worker's error line."""
@@ -155,7 +158,7 @@ Strategy = Callable[[str, str, int | None], Any]
 class Declared:
     """What every property says of itself (the module docstring), for the two builders below; ``cost``:
     the seconds one job takes at its default example count, measured on the pinned pair (only the
-    longest-first order of ``check --jobs`` reads it)."""
+    longest-first order of ``check --jobs`` reads it); ``shares``: its jobs' :attr:`Job.shares`."""
 
     name: str
     modes: tuple[str, ...] = MODES
@@ -165,6 +168,8 @@ class Declared:
     events: Events = "each"
     budget: Budget | None = None
     cost: float = 1.0
+    #: what its jobs' :attr:`Job.shares` says
+    shares: str | None = None
 
 
 @dataclass(frozen=True)
@@ -185,7 +190,8 @@ class SearchProperty(Declared):
     def jobs(self, opts: Options) -> list[Job]:
         variants = tuple(v for v in opts.variants if self.variants is None or v in self.variants)
         scale = opts.examples_for(self.budget) / (self.budget.default if self.budget else Options.examples)
-        return [Job(self.name, (m,), (v,), cost=self.cost * scale) for m in self.modes if m in opts.modes for v in variants]
+        return [Job(self.name, (m,), (v,), cost=self.cost * scale, shares=self.shares)
+                for m in self.modes if m in opts.modes for v in variants]
 
     def run(self, job: Job, systems: Any, opts: Options) -> list[RowResult]:
         from kvalign.verify.engine.search import Tally, run_search
@@ -221,7 +227,7 @@ class SetUpOnceProperty(Declared):
 
     def jobs(self, opts: Options) -> list[Job]:
         modes = tuple(m for m in self.modes if m in opts.modes)
-        return [Job(self.name, modes, self.variants, cost=self.cost)] if modes else []
+        return [Job(self.name, modes, self.variants, cost=self.cost, shares=self.shares)] if modes else []
 
     def run(self, job: Job, systems: Any, opts: Options) -> list[RowResult]:
         return self.rows(systems, job.modes, opts)

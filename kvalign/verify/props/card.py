@@ -70,4 +70,4 @@ def run_card(systems: Any, modes: tuple[str, ...]) -> list[RowResult]:
 
 
 PROPERTY = SetUpOnceProperty("card", rows=lambda systems, modes, _opts: run_card(systems, modes), events="none",
-                             cost=1.5)
+                             cost=1.5, shares="registration")

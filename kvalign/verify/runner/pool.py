@@ -1,28 +1,33 @@
 """``check --jobs N``: the planned jobs run in N worker processes, the rows come back in plan order.
 
 Rows are independent (each drives its own real router worker and real SGLang caches with its own
-generated inputs), so a run on two cores can use both. The workers are forked by a fork server
-(``multiprocessing``'s ``forkserver``: a fresh interpreter, so no thread of the parent's is forked)
-that first imports kvalign's modules as the parent has them, in its order, and then Dynamo's
-binding and SGLang's cache classes (:mod:`kvalign.verify.runner.warm`): SGLang's import, seconds of CPU, is
-paid once instead of once per worker, and the workers share those pages. The same state matters for
-the rows: the tier rows' engine picks among pages of equal access time in an order that follows the
-process's state (with kvalign's other commands imported or not, one seeded tier row ran 10 or 13
-cases), and a worker must give the rows ``--jobs 1`` gives. Each worker builds its own systems
-(:func:`kvalign.verify.engine.systems.open_systems`) and takes jobs from the parent one at a time; the
-parent hands them out longest first (the property's ``cost``), so the long rows start early and the
-short ones fill in. The parent imports neither Dynamo nor SGLang: what the header says of them
-(versions, the cache class) comes from the first worker's ``ready``. Every job runs with the same
-options and seed as under ``--jobs 1``, and its rows are put back in plan order, so the report is the
-same whichever worker ran what.
+generated inputs), so a run on two cores can use both. The command builds its systems first, as
+``--jobs 1`` does (:func:`kvalign.verify.engine.systems.open_systems`: Dynamo's binding and SGLang's
+cache classes imported, seconds of CPU), and the workers are forked from it: each starts in the
+state ``--jobs 1`` runs its first job in, with nothing imported twice and no interpreter started
+again. That state matters for the rows: the tier rows' engine picks among pages of equal access time
+in an order that follows the process's state (with kvalign's other commands imported or not, one
+seeded tier row ran 10 or 13 cases), and a worker must give the rows ``--jobs 1`` gives. Nothing
+the systems open lazily (the registration code, the router path and its Dynamo runtime threads) is
+open yet when they fork, and :func:`gc.freeze` first puts what was imported out of the collector's
+sight: a full collection in a worker (Hypothesis runs one when it first seeds its random state)
+neither walks SGLang's and torch's objects nor writes to the pages the workers share.
 
-A worker that cannot start, raises, or dies is a :class:`WorkerError` naming the row it was
-running (the command exits 2); the parent never waits on a dead worker: it watches each process's
-sentinel beside its pipe.
+Each worker takes jobs from the parent one at a time; the parent hands them out longest first (the
+property's ``cost``), so the long rows start early and the short ones fill in, but for a job that
+loads a set-up another worker already loaded (:attr:`~kvalign.verify.engine.property.Job.shares`:
+``card`` and ``advertised`` both import dynamo.sglang, about 1.2 s of CPU): that one waits for its
+worker while jobs without it remain (:class:`Schedule`). Every job runs with
+the same options and seed as under ``--jobs 1``, and its rows are put back in plan order, so the
+report is the same whichever worker ran what.
+
+A worker that raises or dies is a :class:`WorkerError` naming the row it was running (the command
+exits 2); the parent never waits on a dead worker: it watches each process's sentinel beside its pipe.
 """
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import sys
@@ -34,11 +39,11 @@ from typing import Any
 from kvalign.errors import UsageError
 from kvalign.verify.engine.property import Job, Options
 from kvalign.verify.engine.rows import RowResult
-from kvalign.verify.engine.systems import Facts, SystemsSpec
+from kvalign.verify.engine.systems import Systems
 
 
 class WorkerError(UsageError):
-    """A worker failed: the message names the row (job) it was running, or says it could not start."""
+    """A worker failed: the message names the row (job) it was running, or says it was idle."""
 
 
 def usable_cores() -> int:
@@ -49,18 +54,11 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _worker(conn: Connection, spec: SystemsSpec, opts: Options) -> None:
-    """A worker's life: build the systems (Dynamo and SGLang imported once), then run jobs until told to stop."""
+def _worker(conn: Connection, systems: Systems, opts: Options) -> None:
+    """A worker's life: run jobs on the systems it was forked with until told to stop."""
     os.dup2(2, 1)  # the runtimes' prints go where their logs go (fd 2, the run's log file); stdout is the report's
     from kvalign.verify.runner.check import run_job
-    from kvalign.verify.engine.systems import open_systems
 
-    try:
-        systems, facts = open_systems(spec)
-    except Exception as exc:  # an environment that cannot run check: said in one line by the parent
-        conn.send(("failed", None, f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send(("ready", None, facts))
     try:
         while True:
             message = conn.recv()
@@ -84,24 +82,44 @@ def _worker(conn: Connection, spec: SystemsSpec, opts: Options) -> None:
         os._exit(0)
 
 
-class Pool:
-    """``workers`` worker processes, forked by the fork server; start them early, :meth:`facts` waits for the first to be ready."""
+class Schedule:
+    """The jobs not handed out yet, longest first, and which worker loaded each shared set-up."""
 
-    def __init__(self, workers: int, spec: SystemsSpec, opts: Options) -> None:
-        ctx = multiprocessing.get_context("forkserver")
-        kvalign_modules = [name for name in list(sys.modules) if name.startswith("kvalign.")]
-        ctx.set_forkserver_preload([*kvalign_modules, "kvalign.verify.runner.warm"])
+    def __init__(self, jobs: Sequence[Job]) -> None:
+        self.jobs = jobs
+        self.queue = sorted(range(len(jobs)), key=lambda k: (-jobs[k].cost, k))
+        #: set-up (:attr:`Job.shares`) -> the worker that took the first job loading it
+        self.owners: dict[str, int] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.queue)
+
+    def take(self, worker: int) -> int:
+        """The job ``worker`` runs next: the longest whose set-up no other worker has loaded, else the longest
+        (a free worker never waits while jobs remain)."""
+        pos = next((pos for pos, k in enumerate(self.queue)
+                    if self.owners.get(self.jobs[k].shares or "", worker) == worker), 0)
+        k = self.queue.pop(pos)
+        if self.jobs[k].shares:
+            self.owners.setdefault(self.jobs[k].shares, worker)
+        return k
+
+
+class Pool:
+    """``workers`` worker processes forked from this one, each with its own copy of ``systems`` (none of it opened yet)."""
+
+    def __init__(self, workers: int, systems: Systems, opts: Options) -> None:
+        ctx = multiprocessing.get_context("fork")
+        gc.freeze()
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         for _ in range(workers):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(child, spec, opts), daemon=True)
+            proc = ctx.Process(target=_worker, args=(child, systems, opts), daemon=True)
             proc.start()
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
-        self._ready: dict[int, Facts] = {}
-        self._inbox: list[tuple[int, tuple[str, Any, Any]]] = []
 
     def _receive(self, busy: dict[int, tuple[int, Job]]) -> list[tuple[int, tuple[str, Any, Any]]]:
         """The next messages from any worker; a worker that died raises, naming its job."""
@@ -125,36 +143,23 @@ class Pool:
         code = self._procs[i].exitcode
         how = (f"exited with status {code}" if code is not None and code >= 0 else f"was killed by signal {-code}"
                if code is not None else "stopped answering")
-        where = (f"while running {busy[i][1].label()}" if i in busy else "while idle" if i in self._ready
-                 else "before it was ready")
+        where = f"while running {busy[i][1].label()}" if i in busy else "while idle"
         raise WorkerError(f"check worker {i + 1} {how} {where}")
 
-    def facts(self) -> Facts:
-        """What the first worker to start found (versions, the cache class); a worker that cannot start raises."""
-        while not self._ready:
-            for i, (kind, _index, payload) in self._receive({}):
-                self._take(i, kind, None, payload)
-        return next(iter(self._ready.values()))
-
-    def _take(self, i: int, kind: str, job: Job | None, payload: Any) -> None:
-        if kind == "ready":
-            self._ready[i] = payload
-        elif kind == "failed":
-            raise WorkerError(f"check worker {i + 1} could not start: {payload}")
-        elif kind == "error":
-            first = payload.splitlines()[0]
-            raise WorkerError(f"row {job.label() if job else '?'} failed in check worker {i + 1}: {first}")
+    def _failed(self, i: int, job: Job | None, payload: str) -> None:
+        first = payload.splitlines()[0]
+        raise WorkerError(f"row {job.label() if job else '?'} failed in check worker {i + 1}: {first}")
 
     def run(self, jobs: Sequence[Job], progress: Callable[[RowResult], None] | None = None) -> list[RowResult]:
-        """Every job's rows, in the order of ``jobs``; handed out longest first, to whichever worker is free."""
-        queue = sorted(range(len(jobs)), key=lambda k: (-jobs[k].cost, k))
+        """Every job's rows, in the order of ``jobs``; handed out longest first (:class:`Schedule`), to whichever worker is free."""
+        schedule = Schedule(jobs)
         results: dict[int, list[RowResult]] = {}
         busy: dict[int, tuple[int, Job]] = {}
 
         def hand_out() -> None:
-            for i in self._ready:
-                if i not in busy and queue:
-                    k = queue.pop(0)
+            for i in range(len(self._procs)):
+                if i not in busy and schedule:
+                    k = schedule.take(i)
                     busy[i] = (k, jobs[k])
                     self._conns[i].send((k, jobs[k]))
 
@@ -167,8 +172,8 @@ class Pool:
                     for row in payload:
                         if progress:
                             progress(row)
-                else:
-                    self._take(i, kind, busy.get(i, (None, None))[1], payload)
+                else:  # "error"
+                    self._failed(i, busy.get(i, (None, None))[1], payload)
                 hand_out()
         return [row for k in range(len(jobs)) for row in results[k]]
 

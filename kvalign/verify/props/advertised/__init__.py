@@ -18,4 +18,4 @@ def _rows(_systems: Any, modes: tuple[str, ...], opts: Options) -> list[RowResul
 
 
 PROPERTY = SetUpOnceProperty("advertised", rows=_rows, modes=("plain",), events="none", variants=(),
-                             cost=3.5)
+                             cost=3.5, shares="registration")

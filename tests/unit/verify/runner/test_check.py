@@ -33,9 +33,9 @@ WIDTH = 100
 
 
 #: ``check`` in the test's own process, where SGLang and Dynamo are already imported: the default
-#: (a worker per core) would start a fork server that imports them again and two workers that open
-#: their own router paths, about 9 s of CPU per run, for no parallelism in a fast tier whose xdist
-#: workers already fill both cores. ``test_check_json_report`` runs in-process too: with the pool it
+#: (a worker per core) would fork two workers that open their own router paths, for no parallelism
+#: in a fast tier whose xdist workers already fill both cores (with the fork server the pool had
+#: before, about 9 s of CPU per run). ``test_check_json_report`` runs in-process too: with the pool it
 #: cost 12.9 s of CPU (cgroup, the fork server's SGLang import most of it), in-process 1.8 s. The pool
 #: is ``tests/unit/verify/runner/test_pool.py``'s (``slow``: the same rows as ``--jobs 1``, a failing
 #: worker named).

@@ -1,11 +1,12 @@
 """``check --jobs N``: the same report whatever N, and a failing worker named, exit 2, never a hang.
 
-Each run here is the ``kvalign`` command in a subprocess, as a user runs it: its fork server imports
-Dynamo and SGLang before it forks the workers, so each run costs seconds of CPU (``slow``).
+Each run here is the ``kvalign`` command in a subprocess, as a user runs it: it imports Dynamo and
+SGLang before it forks the workers, so each run costs seconds of CPU (``slow``).
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import re
@@ -15,7 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from kvalign.verify.runner.pool import usable_cores
+from dataclasses import replace
+
+from kvalign.verify.engine.property import Job, Options
+from kvalign.verify.runner.check import plan, selected
+from kvalign.verify.runner.pool import Schedule, usable_cores
 
 ROOT = Path(__file__).resolve().parents[4]
 HERE = Path(__file__).resolve().parent
@@ -66,3 +71,52 @@ def test_a_failing_worker_names_its_row_and_exits_2(tmp_path, hasher, said):
 
 def test_the_default_is_the_usable_cores():
     assert usable_cores() == len(os.sched_getaffinity(0))
+
+
+def _simulate(jobs: list[Job], workers: int) -> dict[int, int]:
+    """Which worker runs each job when each takes its ``cost`` in seconds: :meth:`Pool.run`'s hand-out
+    (every free worker, lowest first, takes :meth:`Schedule.take`'s job; the first to finish takes next)."""
+    schedule, ran, free = Schedule(jobs), {}, [(0.0, i) for i in range(workers)]
+    while schedule:
+        now, i = heapq.heappop(free)
+        k = schedule.take(i)
+        ran[k] = i
+        heapq.heappush(free, (now + jobs[k].cost, i))
+    return ran
+
+
+def _default_plan() -> list[Job]:
+    return plan(selected(None), ("default",), Options(page_size=16))
+
+
+def test_jobs_sharing_a_set_up_run_on_the_worker_that_loaded_it():
+    """card and advertised both import dynamo.sglang: on the default plan they run on one worker, and the
+    jobs stay longest first otherwise (the two servable jobs start at once)."""
+    jobs = _default_plan()
+    by_prop = {j.prop: k for k, j in enumerate(jobs)}
+    assert jobs[by_prop["card"]].shares == jobs[by_prop["advertised"]].shares == "registration"
+    ran = _simulate(jobs, 2)
+    assert ran[by_prop["card"]] == ran[by_prop["advertised"]]
+    servable = [k for k, j in enumerate(jobs) if j.prop == "servable"]
+    assert {ran[k] for k in servable} == {0, 1}
+    assert sorted(ran) == list(range(len(jobs)))  # every job handed out once
+
+
+def test_without_shares_the_registration_jobs_split_across_workers():
+    """The negative control: the same plan without ``shares`` hands card and advertised to different
+    workers (each would import dynamo.sglang), so the test above holds by ``shares`` alone."""
+    jobs = [replace(j, shares=None) for j in _default_plan()]
+    by_prop = {j.prop: k for k, j in enumerate(jobs)}
+    ran = _simulate(jobs, 2)
+    assert ran[by_prop["card"]] != ran[by_prop["advertised"]]
+
+
+def test_a_free_worker_takes_a_shared_job_rather_than_wait():
+    """Where only jobs of another worker's set-up remain, a free worker takes the longest of them."""
+    jobs = [Job("a", ("plain",), cost=3.0, shares="x"), Job("b", ("plain",), cost=2.0, shares="x"),
+            Job("c", ("plain",), cost=1.0)]
+    schedule = Schedule(jobs)
+    assert schedule.take(0) == 0  # worker 0 loads "x"
+    assert schedule.take(1) == 2  # worker 1 skips b (x is worker 0's) for c
+    assert schedule.take(1) == 1  # nothing else left: b, rather than wait
+    assert not schedule
