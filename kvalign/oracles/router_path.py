@@ -8,7 +8,7 @@ metadata map such as ``cache_salt`` failing to decode, dropping the whole batch)
 ``ingest`` property drives exactly it:
 
     SGLang radix cache -> SGLang ZmqEventPublisher (tcp://127.0.0.1) -> Dynamo KvEventPublisher
-    (worker relay) -> event plane (ZMQ, through a loopback XSUB/XPUB broker) -> KvRouter index
+    (worker relay) -> event plane (ZMQ, through a loopback XSUB/XPUB broker per worker) -> KvRouter index
 
 Nothing here is kvalign's model of Dynamo; the only kvalign code on the path is the glue that
 starts the pieces the way ``dynamo.sglang`` does (``enable_local_indexer`` as its default, card
