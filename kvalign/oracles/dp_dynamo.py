@@ -118,6 +118,7 @@ class DpWorker:
         self.ds = _dynamo_sglang()
         self.view = self.ds._compat.resolved_server_args(self.engine.server_args)
         self.block_size = int(self.ds.capacity.kv_event_block_size(self.view))
+        self.path.event_plane()  # its relays and router on an event plane of their own: no other worker's events
         try:
             self.path.call(self._start)
         except (OracleUnavailable, MissingValue):

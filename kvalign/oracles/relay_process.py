@@ -105,7 +105,8 @@ class ProcessRouterPath(RouterPath):
 
     async def _new_worker(self, block_size: int, eagle: bool, zmq_endpoint: str) -> tuple[Any, Any]:
         name = f"relay-b{block_size}-{'eagle' if eagle else 'plain'}-{len(self._children)}"
-        env = {**os.environ, **runtime_env(self.version, self.broker.url), **self._extra_env()}
+        # the worker's own event plane (:meth:`RouterPath.event_plane`, set just before), which its router reads too
+        env = {**os.environ, **runtime_env(self.version, os.environ["DYN_ZMQ_BROKER_URL"]), **self._extra_env()}
         child = await asyncio.to_thread(RelayProcess, env, name, block_size, eagle, zmq_endpoint)
         self._children.append(child)
         self.missing.update(child.missing)

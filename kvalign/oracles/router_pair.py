@@ -46,6 +46,7 @@ class RouterPair:
         self.weight = configured_host_weight(path.core)
         self.disk_weight = configured_disk_weight(path.core)
         self.publishers = [SglangPublisher(attn_dp_rank=r) for r in RANKS]
+        path.event_plane()  # its relays and router on an event plane of their own: no other worker's events
         try:
             self._endpoint, self._relays, self.router = path.call(self._start)
         except OracleUnavailable:

@@ -8,7 +8,7 @@ metadata map such as ``cache_salt`` failing to decode, dropping the whole batch)
 ``ingest`` property drives exactly it:
 
     SGLang radix cache -> SGLang ZmqEventPublisher (tcp://127.0.0.1) -> Dynamo KvEventPublisher
-    (worker relay) -> event plane (ZMQ, through a loopback XSUB/XPUB broker) -> KvRouter index
+    (worker relay) -> event plane (ZMQ, through a loopback XSUB/XPUB broker per worker) -> KvRouter index
 
 Nothing here is kvalign's model of Dynamo; the only kvalign code on the path is the glue that
 starts the pieces the way ``dynamo.sglang`` does (``enable_local_indexer`` as its default, card
@@ -219,6 +219,8 @@ class IngestWorker:
     publisher: SglangPublisher
     router: Any
     relay: Any
+    #: the event plane its relay publishes on and its router subscribes to (:meth:`RouterPath.event_plane`)
+    plane: LoopbackProxy
     _sentinels: Any = field(default_factory=lambda: itertools.count(1))
     _space: int = 0
     #: the relay indexed a sentinel at least once / then stopped indexing altogether
@@ -350,6 +352,8 @@ class RouterPath:
         #: where this run's token ranges start (:meth:`start_range`)
         self.space_base = 0
         self._retired: list[IngestWorker] = []
+        #: every worker's event plane (:meth:`event_plane`), closed after the runtime
+        self._planes: list[LoopbackProxy] = []
         #: (block size, eagle) keys whose worker was already replaced once (never again: a relay that
         #: stops twice is a finding, and waiting on it for every example would only cost time)
         self.refreshed: set[tuple[int, bool]] = set()
@@ -417,6 +421,22 @@ class RouterPath:
         router = c.KvRouter(endpoint, block_size, c.KvRouterConfig(use_kv_events=True))
         return relay, router
 
+    def event_plane(self) -> LoopbackProxy:
+        """A new event-plane broker, made the one that the next relay and router built on this runtime use.
+
+        Every worker of one in-process runtime has the same worker id (the runtime's), and Dynamo 1.0.2's relays
+        publish on the one topic ``kv-events`` whatever their namespace, so on a shared broker each router indexed
+        every other worker's blocks as its own worker's: two workers of the same page size (a plain and an EAGLE
+        row) each credited the other's stored pages (probe, 2026-12-07), and since the rows' examples take the
+        same token ranges, which rows ran before decided what a row's router held. A deployment's workers are
+        distinct to the router; a broker per worker makes them so here. The binding reads
+        ``DYN_ZMQ_BROKER_URL`` when a relay or router is built (checked on 1.0.2), so the variable is set
+        here and stays until the next worker's; :meth:`close` restores it and closes the brokers."""
+        plane = LoopbackProxy()
+        self._planes.append(plane)
+        os.environ["DYN_ZMQ_BROKER_URL"] = plane.url
+        return plane
+
     def start_range(self, k: int) -> None:
         """Hand the next examples token ranges of their own, the ``k``-th block of :data:`RANGES_PER_BLOCK`.
 
@@ -443,6 +463,7 @@ class RouterPath:
             if self.wedged:  # the runtime's loop never came back from a registration: every later one would wait too
                 raise OracleUnavailable(self.wedged)
             pub = SglangPublisher(self.transform)
+            plane = self.event_plane()
             try:
                 relay, router = self.call(self._new_worker, block_size, eagle, pub.endpoint)
             except (KeyboardInterrupt, SystemExit):
@@ -456,7 +477,7 @@ class RouterPath:
                     raise OracleUnavailable(self.wedged) from None
                 raise OracleUnavailable(f"{what}: {type(exc).__name__}: "
                                         f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
-            self._workers[key] = IngestWorker(self, block_size, eagle, pub, router, relay)
+            self._workers[key] = IngestWorker(self, block_size, eagle, pub, router, relay, plane)
             if _version_tuple(self.version) < RECOVERY_SYNC_BEFORE:
                 self.await_recovery(self._workers[key])
         return self._workers[key]
@@ -479,7 +500,7 @@ class RouterPath:
         k = next(worker._sentinels)
         engine_hash = sentinel_hash(k)
         deadline, sent_at = time.monotonic() + INGEST_TIMEOUT_S, 0.0
-        self.broker.withheld = True
+        worker.plane.withheld = True
         try:
             while time.monotonic() < deadline:
                 if time.monotonic() - sent_at > 0.05:  # re-send: the first may precede the relay's subscription
@@ -490,15 +511,16 @@ class RouterPath:
                     return True
             return False
         finally:
-            self.broker.withheld = False
+            worker.plane.withheld = False
 
     def attach(self, publisher: Any, block_size: int) -> IngestWorker:
         """A newly registered worker whose relay subscribes to ``publisher.endpoint`` (another engine's
         publisher; :meth:`IngestWorker.barrier` needs its ``publish`` and ``sentinel`` as
         :class:`SglangPublisher` has them, an engine with barriers of its own need not), with its router.
         The caller closes the publisher; the worker stays referenced until :meth:`close`."""
+        plane = self.event_plane()
         relay, router = self.call(self._new_worker, block_size, False, publisher.endpoint)
-        worker = IngestWorker(self, block_size, False, publisher, router, relay)
+        worker = IngestWorker(self, block_size, False, publisher, router, relay, plane)
         self._retired.append(worker)
         return worker
 
@@ -588,6 +610,8 @@ class RouterPath:
         finally:
             self._stop_loop()
             self.broker.close()
+            for plane in self._planes:
+                plane.close()
             self._restore()
 
     def _stop_loop(self) -> None:
