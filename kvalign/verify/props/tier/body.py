@@ -604,7 +604,8 @@ def run_tier_search(path: TierPath, *, eagle: bool, lora: bool, namespace: bool,
         if found is None:
             raise
         found.detail += " (not shrunk: Hypothesis's replay of it did not fail)"
-    found = generated_cause(found, last[0])
+    found = _cause_that_recurs(found, last[0], lambda example: _replayed_cause(
+        lambda: TierMachine(path, eagle, lora, namespace, servable, make, cores, Tally(), [None], page_sizes).replay(example)))
     if found is not None and isinstance(found.example, dict) and "steps" in found.example:
         # As every search's (kvalign.verify.engine.search): a finding recurs each time its recorded steps are
         # replayed on a fresh engine, else it is unconfirmed with its rate. (An example without steps: the
@@ -615,6 +616,41 @@ def run_tier_search(path: TierPath, *, eagle: bool, lora: bool, namespace: bool,
         if recurred < REPLAYS:
             found.unconfirmed = f"recurred in {recurred} of {REPLAYS} replays of its example"
     return tally.cases, tally.mismatches, found
+
+
+#: replays of the generated example that decide its cause where Hypothesis's last run of it (or the example it shrank
+#: to) named another
+CAUSE_REPLAYS = 3
+
+
+def _replayed_cause(replay: Callable[[], None]) -> Cause | None:
+    """The cause a replay raised, None where it did not fail."""
+    try:
+        replay()
+    except Mismatch as exc:
+        return exc.cause
+    return None
+
+
+def _cause_that_recurs(found: Mismatch | None, generated: Mismatch | None,
+                       cause_of: Callable[[dict[str, Any]], Cause | None]) -> Mismatch | None:
+    """Which of two differing mismatches a tier search reports: the one whose cause the generated example shows
+    most often when its recorded steps are replayed (:data:`CAUSE_REPLAYS` times).
+
+    The first run of an example and Hypothesis's last run of it (or of the example it shrank to) can name two
+    causes: Dynamo applies its tiers' events in no fixed order, so an example run while the machine is busy can
+    meet a device removal not yet applied (TIER_MISFILED) where every quiet replay shows what the hop did
+    (MEDIUM_NOT_INDEXED); and which example shrinking ends at varies from run to run (issue 46). Neither run
+    alone decides; the replays do. The shrunk one is kept where its cause is (one of) the most frequent, else
+    the generated example with its cause (:func:`generated_cause`)."""
+    if found is None or generated is None or found is generated or found.cause is generated.cause \
+            or not (isinstance(generated.example, dict) and "steps" in generated.example):
+        return found
+    seen = [cause_of(generated.example) for _ in range(CAUSE_REPLAYS)]
+    top = max(seen.count(c) for c in (found.cause, generated.cause))
+    if seen.count(found.cause) == top:
+        return found
+    return generated_cause(found, generated)
 
 
 def _recurs(replay: Callable[[], None]) -> bool:
