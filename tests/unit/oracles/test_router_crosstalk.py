@@ -48,13 +48,8 @@ print(json.dumps(out))
 
 @pytest.mark.slow  # installs (or reuses) ai-dynamo 1.0.2 into the wheel cache, then starts its relays and routers
 @pytest.mark.timeout(600)
-def test_1_0_2s_routers_index_only_their_own_workers_blocks():
-    from kvalign.verify.report.matrix import MatrixError, ensure_release, pair_env
-
-    try:
-        python, env = pair_env(ensure_release("dynamo", "1.0.2"), None, "0.5.23")
-    except MatrixError as exc:
-        pytest.skip(f"ai-dynamo 1.0.2 cannot be installed here: {exc}")
+def test_1_0_2s_routers_index_only_their_own_workers_blocks(dynamo_1_0_2):
+    python, env = dynamo_1_0_2
     res = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, env=env, timeout=500, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])

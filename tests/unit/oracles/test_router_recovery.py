@@ -59,13 +59,8 @@ def test_a_withheld_proxy_drops_what_is_published_and_forwards_it_again_after():
 
 @pytest.mark.slow  # installs (or reuses) ai-dynamo 1.0.2 into the wheel cache, then starts its relay and routers
 @pytest.mark.timeout(600)
-def test_1_0_2s_router_learns_a_withheld_sentinel_only_from_its_recovery_of_a_new_worker():
-    from kvalign.verify.report.matrix import MatrixError, ensure_release, pair_env
-
-    try:
-        python, env = pair_env(ensure_release("dynamo", "1.0.2"), None, "0.5.23")
-    except MatrixError as exc:
-        pytest.skip(f"ai-dynamo 1.0.2 cannot be installed here: {exc}")
+def test_1_0_2s_router_learns_a_withheld_sentinel_only_from_its_recovery_of_a_new_worker(dynamo_1_0_2):
+    python, env = dynamo_1_0_2
     probe = """
 import json, time
 import kvalign.oracles.router_path as rp
