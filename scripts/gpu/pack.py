@@ -34,7 +34,9 @@ object, and ``apt-get download`` takes the mirror's current ``libssl-dev``.
 ``scripts/gpu/unpack.sh`` is the other half, run on the GPU machine.
 
 Usage: ``python3 scripts/gpu/pack.py [--out .gpu-bundle] [--wheels ~/.cache/kvalign/gpu-wheels]`` (the
-index is asked only for pins whose wheel is not in ``--wheels`` yet).
+index is asked only for pins whose wheel is not in ``--wheels`` yet). ``--verify`` packs the pinned wheels
+found in ``--wheels`` (all or some: another machine gets them a carry at a time) and holds each archive
+against the committed manifest (:func:`verify`), writing nothing: how a second machine shows the claim.
 """
 
 from __future__ import annotations
@@ -360,12 +362,62 @@ def build(out: Path, wheels_dir: Path) -> dict[str, object]:
     }
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """One distribution packed here against its manifest entry."""
+
+    name: str
+    same: bool
+    why: str  # what differs, or "" when the archive is byte-equal
+    machine_dependent: bool  # the manifest names its archive as one a tool's release shapes
+
+
+def verify(wheels_dir: Path, manifest: dict[str, object], pins: dict[str, str] | None = None) -> list[Verdict]:
+    """Pack each pinned wheel present in ``wheels_dir`` as :func:`build` does and compare its archive
+    (SHA-256 and size) with ``manifest``'s entry. A wheel other than the manifest's (its SHA-256 differs)
+    is refused: that is another input, not a reproducibility result."""
+    pins = read_requirements() if pins is None else pins
+    present = local_wheels(pins, wheels_dir)
+    if not present:
+        raise SystemExit(f"--verify: no pinned wheel in {wheels_dir}")
+    entries = {str(d["name"]): d for d in manifest["distributions"]}  # type: ignore[union-attr]
+    for name, whl in present.items():
+        if name not in entries:
+            raise SystemExit(f"--verify: {whl.name} is pinned but not in the manifest (build the bundle again)")
+        if sha256(whl) != entries[name]["wheel_sha256"]:
+            raise SystemExit(f"--verify: {whl.name} is not the wheel the manifest was built from (its SHA-256 differs)")
+    verdicts = []
+    with tempfile.TemporaryDirectory(prefix="kvalign-gpu-verify-") as tmp:
+        dists = stage_and_pack(present, {n: pins[n] for n in present}, Path(tmp))
+        for dist in dists:
+            archive, entry = Path(tmp) / f"{dist.name}.tar.xz", entries[dist.name]
+            got = (sha256(archive), archive.stat().st_size)
+            want = (entry["archive_sha256"], entry["archive_bytes"])
+            why = "" if got == want else f"archive {got[0][:12]}.. {got[1]} B, manifest {str(want[0])[:12]}.. {want[1]} B"
+            dependent = any(f"[{dist.name}]" in key for key in MACHINE_DEPENDENT)
+            verdicts.append(Verdict(dist.name, got == want, why, dependent))
+    return verdicts
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / ".gpu-bundle", help="where the chunks go (git-ignored)")
     p.add_argument("--wheels", type=Path, default=Path.home() / ".cache" / "kvalign" / "gpu-wheels",
                    help="the downloaded wheels (kept between builds)")
+    p.add_argument("--verify", action="store_true",
+                   help="pack the pinned wheels present in --wheels and compare each archive with the committed "
+                        "manifest; writes nothing; exit 1 if one that is not machine-dependent differs")
     args = p.parse_args(argv)
+    if args.verify:
+        verdicts = verify(args.wheels, json.loads(MANIFEST.read_text()))
+        for v in verdicts:
+            label = "same" if v.same else ("differs (machine-dependent)" if v.machine_dependent else "DIFFERS")
+            print(f"{label:28} {v.name}{'  ' + v.why if v.why else ''}")
+        bad = [v.name for v in verdicts if not v.same and not v.machine_dependent]
+        same = sum(v.same for v in verdicts)
+        print(f"{same} of {len(verdicts)} archives equal to the manifest's SHA-256"
+              + (f"; differing, not named machine-dependent: {', '.join(bad)}" if bad else ""))
+        return 1 if bad else 0
     manifest = build(args.out, args.wheels)
     MANIFEST.write_text(json.dumps(manifest, indent=1) + "\n")
     for chunk in manifest["chunks"]:

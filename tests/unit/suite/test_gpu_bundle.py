@@ -230,3 +230,32 @@ def test_the_manifest_names_its_machine_dependent_fields_and_the_tools_behind_th
     assert set(MANIFEST["built_with"]) == {"strip", "pip"}
     stripped = [d["name"] for d in MANIFEST["distributions"] if pack.TRIMS.get(d["name"], pack.Trim()).strip]
     assert stripped and all(any(f"[{name}]" in field for field in pack.MACHINE_DEPENDENT) for name in stripped)
+
+
+# ---- --verify: another machine holds its packs against the committed manifest ----------------------------
+
+
+def tiny_manifest(wheel: Path, archive_sha256: str, archive_bytes: int) -> dict:
+    return {"distributions": [{"name": "tinykv", "wheel_sha256": pack.sha256(wheel),
+                               "archive_sha256": archive_sha256, "archive_bytes": archive_bytes}]}
+
+
+@pytest.mark.slow  # real `pip install --target` runs
+def test_verify_finds_a_pack_from_another_directory_equal_to_the_manifest(tmp_path):
+    wheel = tiny_wheel(tmp_path / "built")
+    packed = pack_from(wheel, tmp_path / "a" / "wheels", tmp_path / "out", 0o022)["tinykv.tar.xz"]
+    size = (tmp_path / "out" / "tinykv.tar.xz").stat().st_size
+    [verdict] = pack.verify(tmp_path / "built", tiny_manifest(wheel, packed, size), {"tinykv": "1.0"})
+    assert verdict == pack.Verdict("tinykv", True, "", False)
+
+
+@pytest.mark.slow
+def test_verify_reports_an_archive_the_manifest_does_not_hold_and_refuses_another_wheel(tmp_path):
+    """Negative controls: a manifest whose archive SHA-256 is another's gives DIFFERS (not machine-dependent:
+    ``main`` exits 1 on it), and a wheel that is not the manifest's is refused rather than compared."""
+    wheel = tiny_wheel(tmp_path / "built")
+    [verdict] = pack.verify(tmp_path / "built", tiny_manifest(wheel, "0" * 64, 1), {"tinykv": "1.0"})
+    assert not verdict.same and "manifest 000000000000.. 1 B" in verdict.why and not verdict.machine_dependent
+    other = {"distributions": [{**tiny_manifest(wheel, "0" * 64, 1)["distributions"][0], "wheel_sha256": "f" * 64}]}
+    with pytest.raises(SystemExit, match="not the wheel the manifest was built from"):
+        pack.verify(tmp_path / "built", other, {"tinykv": "1.0"})
