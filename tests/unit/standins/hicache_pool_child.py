@@ -6,8 +6,8 @@ Builds SGLang's own device pool (``MHATokenToKVPool``) and host pool (``MHAToken
 ``pin_memory=True``) for each (io backend, layout) the stand-in covers, backs device pages up
 through ``backup_from_device_all_layer``, reads them back through the host pool's own
 ``get_data_page``, loads them into other device slots through ``load_to_device_per_layer``, and
-prints one JSON line of what it saw. ``--mutants NAME ...`` swaps in each broken op in turn (the
-negative controls).
+prints one JSON line of what it saw. ``--mutants NAME ...`` then swaps in each broken op in turn (the
+negative controls), under the key ``mutants``.
 """
 
 from __future__ import annotations
@@ -112,20 +112,18 @@ def registration() -> dict:
 def main(argv: list[str]) -> None:
     pairs = (("kernel", "page_first"), ("kernel", "layer_first"), ("direct", "layer_first"),
              ("direct", "page_first_direct"))
-    if "--mutants" in argv:  # each broken op in turn, on SGLang's default pair only
+    out: dict = {f"{b}/{l}": round_trip(b, l) for b, l in pairs}
+    out["registration"] = registration()
+    if "--mutants" in argv:  # then each broken op in turn, on SGLang's default pair only
         from sglang.srt.mem_cache.pool_host import mha
 
-        out = {}
+        out["mutants"] = {}
         for name in argv[argv.index("--mutants") + 1:]:
             saved = dict(vars(mha))
             mutate(name)
-            out[name] = round_trip("kernel", "page_first")
+            out["mutants"][name] = round_trip("kernel", "page_first")
             for op in ("transfer_kv_all_layer_lf_pf", "transfer_kv_per_layer_pf_lf"):
                 setattr(mha, op, saved[op])
-        print(json.dumps(out))
-        return
-    out = {f"{b}/{l}": round_trip(b, l) for b, l in pairs}
-    out["registration"] = registration()
     print(json.dumps(out))
 
 

@@ -300,9 +300,22 @@ def _child(release: Path | None, *args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # a child process that imports SGLang's memory pools (about 15 s per release)
-def test_sglangs_host_pool_backs_up_and_loads_back_through_the_stand_in(release):
-    out = _child(release)
+#: The negative control's broken ops, run by the environment's release child after its round trips
+MUTANTS = ("pf_without_layer", "k_for_v")
+
+
+@pytest.fixture(scope="module")
+def env_child() -> dict:
+    """The environment's release child, once for the module: its round trips and registration, then each of
+    :data:`MUTANTS` in turn (the control). One child imports SGLang's memory pools for both tests: each used to
+    start its own (about 10 CPU-s apiece). The mutants run after the round trips, on pools of their own, and
+    each op is put back before the next."""
+    return _child(None, "--mutants", *MUTANTS)
+
+
+@pytest.mark.slow  # a child process that imports SGLang's memory pools (about 10 s per release)
+def test_sglangs_host_pool_backs_up_and_loads_back_through_the_stand_in(release, request):
+    out = request.getfixturevalue("env_child") if release is None else _child(release)
     for key in ("kernel/page_first", "kernel/layer_first", "direct/layer_first", "direct/page_first_direct"):
         assert out[key] == {"backed_up": [True, True, True], "loaded_back": True, "other_slots_untouched": True}, key
     reg = out["registration"]
@@ -312,7 +325,7 @@ def test_sglangs_host_pool_backs_up_and_loads_back_through_the_stand_in(release)
 
 
 @pytest.mark.slow
-def test_negative_control_sglangs_round_trip_fails_on_a_broken_op():
-    out = _child(None, "--mutants", "pf_without_layer", "k_for_v")
+def test_negative_control_sglangs_round_trip_fails_on_a_broken_op(env_child):
+    out = env_child["mutants"]
     assert out["pf_without_layer"]["backed_up"] == [False, False, False], out  # every layer at layer 0's offset
     assert out["k_for_v"]["backed_up"] == [True, True, True] and out["k_for_v"]["loaded_back"] is False, out
