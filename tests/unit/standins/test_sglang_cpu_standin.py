@@ -22,9 +22,46 @@ PY = sys.executable
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _child(code: str, **env: str) -> subprocess.CompletedProcess:
+def _child(code: str, *args: str, timeout: int = 120, **env: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", standin.ENABLE_ENV)}
-    return subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120, env={**base, **env})
+    return subprocess.run([PY, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env={**base, **env})
+
+
+#: Runs each section (``{name: code}``, JSON in argv[1]) in turn in this one process, its stdout and any
+#: traceback kept apart: the last line is ``{name: {"out": ..., "error": ...}}``.
+SECTIONS_RUNNER = (
+    "import contextlib, io, json, sys, traceback\n"
+    "done = {}\n"
+    "for name, code in json.loads(sys.argv[1]).items():\n"
+    "    out = io.StringIO()\n"
+    "    try:\n"
+    "        with contextlib.redirect_stdout(out):\n"
+    "            exec(compile(code, name, 'exec'), {'__name__': name})\n"
+    "        error = None\n"
+    "    except BaseException:\n"
+    "        error = traceback.format_exc()\n"
+    "    done[name] = {'out': out.getvalue(), 'error': error}\n"
+    "print(json.dumps(done))\n"
+)
+
+
+@pytest.fixture(scope="module")
+def worker_child() -> dict[str, dict]:
+    """The slow tests' code (:data:`WORKER_SECTIONS`), run in ONE child with the stand-in loaded as in a worker:
+    each test used to start its own, and each paid the same imports (torch, the stand-in, SGLang's scheduler and
+    attention modules: about 10 CPU-s apiece). The sections run in the order listed, ``sgl_kernel``'s exports
+    first, on a fresh interpreter as before; a patch applies when its module is first imported, whichever
+    section imports it. Each test asserts on its own section's output and fails on its own traceback."""
+    proc = _child(SECTIONS_RUNNER, json.dumps(WORKER_SECTIONS), timeout=300, **standin.worker_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _section(worker_child: dict[str, dict], name: str) -> str:
+    """``name``'s stdout in the shared child; its traceback fails the test."""
+    got = worker_child[name]
+    assert got["error"] is None, got["error"][-2000:]
+    return got["out"]
 
 
 def test_pinned_version_matches_the_installed_sglang():
@@ -62,21 +99,24 @@ def test_stand_in_is_absent_from_processes_that_did_not_ask_for_it():
     assert proc.stdout.split() == ["True", "False"], proc.stderr
 
 
-@pytest.mark.slow  # a child process that imports torch and the stand-in
-def test_sgl_kernel_exports_exactly_the_covered_names():
-    code = (
-        "import json, sgl_kernel, torch\n"
-        "names = sorted(n for n in vars(sgl_kernel) if n.endswith('_cpu'))\n"
-        "try:\n    from sgl_kernel import convert_weight_packed\n    missing = False\n"
-        "except ImportError:\n    missing = True\n"
-        "try:\n    import sgl_kernel.mamba\n    sub = True\n"
-        "except ImportError:\n    sub = False\n"
-        "ops = [hasattr(torch.ops.sgl_kernel, n) for n in %r]\n"
-        "print(json.dumps([names, missing, sub, ops]))\n" % (list(ops.IMPORT_TIME_OPS),)
-    )
-    proc = _child(code, **standin.worker_env())
-    assert proc.returncode == 0, proc.stderr
-    names, missing, sub, registered = json.loads(proc.stdout)
+#: The slow tests' child code, by section of the one child (:func:`worker_child`), in the order it runs.
+WORKER_SECTIONS: dict[str, str] = {}
+
+WORKER_SECTIONS["exports"] = (
+    "import json, sgl_kernel, torch\n"
+    "names = sorted(n for n in vars(sgl_kernel) if n.endswith('_cpu'))\n"
+    "try:\n    from sgl_kernel import convert_weight_packed\n    missing = False\n"
+    "except ImportError:\n    missing = True\n"
+    "try:\n    import sgl_kernel.mamba\n    sub = True\n"
+    "except ImportError:\n    sub = False\n"
+    "ops = [hasattr(torch.ops.sgl_kernel, n) for n in %r]\n"
+    "print(json.dumps([names, missing, sub, ops]))\n" % (list(ops.IMPORT_TIME_OPS),)
+)
+
+
+@pytest.mark.slow  # the shared child (worker_child) imports torch and the stand-in
+def test_sgl_kernel_exports_exactly_the_covered_names(worker_child):
+    names, missing, sub, registered = json.loads(_section(worker_child, "exports"))
     assert names == sorted([*kernels.__all__, *ops.UNCOVERED_FUNCTIONS])
     assert missing, "convert_weight_packed must stay absent (keeps SGLang's AMX path off)"
     assert not sub, "submodules such as sgl_kernel.mamba must raise ImportError"
@@ -89,60 +129,69 @@ def test_uncovered_functions_raise_with_the_reason(name):
         ops.uncovered_functions()[name]()
 
 
-@pytest.mark.slow  # a child process that imports SGLang's scheduler, attention and disaggregation modules
-def test_patches_find_their_targets_in_the_installed_sglang():
+WORKER_SECTIONS["patches"] = (
+    "import inspect\n"
+    "from sglang.srt.speculative import draft_utils\n"
+    "from sglang.srt.layers.attention import torch_native_backend as t\n"
+    "from sglang.srt.arg_groups import pd_disaggregation_hook as h\n"
+    "from sglang.srt.managers import disagg_service as d\n"
+    "from sglang.srt.disaggregation import decode, utils\n"
+    "from sglang.srt.disaggregation.utils import KVClassType, TransferBackend\n"
+    "mods = [draft_utils.DraftBackendFactory._create_backend, t.TorchNativeAttnBackend.forward_extend,\n"
+    "        h.handle_pd_disaggregation, d.get_kv_class, decode._is_fake_transfer, utils._is_fake_transfer]\n"
+    "print(all(f.__code__.co_filename.endswith('standins/sglang_cpu/patches.py') for f in mods),\n"
+    "      d.get_kv_class(TransferBackend.FAKE, KVClassType.BOOTSTRAP_SERVER).__name__)\n"
+)
+
+
+@pytest.mark.slow  # the shared child (worker_child) imports SGLang's scheduler, attention and disaggregation modules
+def test_patches_find_their_targets_in_the_installed_sglang(worker_child):
     """Each patch checks the code it changes still looks as in 0.5.23 and applies: run them all in a
     child with the stand-in on (importing the patched modules triggers them) and check the effect."""
-    code = (
-        "import inspect\n"
-        "from sglang.srt.speculative import draft_utils\n"
-        "from sglang.srt.layers.attention import torch_native_backend as t\n"
-        "from sglang.srt.arg_groups import pd_disaggregation_hook as h\n"
-        "from sglang.srt.managers import disagg_service as d\n"
-        "from sglang.srt.disaggregation import decode, utils\n"
-        "from sglang.srt.disaggregation.utils import KVClassType, TransferBackend\n"
-        "mods = [draft_utils.DraftBackendFactory._create_backend, t.TorchNativeAttnBackend.forward_extend,\n"
-        "        h.handle_pd_disaggregation, d.get_kv_class, decode._is_fake_transfer, utils._is_fake_transfer]\n"
-        "print(all(f.__code__.co_filename.endswith('standins/sglang_cpu/patches.py') for f in mods),\n"
-        "      d.get_kv_class(TransferBackend.FAKE, KVClassType.BOOTSTRAP_SERVER).__name__)\n"
-    )
-    proc = _child(code, **standin.worker_env())
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["True", "NoBootstrapServer"]
+    assert _section(worker_child, "patches").split() == ["True", "NoBootstrapServer"]
 
 
-@pytest.mark.slow  # a child that imports SGLang's attention backends with the stand-in
-def test_torch_native_pads_a_dp_attention_batch_as_sglangs_own_cpu_backend():
+WORKER_SECTIONS["dp_padding"] = (
+    "from sglang.srt.layers.attention import torch_native_backend as t\n"
+    "from sglang.srt.layers.attention.intel_amx_backend import IntelAMXAttnBackend as A\n"
+    "print(t.TorchNativeAttnBackend.get_cpu_graph_seq_len_fill_value(None), "
+    "A.get_cpu_graph_seq_len_fill_value(None))\n"
+)
+
+
+@pytest.mark.slow  # the shared child (worker_child) imports SGLang's attention backends
+def test_torch_native_pads_a_dp_attention_batch_as_sglangs_own_cpu_backend(worker_child):
     """DP attention pads every batch for its MLP sync and asks the attention backend for the padded
     sequences' length; the stand-in's answer on torch_native is SGLang's own CPU backend's."""
-    code = ("from sglang.srt.layers.attention import torch_native_backend as t\n"
-            "from sglang.srt.layers.attention.intel_amx_backend import IntelAMXAttnBackend as A\n"
-            "print(t.TorchNativeAttnBackend.get_cpu_graph_seq_len_fill_value(None), "
-            "A.get_cpu_graph_seq_len_fill_value(None))\n")
-    proc = _child(code, **standin.worker_env())
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    ours, sglangs = proc.stdout.split()
+    ours, sglangs = _section(worker_child, "dp_padding").split()
     assert ours == sglangs == "1"
-    plain = _child("from kvalign.oracles.sglang import _modules; _modules()\n"  # the torchvision shim alone
-                   "from sglang.srt.layers.attention import torch_native_backend as t\n"
-                   "print(hasattr(t.TorchNativeAttnBackend, 'get_cpu_graph_seq_len_fill_value'))\n")
-    assert plain.returncode == 0 and plain.stdout.split() == ["False"]  # SGLang's own torch_native lacks it
+    # SGLang's own torch_native lacks it: read in this process, which never has the stand-in
+    # (test_stand_in_is_absent_from_processes_that_did_not_ask_for_it), with the oracles' torchvision shim alone
+    from kvalign.oracles.sglang import _modules
+
+    _modules()
+    from sglang.srt.layers.attention import torch_native_backend as t
+
+    assert str(standin.SITE_DIR) not in sys.path and not os.environ.get(standin.ENABLE_ENV)
+    assert not hasattr(t.TorchNativeAttnBackend, "get_cpu_graph_seq_len_fill_value")
 
 
-@pytest.mark.slow  # a child that imports SGLang's rotary embedding with the stand-in
-def test_an_idle_dp_attention_rank_rotates_its_empty_batch_and_others_go_to_sglang():
+WORKER_SECTIONS["idle_rotation"] = (
+    "import torch\nfrom sglang.srt.layers.rotary_embedding.base import RotaryEmbedding as R\n"
+    "r = R(16, 16, 2048, 10000, True, torch.float32)\n"
+    "q, k = r.forward_native(torch.zeros(0, dtype=torch.long), torch.zeros(0, 64), torch.zeros(0, 32))\n"
+    "g = torch.Generator().manual_seed(0)\n"
+    "p, q1, k1 = torch.arange(3), torch.randn(3, 64, generator=g), torch.randn(3, 32, generator=g)\n"
+    "a, b = r.forward_native(p, q1.clone(), k1.clone())\n"
+    "c, d = R.forward_native.__wrapped__(r, p, q1.clone(), k1.clone())\n"
+    "try:\n    R.forward_native.__wrapped__(r, torch.zeros(0, dtype=torch.long), torch.zeros(0, 64), torch.zeros(0, 32))\n"
+    "    raised = False\nexcept RuntimeError:\n    raised = True\n"
+    "print(tuple(q.shape) == (0, 64) and tuple(k.shape) == (0, 32), torch.equal(a, c) and torch.equal(b, d), raised)\n"
+)
+
+
+@pytest.mark.slow  # the shared child (worker_child) imports SGLang's rotary embedding with the stand-in
+def test_an_idle_dp_attention_rank_rotates_its_empty_batch_and_others_go_to_sglang(worker_child):
     """A rank with no requests runs its idle forward with zero tokens: the stand-in returns it as it
     came (SGLang's own native path raises on it); a batch with tokens gets SGLang's own rotation."""
-    code = ("import torch\nfrom sglang.srt.layers.rotary_embedding.base import RotaryEmbedding as R\n"
-            "r = R(16, 16, 2048, 10000, True, torch.float32)\n"
-            "q, k = r.forward_native(torch.zeros(0, dtype=torch.long), torch.zeros(0, 64), torch.zeros(0, 32))\n"
-            "g = torch.Generator().manual_seed(0)\n"
-            "p, q1, k1 = torch.arange(3), torch.randn(3, 64, generator=g), torch.randn(3, 32, generator=g)\n"
-            "a, b = r.forward_native(p, q1.clone(), k1.clone())\n"
-            "c, d = R.forward_native.__wrapped__(r, p, q1.clone(), k1.clone())\n"
-            "try:\n    R.forward_native.__wrapped__(r, torch.zeros(0, dtype=torch.long), torch.zeros(0, 64), torch.zeros(0, 32))\n"
-            "    raised = False\nexcept RuntimeError:\n    raised = True\n"
-            "print(tuple(q.shape) == (0, 64) and tuple(k.shape) == (0, 32), torch.equal(a, c) and torch.equal(b, d), raised)\n")
-    proc = _child(code, **standin.worker_env())
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["True", "True", "True"]
+    assert _section(worker_child, "idle_rotation").split() == ["True", "True", "True"]
