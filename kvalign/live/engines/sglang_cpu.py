@@ -191,7 +191,7 @@ class SglangCpuWorkerKind:
         env = {
             **plan.worker_env(worker), **self.device_env(worker),
             "OMP_NUM_THREADS": str(self.threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "TORCH_EXTENSIONS_DIR": torch_extensions_dir(self.sglang_version),
+            "TORCH_EXTENSIONS_DIR": torch_extensions_dir(self.sglang_version), **NO_CRASH_DIAGNOSTICS,
             **({ROUTER_EAGLE_ENV: "off"} if forced_off else {}), **({RELAY_SUBSCRIBE_ENV: hop} if hop else {}),
             **({SERVER_INFO_ENV: str(server_info_path(plan, worker))} if recording else {}),
             **self.extra_env,
@@ -234,6 +234,15 @@ class SglangCpuWorkerKind:
         """The CPU stand-in, loaded through the worker's ``PYTHONPATH``."""
         env = sglang_cpu_standin.worker_env(None if self.sglang_dir else os.environ.get("PYTHONPATH") or None)
         return env | ({FORKSERVER_ENV: "1"} if self.forkserver else {})
+
+
+#: SGLang's crash diagnostics, off on CPU. Stopping a worker (its process group gets SIGTERM) kills the
+#: scheduler first; SGLang's subprocess watchdog then raises SIGQUIT in ``dynamo.sglang``, whose handler
+#: (``dump_requests_before_crash``, 0.5.21 and 0.5.23) sleeps 5 s "to let GPU activity settle" before a
+#: py-spy dump and a CUDA coredump, both on by default: here there is no GPU, no CUDA and no py-spy, so
+#: every cluster stop and every fuzz restart waited 5 s for nothing (the requests' dump, when
+#: ``--crash-dump-folder`` is set, still runs).
+NO_CRASH_DIAGNOSTICS = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
 
 
 #: SGLang's prefill->decode transfer backends the CPU workers run: ``nixl`` moves the KV pages (host
