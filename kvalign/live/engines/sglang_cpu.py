@@ -83,7 +83,7 @@ class SglangCpuWorkerKind:
     name = "sglang-cpu"
 
     def __init__(self, draft_model: str | None, *, eagle: CpuEagle = CpuEagle(), max_total_tokens: int = 4096,
-                 threads: int = 2, sglang_version: str = sglang_cpu_standin.SGLANG_VERSION,
+                 threads: int = 1, sglang_version: str = sglang_cpu_standin.SGLANG_VERSION,
                  sglang_dir: Path | None = None, relay_subscribe: Mapping[str, str] | None = None,
                  sleep_on_idle: bool = True, hicache: HiCache | None = None,
                  extra_env: Mapping[str, str] | None = None, transfer: str = "nixl",
@@ -107,6 +107,11 @@ class SglangCpuWorkerKind:
         #: publishes its KV events before it sleeps and never sleeps with a transfer in flight.
         #: ``bench/bench_live_idle.py`` measures the difference.
         self.sleep_on_idle = sleep_on_idle
+        #: each worker's ``OMP_NUM_THREADS``: one. Torch's second OpenMP thread buys nothing on the tiny models
+        #: and, with two or more schedulers (and the router, the harness, the other test worker) on two cores,
+        #: every parallel region waits at its barrier for a thread that is not running: a 2-worker cluster
+        #: answered 24 requests in 37.7-64.0 s on 26.4-27.4 CPU-s with two threads, 4.0-6.1 s on 3.9-4.5 CPU-s
+        #: with one (two rounds, each order once, load 7-17)
         self.max_total_tokens, self.threads = max_total_tokens, threads
         #: the decode workers' pool when it must differ (a small prefill pool that evicts): SGLang's
         #: decode pre-allocation reserves ``--num-reserved-decode-tokens`` (512) per request, so a
