@@ -83,7 +83,7 @@ class SglangCpuWorkerKind:
     name = "sglang-cpu"
 
     def __init__(self, draft_model: str | None, *, eagle: CpuEagle = CpuEagle(), max_total_tokens: int = 4096,
-                 threads: int = 2, sglang_version: str = sglang_cpu_standin.SGLANG_VERSION,
+                 threads: int = 1, sglang_version: str = sglang_cpu_standin.SGLANG_VERSION,
                  sglang_dir: Path | None = None, relay_subscribe: Mapping[str, str] | None = None,
                  sleep_on_idle: bool = True, hicache: HiCache | None = None,
                  extra_env: Mapping[str, str] | None = None, transfer: str = "nixl",
@@ -107,6 +107,11 @@ class SglangCpuWorkerKind:
         #: publishes its KV events before it sleeps and never sleeps with a transfer in flight.
         #: ``bench/bench_live_idle.py`` measures the difference.
         self.sleep_on_idle = sleep_on_idle
+        #: each worker's ``OMP_NUM_THREADS``: one. Torch's second OpenMP thread buys nothing on the tiny models
+        #: and, with two or more schedulers (and the router, the harness, the other test worker) on two cores,
+        #: every parallel region waits at its barrier for a thread that is not running: a 2-worker cluster
+        #: answered 24 requests in 37.7-64.0 s on 26.4-27.4 CPU-s with two threads, 4.0-6.1 s on 3.9-4.5 CPU-s
+        #: with one (two rounds, each order once, load 7-17)
         self.max_total_tokens, self.threads = max_total_tokens, threads
         #: the decode workers' pool when it must differ (a small prefill pool that evicts): SGLang's
         #: decode pre-allocation reserves ``--num-reserved-decode-tokens`` (512) per request, so a
@@ -191,7 +196,7 @@ class SglangCpuWorkerKind:
         env = {
             **plan.worker_env(worker), **self.device_env(worker),
             "OMP_NUM_THREADS": str(self.threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "TORCH_EXTENSIONS_DIR": torch_extensions_dir(self.sglang_version),
+            "TORCH_EXTENSIONS_DIR": torch_extensions_dir(self.sglang_version), **NO_CRASH_DIAGNOSTICS,
             **({ROUTER_EAGLE_ENV: "off"} if forced_off else {}), **({RELAY_SUBSCRIBE_ENV: hop} if hop else {}),
             **({SERVER_INFO_ENV: str(server_info_path(plan, worker))} if recording else {}),
             **self.extra_env,
@@ -234,6 +239,15 @@ class SglangCpuWorkerKind:
         """The CPU stand-in, loaded through the worker's ``PYTHONPATH``."""
         env = sglang_cpu_standin.worker_env(None if self.sglang_dir else os.environ.get("PYTHONPATH") or None)
         return env | ({FORKSERVER_ENV: "1"} if self.forkserver else {})
+
+
+#: SGLang's crash diagnostics, off on CPU. Stopping a worker (its process group gets SIGTERM) kills the
+#: scheduler first; SGLang's subprocess watchdog then raises SIGQUIT in ``dynamo.sglang``, whose handler
+#: (``dump_requests_before_crash``, 0.5.21 and 0.5.23) sleeps 5 s "to let GPU activity settle" before a
+#: py-spy dump and a CUDA coredump, both on by default: here there is no GPU, no CUDA and no py-spy, so
+#: every cluster stop and every fuzz restart waited 5 s for nothing (the requests' dump, when
+#: ``--crash-dump-folder`` is set, still runs).
+NO_CRASH_DIAGNOSTICS = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
 
 
 #: SGLang's prefill->decode transfer backends the CPU workers run: ``nixl`` moves the KV pages (host

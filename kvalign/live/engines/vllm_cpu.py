@@ -21,7 +21,9 @@ Settings and why:
 * ``PYTHONPATH`` led by :data:`SITE_DIR`: torchvision's shim in every process vLLM starts (it inspects
   the model in a fresh interpreter), kvalign's tree after it;
 * ``VLLM_CPU_OMP_THREADS_BIND=nobind``, ``OMP_NUM_THREADS``: the 2-core machine is shared;
-  ``VLLM_WORKER_MULTIPROC_METHOD=fork``: the engine-core process inherits the worker's shims.
+  ``VLLM_WORKER_MULTIPROC_METHOD=fork``: the engine-core process inherits the worker's shims;
+* ``DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS=0``, ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=1``: a stop does not
+  sit out Dynamo's and vLLM's 5 s graces (:data:`SHUTDOWN_GRACE`).
 
 Disaggregation is not offered: ``dynamo.vllm``'s prefill->decode path is a KV connector (NIXL),
 whose CPU build this environment does not carry.
@@ -55,6 +57,15 @@ SHIM_ENV = "KVALIGN_VLLM_SHIM"
 #: (``kv_cache_utils.py:96-99``), which Dynamo 1.6.1's relay drops (``VLLM_BYTES_HASHES_DROPPED``)
 INT_BLOCK_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
 BLOCK_HASH_ENCODINGS = {"int": "1", "bytes": "0"}
+
+
+#: What a stop of a vLLM worker's process group no longer sits out (each seen in the worker's log; the
+#: fuzz's clusters hold no request in flight when they stop or restart a worker): Dynamo's graceful
+#: shutdown sleeps ``DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS`` (5) after unregistering the worker, for a
+#: frontend to stop routing to it; vLLM's executor waits ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` (5) for
+#: its worker process, which the group's SIGTERM left waiting on its queues ("workers still running
+#: after grace period"). The group is killed after its own grace anyway.
+SHUTDOWN_GRACE = {"DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "0", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "1"}
 
 
 def block_size_problem(block_size: int) -> str | None:
@@ -153,7 +164,7 @@ class VllmCpuWorkerKind:
             "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_space_gib),
             "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(self.threads),
             "VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **SHUTDOWN_GRACE,
             RELAY_SUBSCRIBE_ENV: self.relay_subscribe.get(worker.name) or plan.kv_events_connect(worker),
         }
         return ProcessSpec(worker.name, argv, env)

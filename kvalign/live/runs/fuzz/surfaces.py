@@ -11,7 +11,7 @@
   applied, ``..._kv_cache_events_applied{dynamo_component, event_type, status}``: one per
   ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` the relay received (measured on
   1.6.1: equal to the router-side capture's events, request by request, stores and evictions, a
-  batch's chained stores counted once: :func:`applied_units`).
+  batch's chained stores and its consecutive removals counted once: :func:`applied_units`).
   Settling waits on it, because the router-side capture shows what reached Dynamo's relay, not
   what the router's index has applied.
 * **Decode speculation.** ``dynamo.sglang`` leaves ``completion_tokens_details`` empty, so the
@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvalign.errors import UsageError
-from kvalign.model.events import BlockStored
+from kvalign.model.events import BlockRemoved, BlockStored
 from kvalign.live.cluster.shared import EVENTS_APPLIED, events_applied
 from kvalign.live.wire.metrics import MetricsSnapshot, scrape
 
@@ -36,17 +36,26 @@ PREFILL_REUSED = "router_kv_worker_reused_tokens_total"
 
 
 def applied_units(events: Sequence[object]) -> int:
-    """How many ``kv_cache_events_applied`` one batch of SGLang events makes on Dynamo 1.6.1's frontend:
-    one per event, except that a ``BlockStored`` hanging under the last page of the ``BlockStored``
-    just before it in the same batch extends that store (measured live: a batch of two such stores,
-    which SGLang's publisher sends when it merges batches, made the counter rise by one, and the
-    router indexed both stores' pages)."""
+    """How many ``kv_cache_events_applied`` one batch of engine events makes on Dynamo 1.6.1's frontend:
+    one per event, except where Dynamo merges an event into the one just before it in the same batch
+    (its relay merges mutations of one kind):
+
+    * a ``BlockStored`` hanging under the last page of the ``BlockStored`` just before it extends that
+      store (measured live: a batch of two such stores, which SGLang's publisher sends when it merges
+      batches, made the counter rise by one, and the router indexed both stores' pages);
+    * a ``BlockRemoved`` right after a ``BlockRemoved`` of the same medium extends that removal
+      (measured live on vLLM, which publishes one removal per block: a batch of 3 removals and 2
+      stores made ``event_type="removed"`` rise by one and ``"stored"`` by two, one of 9 removals and a
+      store by one and one; counted one per event, every fill request's settle waited out its 8 s
+      bound, 8 of them per generated vLLM run)."""
     n, last = 0, None
     for ev in events:
-        chained = (isinstance(ev, BlockStored) and last is not None and ev.parent_block_hash is not None
-                   and ev.parent_block_hash == last)
+        chained = (isinstance(ev, BlockStored) and isinstance(last, BlockStored) and ev.parent_block_hash is not None
+                   and bool(last.block_hashes) and ev.parent_block_hash == last.block_hashes[-1])
+        chained = chained or (isinstance(ev, BlockRemoved) and isinstance(last, BlockRemoved)
+                              and ev.medium == last.medium)
         n += not chained
-        last = ev.block_hashes[-1] if isinstance(ev, BlockStored) and ev.block_hashes else None
+        last = ev
     return n
 
 
