@@ -95,6 +95,21 @@ def test_a_batchs_chained_stores_count_once_in_the_applied_unit():
     assert applied_units([a, BlockRemoved([3]), b]) == 3 and applied_units([AllBlocksCleared(), a]) == 2
 
 
+def test_a_batchs_consecutive_removals_of_one_medium_count_once_in_the_applied_unit():
+    """vLLM publishes one ``BlockRemoved`` per block; Dynamo 1.6.1's frontend counted a batch of 9 removals and a
+    store as one removal and one store (live, the vLLM fuzz cluster). Counted one per event, every such settle
+    waited out its bound. A removal of another medium, or one after a store, starts a new unit."""
+    from kvalign.live.runs.fuzz.surfaces import applied_units
+    from kvalign.model.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    store = BlockStored([1], None, list(range(16)), 16)
+    nine = [BlockRemoved([h]) for h in range(9)]
+    assert applied_units([*nine, store]) == 2 and applied_units(nine[:3] + [store, store]) == 3
+    assert applied_units([BlockRemoved([1]), BlockRemoved([2], "CPU")]) == 2
+    assert applied_units([BlockRemoved([1]), store, BlockRemoved([2])]) == 3
+    assert applied_units([BlockRemoved([1]), AllBlocksCleared(), BlockRemoved([2])]) == 3
+
+
 # The decode worker's page as SGLang 0.5.23 exports it (the families the speculation check reads, among others).
 DECODE = """# HELP sglang:spec_verify_calls_total verify calls
 # TYPE sglang:spec_verify_calls_total counter

@@ -52,6 +52,26 @@ def test_disaggregated_commands(tmp_path):
     assert json.loads(_flags(specs["prefill0"].argv)["--kv-events-config"])["endpoint"].startswith("tcp://127.0.0.1:")
 
 
+def test_workers_stop_without_sglangs_crash_diagnostics_by_names_the_installed_sglang_reads(tmp_path):
+    """A stop of a real worker sat out SGLang's 5 s before a py-spy dump and a CUDA coredump, neither of which
+    exists on CPU. A misspelt name would be ignored by SGLang and the wait back, so each name must be one the
+    installed SGLang declares (its ``srt/environ.py``, read as text: no SGLang import)."""
+    import importlib.util
+    from pathlib import Path
+
+    from kvalign.live.engines.sglang_cpu import NO_CRASH_DIAGNOSTICS
+
+    plan, kind = plan_cluster(Topology.aggregated(2, eagle=True), tmp_path)
+    for w in plan.topology.workers:
+        env = kind.command(w, plan).env
+        assert {k: env[k] for k in NO_CRASH_DIAGNOSTICS} == NO_CRASH_DIAGNOSTICS == {
+            "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+        assert env["OMP_NUM_THREADS"] == "1"
+    environ = Path(importlib.util.find_spec("sglang").submodule_search_locations[0]) / "srt" / "environ.py"
+    declared = environ.read_text()
+    assert all(name in declared for name in NO_CRASH_DIAGNOSTICS)
+
+
 def test_the_fake_backend_runs_no_checksum_and_the_injector_is_armed_only_when_asked(tmp_path):
     """``fake`` sends no digest (nothing to verify); the injector's arm file is named only for a control run."""
     plan, kind = plan_cluster(Topology.disaggregated(1, 1, eagle=True), tmp_path / "f", transfer="fake")

@@ -59,6 +59,21 @@ def test_worker_command_is_dynamo_vllm_with_events_on_an_ipc_socket_and_loopback
                                        plan.kv_events_connect(plan.topology.workers[0])]
 
 
+def test_workers_stop_without_dynamos_and_vllms_graces_by_a_name_the_installed_dynamo_reads(tmp_path):
+    """A stop sat out Dynamo's 5 s graceful-shutdown sleep and vLLM's 5 s executor grace; a misspelt name would
+    bring them back unseen, so Dynamo's is held to the installed ``dynamo`` package's source (no import)."""
+    import importlib.util
+    from pathlib import Path
+
+    plan, kind = _plan(tmp_path)
+    for w in plan.topology.workers:
+        env = kind.command(w, plan).env
+        assert {k: env[k] for k in vllm_cpu.SHUTDOWN_GRACE} == vllm_cpu.SHUTDOWN_GRACE
+    assert vllm_cpu.SHUTDOWN_GRACE["DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS"] == "0"
+    dynamo = Path(importlib.util.find_spec("dynamo").submodule_search_locations[0])
+    assert "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS" in (dynamo / "common" / "utils" / "graceful_shutdown.py").read_text()
+
+
 @pytest.mark.parametrize("topology, why", [
     (Topology.disaggregated(1, 1, eagle=False, page_size=32), "aggregated only"),
     (Topology.aggregated(1, eagle=True, page_size=32), "no speculative decoder"),
