@@ -128,7 +128,8 @@ def open_uncollected(spec: SystemsSpec) -> tuple[Systems, Facts]:
     built cost about 1 of the start's 9-10 CPU-s (8.5 against 9.4, one after the other on one machine).
     Frozen, they are out of every later collection's sight, with the few cycles the imports left (about
     13 MiB), in ``--jobs 1`` as in the workers ``check --jobs`` forks from this state: both run their first
-    job with the same heap, which the rows need (:mod:`kvalign.verify.runner.pool`)."""
+    job with the same heap, which the rows need (:mod:`kvalign.verify.runner.pool`). :func:`run` unfreezes
+    them when its rows are done (a process that goes on, as the tests' does, collects them again)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -184,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
             pool.close()
         if systems:
             systems.close()
+        gc.unfreeze()  # a caller in this process (the tests) collects what the run froze, at its exit too
     kind = facts.kind
     failing = blocking(rows, args.strict)
     errors = [e for e in (control_error(rows), unexplained(rows)) if e]
