@@ -21,7 +21,7 @@ from kvalign.commands.options import positive_int
 from kvalign.verify import props
 from kvalign.verify.runner.check import plan, run_jobs, selected
 from kvalign.verify.engine.impact import blocking
-from kvalign.verify.runner.pool import Pool, default_workers
+from kvalign.verify.runner.pool import Pool, usable_cores
 from kvalign.verify.engine.property import Budget, Options, Property
 from kvalign.verify.engine.rows import EVENT_FORMATS, MODES, VARIANTS, RowResult, row_json
 from kvalign.verify.engine.systems import Facts, Systems, SystemsSpec, open_systems
@@ -69,8 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(dynamo where this SGLang has it)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: derandomized, reproducible)")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
-                   help="run rows in N worker processes (default: one more than the usable cores); the report is the "
-                        "same for any N")
+                   help="run rows in N worker processes (default: the usable cores); the report is the same for any N")
     p.add_argument("--strict", action="store_true",
                    help="exit 1 on any finding, credit-skew advisories included (default: only cache-blind ones)")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
@@ -160,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     scope = Scope.of(props.of_engine(args.engine), (p.name for p in chosen))
     asked = EVENT_FORMATS if args.event_format == "both" else (args.event_format,)
     # at most a worker per job: a run of one job (--property card) starts none and runs in this process
-    workers = min(args.jobs or default_workers(), len(plan(chosen, asked, opts)))
+    workers = min(args.jobs or usable_cores(), len(plan(chosen, asked, opts)))
     spec = SystemsSpec(args.router_hash, args.cache)
     pool = systems = None
     try:

@@ -54,17 +54,6 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def default_workers() -> int:
-    """``check --jobs``'s default: one worker more than the usable cores.
-
-    A job's main thread sleeps for part of its wall (waiting on the router's settles, the DP schedulers,
-    its relays' threads): traced on two cores (``bench/check_timeline.py --page-size 16``), the two
-    workers' main threads slept 3.8 and 7.1 s of their 42 s, a core idle meanwhile, and their last jobs
-    ended together, so the rows took their longest chain of CPU and sleep, not the CPU over both cores.
-    A third worker runs while one sleeps."""
-    return usable_cores() + 1
-
-
 def _worker(conn: Connection, systems: Systems, opts: Options) -> None:
     """A worker's life: run jobs on the systems it was forked with until told to stop."""
     os.dup2(2, 1)  # the runtimes' prints go where their logs go (fd 2, the run's log file); stdout is the report's

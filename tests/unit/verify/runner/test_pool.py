@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from kvalign.verify.engine.property import Job, Options
 from kvalign.verify.runner.check import plan, selected
-from kvalign.verify.runner.pool import Schedule, default_workers, usable_cores
+from kvalign.verify.runner.pool import Schedule, usable_cores
 
 ROOT = Path(__file__).resolve().parents[4]
 HERE = Path(__file__).resolve().parent
@@ -69,11 +69,8 @@ def test_a_failing_worker_names_its_row_and_exits_2(tmp_path, hasher, said):
     assert "Traceback" not in res.stderr
 
 
-def test_the_default_is_a_worker_more_than_the_usable_cores():
-    """One more than the cores this process may run on (its affinity mask, not the machine's count): the jobs'
-    sleeps leave a core idle with one worker per core (:func:`default_workers`)."""
+def test_the_default_is_the_usable_cores():
     assert usable_cores() == len(os.sched_getaffinity(0))
-    assert default_workers() == usable_cores() + 1
 
 
 def _simulate(jobs: list[Job], workers: int) -> dict[int, int]:
