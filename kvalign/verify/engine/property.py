@@ -100,7 +100,8 @@ class Job:
     #: why these rows cannot run with this release (its rows are ``skipped`` with it, nothing runs)
     skipped: str | None = None
     #: a set-up this job loads once per process and other jobs load too (``"registration"``: dynamo.sglang's
-    #: import, about 1.2 s of CPU); ``check --jobs`` hands such jobs to the worker that loaded it where it can
+    #: import, about 1.2 s of CPU, by card, advertised and dp); ``check --jobs`` hands such jobs to the worker
+    #: that loaded it where it can
     shares: str | None = None
 
     def label(self) -> str:

@@ -16,7 +16,7 @@ neither walks SGLang's and torch's objects nor writes to the pages the workers s
 Each worker takes jobs from the parent one at a time; the parent hands them out longest first (the
 property's ``cost``), so the long rows start early and the short ones fill in, but for a job that
 loads a set-up another worker already loaded (:attr:`~kvalign.verify.engine.property.Job.shares`:
-``card`` and ``advertised`` both import dynamo.sglang, about 1.2 s of CPU): that one waits for its
+``card``, ``advertised`` and ``dp`` all import dynamo.sglang, about 1.2 s of CPU): that one waits for its
 worker while jobs without it remain (:class:`Schedule`). Every job runs with
 the same options and seed as under ``--jobs 1``, and its rows are put back in plan order, so the
 report is the same whichever worker ran what.

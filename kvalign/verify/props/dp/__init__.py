@@ -26,7 +26,9 @@ class Dp:
         if "plain" not in opts.modes:
             return []
         scale = opts.examples_for(self.budget) / DP_BUDGET.default
-        return [Job(self.name, ("plain",), (layout,), cost=1.2 * scale) for layout in DP_LAYOUTS]
+        # shares: its registered worker imports dynamo.sglang, as card and advertised do (1.2 CPU-s in a check
+        # worker that had not imported it)
+        return [Job(self.name, ("plain",), (layout,), cost=1.2 * scale, shares="registration") for layout in DP_LAYOUTS]
 
     def run(self, job: Job, systems: Any, opts: Options) -> list[RowResult]:
         from kvalign.verify.props.dp.body import run_dp_rows

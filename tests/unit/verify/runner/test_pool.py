@@ -90,13 +90,13 @@ def _default_plan() -> list[Job]:
 
 
 def test_jobs_sharing_a_set_up_run_on_the_worker_that_loaded_it():
-    """card and advertised both import dynamo.sglang: on the default plan they run on one worker, and the
-    jobs stay longest first otherwise (the two servable jobs start at once)."""
+    """card, advertised and the four dp jobs all import dynamo.sglang: on the default plan they run on one
+    worker, and the jobs stay longest first otherwise (the two servable jobs start at once)."""
     jobs = _default_plan()
-    by_prop = {j.prop: k for k, j in enumerate(jobs)}
-    assert jobs[by_prop["card"]].shares == jobs[by_prop["advertised"]].shares == "registration"
+    sharing = [k for k, j in enumerate(jobs) if j.prop in ("card", "advertised", "dp")]
+    assert len(sharing) == 6 and {jobs[k].shares for k in sharing} == {"registration"}
     ran = _simulate(jobs, 2)
-    assert ran[by_prop["card"]] == ran[by_prop["advertised"]]
+    assert len({ran[k] for k in sharing}) == 1
     servable = [k for k, j in enumerate(jobs) if j.prop == "servable"]
     assert {ran[k] for k in servable} == {0, 1}
     assert sorted(ran) == list(range(len(jobs)))  # every job handed out once
@@ -104,11 +104,13 @@ def test_jobs_sharing_a_set_up_run_on_the_worker_that_loaded_it():
 
 def test_without_shares_the_registration_jobs_split_across_workers():
     """The negative control: the same plan without ``shares`` hands card and advertised to different
-    workers (each would import dynamo.sglang), so the test above holds by ``shares`` alone."""
+    workers, and the dp jobs to both (each worker would import dynamo.sglang), so the test above holds by
+    ``shares`` alone."""
     jobs = [replace(j, shares=None) for j in _default_plan()]
     by_prop = {j.prop: k for k, j in enumerate(jobs)}
     ran = _simulate(jobs, 2)
     assert ran[by_prop["card"]] != ran[by_prop["advertised"]]
+    assert {ran[k] for k, j in enumerate(jobs) if j.prop == "dp"} == {0, 1}
 
 
 def test_a_free_worker_takes_a_shared_job_rather_than_wait():
