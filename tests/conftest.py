@@ -151,8 +151,8 @@ _DURATIONS_ON = False
 #: (runtimes starting, subscriptions joining, children stopping, timeouts a negative control sits
 #: out), so more workers than cores overlap the waits; but it is CPU-bound on two cores, and each worker
 #: collects the tier (about 4 CPU-s) and imports what its tests need. Three, two of them taking the files
-#: that import SGLang (``xdist_scopes.SGLANG_WORKERS``): 134 CPU-s against 158 with four (the same tree,
-#: cgroup, load 8-13; docs/development.md, issue 45's fifth pass). A run with live tests keeps two: the
+#: that import SGLang (``xdist_scopes.SGLANG_WORKERS``): 134 CPU-s against 158 with four (the same tree, one
+#: pair side by side, cgroup, load 8-13; docs/development.md, issue 45's fifth pass). A run with live tests keeps two: the
 #: real-engine cluster takes a core or more, and more workers beside it only slow it.
 FAST_TIER_WORKERS, SUITE_WORKERS = 3, 2
 
