@@ -147,12 +147,14 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 _DURATIONS_ON = False
-#: xdist workers for ``-n auto`` (pyproject's default). The fast tier waits more than it computes
+#: xdist workers for ``-n auto`` (pyproject's default). The fast tier waits as well as computes
 #: (runtimes starting, subscriptions joining, children stopping, timeouts a negative control sits
-#: out), so four workers overlap the waits on two cores: ``bench/bench_fast_tier.py`` measured -n 4
-#: at 0.91x the wall time of -n 2 (median of 4 paired rounds). A run with live tests keeps two: the
+#: out), so more workers than cores overlap the waits; but it is CPU-bound on two cores, and each worker
+#: collects the tier (about 4 CPU-s) and imports what its tests need. Three, two of them taking the files
+#: that import SGLang (``xdist_scopes.SGLANG_WORKERS``): 134 CPU-s against 158 with four (the same tree, one
+#: pair side by side, cgroup, load 8-13; docs/development.md, issue 45's fifth pass). A run with live tests keeps two: the
 #: real-engine cluster takes a core or more, and more workers beside it only slow it.
-FAST_TIER_WORKERS, SUITE_WORKERS = 4, 2
+FAST_TIER_WORKERS, SUITE_WORKERS = 3, 2
 
 
 def _fast_tier(config: pytest.Config) -> bool:
@@ -174,7 +176,9 @@ class XdistTotals:
     are set up once), the real-engine live tests on one worker, the fake-worker live tests on one
     worker. The live scopes go out first, longest first: the real engine's is the longest unit by
     far, and xdist's own order (most tests first) could hand it out after a minute of unit files,
-    which the whole run would then wait for. (xdist's ``loadgroup`` would say this with markers, but
+    which the whole run would then wait for. Only the first ``xdist_scopes.SGLANG_WORKERS`` workers to ask
+    take the files that import SGLang (:func:`xdist_scopes.next_scope`): the others never pay its import.
+    (xdist's ``loadgroup`` would say this with markers, but
     it renames node ids through an attribute pytest 9 no longer reads, so its groups are lost.)"""
 
     @pytest.hookimpl
@@ -186,10 +190,21 @@ class XdistTotals:
             def _split_scope(self, nodeid: str) -> str:
                 return xdist_scopes.scope(nodeid)
 
+            def __init__(self, config: pytest.Config, log: object) -> None:
+                super().__init__(config, log)
+                self.sglang_nodes: list[object] = []  # the workers that may import SGLang
+
             def _assign_work_unit(self, node: object) -> None:
                 for live in reversed(xdist_scopes.LIVE_SCOPES):
                     if live in self.workqueue:
                         self.workqueue.move_to_end(live, last=False)
+                if node not in self.sglang_nodes and len(self.sglang_nodes) < xdist_scopes.SGLANG_WORKERS:
+                    self.sglang_nodes.append(node)
+                scope = xdist_scopes.next_scope(list(self.workqueue), node in self.sglang_nodes)
+                if scope is None:
+                    node.shutdown()
+                    return
+                self.workqueue.move_to_end(scope, last=False)
                 super()._assign_work_unit(node)
 
         return FilesAndLive(config, log)

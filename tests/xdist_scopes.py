@@ -2,7 +2,9 @@
 
 The scheduler (``tests/conftest.py``) runs in the controller, which never collects, so all it has
 is the node id. A unit file is one scope (its module fixtures are set up once), but for the files
-that share the multimodal oracles (one scope) and those that start vLLM's interpreter (one scope). The live tests
+that share the multimodal oracles (one scope) and those that start vLLM's interpreter (one scope). The files
+that import SGLang in the test process (:data:`SGLANG_FILES`) go only to the first :data:`SGLANG_WORKERS`
+workers, so the others never pay its import. The live tests
 (``tests/e2e/``) form two scopes:
 
 * **the real engine**: every test that starts real SGLang CPU workers (``test_fuzz.py``, and any
@@ -63,6 +65,113 @@ def scope(nodeid: str) -> str:
     if path in REAL_ENGINE_FILES or "::test_real_engine" in f"::{name}":
         return REAL_ENGINE
     return FAKE_WORKERS
+
+
+#: unit files whose fast tests import SGLang in the test process (``kvalign.oracles.sglang``, its publisher,
+#: a ``check`` in-process): about 10 CPU-s per process (torch, transformers, torch._inductor under SGLang's
+#: ``mem_cache``), paid once by each worker that runs one of them. Found by running the fast tier in one process,
+#: once with every ``import`` naming SGLang recorded per file and once with SGLang's import refused (a test here
+#: then skips or fails), and by the check below. ``tests/unit/conftest.py`` fails a test that
+#: imports SGLang from a file outside it; a file listed that no longer needs SGLang costs only balance.
+SGLANG_FILES = frozenset({
+    "tests/unit/commands/test_cli_bad_input.py",
+    "tests/unit/live/test_e2e_plan.py",
+    "tests/unit/live/test_live_advertised.py",
+    "tests/unit/live/test_live_capture.py",
+    "tests/unit/live/test_live_cpu_worker.py",
+    "tests/unit/live/test_live_gpu.py",
+    "tests/unit/live/test_live_metrics.py",
+    "tests/unit/live/test_live_sglang_gpu_worker.py",
+    "tests/unit/live/test_live_sglang_worker.py",
+    "tests/unit/live/test_live_topology.py",
+    "tests/unit/model/test_events.py",
+    "tests/unit/model/test_relay.py",
+    "tests/unit/model/test_sglang_keys.py",
+    "tests/unit/model/test_sglang_keys_cap.py",
+    "tests/unit/oracles/test_admission.py",
+    "tests/unit/oracles/test_hybrid_oracle.py",
+    "tests/unit/oracles/test_relay_process.py",
+    "tests/unit/oracles/test_router_pair.py",
+    "tests/unit/oracles/test_router_path.py",
+    "tests/unit/oracles/test_storage_oracle.py",
+    "tests/unit/standins/test_kv_pages.py",
+    "tests/unit/standins/test_kv_transfer_standin.py",
+    "tests/unit/standins/test_scheduler_standin.py",
+    "tests/unit/standins/test_sglang_gpu_standin.py",
+    "tests/unit/streams/test_capture.py",
+    "tests/unit/streams/test_diagnose.py",
+    "tests/unit/streams/test_diagnose_mm.py",
+    "tests/unit/streams/test_diagnose_workers.py",
+    "tests/unit/streams/test_fuzz_untrusted.py",
+    "tests/unit/streams/test_replay.py",
+    "tests/unit/streams/test_watch.py",
+    "tests/unit/streams/test_watch_metrics.py",
+    "tests/unit/suite/test_gpu_skip.py",
+    "tests/unit/verify/engine/test_alignment.py",
+    "tests/unit/verify/engine/test_impact.py",
+    "tests/unit/verify/engine/test_property.py",
+    "tests/unit/verify/engine/test_stateful.py",
+    "tests/unit/verify/props/advertised/test_advertised.py",
+    "tests/unit/verify/props/dp/test_check_dp.py",
+    "tests/unit/verify/props/hybrid/test_hybrid.py",
+    "tests/unit/verify/props/hybrid/test_impact_hybrid.py",
+    "tests/unit/verify/props/storage/test_storage.py",
+    "tests/unit/verify/props/tenants/test_tenants.py",
+    "tests/unit/verify/props/test_check_card.py",
+    "tests/unit/verify/props/test_registry.py",
+    "tests/unit/verify/props/tier/test_check_tier.py",
+    "tests/unit/verify/props/tier/test_servable.py",
+    "tests/unit/verify/report/test_report.py",
+    "tests/unit/verify/runner/test_check.py",
+    "tests/unit/verify/runner/test_check_adapters.py",
+})
+#: workers that may import SGLang: the first to ask for work take the SGLang files (and, once those are gone,
+#: any file); the others take only the rest, so the other workers never pay SGLang's import
+SGLANG_WORKERS = 2
+
+
+def imports_sglang(scope_name: str) -> bool:
+    """Whether a test of this scope imports SGLang in its worker (the live scopes and the multimodal oracles do)."""
+    return scope_name in SGLANG_FILES or scope_name in LIVE_SCOPES or scope_name == MM_ORACLES
+
+
+def next_scope(queue: list[str], sglang_worker: bool) -> str | None:
+    """The scope a worker takes next from ``queue`` (in the scheduler's order), or None: nothing it should run.
+
+    A worker that may import SGLang takes an SGLang scope while one is left, then any; another worker takes only
+    scopes that do not import SGLang, and is done when those are gone (the SGLang workers finish the rest)."""
+    if sglang_worker:
+        return next((s for s in queue if imports_sglang(s)), queue[0] if queue else None)
+    return next((s for s in queue if not imports_sglang(s)), None)
+
+
+#: unit tests (node ids) that imported SGLang in this process from a file outside :data:`SGLANG_FILES`
+SGLANG_OUTSIDE: list[str] = []
+
+
+def note_sglang_import_outside_scope(event: str, args: tuple[Any, ...]) -> None:
+    """An audit hook (``tests/unit/conftest.py``): note a unit test that imports SGLang from a file not listed.
+
+    The scheduler keeps :data:`SGLANG_FILES` on :data:`SGLANG_WORKERS` workers, so a file that imported SGLang
+    unlisted would make another worker pay the import, unseen. Python audits an import only when the module is
+    first loaded, so this sees the test that brought SGLang into its process; the hook only notes it (raising
+    would turn the import into an ``OracleUnavailable``, a skip), and ``tests/unit/conftest.py`` fails that
+    test at its teardown (:func:`refuse_unlisted_sglang_import`).
+    """
+    if event != "import" or args[0] != "sglang":
+        return
+    nodeid = os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" ")[0]
+    if nodeid.startswith("tests/unit/") and not imports_sglang(scope(nodeid)):
+        SGLANG_OUTSIDE.append(nodeid)
+
+
+def refuse_unlisted_sglang_import(nodeid: str, *, slow: bool) -> None:
+    """At a unit test's teardown: fail it if it imported SGLang from a file outside :data:`SGLANG_FILES`.
+
+    A ``slow`` test is let through: it runs in the whole suite, whose two workers both may import SGLang."""
+    if nodeid in SGLANG_OUTSIDE and not slow:
+        raise RuntimeError(f"{nodeid} imports SGLang, but its file is not in xdist_scopes.SGLANG_FILES: list it "
+                           f"there (tests/xdist_scopes.py), or a worker kept from SGLang pays its import")
 
 
 #: what ``kvalign.oracles.vllm.VllmEngine`` runs: vLLM's interpreter serving its real KVCacheManager

@@ -18,6 +18,12 @@ from router_paths import open_router_path
 
 #: a vLLM child started outside the vLLM scope fails its test (see the hook's docstring)
 sys.addaudithook(xdist_scopes.refuse_vllm_child_outside_scope)
+#: a fast test that imports SGLang from a file outside xdist_scopes.SGLANG_FILES fails at its teardown
+sys.addaudithook(xdist_scopes.note_sglang_import_outside_scope)
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    xdist_scopes.refuse_unlisted_sglang_import(item.nodeid, slow=item.get_closest_marker("slow") is not None)
 
 
 @pytest.fixture(scope="session")

@@ -87,3 +87,51 @@ def test_negative_control_this_file_cannot_start_a_vllm_child():
     """The hook is installed in the test process: a Popen naming the child, from this file, never starts."""
     with pytest.raises(RuntimeError, match="starts a vLLM child, but its file is not in the vLLM scope"):
         subprocess.Popen([sys.executable, "-c", "pass", "-m", VLLM_CHILD])
+
+
+def test_only_the_sglang_workers_take_the_files_that_import_sglang():
+    """The others never import it (about 10 CPU-s a process); the SGLang workers take the rest once theirs are
+    gone."""
+    plain = "tests/unit/model/test_hashing.py"
+    sglang = "tests/unit/verify/engine/test_alignment.py"
+    assert xdist_scopes.imports_sglang(sglang) and not xdist_scopes.imports_sglang(plain)
+    assert xdist_scopes.imports_sglang(MM_ORACLES) and xdist_scopes.imports_sglang(REAL_ENGINE)
+    assert not xdist_scopes.imports_sglang(VLLM_ORACLES)
+    assert xdist_scopes.next_scope([plain, sglang], sglang_worker=True) == sglang
+    assert xdist_scopes.next_scope([plain], sglang_worker=True) == plain
+    assert xdist_scopes.next_scope([sglang, plain], sglang_worker=False) == plain
+    assert xdist_scopes.next_scope([sglang, MM_ORACLES], sglang_worker=False) is None
+    assert xdist_scopes.next_scope([], sglang_worker=True) is None
+
+
+def test_every_listed_sglang_file_exists():
+    assert sorted(f for f in xdist_scopes.SGLANG_FILES if not (ROOT / f).is_file()) == []
+
+
+def _import_as(monkeypatch: pytest.MonkeyPatch, nodeid: str, module: str) -> list[str]:
+    monkeypatch.setattr(xdist_scopes, "SGLANG_OUTSIDE", [])
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", f"{nodeid} (setup)")
+    xdist_scopes.note_sglang_import_outside_scope("import", (module, None, [], [], []))
+    return xdist_scopes.SGLANG_OUTSIDE
+
+
+def test_an_sglang_import_is_noted_only_from_a_unit_file_not_listed(monkeypatch):
+    assert _import_as(monkeypatch, "tests/unit/verify/engine/test_alignment.py::test_x[a b]", "sglang") == []
+    assert _import_as(monkeypatch, "tests/unit/oracles/test_sglang_mm.py::test_x", "sglang") == []  # the mm scope
+    assert _import_as(monkeypatch, "tests/e2e/test_router_cpu.py::test_x", "sglang") == []  # the live scopes
+    assert _import_as(monkeypatch, "tests/unit/model/test_hashing.py::test_x", "sglang.srt") == []  # only the first load
+    assert _import_as(monkeypatch, "tests/unit/model/test_hashing.py::test_x", "torch") == []
+    assert _import_as(monkeypatch, "tests/unit/model/test_hashing.py::test_x[a b]", "sglang") == [
+        "tests/unit/model/test_hashing.py::test_x[a b]"]
+
+
+def test_negative_control_the_noted_test_fails_at_its_teardown(monkeypatch):
+    """What tests/unit/conftest.py's teardown hook calls: the noted fast test fails naming the list; a slow one
+    (the whole suite's two workers may both import SGLang) and any other test pass."""
+    nodeid = "tests/unit/model/test_hashing.py::test_x"
+    assert _import_as(monkeypatch, nodeid, "sglang") == [nodeid]
+    xdist_scopes.refuse_unlisted_sglang_import("tests/unit/model/test_hashing.py::test_y", slow=False)
+    xdist_scopes.refuse_unlisted_sglang_import(nodeid, slow=True)
+    with pytest.raises(RuntimeError, match=r"test_hashing\.py::test_x imports SGLang, but its file is not in "
+                                           r"xdist_scopes\.SGLANG_FILES"):
+        xdist_scopes.refuse_unlisted_sglang_import(nodeid, slow=False)
