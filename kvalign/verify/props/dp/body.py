@@ -50,6 +50,10 @@ from kvalign.verify.engine.properties import Mismatch
 DP_PAGE_SIZE = 4
 #: How long one rank's sentinel page may take to show up in the router's answer.
 BARRIER_TIMEOUT_S = 4.0
+#: How long a rank that missed the barrier, and that nothing on either side explains, is waited on once more
+#: before a row names its events dropped: a relay on a loaded machine can take longer than the barrier
+#: (three ``check`` workers at load 12 turned a 4 s barrier into a false EVENTS_DROPPED on pure-dp4).
+REVIVE_TIMEOUT_S = 30.0
 #: Token ids of each example live in their own window (the router's index is never emptied).
 TOKEN_SPACE = 16
 DP_FAULTS = ("rank0-only", "tag-rank0", "unsubscribed", "pin-rank0")
@@ -107,13 +111,13 @@ class DpRig:
     """One layout's worker: SGLang's schedulers, ``dynamo.sglang``'s registration, relays and a router."""
 
     def __init__(self, path: Any, layout: DpLayout, *, page_size: int, fault: str | None = None,
-                 barrier_timeout_s: float = BARRIER_TIMEOUT_S) -> None:
+                 barrier_timeout_s: float = BARRIER_TIMEOUT_S, revive_timeout_s: float = REVIVE_TIMEOUT_S) -> None:
         from kvalign.oracles.dp_dynamo import DpWorker
 
         if fault is not None and fault not in DP_FAULTS:
             raise ValueError(f"unknown DP fault {fault!r}; expected one of {DP_FAULTS}")
         self.layout, self.page_size, self.fault = layout, page_size, fault
-        self.barrier_timeout_s = barrier_timeout_s
+        self.barrier_timeout_s, self.revive_timeout_s = barrier_timeout_s, revive_timeout_s
         engine_side = fault in SGLANG_FAULTS
         self.engine: DpEngine = launch(layout, page_size=page_size, fault=fault if engine_side else None)
         try:
@@ -123,7 +127,8 @@ class DpRig:
             raise
         self.ranks: dict[int, Scheduler] = self.engine.by_rank()
         self.tap = WireTags({r: f"tcp://127.0.0.1:{self.engine.base_port + r}" for r in self.ranks})
-        self.dead: set[int] = set()  # ranks whose sentinel never reached the router (not waited on again)
+        self.dead: set[int] = set()  # ranks whose sentinel missed the barrier (not waited on again by it)
+        self.dropped: set[int] = set()  # dead ranks whose sentinel missed the longer wait too (:meth:`revive`)
         self._sentinels = itertools.count(1)
         self._space = 0
 
@@ -142,7 +147,33 @@ class DpRig:
             k = next(self._sentinels)
             pending[rank] = (k, sentinel_tokens(k, self.page_size))
             s.publish([sentinel_page(k, self.page_size)])
-        deadline, sent_at, pause = time.monotonic() + self.barrier_timeout_s, time.monotonic(), POLL_FIRST_S
+        self.dead.update(self._await_credit(pending, self.barrier_timeout_s))
+        self.tap.drain()
+
+    def revive(self, rank: int) -> bool:
+        """Whether ``rank``, dead by the barrier, was only slow: its stream credits a fresh sentinel within
+        :data:`REVIVE_TIMEOUT_S`. Everything it published before is then indexed too (one ordered stream).
+
+        Asked only where the router credits ``rank`` less than its cache holds and nothing on either side
+        explains it (the cause would be the residual EVENTS_DROPPED): a rank that publishes nothing, is not
+        subscribed to, or whose batches carry another rank's tag is named at once, as a control needs. A rank
+        the longer wait did not revive is :attr:`dropped`, never waited on again: a search shrinking a real
+        finding pays the wait once."""
+        if rank not in self.dead or rank in self.dropped or self.why_uncredited(rank)[0] is not Cause.EVENTS_DROPPED:
+            return False
+        k = next(self._sentinels)
+        self.ranks[rank].publish([sentinel_page(k, self.page_size)])
+        if self._await_credit({rank: (k, sentinel_tokens(k, self.page_size))}, self.revive_timeout_s):
+            self.dropped.add(rank)
+            return False
+        self.dead.discard(rank)
+        return True
+
+    def _await_credit(self, pending: dict[int, tuple[int, list[int]]], timeout_s: float) -> dict[int, tuple[int, list[int]]]:
+        """Wait until the router credits each rank's sentinel (``pending``: rank -> its number and tokens), at
+        most ``timeout_s``; what is still pending then."""
+        pending = dict(pending)
+        deadline, sent_at, pause = time.monotonic() + timeout_s, time.monotonic(), POLL_FIRST_S
         while pending and time.monotonic() < deadline:
             time.sleep(pause)  # from 1 ms up: a sentinel on loopback is credited within milliseconds
             pause = min(2 * pause, 0.01)
@@ -153,8 +184,7 @@ class DpRig:
             for rank, (_k, tokens) in list(pending.items()):
                 if self.worker.scores(tokens).get(rank, 0) >= 1:
                     del pending[rank]
-        self.dead.update(pending)
-        self.tap.drain()
+        return pending
 
     def facts(self) -> str:
         """What each side decided: every scheduler's publisher rank and port, the tags on the wire, the
@@ -215,6 +245,8 @@ def dp_property(rig: DpRig, sc: DpScenario) -> None:
     for q in map(list, queries):
         engine = {r: rig.ranks[r].cache.match(q) // b for r in ranks}
         router = rig.worker.scores(q)
+        if [r for r in ranks if router.get(r, 0) < engine[r] and rig.revive(r)]:  # slow, not dropped: read again
+            router = rig.worker.scores(q)
         where = f"prompt of {len(q)} tokens (page {b}): SGLang's ranks hold {engine} pages, the router credits {router}"
         for r in ranks:
             got = router.get(r)
@@ -249,7 +281,8 @@ Search = Callable[..., tuple[int, int, Any]]
 
 def run_dp_rows(path: Callable[[], Any], modes: tuple[str, ...], examples: int, search: Search, *,
                 seed: int | None = None, page_size: int | None = None, layouts: tuple[str, ...] = tuple(DP_LAYOUTS),
-                fault: str | None = None, barrier_timeout_s: float = BARRIER_TIMEOUT_S) -> list[Any]:
+                fault: str | None = None, barrier_timeout_s: float = BARRIER_TIMEOUT_S,
+                revive_timeout_s: float = REVIVE_TIMEOUT_S) -> list[Any]:
     """``check``'s ``dp`` rows: one per layout, in plain mode (no rank decision reads the key mode).
 
     ``path``: the in-process Dynamo runtime (``Systems.router_path``); ``search``: ``check``'s
@@ -264,7 +297,7 @@ def run_dp_rows(path: Callable[[], Any], modes: tuple[str, ...], examples: int, 
         start = time.perf_counter()
         try:
             rig = DpRig(path(), DP_LAYOUTS[name], page_size=page_size or DP_PAGE_SIZE, fault=fault,
-                        barrier_timeout_s=barrier_timeout_s)
+                        barrier_timeout_s=barrier_timeout_s, revive_timeout_s=revive_timeout_s)
         except OracleUnavailable as exc:
             rows.append(RowResult("dp", "plain", name, skipped=f"{exc} (kvalign's DP oracle cannot place this release's "
                                                                 "ranks; the row is not checked)"))

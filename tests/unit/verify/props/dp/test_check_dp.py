@@ -8,6 +8,7 @@ issue history applied to those real objects, and must fail naming its own cause 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -71,6 +72,46 @@ def test_dp_attention_negative_control_names_the_attention_rank(router_path: Any
     (row,) = _rows(router_path, ("dp-attn2",), examples=10, fault="rank0-only", barrier_timeout_s=1.5)
     assert row.cause_name == Cause.DP_RANK_UNPUBLISHED.name
     assert "rank 1's scheduler (tp_rank 1, dp_rank 1)" in row.detail
+
+
+def test_a_relay_slower_than_the_barrier_is_waited_on_not_named_dropped(router_path: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router's answers credit nothing for the row's first 1.5 s (a relay that delivers late, as on a machine
+    loaded as three ``check`` workers at load 12 were: a 4 s barrier ran out there), against a 0.2 s barrier:
+    every rank misses it, and the row is still aligned, each rank revived by its longer wait."""
+    from kvalign.oracles.dp_dynamo import DpWorker
+
+    scores, first = DpWorker.scores, []
+
+    def late(self: DpWorker, tokens: list[int]) -> dict[int, int]:
+        first.append(first[0] if first else time.monotonic())
+        return scores(self, tokens) if time.monotonic() - first[0] > 1.5 else {}
+
+    monkeypatch.setattr(DpWorker, "scores", late)
+    (row,) = _rows(router_path, ("pure-dp2",), barrier_timeout_s=0.2, revive_timeout_s=10.0)
+    assert row.ok and row.skipped is None, row.detail
+    assert row.cases == EXAMPLES
+
+
+def test_negative_control_a_rank_the_router_never_credits_is_events_dropped_after_one_longer_wait(
+        router_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control of the wait above: the router's answers never credit rank 0 (as a relay that drops its
+    stream); nothing on either side explains it, so the row names EVENTS_DROPPED, and the search, shrinking
+    included, waits the longer bound once."""
+    from kvalign.oracles.dp_dynamo import DpWorker
+    from kvalign.verify.props.dp.body import DpRig
+
+    scores, await_credit, waits = DpWorker.scores, DpRig._await_credit, []
+    monkeypatch.setattr(DpWorker, "scores", lambda self, tokens: {r: n for r, n in scores(self, tokens).items() if r})
+
+    def counted(rig: DpRig, pending: dict, timeout_s: float) -> dict:
+        waits.append(timeout_s)
+        return await_credit(rig, pending, timeout_s)
+
+    monkeypatch.setattr(DpRig, "_await_credit", counted)
+    (row,) = _rows(router_path, ("pure-dp2",), examples=10, barrier_timeout_s=0.2, revive_timeout_s=0.7)
+    assert row.cause_name == Cause.EVENTS_DROPPED.name and "rank 0's events" in row.detail, row.detail
+    assert waits.count(0.7) == 1, waits
 
 
 def test_dp_rows_run_in_plain_mode_only(router_path: Any) -> None:
