@@ -223,7 +223,8 @@ class FuzzDriver(Settling, Observing, Judging, Rules):
             # counters are read next and move on their own time: a quiet window
             self._settle(after_request=True)
         else:
-            self._settle_stores(label, tokens, list(c.completion_token_ids), marks[2][label], salt, answered)
+            self._settle_stores(label, tokens, list(c.completion_token_ids), marks[2][label], salt, answered,
+                                dropped_before)
         if armed is not None:
             if not harmful:
                 self._fired(armed, label)

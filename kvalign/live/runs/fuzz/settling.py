@@ -106,7 +106,7 @@ class Settling:
             self._rebase_applied()
 
     def _settle_stores(self, label: str, prompt: list[int], output: list[int], mark: int, salt: str | None,
-                       answered: float) -> bool:
+                       answered: float, dropped_before: int) -> bool:
         """After an answer: wait (bounded) until ``label``'s own stream shows every page the request
         stored (:mod:`.stores`: held at the routing ``mark`` or stored since) and the router side has
         caught up with it (every batch, and the frontend's index has applied every event), with no
@@ -119,7 +119,12 @@ class Settling:
         more than 0.4 s after the decode worker's answer, so the next request found pages the engine
         held and neither view had yet (the engine reused 288 tokens that kvalign's engine view said
         were not there). A batch that comes after this point anyway (an eviction published late)
-        makes the next request's settle wait for quiet again."""
+        makes the next request's settle wait for quiet again.
+
+        A batch the hop loses unpublished (a script's control: no view will ever show it) may reach
+        the hop only after the answer: once :attr:`hop.dropped` shows it (any since ``dropped_before``),
+        the wait is for quiet instead, as when the loss was seen at the answer; waiting on the stores
+        sat out the whole bound for pages that could not come (8 s of a 12.6 s control)."""
         b, eagle, decodes = self.opts.page_size, self.engine_eagle(label), not self.disagg
         cached = cached_tokens_after(prompt, output, decodes=decodes)
         lo, hi = stored_page_range(len(prompt), len(output), b, eagle=eagle, decodes=decodes)
@@ -128,6 +133,8 @@ class Settling:
         since = mark - self.engine_views.epoch.get(label, 0)
         deadline = time.monotonic() + self.opts.settle_timeout_s
         while True:
+            if any(d.unpublished for d in self.hop.dropped[dropped_before:]):
+                return self._settle(after_request=True)
             seen = stores_seen(self.engine_views.since_epoch(label), since, cached, held, b, eagle=eagle, namespace=salt)
             enough = seen >= hi or (seen >= lo and (not maybe_more or time.monotonic() - answered >= self.opts.quiet_s))
             if enough and all(v <= 0 for v in self._behind().values()) and self._applied_behind() <= 0:
