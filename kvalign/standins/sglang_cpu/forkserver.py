@@ -106,6 +106,7 @@ def fork_server_now(preload: list[str] = PRELOAD) -> int | None:
     server = mp_forkserver._forkserver
     if server._forkserver_pid is not None or threads() > 1 or sys.version_info >= (3, 13):
         return None
+    worker = os.getpid()
     with socket.socket(socket.AF_UNIX) as listener:
         address = connection.arbitrary_address("AF_UNIX")
         listener.bind(address)
@@ -116,7 +117,7 @@ def fork_server_now(preload: list[str] = PRELOAD) -> int | None:
         pid = os.fork()
         if pid == 0:
             spawn.prepare = _prepare_in_environ(spawn.prepare)
-            _serve(listener.fileno(), alive_r, alive_w, preload)
+            _serve(listener.fileno(), alive_r, alive_w, preload, worker)
         os.close(alive_r)
     spawn.get_preparation_data = _with_environ(spawn.get_preparation_data)
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
@@ -142,8 +143,13 @@ def _prepare_in_environ(prepare: Callable[[dict[str, Any]], None]) -> Callable[[
     def in_environ(data: dict[str, Any]) -> None:
         environ = data.get(ENVIRON_KEY)
         if environ is not None:
-            os.environ.clear()
-            os.environ.update(environ)
+            # only what differs: rewriting every variable moves them all off the block that follows argv,
+            # and setproctitle then cannot retitle the child (``sglang::scheduler``, which teardown checks read)
+            for name in [k for k in os.environ if k not in environ]:
+                del os.environ[name]
+            for name, value in environ.items():
+                if os.environ.get(name) != value:
+                    os.environ[name] = value
             values = sys.modules.get("prometheus_client.values")
             if values is not None:
                 values.ValueClass = values.get_value_class()
@@ -152,12 +158,13 @@ def _prepare_in_environ(prepare: Callable[[dict[str, Any]], None]) -> Callable[[
     return in_environ
 
 
-def _serve(listener_fd: int, alive_r: int, alive_w: int, preload: list[str]) -> None:
+def _serve(listener_fd: int, alive_r: int, alive_w: int, preload: list[str], worker: int) -> None:
     """The forked server's whole life: ``multiprocessing``'s server loop, then ``os._exit`` (the
     worker's exit handlers are the worker's, never run here)."""
     code = 0
     try:
         os.close(alive_w)
+        _die_with(worker)
         mp_forkserver.main(listener_fd, alive_r, preload)
     except SystemExit as exc:  # the loop's end: the worker closed its end of the alive pipe
         code = exc.code if isinstance(exc.code, int) else 0
@@ -166,6 +173,18 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int, preload: list[str]) -> 
         code = 1
     finally:
         os._exit(code)
+
+
+def _die_with(worker: int) -> None:
+    """The server gets SIGKILL when the worker dies (Linux's parent-death signal, which a fork clears), so a
+    worker killed outright takes its server and, through SGLang's own parent-death signal, the server's
+    children with it; the alive pipe alone never closes while those children hold its other end."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != worker:  # the worker died before the signal was armed
+        os._exit(0)
 
 
 def fork_server_before_runtime() -> None:

@@ -116,8 +116,11 @@ SERVER = textwrap.dedent("""
     import prometheus_client  # imported before the engine sets PROMETHEUS_MULTIPROC_DIR, as in dynamo.sglang
 
     def child(q):
+        import setproctitle
         from prometheus_client import values
-        q.put((os.getppid(), os.environ.get("PROMETHEUS_MULTIPROC_DIR"), values.ValueClass.__name__))
+        setproctitle.setproctitle("kvalign::child")  # as SGLang titles its scheduler, which teardown checks read
+        title = open("/proc/self/cmdline", "rb").read().split(b"\\0")[0].decode()
+        q.put((os.getppid(), os.environ.get("PROMETHEUS_MULTIPROC_DIR"), values.ValueClass.__name__, title))
 
     if __name__ == "__main__":
         how = sys.argv[1]
@@ -131,10 +134,10 @@ SERVER = textwrap.dedent("""
         q = ctx.Queue()
         p = ctx.Process(target=child, args=(q,))
         p.start()
-        parent, metrics_dir, value_class = q.get(timeout=60)
+        parent, metrics_dir, value_class, title = q.get(timeout=60)
         p.join(60)
         print(json.dumps({"server": server, "used": mp_forkserver._forkserver._forkserver_pid, "parent": parent,
-                          "metrics_dir": metrics_dir, "value_class": value_class}))
+                          "metrics_dir": metrics_dir, "value_class": value_class, "title": title}))
 """)
 
 
@@ -153,6 +156,7 @@ def _run_server_script(tmp_path: Path, how: str) -> tuple[dict, list[str]]:
     # whichever server forked it, the child runs in the worker's environment of its start: the engine's
     # metrics directory, and prometheus_client in multiprocess mode (its metrics reach the worker's /metrics)
     assert seen["metrics_dir"] == str(tmp_path / "metrics") and seen["value_class"] == "MmapedValue", seen
+    assert seen["title"] == "kvalign::child", seen  # the environment handed over without moving it off argv's block
     return seen, log.read_text().split()
 
 
@@ -212,3 +216,37 @@ def test_without_the_environment_passed_on_a_forked_child_keeps_the_import_time_
         prepare({"name": "child", forkserver.ENVIRON_KEY: environ})
         assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == "/somewhere" and values.ValueClass is not values.MutexValue
     assert [d["name"] for d in prepared] == ["child", "child"]
+
+
+KILLED = textwrap.dedent("""
+    import ctypes, multiprocessing, os, signal, sys, time
+    from kvalign.standins.sglang_cpu import forkserver
+
+    def child(armed):
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # as SGLang's children: die with their parent
+        armed.set()
+        time.sleep(30)  # bounded: a failing run leaves it behind for this long at most
+
+    if __name__ == "__main__":
+        server = forkserver.fork_server_now([])
+        ctx = multiprocessing.get_context("forkserver")
+        armed = ctx.Event()
+        p = ctx.Process(target=child, args=(armed,))
+        p.start()
+        armed.wait(60)
+        with open(sys.argv[1], "w") as f:
+            f.write(f"{server} {p.pid}")
+        os.kill(os.getpid(), signal.SIGKILL)  # the worker killed outright: no teardown runs
+""")
+
+
+def test_a_worker_killed_outright_takes_its_forked_server_and_the_servers_children_with_it(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    pids, log = tmp_path / "pids", tmp_path / "stderr"
+    with log.open("w") as err:  # no pipe: the child would hold it open
+        rc = subprocess.run([sys.executable, str(script), str(pids)], stdout=subprocess.DEVNULL, stderr=err,
+                            timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode
+    assert rc == -9 and pids.exists(), log.read_text()
+    server, child = (int(p) for p in pids.read_text().split())
+    assert _gone(server) and _gone(child), "the forked server or its child outlived the killed worker"
