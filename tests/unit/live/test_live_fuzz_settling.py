@@ -1,5 +1,10 @@
 """The fuzz's waits (kvalign/live/runs/fuzz/settling.py), on a driver without a cluster.
 
+A batch the hop loses unpublished leaves pages the worker holds and its stream never shows: the
+request after it on that worker (the loss's follow-up, which extends those pages) settles on a quiet
+window, since its stores' leading pages can never be accounted for (it sat out the whole bound: 8 s
+of the 12.1 s live control); a loss downstream only (the engine's view still has it) changes nothing.
+
 After an answer the driver waits for the request's own stores in the worker's stream. A batch the
 hop loses unpublished (a script's control) never shows there, and it may reach the hop only after
 the answer: the wait then ends on the hop's record of the loss and turns to a quiet window, instead
@@ -23,9 +28,10 @@ class Waiting(Settling):
     """The wait's inputs: a stream that shows none of the request's stores, a router side caught up."""
 
     def __init__(self, bound_s: float) -> None:
-        self.opts = SimpleNamespace(page_size=16, settle_timeout_s=bound_s, quiet_s=0.4)
+        self.opts = SimpleNamespace(page_size=16, settle_timeout_s=bound_s, quiet_s=0.4, hicache=None)
         self.disagg, self.unsettled, self.notes = False, 0, []
-        self.hop = SimpleNamespace(dropped=[], lost_downstream={})
+        self.hop = SimpleNamespace(dropped=[], lost_downstream={}, silenced=set())
+        self._corrupted: set[str] = set()
         self.engine_views = SimpleNamespace(epoch={}, since_epoch=lambda label: [])
         self.quiet_waits: list[bool] = []
 
@@ -77,3 +83,20 @@ def test_a_batch_lost_downstream_only_still_waits_for_the_stores():
     driver.hop.dropped.append(Dropped("worker0", 7, 4, time.monotonic(), "store", unpublished=False))
     settled = driver._settle_stores("worker0", PROMPT, [5, 6], 0, None, time.monotonic(), 0)
     assert not settled and driver.unsettled == 1 and driver.quiet_waits == []
+
+
+def test_after_a_batch_lost_unpublished_the_workers_next_request_settles_on_quiet_not_its_stores():
+    driver = Waiting(bound_s=5.0)
+    assert driver._awaits_stores("worker0", 0)
+    driver.hop.dropped.append(Dropped("worker0", 7, 4, time.monotonic(), "store", unpublished=True))
+    driver._broken_by_losses(0)  # the lost request
+    follow_up = len(driver.hop.dropped)
+    assert not driver._awaits_stores("worker0", follow_up), "the follow-up would wait out the bound"
+    assert driver._awaits_stores("worker1", follow_up)  # another worker's stream is whole
+
+
+def test_the_control_a_batch_lost_downstream_only_leaves_the_worker_settled_on_its_stores():
+    driver = Waiting(bound_s=5.0)
+    driver.hop.dropped.append(Dropped("worker0", 7, 4, time.monotonic(), "store", unpublished=False))
+    driver._broken_by_losses(0)
+    assert driver._awaits_stores("worker0", len(driver.hop.dropped))

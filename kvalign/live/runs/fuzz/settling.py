@@ -8,7 +8,8 @@ event), after an answer (the request's own stores seen), and after a flush. A wa
 ``settle_timeout_s`` is counted in ``unsettled_waits``, never retried to make a result go away.
 
 It reads the driver's ``cluster``, ``hop``, ``opts``, ``metrics``, ``replicas``, ``engine_views``,
-``labels`` and ``progress``, and keeps ``_settled_at``, ``_lag_base`` and ``_applied_base``.
+``labels`` and ``progress``, and keeps ``_settled_at``, ``_lag_base``, ``_applied_base`` and ``_corrupted``
+(the workers whose stream no longer shows what they hold).
 """
 
 from __future__ import annotations
@@ -104,6 +105,22 @@ class Settling:
             self.notes.append(f"the router's index had applied {behind:g} fewer KV events than its "
                               f"relay received after {self.opts.settle_timeout_s:g}s; counted from there")
             self._rebase_applied()
+
+    def _awaits_stores(self, label: str | None, dropped_before: int) -> bool:
+        """Whether the request answered by ``label`` is settled on its own stores (:meth:`_settle_stores`).
+        Not when the stream will never show them (a loss or fault on purpose: this request's batch lost
+        unpublished, a worker whose stream such a loss or fault broke this example, a silenced rank), or
+        when HiCache's counters are read next and move on their own time: a quiet window then."""
+        return not (label is None or any(d.unpublished for d in self.hop.dropped[dropped_before:])
+                    or label in self._corrupted or label in self.hop.silenced or self.opts.hicache)
+
+    def _broken_by_losses(self, dropped_before: int) -> None:
+        """After a request: a worker whose batch the hop lost unpublished holds pages its stream never
+        showed, so a later request extending them (the loss's follow-up) cannot be settled on its stores
+        (the stream cannot account for their leading pages): it waited out the whole bound (8 s of the
+        12.1 s ``test_a_batch_lost_unpublished_fails_engine_matches_index``). Counted as broken, like a
+        harmful publisher fault, until the example ends or the worker restarts."""
+        self._corrupted.update(d.label for d in self.hop.dropped[dropped_before:] if d.unpublished)
 
     def _settle_stores(self, label: str, prompt: list[int], output: list[int], mark: int, salt: str | None,
                        answered: float, dropped_before: int) -> bool:
