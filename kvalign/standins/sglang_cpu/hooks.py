@@ -120,7 +120,9 @@ def install() -> None:
         if os.environ.get(sglang_scalar_pads.ENABLE_ENV) == "1":  # the live multimodal control: 0.5.21's pad rule
             module = "sglang.srt.managers.schedule_batch"
             table[module] = (*table.get(module, ()), sglang_scalar_pads.install_in_module)
-        if os.environ.get(forkserver.FORKSERVER_ENV) == "1":  # an experiment: children forked, not spawned
+        if os.environ.get(forkserver.FORKSERVER_ENV) == "1":  # children forked, not spawned
             module = "sglang.srt.entrypoints.engine"
             table[module] = (*table.get(module, ()), forkserver.forkserver_children)
+            # the fork server a fork of the worker, its modules imported and Dynamo's runtime not yet started
+            table[forkserver.SERVER_FROM] = (*table.get(forkserver.SERVER_FROM, ()), forkserver.fork_server_before_runtime)
         sys.meta_path.insert(0, PatchOnImport(table))

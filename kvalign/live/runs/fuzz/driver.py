@@ -117,7 +117,8 @@ class FuzzDriver(Settling, Observing, Judging, Rules):
         faults_dir = getattr(self.cluster.kind, "publisher_faults_dir", None)
         self.publisher_faults = None if faults_dir is None else PublisherFaultControl(faults_dir)
         self.faults_fired: list[dict[str, Any]] = []  # each armed publisher fault: request, worker, what it did
-        self._corrupted: set[str] = set()  # workers whose stream a harmful publisher fault broke this example
+        #: workers whose stream a harmful publisher fault or a batch lost unpublished broke this example
+        self._corrupted: set[str] = set()
         self._settled_at: tuple[int, int] | None = None  # capture counts when a request's stores were last seen settled
         # per worker: batches the router-side capture joined too late to see (ZMQ's slow joiner), taken
         # once the cluster is quiet: quiet alone first (an unreachable baseline), then what it lacks
@@ -217,13 +218,12 @@ class FuzzDriver(Settling, Observing, Judging, Rules):
         harmful = armed is not None and armed[1] in HARMFUL
         if harmful and self._fired(armed, label):
             self._corrupted.add(label)
-        if (label is None or any(d.unpublished for d in self.hop.dropped[dropped_before:]) or label in self._corrupted
-                or label in self.hop.silenced or self.opts.hicache):
-            # the stream will never show this request's stores (a loss or fault on purpose), or HiCache's
-            # counters are read next and move on their own time: a quiet window
-            self._settle(after_request=True)
+        if self._awaits_stores(label, dropped_before):
+            self._settle_stores(label, tokens, list(c.completion_token_ids), marks[2][label], salt, answered,
+                                dropped_before)
         else:
-            self._settle_stores(label, tokens, list(c.completion_token_ids), marks[2][label], salt, answered)
+            self._settle(after_request=True)
+        self._broken_by_losses(dropped_before)
         if armed is not None:
             if not harmful:
                 self._fired(armed, label)

@@ -8,7 +8,8 @@ event), after an answer (the request's own stores seen), and after a flush. A wa
 ``settle_timeout_s`` is counted in ``unsettled_waits``, never retried to make a result go away.
 
 It reads the driver's ``cluster``, ``hop``, ``opts``, ``metrics``, ``replicas``, ``engine_views``,
-``labels`` and ``progress``, and keeps ``_settled_at``, ``_lag_base`` and ``_applied_base``.
+``labels`` and ``progress``, and keeps ``_settled_at``, ``_lag_base``, ``_applied_base`` and ``_corrupted``
+(the workers whose stream no longer shows what they hold).
 """
 
 from __future__ import annotations
@@ -105,8 +106,24 @@ class Settling:
                               f"relay received after {self.opts.settle_timeout_s:g}s; counted from there")
             self._rebase_applied()
 
+    def _awaits_stores(self, label: str | None, dropped_before: int) -> bool:
+        """Whether the request answered by ``label`` is settled on its own stores (:meth:`_settle_stores`).
+        Not when the stream will never show them (a loss or fault on purpose: this request's batch lost
+        unpublished, a worker whose stream such a loss or fault broke this example, a silenced rank), or
+        when HiCache's counters are read next and move on their own time: a quiet window then."""
+        return not (label is None or any(d.unpublished for d in self.hop.dropped[dropped_before:])
+                    or label in self._corrupted or label in self.hop.silenced or self.opts.hicache)
+
+    def _broken_by_losses(self, dropped_before: int) -> None:
+        """After a request: a worker whose batch the hop lost unpublished holds pages its stream never
+        showed, so a later request extending them (the loss's follow-up) cannot be settled on its stores
+        (the stream cannot account for their leading pages): it waited out the whole bound (8 s of the
+        12.1 s ``test_a_batch_lost_unpublished_fails_engine_matches_index``). Counted as broken, like a
+        harmful publisher fault, until the example ends or the worker restarts."""
+        self._corrupted.update(d.label for d in self.hop.dropped[dropped_before:] if d.unpublished)
+
     def _settle_stores(self, label: str, prompt: list[int], output: list[int], mark: int, salt: str | None,
-                       answered: float) -> bool:
+                       answered: float, dropped_before: int) -> bool:
         """After an answer: wait (bounded) until ``label``'s own stream shows every page the request
         stored (:mod:`.stores`: held at the routing ``mark`` or stored since) and the router side has
         caught up with it (every batch, and the frontend's index has applied every event), with no
@@ -119,7 +136,12 @@ class Settling:
         more than 0.4 s after the decode worker's answer, so the next request found pages the engine
         held and neither view had yet (the engine reused 288 tokens that kvalign's engine view said
         were not there). A batch that comes after this point anyway (an eviction published late)
-        makes the next request's settle wait for quiet again."""
+        makes the next request's settle wait for quiet again.
+
+        A batch the hop loses unpublished (a script's control: no view will ever show it) may reach
+        the hop only after the answer: once :attr:`hop.dropped` shows it (any since ``dropped_before``),
+        the wait is for quiet instead, as when the loss was seen at the answer; waiting on the stores
+        sat out the whole bound for pages that could not come (8 s of a 12.6 s control)."""
         b, eagle, decodes = self.opts.page_size, self.engine_eagle(label), not self.disagg
         cached = cached_tokens_after(prompt, output, decodes=decodes)
         lo, hi = stored_page_range(len(prompt), len(output), b, eagle=eagle, decodes=decodes)
@@ -128,6 +150,8 @@ class Settling:
         since = mark - self.engine_views.epoch.get(label, 0)
         deadline = time.monotonic() + self.opts.settle_timeout_s
         while True:
+            if any(d.unpublished for d in self.hop.dropped[dropped_before:]):
+                return self._settle(after_request=True)
             seen = stores_seen(self.engine_views.since_epoch(label), since, cached, held, b, eagle=eagle, namespace=salt)
             enough = seen >= hi or (seen >= lo and (not maybe_more or time.monotonic() - answered >= self.opts.quiet_s))
             if enough and all(v <= 0 for v in self._behind().values()) and self._applied_behind() <= 0:
