@@ -27,9 +27,13 @@ os.environ.setdefault("DYN_LOG", "error")
 # A shell without job control starts background commands with SIGINT ignored, and an ignored
 # signal stays ignored across exec: run that way (`.ci/run &`, a CI runner's detached step), every
 # CLI the tests start would ignore the ctrl-c the tests send it and time out. Python's own handler
-# is reset to the default at exec, so children get the ctrl-c a terminal would give them.
+# is reset to the default at exec, so children get the ctrl-c a terminal would give them. SIGQUIT is
+# ignored the same way: a process the tests start would begin with it ignored, and a fork server forked
+# from it before SGLang sets its handler kept that (test_sglang_cpu_forkserver.py's control, run so).
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
