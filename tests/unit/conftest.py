@@ -113,3 +113,20 @@ def official_vllm_wheels(request: pytest.FixtureRequest) -> None:
     if not (is_nightly(expr) or "matrix" in expr):
         pytest.skip("official vLLM wheels (hundreds of MB each): nightly only (KVALIGN_NIGHTLY=1, -m nightly or "
                     "-m matrix)")
+
+
+@pytest.fixture(scope="module")
+def cli_parser() -> Iterator[Any]:
+    """kvalign's argument parser, built once for the module, and ``kvalign.cli.main`` parsing with it.
+
+    ``main`` builds the whole parser (every subcommand, about 260 arguments) on each call: 12 ms of
+    argparse. A module that runs the CLI in-process hundreds of times (a Hypothesis test running
+    ``replay`` and ``diagnose`` per example) spent seconds of CPU on rebuilding the same parser. Parsing
+    leaves the parser as it was, so one serves the module; it is built after the module's imports, with
+    the registry and environment its tests see (a module that changes either must not use this)."""
+    from kvalign import cli
+
+    parser = cli.build_parser()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cli, "build_parser", lambda: parser)
+        yield parser

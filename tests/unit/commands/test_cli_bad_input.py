@@ -20,6 +20,8 @@ from kvalign.streams.capture import FORMAT_VERSION, CaptureWriter
 from kvalign.cli import main
 from kvalign.model.events import EventBatch, decode_payload
 
+pytestmark = pytest.mark.usefixtures("cli_parser")  # main() runs 24 times in this module
+
 GOOD = bytes.fromhex(RECORDED[("0.5.23", True)])
 
 

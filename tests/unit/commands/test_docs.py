@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from kvalign.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[3]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -69,17 +68,17 @@ def test_documented_command_runs(doc, command):
 
 
 @pytest.mark.parametrize(("doc", "rest"), SHOWN, ids=[f"{f}: {r[:60]}" for f, r in SHOWN])
-def test_documented_kvalign_command_parses(doc, rest):
+def test_documented_kvalign_command_parses(cli_parser, doc, rest):
     argv = _argv(rest)
     if argv[:1] == ["--version"]:
         return
-    args = build_parser().parse_args(argv)  # raises UsageError (one line) on an unknown flag or value
+    args = cli_parser.parse_args(argv)  # raises UsageError (one line) on an unknown flag or value
     assert args.command == argv[0]
 
 
-def test_a_misspelt_flag_is_caught():
+def test_a_misspelt_flag_is_caught(cli_parser):
     """Negative control: the parse check rejects what a stale doc would show."""
     from kvalign.errors import UsageError
 
     with pytest.raises(UsageError, match="unrecognized arguments: --exampels"):
-        build_parser().parse_args(_argv("check --exampels 5   # a typo"))
+        cli_parser.parse_args(_argv("check --exampels 5   # a typo"))

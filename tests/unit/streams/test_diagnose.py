@@ -20,6 +20,8 @@ from kvalign.streams.diagnose import RouterSettings, diagnose
 from kvalign.model.hashing import block_hashes
 from kvalign.oracles.sglang import SglangRadixCache
 
+pytestmark = pytest.mark.usefixtures("cli_parser")  # main() runs 21 times in this module
+
 B = 4
 PROMPT = list(range(100, 121))  # 21 tokens: 5 plain pages, 5 bigram pages
 

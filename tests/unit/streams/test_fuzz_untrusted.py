@@ -40,7 +40,7 @@ from kvalign.model.events import EventBatch, EventDecodeError, decode_frames
 
 TOPIC = b"kv-events"
 PROMPT = list(range(100, 121))
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("cli_parser")]  # main() runs 3 times per example
 _fixture_ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                               HealthCheck.data_too_large])
 

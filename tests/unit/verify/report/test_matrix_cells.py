@@ -26,6 +26,8 @@ from kvalign.verify.report.matrix import CELL_FORMAT, MatrixError, PairResult
 ROOT = Path(__file__).resolve().parents[4]
 WORKFLOW = ROOT / ".github" / "workflows" / "kvalign-nightly.yml"
 
+pytestmark = pytest.mark.usefixtures("cli_parser")  # main() runs 77 times in this module
+
 # ---- stubbed pairs: several cells, no child process ------------------------------------------------
 
 PINS = {"1.6.1": "0.5.21", "1.0.2": "0.5.9"}

@@ -15,6 +15,8 @@ import pytest
 from kvalign.cli import main
 from kvalign.releases.versions import installed_versions
 
+pytestmark = pytest.mark.usefixtures("cli_parser")  # main() runs 25 times in this module
+
 
 def run_cli(capsys, *argv: str, stdin: str | None = None, monkeypatch=None) -> tuple[int, str, str]:
     if stdin is not None:
