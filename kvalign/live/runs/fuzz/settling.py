@@ -111,8 +111,12 @@ class Settling:
         Not when the stream will never show them (a loss or fault on purpose: this request's batch lost
         unpublished, a worker whose stream such a loss or fault broke this example, a silenced rank), or
         when HiCache's counters are read next and move on their own time: a quiet window then."""
-        return not (label is None or any(d.unpublished for d in self.hop.dropped[dropped_before:])
-                    or label in self._corrupted or label in self.hop.silenced or self.opts.hicache)
+        return not (label is None or self._lost_unpublished(dropped_before) or label in self._corrupted
+                    or label in self.hop.silenced or self.opts.hicache)
+
+    def _lost_unpublished(self, dropped_before: int) -> set[str]:
+        """The workers whose batch the hop lost unpublished since its ``dropped_before``-th loss."""
+        return {d.label for d in self.hop.dropped[dropped_before:] if d.unpublished}
 
     def _broken_by_losses(self, dropped_before: int) -> None:
         """After a request: a worker whose batch the hop lost unpublished holds pages its stream never
@@ -120,7 +124,7 @@ class Settling:
         (the stream cannot account for their leading pages): it waited out the whole bound (8 s of the
         12.1 s ``test_a_batch_lost_unpublished_fails_engine_matches_index``). Counted as broken, like a
         harmful publisher fault, until the example ends or the worker restarts."""
-        self._corrupted.update(d.label for d in self.hop.dropped[dropped_before:] if d.unpublished)
+        self._corrupted.update(self._lost_unpublished(dropped_before))
 
     def _settle_stores(self, label: str, prompt: list[int], output: list[int], mark: int, salt: str | None,
                        answered: float, dropped_before: int) -> bool:
@@ -140,8 +144,9 @@ class Settling:
 
         A batch the hop loses unpublished (a script's control: no view will ever show it) may reach
         the hop only after the answer: once :attr:`hop.dropped` shows it (any since ``dropped_before``),
-        the wait is for quiet instead, as when the loss was seen at the answer; waiting on the stores
-        sat out the whole bound for pages that could not come (8 s of a 12.6 s control)."""
+        the wait is for quiet instead, as when the loss was seen at the answer, rather than for pages
+        that cannot come (a race guarded, not seen; the measured 8 s was the follow-up's wait,
+        :meth:`_broken_by_losses`)."""
         b, eagle, decodes = self.opts.page_size, self.engine_eagle(label), not self.disagg
         cached = cached_tokens_after(prompt, output, decodes=decodes)
         lo, hi = stored_page_range(len(prompt), len(output), b, eagle=eagle, decodes=decodes)
@@ -150,7 +155,7 @@ class Settling:
         since = mark - self.engine_views.epoch.get(label, 0)
         deadline = time.monotonic() + self.opts.settle_timeout_s
         while True:
-            if any(d.unpublished for d in self.hop.dropped[dropped_before:]):
+            if self._lost_unpublished(dropped_before):
                 return self._settle(after_request=True)
             seen = stores_seen(self.engine_views.since_epoch(label), since, cached, held, b, eagle=eagle, namespace=salt)
             enough = seen >= hi or (seen >= lo and (not maybe_more or time.monotonic() - answered >= self.opts.quiet_s))
