@@ -2,7 +2,8 @@
 
 The scheduler (``tests/conftest.py``) runs in the controller, which never collects, so all it has
 is the node id. A unit file is one scope (its module fixtures are set up once), but for the files
-that share the multimodal oracles (one scope) and those that start vLLM's interpreter (one scope). The files
+that share the multimodal oracles (one scope), those that start vLLM's interpreter (one scope) and
+those that read the installed pair's matrix cell (one scope). The files
 that import SGLang in the test process (:data:`SGLANG_FILES`) go only to the first :data:`SGLANG_WORKERS`
 workers, so the others never pay its import. The live tests
 (``tests/e2e/``) form two scopes:
@@ -38,6 +39,11 @@ MM_ORACLES = "unit: multimodal oracles"
 MM_ORACLE_FILES = frozenset({"tests/unit/oracles/test_frontend_mm.py", "tests/unit/oracles/test_sglang_mm.py",
                              "tests/unit/verify/props/mm/test_mm.py"})
 
+#: unit files sharing the ``installed_cell`` session fixture (the installed pair's ``kvalign matrix --cell --json``
+#: run, about 15 CPU-s: tests/unit/installed_cell.py): one scope, so it runs once per session
+INSTALLED_CELL = "unit: the installed pair's matrix cell"
+INSTALLED_CELL_FILES = frozenset({"tests/unit/verify/report/test_matrix_cells.py", "tests/unit/releases/test_local_build.py"})
+
 
 #: unit files that start vLLM's real KVCacheManager in vLLM's interpreter (importing vLLM is about 12 s of
 #: CPU): one scope, so one worker imports it once and each later engine reuses that child whatever its
@@ -58,6 +64,8 @@ def scope(nodeid: str) -> str:
     path, _, name = nodeid.partition("::")
     if path in MM_ORACLE_FILES:
         return MM_ORACLES
+    if path in INSTALLED_CELL_FILES:
+        return INSTALLED_CELL
     if starts_vllm(path):
         return VLLM_ORACLES
     if not path.startswith("tests/e2e/"):

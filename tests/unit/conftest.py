@@ -91,6 +91,18 @@ def mm_oracles(router_hasher: RouterHasher, sglang_available: str):
     frontend.close()
 
 
+@pytest.fixture(scope="session")
+def installed_cell(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The installed pair's ``kvalign matrix --cell --json`` run (:mod:`installed_cell`), once per session: the
+    merge test and the local-build test read the same row (both files in one xdist scope)."""
+    from installed_cell import run_cell
+
+    from kvalign.releases.versions import installed_versions
+
+    v = installed_versions()
+    return run_cell(v["ai-dynamo-runtime"], v["sglang"], tmp_path_factory.mktemp("installed-cell"))
+
+
 @pytest.fixture(scope="module")
 def hicache_router_path(sglang_available: str) -> Iterator[Any]:
     """The real relay -> router path, for a SGLang whose host tier kvalign's HiCache stand-in covers (else skip)."""

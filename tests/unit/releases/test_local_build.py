@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import json
-import os
 import shutil
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -22,8 +19,6 @@ import pytest
 from kvalign.releases import local_build
 from kvalign.cli import main
 from kvalign.errors import UsageError
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def _wheel(path: Path, files: dict[str, bytes], dist: str = "ai_dynamo", version: str = "1.6.1",
@@ -93,19 +88,12 @@ def _checkout(dest: Path, *, broken: bool) -> Path:
     return dest
 
 
-#: What an ai-dynamo build can change: ``dynamo.sglang``'s registration (the card) and what the router
-#: is told from it; the runtime (hashing, relay, router) comes from ai-dynamo-runtime, pinned by the
-#: build's METADATA, so ``hash`` is the same release's either way and shows the row is not card-only
-#: by accident. The other properties run the same runtime wheel and cost minutes (nightly matrix).
-PROPS = ("card", "hash")
-
-
 def _matrix_row(dynamo: str, tmp_path: Path) -> dict:
-    res = subprocess.run([sys.executable, "-m", "kvalign", "matrix", "--dynamo", dynamo, "--sglang",
-                          md.version("sglang"), "--examples", "5", "--ingest-examples", "3", "--json",
-                          *(a for p in PROPS for a in ("--property", p))],
-                         capture_output=True, text=True, timeout=1500, cwd=tmp_path,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    """The row of ``matrix --json`` for ``dynamo`` x the installed SGLang, with the options of the installed
+    pair's cell (tests/unit/installed_cell.py: card and hash, and why those two)."""
+    from installed_cell import matrix, options
+
+    res = matrix(*options(dynamo, md.version("sglang")), "--json", cwd=tmp_path, timeout=1500)
     assert res.returncode in (0, 1), res.stderr[-3000:]
     [row] = json.loads(res.stdout.splitlines()[-1])["rows"]
     return row
@@ -113,8 +101,11 @@ def _matrix_row(dynamo: str, tmp_path: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
-def test_a_pull_requests_build_gets_the_release_row_and_a_broken_one_does_not(tmp_path):
-    release = _matrix_row(md.version("ai-dynamo"), tmp_path)
+def test_a_pull_requests_build_gets_the_release_row_and_a_broken_one_does_not(tmp_path, installed_cell):
+    # the release's row: the installed pair's cell, which test_matrix_cells.py merges into its run's table
+    assert installed_cell.cell == f"{md.version('ai-dynamo')}:{md.version('sglang')}"
+    assert installed_cell.returncode in (0, 1), installed_cell.stderr[-3000:]
+    [release] = installed_cell.document["rows"]
     same = _matrix_row(str(_checkout(tmp_path / "same", broken=False)), tmp_path)
     assert same["dynamo"].startswith(md.version("ai-dynamo") + "+local.")
     keys = [[(f["property"], f["mode"], f["variant"], f["cause"]) for f in r["findings"]] for r in (same, release)]

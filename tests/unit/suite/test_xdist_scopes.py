@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import xdist_scopes
-from xdist_scopes import FAKE_WORKERS, MM_ORACLES, REAL_ENGINE, VLLM_CHILD, VLLM_ORACLES, scope
+from xdist_scopes import FAKE_WORKERS, INSTALLED_CELL, MM_ORACLES, REAL_ENGINE, VLLM_CHILD, VLLM_ORACLES, scope
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -44,6 +45,16 @@ def test_the_multimodal_oracles_files_share_one_scope():
                    "tests/unit/verify/props/mm/test_mm.py::test_aligned_baseline_holds[True]"):
         assert scope(nodeid) == MM_ORACLES, nodeid
     assert scope("tests/unit/verify/runner/test_check.py::test_check_json_report") == "tests/unit/verify/runner/test_check.py"
+
+
+def test_the_files_that_read_the_installed_cell_share_one_scope():
+    """The installed pair's matrix cell (a session fixture, about 15 CPU-s) then runs once: every test file that
+    asks for it by name is in the scope, and the scope holds no other file."""
+    asking = re.compile(r"^def test_\w+\([^)]*\binstalled_cell\b", re.M)
+    found = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests/unit").rglob("test_*.py") if asking.search(p.read_text())}
+    assert found == xdist_scopes.INSTALLED_CELL_FILES, found
+    assert {scope(f"{p}::test_x") for p in found} == {INSTALLED_CELL}
+    assert scope("tests/unit/verify/report/test_matrix.py::test_x") == "tests/unit/verify/report/test_matrix.py"
 
 
 def test_the_files_that_start_vllm_share_one_scope_by_their_path():

@@ -4,13 +4,13 @@ The merge must give the table and JSON of one run over the same pairs: ``merge_c
 rows as one run does and the text and JSON come from the same functions (``render``,
 ``report_json``) a run prints with. The in-process tests stub the per-pair check (``run_pair``) so
 that several pairs, a misaligned one, an error and an unknown shipped pin cost nothing; the ``slow``
-test runs the environment's own pair for real, once as a run and once as a cell, and merges it.
+test runs the environment's own pair for real, once as a run and once as a cell (the session's
+``installed_cell``, whose row test_local_build.py reads too), and merges it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -379,33 +379,29 @@ def test_the_nightly_groups_partition_the_suite():
 
 # ---- the real pair, run here: one run = the merge of its cells ------------------------------------
 
-def _kvalign(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "kvalign", "matrix", *argv], capture_output=True, text=True,
-                          env=env, timeout=900, cwd=cwd)
-
-
 @pytest.mark.slow
-def test_cells_of_the_installed_pair_merge_into_the_single_run_table(tmp_path):
+def test_cells_of_the_installed_pair_merge_into_the_single_run_table(tmp_path, installed_cell):
+    """The cell is the session's ``installed_cell`` (tests/unit/installed_cell.py: card and hash, a child per run
+    and per cell as in a full run, without minutes of state machines), which test_local_build.py holds a pull
+    request's build to; the run beside it has the same options."""
+    from installed_cell import matrix as kvalign_matrix
+    from installed_cell import options
+
     from kvalign.releases.versions import installed_versions
 
     v = installed_versions()
-    # card and hash: a child per run and per cell as in a full run, without minutes of state machines
-    options = ["--dynamo", v["ai-dynamo-runtime"], "--sglang", v["sglang"], "--examples", "1", "--ingest-examples", "1",
-               "--property", "card", "--property", "hash"]
-    single = _kvalign(*options, cwd=tmp_path)
+    opts = options(v["ai-dynamo-runtime"], v["sglang"])
+    single = kvalign_matrix(*opts, cwd=tmp_path)
     assert single.returncode in (0, 1), single.stderr[-2000:]
-    listed = _kvalign(*options, "--list-cells", "--json", cwd=tmp_path)
+    listed = kvalign_matrix(*opts, "--list-cells", "--json", cwd=tmp_path)
     cells = json.loads(listed.stdout)
-    assert [c["cell"] for c in cells] == [f"{v['ai-dynamo-runtime']}:{v['sglang']}"]
-    files = []
-    for c in cells:
-        res = _kvalign(*options, "--cell", c["cell"], "--json", cwd=tmp_path)
-        assert res.returncode == single.returncode, res.stderr[-2000:]
-        files.append(tmp_path / f"{c['cell'].replace(':', '_')}.json")
-        files[-1].write_text(res.stdout)
-    merged = _kvalign("--merge", *map(str, files), cwd=tmp_path)
+    assert [c["cell"] for c in cells] == [f"{v['ai-dynamo-runtime']}:{v['sglang']}"] == [installed_cell.cell]
+    # the one cell listed, as its CI job runs it: `matrix OPTIONS --cell CELL --json`
+    assert installed_cell.returncode == single.returncode, installed_cell.stderr[-2000:]
+    cell_file = tmp_path / f"{installed_cell.cell.replace(':', '_')}.json"
+    cell_file.write_text(installed_cell.stdout)
+    merged = kvalign_matrix("--merge", str(cell_file), cwd=tmp_path)
     assert (merged.returncode, merged.stdout) == (single.returncode, single.stdout)
-    merged_json = json.loads(_kvalign("--merge", *map(str, files), "--json", cwd=tmp_path).stdout)
+    merged_json = json.loads(kvalign_matrix("--merge", str(cell_file), "--json", cwd=tmp_path).stdout)
     assert merged_json["versions"] == installed_versions()
     assert [matrix.result_from_row(r).as_json() for r in merged_json["rows"]] == merged_json["rows"]
