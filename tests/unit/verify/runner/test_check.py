@@ -54,7 +54,8 @@ def wide_lines(*texts: str) -> list[str]:
 
 
 @pytest.mark.slow  # the whole check as a user runs it; each property's negative control stays in the fast tier
-def test_check_real_pair_is_aligned_but_for_small_hicache_pages_and_quiet(router_hasher, sglang_available, tmp_path):
+def test_check_real_pair_is_aligned_but_for_small_hicache_pages_and_quiet(router_hasher, sglang_available, tmp_path,
+                                                                        capfd, monkeypatch):
     # In a subprocess, as a user runs it: the ingest rows start a Dynamo runtime, and the first runtime of
     # a process owns its TCP server (tests/unit/live/test_live_discovery.py needs to own it in this one).
     # DYN_LOG is unset so that Dynamo logs at its own default level, as for a user.
@@ -104,10 +105,13 @@ def test_check_real_pair_is_aligned_but_for_small_hicache_pages_and_quiet(router
     assert not any(ln.startswith("kvalign: Dynamo and SGLang runtime logs:") for ln in lines), res.stderr
     lines = " \n".join(lines).replace(" \n    ", " ").split(" \n")  # a progress line wrapped at 100 columns
     assert len(lines) == 64 and all(PROGRESS.match(ln) for ln in lines), res.stderr
-    # --strict: the same run's advisory fails it
-    strict = subprocess.run([sys.executable, "-m", "kvalign", "check", "--examples", "15", "--strict", "--property",
-                             "servable", "--mode", "plain"], capture_output=True, text=True, timeout=600, cwd=root, env=env)
-    assert strict.returncode == 1 and "\nMISALIGNED: " in strict.stdout, strict.stdout[-2000:]
+    # --strict: the same run's advisory fails it. In this process, where SGLang and Dynamo are imported (a child
+    # cost about 8 CPU-s more, its start-up): the servable rows open the in-process router path the fast tier's
+    # tier tests open, and their one job runs in the process whatever --jobs says, as it did in a child (capfd: the
+    # path's start-up watchdog, faulthandler, writes to stderr's file descriptor)
+    monkeypatch.setenv("KVALIGN_LOG_DIR", str(tmp_path))
+    rc, strict, _ = run_cli(capfd, "check", "--examples", "15", "--strict", "--property", "servable", "--mode", "plain")
+    assert rc == 1 and "\nMISALIGNED: " in strict, strict[-2000:]
     assert all(log.name.startswith("check-") and log.stat().st_size for log in tmp_path.iterdir())
 
 

@@ -284,36 +284,35 @@ def test_standin_runs_sglangs_own_hicache_set_up_and_events(sglang_available, co
     assert ("BlockRemoved", "CPU_PINNED", 2) in events() and e.residency(prompt).host == 0
 
 
-@pytest.mark.slow  # two `kvalign check` processes through the real router path: 40-90 s
+@pytest.mark.slow  # two `kvalign check` runs through the real router path
 @pytest.mark.timeout(600)
-def test_check_page_size_decides_the_servable_verdict(sglang_available, tmp_path):
+def test_check_page_size_decides_the_servable_verdict(sglang_available, tmp_path, capfd, monkeypatch):
     """As a user runs it: ``--page-size 4`` finds HOST_CREDIT_NOT_SERVABLE on the servable row, with the
     configurations it holds in, a shrunk case, its class (credit-skew: ``--strict`` exit 1), its bound
-    and the real router's choice on the counterexample; ``--page-size 16`` finds nothing (exit 0)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    and the real router's choice on the counterexample; ``--page-size 16`` finds nothing (exit 0).
 
+    ``kvalign``'s ``main`` in this process, where SGLang and Dynamo are already imported: a child per run cost
+    about 14 CPU-s, its start-up (importing SGLang, torch and Dynamo) twice the search's. The one job of
+    ``--property servable --mode plain`` runs in the process whatever ``--jobs`` says, as it did in the child;
+    the whole check in a child, as a user starts it, is tests/unit/verify/runner/test_check.py's."""
+    import json
+
+    from kvalign.cli import main
     from kvalign.standins.hicache import version_problem
 
     if version_problem(sglang_available):
         pytest.skip(version_problem(sglang_available))
-    root = Path(__file__).resolve().parents[5]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-               KVALIGN_LOG_DIR=str(tmp_path))
+    monkeypatch.setenv("KVALIGN_LOG_DIR", str(tmp_path))
 
-    def check(page: int, *more: str) -> tuple[int, dict]:
-        res = subprocess.run([sys.executable, "-m", "kvalign", "check", "--property", "servable", "--mode", "plain",
-                              "--tier-examples", "5", "--page-size", str(page), "--json", *more],
-                             capture_output=True, text=True, env=env, timeout=300, cwd=root)
-        return res.returncode, json.loads(res.stdout)
+    def check(page: int, *more: str) -> tuple[int, dict]:  # capfd: the path's watchdog needs stderr's descriptor
+        rc = main(["check", "--property", "servable", "--mode", "plain", "--tier-examples", "5", "--page-size",
+                   str(page), "--json", *more])
+        return rc, json.loads(capfd.readouterr().out)
 
     # one run at page 4, with --strict: the search and its rows are the same either way (--strict only decides the
     # exit), so the advisory's exit 0 without --strict is the default check's, held in the same tier by
     # tests/unit/verify/runner/test_check.py::test_check_real_pair_is_aligned_but_for_small_hicache_pages_and_quiet
-    # (exit 0 with both servable rows credit-skew); a second search here cost one more `check` (15-20 CPU-s)
+    # (exit 0 with both servable rows credit-skew); a second search here would cost one more run
     rc, strict = check(4, "--strict")
     (row,) = strict["rows"]
     assert strict["aligned"] is True and strict["findings"] == 1 and strict["page_size"] == 4
