@@ -2,8 +2,8 @@
 
 ``test_matrix_cells.py`` merges this cell into the table of a whole run with the same options, and
 ``test_local_build.py`` holds a pull request's build of the installed ai-dynamo to this cell's row (the
-release's). Each ran its own child for it, a whole matrix run of the pair (a check child per event
-format): about 15 CPU-s each, the same row. The ``installed_cell`` session fixture
+release's). Each ran its own ``matrix`` child for it, which checks the pair in a ``check`` child: about
+15 CPU-s each, mostly the two start-ups, for the same row. The ``installed_cell`` session fixture
 (``tests/unit/conftest.py``) runs it once; ``tests/xdist_scopes.py`` keeps both files on one worker, so
 a run of the suite pays it once.
 
