@@ -2,8 +2,9 @@
 
 The scheduler (``tests/conftest.py``) runs in the controller, which never collects, so all it has
 is the node id. A unit file is one scope (its module fixtures are set up once), but for the files
-that share the multimodal oracles (one scope), those that start vLLM's interpreter (one scope) and
-those that read the installed pair's matrix cell (one scope). The files
+that share the multimodal oracles (one scope), those that start vLLM's interpreter (one scope),
+those that read the installed pair's matrix cell (one scope) and those that share the CPU stand-in's
+worker child per SGLang release (one scope). The files
 that import SGLang in the test process (:data:`SGLANG_FILES`) go only to the first :data:`SGLANG_WORKERS`
 workers, so the others never pay its import. The live tests
 (``tests/e2e/``) form two scopes:
@@ -44,6 +45,14 @@ MM_ORACLE_FILES = frozenset({"tests/unit/oracles/test_frontend_mm.py", "tests/un
 INSTALLED_CELL = "unit: the installed pair's matrix cell"
 INSTALLED_CELL_FILES = frozenset({"tests/unit/verify/report/test_matrix_cells.py", "tests/unit/releases/test_local_build.py"})
 
+#: unit files sharing the ``standin_children`` session fixture (one child per SGLang release with the CPU stand-in
+#: loaded as in a worker, 10-13 CPU-s to start: tests/unit/standins/standin_child.py): one scope, so each release's
+#: child starts once per session
+STANDIN_CHILDREN = "unit: the CPU stand-in's worker children"
+STANDIN_CHILDREN_FILES = frozenset({"tests/unit/standins/test_hicache_cpu_standin.py",
+                                    "tests/unit/standins/test_sglang_cpu_standin.py",
+                                    "tests/unit/standins/test_sglang_cpu_standin_releases.py"})
+
 
 #: unit files that start vLLM's real KVCacheManager in vLLM's interpreter (importing vLLM is about 12 s of
 #: CPU): one scope, so one worker imports it once and each later engine reuses that child whatever its
@@ -66,6 +75,8 @@ def scope(nodeid: str) -> str:
         return MM_ORACLES
     if path in INSTALLED_CELL_FILES:
         return INSTALLED_CELL
+    if path in STANDIN_CHILDREN_FILES:
+        return STANDIN_CHILDREN
     if starts_vllm(path):
         return VLLM_ORACLES
     if not path.startswith("tests/e2e/"):

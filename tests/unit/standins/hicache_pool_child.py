@@ -1,13 +1,14 @@
-"""Child of ``test_hicache_cpu_standin.py``: SGLang's real host pool on the CPU, with the stand-in.
+"""For ``test_hicache_cpu_standin.py``: SGLang's real host pool on the CPU, with the stand-in.
 
-Run with the CPU engine stand-in's environment (``kvalign.standins.sglang_cpu.worker_env()``), so
-the stand-in is loaded exactly as in a real worker (``sitecustomize`` -> import hooks -> patches).
+Run (:func:`collect`) in the release's shared child (``standin_child.py``), which has the CPU engine
+stand-in's environment (``kvalign.standins.sglang_cpu.worker_env()``), so the stand-in is loaded
+exactly as in a real worker (``sitecustomize`` -> import hooks -> patches).
 Builds SGLang's own device pool (``MHATokenToKVPool``) and host pool (``MHATokenToKVPoolHost``,
 ``pin_memory=True``) for each (io backend, layout) the stand-in covers, backs device pages up
 through ``backup_from_device_all_layer``, reads them back through the host pool's own
 ``get_data_page``, loads them into other device slots through ``load_to_device_per_layer``, and
-prints one JSON line of what it saw. ``--mutants NAME ...`` then swaps in each broken op in turn (the
-negative controls), under the key ``mutants``.
+returns what it saw (as a script, under the same environment: prints it as one JSON line).
+``--mutants NAME ...`` then swaps in each broken op in turn (the negative controls), under the key ``mutants``.
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ def no_host_reserve() -> None:
     base.HICACHE_HOST_MEMORY_RESERVE_BYTES = 0
 
 
-def main(argv: list[str]) -> None:
+def collect(argv: list[str]) -> dict:
+    """Every covered (io backend, layout)'s round trip and the registration, then (``--mutants``) each broken op."""
     pairs = (("kernel", "page_first"), ("kernel", "layer_first"), ("direct", "layer_first"),
              ("direct", "page_first_direct"))
     no_host_reserve()
@@ -140,8 +142,8 @@ def main(argv: list[str]) -> None:
             out["mutants"][name] = round_trip("kernel", "page_first")
             for op in ("transfer_kv_all_layer_lf_pf", "transfer_kv_per_layer_pf_lf"):
                 setattr(mha, op, saved[op])
-    print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    print(json.dumps(collect(sys.argv[1:])))

@@ -10,7 +10,8 @@
 * :class:`~kvalign.standins.hicache_cpu.pinned.HostRegistry` against the CUDA runtime's documented
   ``cudaHostRegister`` / ``cudaHostUnregister`` contract.
 * SGLang's real host pool (``MHATokenToKVPoolHost`` over a real ``MHATokenToKVPool``) in a child
-  process with the stand-in loaded as in a worker: every covered (io backend, layout) backs device
+  process with the stand-in loaded as in a worker (the release's child the stand-in's test files share,
+  ``standin_child.py``): every covered (io backend, layout) backs device
   pages up, reads them back through SGLang's ``get_data_page`` and loads them into other slots;
   SGLang's own registration code runs against the registry. The same child with a broken op fails.
 """
@@ -18,22 +19,18 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import standin_child
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from standin_child import StandinChildren
 
 from kvalign.standins import hicache_cpu, sglang_cpu
 from kvalign.standins.hicache_cpu import kvcacheio as io
 from kvalign.standins.hicache_cpu.pinned import ALREADY_REGISTERED, INVALID_VALUE, NOT_REGISTERED, HostRegistry
-
-CHILD = Path(__file__).with_name("hicache_pool_child.py")
-ROOT = Path(__file__).resolve().parents[3]
 
 
 # ---- sgl-kernel's torch references (sgl-kernel/tests/test_kvcacheio.py, copied as written) ----------
@@ -264,45 +261,43 @@ def test_negative_control_a_registry_without_the_overlap_rule_is_caught():
 # ---- SGLang's real host pool, in a worker-like child ---------------------------------------------
 
 @pytest.fixture(scope="module", params=hicache_cpu.SUPPORTED)
-def release(request: pytest.FixtureRequest) -> Path | None:
-    """Each release the stand-in supports: the environment's (None), or its wheel-cache directory."""
+def release(request: pytest.FixtureRequest) -> tuple[str, Path | None]:
+    """Each release the stand-in supports and where it is: the environment's (None), or its wheel-cache directory."""
     from kvalign.verify.report.matrix import MatrixError, ensure_release
 
     if request.param == sglang_cpu.SGLANG_VERSION:
-        return None
+        return request.param, None
     try:
-        return ensure_release("sglang", request.param)
+        return request.param, ensure_release("sglang", request.param)
     except MatrixError as exc:
         pytest.skip(f"sglang {request.param} cannot be installed into the wheel cache here: {exc}")
-
-
-def _child(release: Path | None, *args: str) -> dict:
-    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", sglang_cpu.ENABLE_ENV)}
-    path = os.pathsep.join(str(p) for p in (release, ROOT) if p is not None)
-    env = {**base, **sglang_cpu.worker_env(path)}
-    # the child sizes its pools without SGLang's 10 GiB host reserve (hicache_pool_child.no_host_reserve): a
-    # real-engine cluster on the suite's other worker can hold it, and the child was refused then
-    proc = subprocess.run([sys.executable, str(CHILD), *args], capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 #: The negative control's broken ops, run by the environment's release child after its round trips
 MUTANTS = ("pf_without_layer", "k_for_v")
 
 
-@pytest.fixture(scope="module")
-def env_child() -> dict:
-    """The environment's release child, once for the module: its round trips and registration, then each of
-    :data:`MUTANTS` in turn (the control). One child imports SGLang's memory pools for both tests: each used to
-    start its own (about 10 CPU-s apiece). The mutants run after the round trips, on pools of their own, and
-    each op is put back before the next."""
-    return _child(None, "--mutants", *MUTANTS)
+def _pool_child_code(release: str) -> str:
+    """:mod:`hicache_pool_child` in the release's shared child: its round trips and registration, and in the
+    environment's release then each of :data:`MUTANTS` in turn (the control), on pools of their own, each op put
+    back before the next."""
+    argv = ["--mutants", *MUTANTS] if release == sglang_cpu.SGLANG_VERSION else []
+    return f"import json, hicache_pool_child\nprint(json.dumps(hicache_pool_child.collect({argv!r})))\n"
 
 
-@pytest.mark.slow  # a child process that imports SGLang's memory pools (about 10 s per release)
-def test_sglangs_host_pool_backs_up_and_loads_back_through_the_stand_in(release, request):
-    out = request.getfixturevalue("env_child") if release is None else _child(release)
+#: One child per release imports SGLang's memory pools for both tests, and it is the release's child that the
+#: other stand-in files share (:mod:`standin_child`): each test here used to start its own (about 10 CPU-s
+#: apiece). The pools run after those files' import checks, which want a fresh interpreter.
+standin_child.add("hicache_pools", _pool_child_code, hicache_cpu.SUPPORTED, imports_first=False)
+
+
+def _pools(standin_children: StandinChildren, version: str, where: Path | None) -> dict:
+    return json.loads(standin_children.section(version, where, "hicache_pools").strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # the release's shared child imports SGLang's memory pools (about 10 s per release)
+def test_sglangs_host_pool_backs_up_and_loads_back_through_the_stand_in(release, standin_children):
+    out = _pools(standin_children, *release)
     for key in ("kernel/page_first", "kernel/layer_first", "direct/layer_first", "direct/page_first_direct"):
         assert out[key] == {"backed_up": [True, True, True], "loaded_back": True, "other_slots_untouched": True}, key
     reg = out["registration"]
@@ -312,7 +307,7 @@ def test_sglangs_host_pool_backs_up_and_loads_back_through_the_stand_in(release,
 
 
 @pytest.mark.slow
-def test_negative_control_sglangs_round_trip_fails_on_a_broken_op(env_child):
-    out = env_child["mutants"]
+def test_negative_control_sglangs_round_trip_fails_on_a_broken_op(standin_children):
+    out = _pools(standin_children, sglang_cpu.SGLANG_VERSION, None)["mutants"]
     assert out["pf_without_layer"]["backed_up"] == [False, False, False], out  # every layer at layer 0's offset
     assert out["k_for_v"]["backed_up"] == [True, True, True] and out["k_for_v"]["loaded_back"] is False, out

@@ -14,6 +14,8 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+import standin_child
+from standin_child import StandinChildren
 
 from kvalign.standins import sglang_cpu as standin
 from kvalign.standins.sglang_cpu import kernels, ops
@@ -22,46 +24,15 @@ PY = sys.executable
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _child(code: str, *args: str, timeout: int = 120, **env: str) -> subprocess.CompletedProcess:
+def _child(code: str, *args: str, **env: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", standin.ENABLE_ENV)}
-    return subprocess.run([PY, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env={**base, **env})
+    return subprocess.run([PY, "-c", code, *args], capture_output=True, text=True, timeout=120, env={**base, **env})
 
 
-#: Runs each section (``{name: code}``, JSON in argv[1]) in turn in this one process, its stdout and any
-#: traceback kept apart: the last line is ``{name: {"out": ..., "error": ...}}``.
-SECTIONS_RUNNER = (
-    "import contextlib, io, json, sys, traceback\n"
-    "done = {}\n"
-    "for name, code in json.loads(sys.argv[1]).items():\n"
-    "    out = io.StringIO()\n"
-    "    try:\n"
-    "        with contextlib.redirect_stdout(out):\n"
-    "            exec(compile(code, name, 'exec'), {'__name__': name})\n"
-    "        error = None\n"
-    "    except BaseException:\n"
-    "        error = traceback.format_exc()\n"
-    "    done[name] = {'out': out.getvalue(), 'error': error}\n"
-    "print(json.dumps(done))\n"
-)
-
-
-@pytest.fixture(scope="module")
-def worker_child() -> dict[str, dict]:
-    """The slow tests' code (:data:`WORKER_SECTIONS`), run in ONE child with the stand-in loaded as in a worker:
-    each test used to start its own, and each paid the same imports (torch, the stand-in, SGLang's scheduler and
-    attention modules: about 10 CPU-s apiece). The sections run in the order listed, ``sgl_kernel``'s exports
-    first, on a fresh interpreter as before; a patch applies when its module is first imported, whichever
-    section imports it. Each test asserts on its own section's output and fails on its own traceback."""
-    proc = _child(SECTIONS_RUNNER, json.dumps(WORKER_SECTIONS), timeout=300, **standin.worker_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _section(worker_child: dict[str, dict], name: str) -> str:
-    """``name``'s stdout in the shared child; its traceback fails the test."""
-    got = worker_child[name]
-    assert got["error"] is None, got["error"][-2000:]
-    return got["out"]
+def _section(standin_children: StandinChildren, name: str) -> str:
+    """``name``'s stdout (:data:`WORKER_SECTIONS`) in the environment's release's shared child; its traceback fails
+    the test."""
+    return standin_children.section(standin.SGLANG_VERSION, None, name)
 
 
 def test_pinned_version_matches_the_installed_sglang():
@@ -99,7 +70,12 @@ def test_stand_in_is_absent_from_processes_that_did_not_ask_for_it():
     assert proc.stdout.split() == ["True", "False"], proc.stderr
 
 
-#: The slow tests' child code, by section of the one child (:func:`worker_child`), in the order it runs.
+#: The slow tests' code, run in ONE child with the stand-in loaded as in a worker: each test used to start its own,
+#: and each paid the same imports (torch, the stand-in, SGLang's scheduler and attention modules: about 10 CPU-s
+#: apiece). That child is the environment's release's, which the stand-in's test files share (:mod:`standin_child`:
+#: HiCache's pool round trips run in it too, after these): the sections run in the order listed, ``sgl_kernel``'s
+#: exports first, on a fresh interpreter as before; a patch applies when its module is first imported, whichever
+#: section imports it. Each test asserts on its own section's output and fails on its own traceback.
 WORKER_SECTIONS: dict[str, str] = {}
 
 WORKER_SECTIONS["exports"] = (
@@ -114,9 +90,9 @@ WORKER_SECTIONS["exports"] = (
 )
 
 
-@pytest.mark.slow  # the shared child (worker_child) imports torch and the stand-in
-def test_sgl_kernel_exports_exactly_the_covered_names(worker_child):
-    names, missing, sub, registered = json.loads(_section(worker_child, "exports"))
+@pytest.mark.slow  # the shared child (standin_children) imports torch and the stand-in
+def test_sgl_kernel_exports_exactly_the_covered_names(standin_children):
+    names, missing, sub, registered = json.loads(_section(standin_children, "exports"))
     assert names == sorted([*kernels.__all__, *ops.UNCOVERED_FUNCTIONS])
     assert missing, "convert_weight_packed must stay absent (keeps SGLang's AMX path off)"
     assert not sub, "submodules such as sgl_kernel.mamba must raise ImportError"
@@ -144,11 +120,11 @@ WORKER_SECTIONS["patches"] = (
 )
 
 
-@pytest.mark.slow  # the shared child (worker_child) imports SGLang's scheduler, attention and disaggregation modules
-def test_patches_find_their_targets_in_the_installed_sglang(worker_child):
+@pytest.mark.slow  # the shared child (standin_children) imports SGLang's scheduler, attention and disaggregation modules
+def test_patches_find_their_targets_in_the_installed_sglang(standin_children):
     """Each patch checks the code it changes still looks as in 0.5.23 and applies: run them all in a
     child with the stand-in on (importing the patched modules triggers them) and check the effect."""
-    assert _section(worker_child, "patches").split() == ["True", "NoBootstrapServer"]
+    assert _section(standin_children, "patches").split() == ["True", "NoBootstrapServer"]
 
 
 WORKER_SECTIONS["dp_padding"] = (
@@ -159,11 +135,11 @@ WORKER_SECTIONS["dp_padding"] = (
 )
 
 
-@pytest.mark.slow  # the shared child (worker_child) imports SGLang's attention backends
-def test_torch_native_pads_a_dp_attention_batch_as_sglangs_own_cpu_backend(worker_child):
+@pytest.mark.slow  # the shared child (standin_children) imports SGLang's attention backends
+def test_torch_native_pads_a_dp_attention_batch_as_sglangs_own_cpu_backend(standin_children):
     """DP attention pads every batch for its MLP sync and asks the attention backend for the padded
     sequences' length; the stand-in's answer on torch_native is SGLang's own CPU backend's."""
-    ours, sglangs = _section(worker_child, "dp_padding").split()
+    ours, sglangs = _section(standin_children, "dp_padding").split()
     assert ours == sglangs == "1"
     # SGLang's own torch_native lacks it: read in this process, which never has the stand-in
     # (test_stand_in_is_absent_from_processes_that_did_not_ask_for_it), with the oracles' torchvision shim alone
@@ -190,8 +166,12 @@ WORKER_SECTIONS["idle_rotation"] = (
 )
 
 
-@pytest.mark.slow  # the shared child (worker_child) imports SGLang's rotary embedding with the stand-in
-def test_an_idle_dp_attention_rank_rotates_its_empty_batch_and_others_go_to_sglang(worker_child):
+@pytest.mark.slow  # the shared child (standin_children) imports SGLang's rotary embedding with the stand-in
+def test_an_idle_dp_attention_rank_rotates_its_empty_batch_and_others_go_to_sglang(standin_children):
     """A rank with no requests runs its idle forward with zero tokens: the stand-in returns it as it
     came (SGLang's own native path raises on it); a batch with tokens gets SGLang's own rotation."""
-    assert _section(worker_child, "idle_rotation").split() == ["True", "True", "True"]
+    assert _section(standin_children, "idle_rotation").split() == ["True", "True", "True"]
+
+
+for _name, _code in WORKER_SECTIONS.items():
+    standin_child.add(_name, _code, [standin.SGLANG_VERSION], imports_first=True)

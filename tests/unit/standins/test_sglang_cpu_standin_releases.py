@@ -1,10 +1,10 @@
 """The stand-in on each supported SGLang release other than the environment's (0.5.21).
 
 The release is installed into ``kvalign matrix``'s per-version cache (skipped with the reason when
-the package index cannot be reached) and every check runs in a child process with that release
-first on ``PYTHONPATH``:
+the package index cannot be reached) and the checks run with that release first on ``PYTHONPATH``:
 
-* the release's own patches and the common ones find their targets *in that release* and apply;
+* the release's own patches and the common ones find their targets *in that release* and apply (in the
+  release's child that the stand-in's test files share, ``standin_child.py``, before anything else there);
 * the allocator launches that stand in for 0.5.21's Triton-only paged allocator equal its Triton
   kernels run by Triton's interpreter, on Hypothesis inputs; a mutant (the next free page instead
   of the right one) must be caught by the same comparison. The inputs are derandomized, so the
@@ -29,6 +29,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/unit's recorded references, also when run as a script
 import recorded  # noqa: E402
+import standin_child  # noqa: E402
 
 from kvalign.standins import sglang_cpu as standin
 
@@ -57,30 +58,34 @@ def _child(release_dir: Path, argv: list[str], **env: str) -> subprocess.Complet
                           env={**base, "PYTHONPATH": path, **env})
 
 
-@pytest.mark.slow  # a child that imports the release's patched modules (its scheduler and model stack): 10-20 s
-def test_patches_find_their_targets_in_the_release(release, tmp_path):
-    """Importing every patched module runs the patches; each one's ``_require`` checks its target in
-    this release first, so a clean exit means every target was found (as in a worker: the harness's
-    IPC endpoint is set, so the KV-events patch applies too)."""
-    version, where = release
+def _release_patches(version: str) -> str:
+    """The child code of :func:`test_patches_find_their_targets_in_the_release` for ``version``."""
     from kvalign.standins.sglang_cpu.hooks import release_patches
 
-    modules = sorted(release_patches(version))
-    code = (
+    return (
         "import importlib, json\n"
         "from importlib import metadata\n"
-        f"mods = {modules!r}\n"
+        f"mods = {sorted(release_patches(version))!r}\n"
         "for m in mods: importlib.import_module(m)\n"
         "from sglang.srt.mem_cache.allocator import paged\n"
         "from sglang.srt.disaggregation import kv_events\n"
         "print(json.dumps([metadata.version('sglang'), type(paged.alloc_decode_kernel).__name__,\n"
         "                  kv_events.ZmqEventPublisher.__init__.__code__.co_filename.endswith('patches.py')]))\n"
     )
-    env = standin.worker_env(os.pathsep.join([str(where), str(ROOT)]))
-    env[standin.KV_EVENTS_IPC_ENV] = f"ipc://{tmp_path / 'kv.ipc'}"
-    proc = _child(where, ["-c", code], **env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got_version, decode_launch, publisher_patched = json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+#: first in the release's shared child (:mod:`standin_child`), before HiCache's pool round trips import anything
+standin_child.add("release_patches", _release_patches, OTHER_RELEASES, imports_first=True)
+
+
+@pytest.mark.slow  # the release's shared child (standin_child) imports its patched modules (scheduler, model stack)
+def test_patches_find_their_targets_in_the_release(release, standin_children):
+    """Importing every patched module runs the patches; each one's ``_require`` checks its target in
+    this release first, so a clean section means every target was found (as in a worker: the harness's
+    IPC endpoint is set, so the KV-events patch applies too)."""
+    version, where = release
+    out = standin_children.section(version, where, "release_patches")
+    got_version, decode_launch, publisher_patched = json.loads(out.strip().splitlines()[-1])
     assert got_version == version
     extra = {name for _module, name in standin.SUPPORTED[version].patches}
     assert decode_launch == ("Launch" if "paged_allocator_on_cpu" in extra else "JITFunction")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import xdist_scopes
-from xdist_scopes import FAKE_WORKERS, INSTALLED_CELL, MM_ORACLES, REAL_ENGINE, VLLM_CHILD, VLLM_ORACLES, scope
+from xdist_scopes import (FAKE_WORKERS, INSTALLED_CELL, MM_ORACLES, REAL_ENGINE, STANDIN_CHILDREN, VLLM_CHILD,
+                          VLLM_ORACLES, scope)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -55,6 +56,17 @@ def test_the_files_that_read_the_installed_cell_share_one_scope():
     assert found == xdist_scopes.INSTALLED_CELL_FILES, found
     assert {scope(f"{p}::test_x") for p in found} == {INSTALLED_CELL}
     assert scope("tests/unit/verify/report/test_matrix.py::test_x") == "tests/unit/verify/report/test_matrix.py"
+
+
+def test_the_files_that_share_the_stand_ins_worker_children_share_one_scope():
+    """Each release's stand-in child (a session fixture, 10-13 CPU-s to start) then runs once: every test file
+    whose tests or fixtures ask for it by name is in the scope, and the scope holds no other file."""
+    asking = re.compile(r"^def \w+\([^)]*\bstandin_children\b", re.M)
+    found = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests/unit").rglob("test_*.py") if asking.search(p.read_text())}
+    assert found == xdist_scopes.STANDIN_CHILDREN_FILES, found
+    assert {scope(f"{p}::test_x") for p in found} == {STANDIN_CHILDREN}
+    assert scope("tests/unit/standins/test_sglang_cpu_standin_kernels.py::test_x") == (
+        "tests/unit/standins/test_sglang_cpu_standin_kernels.py")
 
 
 def test_the_files_that_start_vllm_share_one_scope_by_their_path():
