@@ -120,9 +120,14 @@ def test_an_sglang_import_is_noted_only_from_a_unit_file_not_listed(monkeypatch)
     assert _import_as(monkeypatch, "tests/unit/oracles/test_sglang_mm.py::test_x", "sglang") == []  # the mm scope
     assert _import_as(monkeypatch, "tests/e2e/test_router_cpu.py::test_x", "sglang") == []  # the live scopes
     assert _import_as(monkeypatch, "tests/unit/model/test_hashing.py::test_x", "sglang.srt") == []  # only the first load
-    assert _import_as(monkeypatch, "tests/unit/model/test_hashing.py::test_x", "torch") == []
+    assert _import_as(monkeypatch, "tests/unit/model/test_hashing.py::test_x", "torch.nn") == []
+    assert _import_as(monkeypatch, "tests/unit/model/test_hashing.py::test_x", "numpy") == []
     assert _import_as(monkeypatch, "tests/unit/model/test_hashing.py::test_x[a b]", "sglang") == [
         "tests/unit/model/test_hashing.py::test_x[a b]"]
+    for heavy in ("torch", "transformers"):  # what SGLang imports: the SGLang workers hold them, the other does not
+        assert _import_as(monkeypatch, "tests/unit/model/test_hashing.py::test_x", heavy) == [
+            "tests/unit/model/test_hashing.py::test_x"]
+        assert _import_as(monkeypatch, "tests/unit/live/test_engine_model_kv_pair.py::test_x", heavy) == []
 
 
 def test_negative_control_the_noted_test_fails_at_its_teardown(monkeypatch):
@@ -132,6 +137,21 @@ def test_negative_control_the_noted_test_fails_at_its_teardown(monkeypatch):
     assert _import_as(monkeypatch, nodeid, "sglang") == [nodeid]
     xdist_scopes.refuse_unlisted_sglang_import("tests/unit/model/test_hashing.py::test_y", slow=False)
     xdist_scopes.refuse_unlisted_sglang_import(nodeid, slow=True)
-    with pytest.raises(RuntimeError, match=r"test_hashing\.py::test_x imports SGLang, but its file is not in "
-                                           r"xdist_scopes\.SGLANG_FILES"):
+    with pytest.raises(RuntimeError, match=r"test_hashing\.py::test_x imports SGLang, torch or transformers, but its "
+                                           r"file is not in xdist_scopes\.SGLANG_FILES"):
         xdist_scopes.refuse_unlisted_sglang_import(nodeid, slow=False)
+
+
+def test_the_fast_tier_skips_only_files_marked_slow_as_a_whole(tmp_path):
+    """What ``tests/conftest.py``'s ``pytest_ignore_collect`` asks in the fast tier: a file whose module mark is
+    ``slow`` is not imported; a file with one fast test, a mark list, or a slow mark on its tests alone is."""
+    files = {"test_all_slow.py": "import pytest\n\npytestmark = pytest.mark.slow\n\ndef test_a(): pass\n",
+             "test_listed.py": "import pytest\n\npytestmark = [pytest.mark.slow, pytest.mark.gpu_1]\n",
+             "test_some_slow.py": "import pytest\n\n@pytest.mark.slow\ndef test_a(): pass\n\ndef test_b(): pass\n",
+             "helper.py": "import pytest\n\npytestmark = pytest.mark.slow\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert [n for n in sorted(files) if xdist_scopes.slow_as_a_whole(tmp_path / n)] == ["test_all_slow.py"]
+    skipped = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py")
+                     if xdist_scopes.slow_as_a_whole(p))
+    assert "tests/unit/standins/test_sglang_cpu_standin_kernels.py" in skipped  # torch at module level
