@@ -167,10 +167,10 @@ def _fast_tier(config: pytest.Config) -> bool:
 
 
 def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None:
-    """The fast tier does not import a test file marked slow as a whole (:func:`xdist_scopes.slow_as_a_whole`)."""
+    """The fast tier does not import what it would deselect as a whole (:func:`xdist_scopes.deselected_as_a_whole`)."""
     import xdist_scopes
 
-    if _fast_tier(config) and xdist_scopes.slow_as_a_whole(collection_path):
+    if _fast_tier(config) and xdist_scopes.deselected_as_a_whole(collection_path):
         return True
     return None
 

@@ -23,6 +23,7 @@ fixtures would land in the fake-worker scope.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -138,16 +139,22 @@ SGLANG_FILES = frozenset({
     "tests/unit/verify/runner/test_check.py",
     "tests/unit/verify/runner/test_check_adapters.py",
 })
-#: the line that marks every test of a file slow
-ALL_SLOW = "\npytestmark = pytest.mark.slow\n"
+#: a test file's module mark, when it is one of the marks the fast tier deselects (alone or first in a list)
+WHOLE_FILE_MARK = re.compile(r"^pytestmark = \[?pytest\.mark\.(slow|e2e)\b", re.M)
 
 
-def slow_as_a_whole(path: Path) -> bool:
-    """Whether ``path`` is a test file whose every test is slow (:data:`ALL_SLOW`), so the fast tier need not
-    import it: its tests would all be deselected, and every xdist worker collects every file it is given, so
-    its module-level imports were paid three times for nothing (``test_sglang_cpu_standin_kernels.py``'s
-    torch, about 2.2 CPU-s a worker; the multimodal files' PIL and numpy). The whole suite collects it."""
-    return path.suffix == ".py" and path.name.startswith("test_") and ALL_SLOW in path.read_text()
+def deselected_as_a_whole(path: Path) -> bool:
+    """Whether the fast tier (``-m "not slow and not e2e"``) would deselect every test under ``path``: a test
+    file whose module mark is ``slow`` or ``e2e`` (:data:`WHOLE_FILE_MARK`), or a folder of only such files.
+
+    ``tests/conftest.py`` does not collect those in the fast tier. Every xdist worker collects every file it is
+    given, so their module-level imports were paid three times for nothing: ``test_sglang_cpu_standin_kernels.py``'s
+    torch (about 2.2 CPU-s a worker), the multimodal files' PIL and numpy, ``tests/e2e``'s conftest and modules
+    (about 0.45 CPU-s a worker). The whole suite collects them as before."""
+    if path.is_dir():
+        files = list(path.rglob("test_*.py"))
+        return bool(files) and all(map(deselected_as_a_whole, files))
+    return path.suffix == ".py" and path.name.startswith("test_") and bool(WHOLE_FILE_MARK.search(path.read_text()))
 
 
 #: workers that may import SGLang: the first to ask for work take the SGLang files (and, once those are gone,

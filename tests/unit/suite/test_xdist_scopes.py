@@ -142,16 +142,25 @@ def test_negative_control_the_noted_test_fails_at_its_teardown(monkeypatch):
         xdist_scopes.refuse_unlisted_sglang_import(nodeid, slow=False)
 
 
-def test_the_fast_tier_skips_only_files_marked_slow_as_a_whole(tmp_path):
+def test_the_fast_tier_skips_only_what_it_would_deselect_as_a_whole(tmp_path):
     """What ``tests/conftest.py``'s ``pytest_ignore_collect`` asks in the fast tier: a file whose module mark is
-    ``slow`` is not imported; a file with one fast test, a mark list, or a slow mark on its tests alone is."""
+    ``slow`` or ``e2e`` (alone or first in a list) is not imported, nor a folder of only such files; a file with
+    one fast test, another module mark, or a slow mark on its tests alone is, and so is a folder holding one."""
     files = {"test_all_slow.py": "import pytest\n\npytestmark = pytest.mark.slow\n\ndef test_a(): pass\n",
-             "test_listed.py": "import pytest\n\npytestmark = [pytest.mark.slow, pytest.mark.gpu_1]\n",
+             "test_e2e.py": "import pytest\n\npytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]\n",
+             "test_gpu.py": "import pytest\n\npytestmark = [pytest.mark.gpu_1, pytest.mark.slow]\n",
              "test_some_slow.py": "import pytest\n\n@pytest.mark.slow\ndef test_a(): pass\n\ndef test_b(): pass\n",
              "helper.py": "import pytest\n\npytestmark = pytest.mark.slow\n"}
     for name, text in files.items():
-        (tmp_path / name).write_text(text)
-    assert [n for n in sorted(files) if xdist_scopes.slow_as_a_whole(tmp_path / n)] == ["test_all_slow.py"]
-    skipped = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py")
-                     if xdist_scopes.slow_as_a_whole(p))
-    assert "tests/unit/standins/test_sglang_cpu_standin_kernels.py" in skipped  # torch at module level
+        (tmp_path / "mixed" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "mixed" / name).write_text(text)
+    got = [n for n in sorted(files) if xdist_scopes.deselected_as_a_whole(tmp_path / "mixed" / n)]
+    assert got == ["test_all_slow.py", "test_e2e.py"]
+    assert not xdist_scopes.deselected_as_a_whole(tmp_path / "mixed")
+    (tmp_path / "live").mkdir()
+    for name in ("test_all_slow.py", "test_e2e.py", "helper.py"):
+        (tmp_path / "live" / name).write_text(files[name])
+    assert xdist_scopes.deselected_as_a_whole(tmp_path / "live")
+    assert xdist_scopes.deselected_as_a_whole(ROOT / "tests" / "e2e")  # its conftest and modules: not imported
+    assert not xdist_scopes.deselected_as_a_whole(ROOT / "tests" / "unit")
+    assert xdist_scopes.deselected_as_a_whole(ROOT / "tests/unit/standins/test_sglang_cpu_standin_kernels.py")
