@@ -166,6 +166,15 @@ def _fast_tier(config: pytest.Config) -> bool:
     return "not slow" in expr and "not e2e" in expr
 
 
+def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None:
+    """The fast tier does not import what it would deselect as a whole (:func:`xdist_scopes.deselected_as_a_whole`)."""
+    import xdist_scopes
+
+    if _fast_tier(config) and xdist_scopes.deselected_as_a_whole(collection_path):
+        return True
+    return None
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return FAST_TIER_WORKERS if _fast_tier(config) else SUITE_WORKERS
 

@@ -25,6 +25,8 @@ fixtures would land in the fake-worker scope.
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 from typing import Any
 
 REAL_ENGINE = "live: real engine"
@@ -90,16 +92,26 @@ def scope(nodeid: str) -> str:
 #: a ``check`` in-process): about 10 CPU-s per process (torch, transformers, torch._inductor under SGLang's
 #: ``mem_cache``), paid once by each worker that runs one of them. Found by running the fast tier in one process,
 #: once with every ``import`` naming SGLang recorded per file and once with SGLang's import refused (a test here
-#: then skips or fails), and by the check below. ``tests/unit/conftest.py`` fails a test that
-#: imports SGLang from a file outside it; a file listed that no longer needs SGLang costs only balance.
+#: then skips or fails), and by the check below. Also the files whose fast tests import only torch or
+#: transformers (:data:`HEAVY_IMPORTS`; about 2.2 and 1.4 CPU-s), which SGLang's import brings into these
+#: workers anyway: found the same way, the other files' fast tests run with those imports refused
+#: (2026-12-07). ``tests/unit/conftest.py`` fails a test that imports any of them from a file outside it; a
+#: file listed that no longer needs them costs only balance. No test file imports them at module level, so
+#: no worker's collection pays them (``tests/conftest.py``'s ``pytest_ignore_collect`` keeps the all-slow
+#: files out of the fast tier's collection).
 SGLANG_FILES = frozenset({
     "tests/unit/commands/test_cli_bad_input.py",
     "tests/unit/live/test_e2e_plan.py",
+    "tests/unit/live/test_engine_model_kv_pair.py",
     "tests/unit/live/test_live_advertised.py",
     "tests/unit/live/test_live_capture.py",
     "tests/unit/live/test_live_cpu_worker.py",
+    "tests/unit/live/test_live_fuzz_plan.py",
+    "tests/unit/live/test_live_fuzz_storage.py",
     "tests/unit/live/test_live_gpu.py",
     "tests/unit/live/test_live_metrics.py",
+    "tests/unit/live/test_live_model_dir.py",
+    "tests/unit/live/test_live_sglang_cpu_worker.py",
     "tests/unit/live/test_live_sglang_gpu_worker.py",
     "tests/unit/live/test_live_sglang_worker.py",
     "tests/unit/live/test_live_topology.py",
@@ -113,9 +125,11 @@ SGLANG_FILES = frozenset({
     "tests/unit/oracles/test_router_pair.py",
     "tests/unit/oracles/test_router_path.py",
     "tests/unit/oracles/test_storage_oracle.py",
+    "tests/unit/standins/test_hicache_cpu_standin.py",
     "tests/unit/standins/test_kv_pages.py",
     "tests/unit/standins/test_kv_transfer_standin.py",
     "tests/unit/standins/test_scheduler_standin.py",
+    "tests/unit/standins/test_sglang_cpu_standin_releases.py",
     "tests/unit/standins/test_sglang_gpu_standin.py",
     "tests/unit/streams/test_capture.py",
     "tests/unit/streams/test_diagnose.py",
@@ -144,14 +158,38 @@ SGLANG_FILES = frozenset({
     "tests/unit/verify/runner/test_check.py",
     "tests/unit/verify/runner/test_check_adapters.py",
 })
+#: a test file's module mark, when it is one of the marks the fast tier deselects (alone or first in a list)
+WHOLE_FILE_MARK = re.compile(r"^pytestmark = \[?pytest\.mark\.(slow|e2e)\b", re.M)
+
+
+def deselected_as_a_whole(path: Path) -> bool:
+    """Whether the fast tier (``-m "not slow and not e2e"``) would deselect every test under ``path``: a test
+    file whose module mark is ``slow`` or ``e2e`` (:data:`WHOLE_FILE_MARK`), or a folder of only such files.
+
+    ``tests/conftest.py`` does not collect those in the fast tier. Every xdist worker collects every file it is
+    given, so their module-level imports were paid three times for nothing: ``test_sglang_cpu_standin_kernels.py``'s
+    torch (about 2.2 CPU-s a worker), the multimodal files' PIL and numpy, ``tests/e2e``'s conftest and modules
+    (about 0.45 CPU-s a worker). The whole suite collects them as before."""
+    if path.is_dir():
+        files = list(path.rglob("test_*.py"))
+        return bool(files) and all(map(deselected_as_a_whole, files))
+    return path.suffix == ".py" and path.name.startswith("test_") and bool(WHOLE_FILE_MARK.search(path.read_text()))
+
+
 #: workers that may import SGLang: the first to ask for work take the SGLang files (and, once those are gone,
 #: any file); the others take only the rest, so the other workers never pay SGLang's import
 SGLANG_WORKERS = 2
 
 
+#: the unit scopes of several files, by name: such a scope imports SGLang if one of its files does
+GROUPS = {MM_ORACLES: MM_ORACLE_FILES, INSTALLED_CELL: INSTALLED_CELL_FILES, STANDIN_CHILDREN: STANDIN_CHILDREN_FILES}
+
+
 def imports_sglang(scope_name: str) -> bool:
-    """Whether a test of this scope imports SGLang in its worker (the live scopes and the multimodal oracles do)."""
-    return scope_name in SGLANG_FILES or scope_name in LIVE_SCOPES or scope_name == MM_ORACLES
+    """Whether a test of this scope imports SGLang in its worker (the live scopes and the multimodal oracles do,
+    and a scope of several files one of which is in :data:`SGLANG_FILES`)."""
+    return (scope_name in SGLANG_FILES or scope_name in LIVE_SCOPES or scope_name == MM_ORACLES
+            or bool(GROUPS.get(scope_name, frozenset()) & SGLANG_FILES))
 
 
 def next_scope(queue: list[str], sglang_worker: bool) -> str | None:
@@ -168,8 +206,13 @@ def next_scope(queue: list[str], sglang_worker: bool) -> str | None:
 SGLANG_OUTSIDE: list[str] = []
 
 
+#: the modules only :data:`SGLANG_FILES` may bring into a fast test's process: SGLang and the two it imports
+HEAVY_IMPORTS = frozenset({"sglang", "torch", "transformers"})
+
+
 def note_sglang_import_outside_scope(event: str, args: tuple[Any, ...]) -> None:
-    """An audit hook (``tests/unit/conftest.py``): note a unit test that imports SGLang from a file not listed.
+    """An audit hook (``tests/unit/conftest.py``): note a unit test that imports SGLang (or torch or transformers,
+    :data:`HEAVY_IMPORTS`) from a file not listed.
 
     The scheduler keeps :data:`SGLANG_FILES` on :data:`SGLANG_WORKERS` workers, so a file that imported SGLang
     unlisted would make another worker pay the import, unseen. Python audits an import only when the module is
@@ -177,7 +220,7 @@ def note_sglang_import_outside_scope(event: str, args: tuple[Any, ...]) -> None:
     would turn the import into an ``OracleUnavailable``, a skip), and ``tests/unit/conftest.py`` fails that
     test at its teardown (:func:`refuse_unlisted_sglang_import`).
     """
-    if event != "import" or args[0] != "sglang":
+    if event != "import" or args[0] not in HEAVY_IMPORTS:
         return
     nodeid = os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" ")[0]
     if nodeid.startswith("tests/unit/") and not imports_sglang(scope(nodeid)):
@@ -189,8 +232,9 @@ def refuse_unlisted_sglang_import(nodeid: str, *, slow: bool) -> None:
 
     A ``slow`` test is let through: it runs in the whole suite, whose two workers both may import SGLang."""
     if nodeid in SGLANG_OUTSIDE and not slow:
-        raise RuntimeError(f"{nodeid} imports SGLang, but its file is not in xdist_scopes.SGLANG_FILES: list it "
-                           f"there (tests/xdist_scopes.py), or a worker kept from SGLang pays its import")
+        raise RuntimeError(f"{nodeid} imports SGLang, torch or transformers, but its file is not in "
+                           f"xdist_scopes.SGLANG_FILES: list it there (tests/xdist_scopes.py), or a worker kept "
+                           f"from SGLang pays the import")
 
 
 #: what ``kvalign.oracles.vllm.VllmEngine`` runs: vLLM's interpreter serving its real KVCacheManager

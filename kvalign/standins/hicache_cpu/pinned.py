@@ -28,8 +28,6 @@ import threading
 import types
 from typing import Any
 
-import torch
-
 SUCCESS, INVALID_VALUE, ALREADY_REGISTERED, NOT_REGISTERED = 0, 1, 712, 713
 _MESSAGES = {
     SUCCESS: "no error",
@@ -73,26 +71,33 @@ REGISTRY = HostRegistry()
 
 
 class _CudaView(types.ModuleType):
-    def __init__(self, registry: HostRegistry) -> None:
+    def __init__(self, registry: HostRegistry, cuda: types.ModuleType) -> None:
         super().__init__("torch.cuda")
         self._registry = registry
+        self._cuda = cuda
 
     def cudart(self) -> HostRegistry:
         return self._registry
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(torch.cuda, name)
+        return getattr(self._cuda, name)
 
 
 class _TorchView(types.ModuleType):
-    """``torch`` as one SGLang module sees it: everything torch's, but ``torch.cuda.cudart()``."""
+    """``torch`` as one SGLang module sees it: everything torch's, but ``torch.cuda.cudart()``.
+
+    torch is imported when a view is made (in a worker, which holds it already), not with this module:
+    the registry alone needs no torch (its tests run without it)."""
 
     def __init__(self, registry: HostRegistry) -> None:
+        import torch
+
         super().__init__("torch")
-        self.cuda = _CudaView(registry)
+        self._torch = torch
+        self.cuda = _CudaView(registry, torch.cuda)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
+        return getattr(self._torch, name)
 
 
 def torch_with_cudart(registry: HostRegistry = REGISTRY) -> types.ModuleType:

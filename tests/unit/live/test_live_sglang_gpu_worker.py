@@ -9,7 +9,6 @@ draft) in bf16.
 from __future__ import annotations
 
 import pytest
-from safetensors.torch import load_file
 
 from kvalign.live.cluster.topology import Topology
 from kvalign.live.engines import engine_model
@@ -65,6 +64,8 @@ def test_an_aggregated_fuzz_topology_runs_on_gpu_0(tmp_path):
 
 @pytest.mark.parametrize("draft", engine_model.DRAFTS)
 def test_gpu_models_are_bf16_with_the_cpu_models_rules(tmp_path, draft):
+    from safetensors.torch import load_file  # torch: when this test runs, not at collection
+
     target_dir, draft_dir = engine_model.write_models(tmp_path, draft, engine_model.GPU)
     target, drafted = load_file(str(target_dir / "model.safetensors")), load_file(str(draft_dir / "model.safetensors"))
     import torch

@@ -18,10 +18,12 @@ import pytest
 from kvalign.releases import release_env
 from kvalign.releases.release_env import ReleaseEnvError, installer, install, python_for
 
+#: torch is found, not imported (importing it is 2-3 CPU-s): ``find_spec`` resolves it on the same ``sys.path``,
+#: so its origin is the ``torch.__file__`` an import would give
 PROBE = """
-import importlib.metadata as md, json, sys, kvalign, torch
+import importlib.metadata as md, importlib.util, json, sys, kvalign
 print(json.dumps({"path": sys.path, "version": md.version("ai-dynamo-runtime"), "kvalign": kvalign.__file__,
-                  "mod": __import__("kvalign_probe_release").WHERE, "torch": torch.__file__}))
+                  "mod": __import__("kvalign_probe_release").WHERE, "torch": importlib.util.find_spec("torch").origin}))
 """
 
 

@@ -20,17 +20,31 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import standin_child
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from standin_child import StandinChildren
 
 from kvalign.standins import hicache_cpu, sglang_cpu
-from kvalign.standins.hicache_cpu import kvcacheio as io
 from kvalign.standins.hicache_cpu.pinned import ALREADY_REGISTERED, INVALID_VALUE, NOT_REGISTERED, HostRegistry
+
+
+#: torch and the stand-in's ops (which import it), bound by :func:`_torch` when this file's first test runs
+torch: ModuleType
+io: ModuleType
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch() -> None:
+    """Import torch (about 2.2 CPU-s) when these tests run, on a worker that holds it already with SGLang
+    (``tests/xdist_scopes.py``), not in every xdist worker's collection. The tests read ``torch`` and
+    ``io`` as module names, as if imported at the top."""
+    global torch, io
+    import torch
+    from kvalign.standins.hicache_cpu import kvcacheio as io
 
 
 # ---- sgl-kernel's torch references (sgl-kernel/tests/test_kvcacheio.py, copied as written) ----------

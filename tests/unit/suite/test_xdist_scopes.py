@@ -120,6 +120,10 @@ def test_only_the_sglang_workers_take_the_files_that_import_sglang():
     assert xdist_scopes.imports_sglang(sglang) and not xdist_scopes.imports_sglang(plain)
     assert xdist_scopes.imports_sglang(MM_ORACLES) and xdist_scopes.imports_sglang(REAL_ENGINE)
     assert not xdist_scopes.imports_sglang(VLLM_ORACLES)
+    # a scope of several files imports SGLang when one of its files does (the stand-in's HiCache file does)
+    assert xdist_scopes.STANDIN_CHILDREN_FILES & xdist_scopes.SGLANG_FILES
+    assert xdist_scopes.imports_sglang(STANDIN_CHILDREN)
+    assert not xdist_scopes.INSTALLED_CELL_FILES & xdist_scopes.SGLANG_FILES and not xdist_scopes.imports_sglang(INSTALLED_CELL)
     assert xdist_scopes.next_scope([plain, sglang], sglang_worker=True) == sglang
     assert xdist_scopes.next_scope([plain], sglang_worker=True) == plain
     assert xdist_scopes.next_scope([sglang, plain], sglang_worker=False) == plain
@@ -143,9 +147,14 @@ def test_an_sglang_import_is_noted_only_from_a_unit_file_not_listed(monkeypatch)
     assert _import_as(monkeypatch, "tests/unit/oracles/test_sglang_mm.py::test_x", "sglang") == []  # the mm scope
     assert _import_as(monkeypatch, "tests/e2e/test_router_cpu.py::test_x", "sglang") == []  # the live scopes
     assert _import_as(monkeypatch, "tests/unit/model/test_hashing.py::test_x", "sglang.srt") == []  # only the first load
-    assert _import_as(monkeypatch, "tests/unit/model/test_hashing.py::test_x", "torch") == []
+    assert _import_as(monkeypatch, "tests/unit/model/test_hashing.py::test_x", "torch.nn") == []
+    assert _import_as(monkeypatch, "tests/unit/model/test_hashing.py::test_x", "numpy") == []
     assert _import_as(monkeypatch, "tests/unit/model/test_hashing.py::test_x[a b]", "sglang") == [
         "tests/unit/model/test_hashing.py::test_x[a b]"]
+    for heavy in ("torch", "transformers"):  # what SGLang imports: the SGLang workers hold them, the other does not
+        assert _import_as(monkeypatch, "tests/unit/model/test_hashing.py::test_x", heavy) == [
+            "tests/unit/model/test_hashing.py::test_x"]
+        assert _import_as(monkeypatch, "tests/unit/live/test_engine_model_kv_pair.py::test_x", heavy) == []
 
 
 def test_negative_control_the_noted_test_fails_at_its_teardown(monkeypatch):
@@ -155,6 +164,30 @@ def test_negative_control_the_noted_test_fails_at_its_teardown(monkeypatch):
     assert _import_as(monkeypatch, nodeid, "sglang") == [nodeid]
     xdist_scopes.refuse_unlisted_sglang_import("tests/unit/model/test_hashing.py::test_y", slow=False)
     xdist_scopes.refuse_unlisted_sglang_import(nodeid, slow=True)
-    with pytest.raises(RuntimeError, match=r"test_hashing\.py::test_x imports SGLang, but its file is not in "
-                                           r"xdist_scopes\.SGLANG_FILES"):
+    with pytest.raises(RuntimeError, match=r"test_hashing\.py::test_x imports SGLang, torch or transformers, but its "
+                                           r"file is not in xdist_scopes\.SGLANG_FILES"):
         xdist_scopes.refuse_unlisted_sglang_import(nodeid, slow=False)
+
+
+def test_the_fast_tier_skips_only_what_it_would_deselect_as_a_whole(tmp_path):
+    """What ``tests/conftest.py``'s ``pytest_ignore_collect`` asks in the fast tier: a file whose module mark is
+    ``slow`` or ``e2e`` (alone or first in a list) is not imported, nor a folder of only such files; a file with
+    one fast test, another module mark, or a slow mark on its tests alone is, and so is a folder holding one."""
+    files = {"test_all_slow.py": "import pytest\n\npytestmark = pytest.mark.slow\n\ndef test_a(): pass\n",
+             "test_e2e.py": "import pytest\n\npytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]\n",
+             "test_gpu.py": "import pytest\n\npytestmark = [pytest.mark.gpu_1, pytest.mark.slow]\n",
+             "test_some_slow.py": "import pytest\n\n@pytest.mark.slow\ndef test_a(): pass\n\ndef test_b(): pass\n",
+             "helper.py": "import pytest\n\npytestmark = pytest.mark.slow\n"}
+    for name, text in files.items():
+        (tmp_path / "mixed" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "mixed" / name).write_text(text)
+    got = [n for n in sorted(files) if xdist_scopes.deselected_as_a_whole(tmp_path / "mixed" / n)]
+    assert got == ["test_all_slow.py", "test_e2e.py"]
+    assert not xdist_scopes.deselected_as_a_whole(tmp_path / "mixed")
+    (tmp_path / "live").mkdir()
+    for name in ("test_all_slow.py", "test_e2e.py", "helper.py"):
+        (tmp_path / "live" / name).write_text(files[name])
+    assert xdist_scopes.deselected_as_a_whole(tmp_path / "live")
+    assert xdist_scopes.deselected_as_a_whole(ROOT / "tests" / "e2e")  # its conftest and modules: not imported
+    assert not xdist_scopes.deselected_as_a_whole(ROOT / "tests" / "unit")
+    assert xdist_scopes.deselected_as_a_whole(ROOT / "tests/unit/standins/test_sglang_cpu_standin_kernels.py")
