@@ -163,7 +163,8 @@ def run_search(body: Callable[[Any], None], strategy: st.SearchStrategy[Any], ex
             raise
     if broken is not None:  # whatever the search found before it, the examples after it did not run
         raise broken
-    if found is not None and not confirmed:  # a finding recurs every time its example is replayed, however Hypothesis ended
+    # a finding recurs every time its example is replayed, however Hypothesis ended (unshrunk: replayed already)
+    if found is not None and not confirmed:
         recurred = replay_rate(body, found.drawn)
         if recurred < REPLAYS:
             found.unconfirmed = f"recurred in {recurred} of {REPLAYS} replays of its example"

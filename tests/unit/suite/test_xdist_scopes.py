@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import xdist_scopes
-from xdist_scopes import (DYNAMO_1_0_2_PROBES, FAKE_WORKERS, INSTALLED_CELL, MM_ORACLES, REAL_ENGINE, STANDIN_CHILDREN, VLLM_CHILD,
-                          VLLM_ORACLES, scope)
+from xdist_scopes import (DYNAMO_1_0_2_PROBES, FAKE_WORKERS, INSTALLED_CELL, MM_ORACLES, REAL_ENGINE, STANDIN_CHILDREN,
+                          VLLM_CHILD, VLLM_ORACLES, scope)
 
 ROOT = Path(__file__).resolve().parents[3]
 
