@@ -3,8 +3,8 @@
 The scheduler (``tests/conftest.py``) runs in the controller, which never collects, so all it has
 is the node id. A unit file is one scope (its module fixtures are set up once), but for the files
 that share the multimodal oracles (one scope), those that start vLLM's interpreter (one scope),
-those that read the installed pair's matrix cell (one scope) and those that share the CPU stand-in's
-worker child per SGLang release (one scope). The files
+those that read the installed pair's matrix cell (one scope), those that share Dynamo 1.0.2's probe
+child (one scope) and those that share the CPU stand-in's worker child per SGLang release (one scope). The files
 that import SGLang in the test process (:data:`SGLANG_FILES`) go only to the first :data:`SGLANG_WORKERS`
 workers, so the others never pay its import. The live tests
 (``tests/e2e/``) form two scopes:
@@ -55,6 +55,11 @@ STANDIN_CHILDREN_FILES = frozenset({"tests/unit/standins/test_hicache_cpu_standi
                                     "tests/unit/standins/test_sglang_cpu_standin.py",
                                     "tests/unit/standins/test_sglang_cpu_standin_releases.py"})
 
+#: unit files sharing the ``dynamo_1_0_2_probes`` session fixture (one child in Dynamo 1.0.2's environment, its
+#: SGLang publisher about 11 CPU-s to import: tests/unit/oracles/release_probes.py): one scope, so it runs once
+DYNAMO_1_0_2_PROBES = "unit: Dynamo 1.0.2's probe child"
+DYNAMO_1_0_2_PROBES_FILES = frozenset({"tests/unit/oracles/test_router_crosstalk.py",
+                                       "tests/unit/oracles/test_router_recovery.py"})
 
 #: unit files that start vLLM's real KVCacheManager in vLLM's interpreter (importing vLLM is about 12 s of
 #: CPU): one scope, so one worker imports it once and each later engine reuses that child whatever its
@@ -79,6 +84,8 @@ def scope(nodeid: str) -> str:
         return INSTALLED_CELL
     if path in STANDIN_CHILDREN_FILES:
         return STANDIN_CHILDREN
+    if path in DYNAMO_1_0_2_PROBES_FILES:
+        return DYNAMO_1_0_2_PROBES
     if starts_vllm(path):
         return VLLM_ORACLES
     if not path.startswith("tests/e2e/"):

@@ -94,7 +94,7 @@ def generated_cause(found: Mismatch | None, generated: Mismatch | None) -> Misma
 
 
 def run_search(body: Callable[[Any], None], strategy: st.SearchStrategy[Any], examples: int, *, seed: int | None = None,
-               tally: Tally | None = None) -> tuple[int, int, Mismatch | None]:
+               tally: Tally | None = None, shrink: bool = True) -> tuple[int, int, Mismatch | None]:
     """Search ``strategy`` for an input on which ``body`` raises :class:`Mismatch`.
 
     Returns (generated examples run, of them the failing ones, shrunk mismatch or None): shrink steps
@@ -121,7 +121,7 @@ def run_search(body: Callable[[Any], None], strategy: st.SearchStrategy[Any], ex
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
               suppress_health_check=list(HealthCheck), report_multiple_bugs=False, print_blob=False,
-              phases=(Phase.explicit, Phase.generate, Phase.shrink))
+              phases=(Phase.explicit, Phase.generate, Phase.shrink) if shrink else (Phase.explicit, Phase.generate))
     @given(strategy)
     def search(value: Any) -> None:
         nonlocal broken
@@ -146,10 +146,12 @@ def run_search(body: Callable[[Any], None], strategy: st.SearchStrategy[Any], ex
 
         search = hseed(seed)(search)
     found: Mismatch | None = None
+    #: whether ``found`` is a generated example confirmed by its REPLAYS replays at once and Hypothesis's replay
+    confirmed = False
     try:
         search()
     except Mismatch as exc:
-        found = exc
+        found, confirmed = exc, not shrink
     except FlakyFailure as flaky:
         if broken is not None:  # a replay that did nothing, after the environment failed
             raise broken from None
@@ -161,7 +163,8 @@ def run_search(body: Callable[[Any], None], strategy: st.SearchStrategy[Any], ex
             raise
     if broken is not None:  # whatever the search found before it, the examples after it did not run
         raise broken
-    if found is not None:  # a finding recurs every time its example is replayed, however Hypothesis ended
+    # a finding recurs every time its example is replayed, however Hypothesis ended (unshrunk: replayed already)
+    if found is not None and not confirmed:
         recurred = replay_rate(body, found.drawn)
         if recurred < REPLAYS:
             found.unconfirmed = f"recurred in {recurred} of {REPLAYS} replays of its example"

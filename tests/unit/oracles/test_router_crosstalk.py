@@ -11,12 +11,9 @@ and must show the foreign page.
 from __future__ import annotations
 
 import json
-import subprocess
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[3]
+import release_probes
 
 PROBE = """
 import json
@@ -44,15 +41,14 @@ for name, cls in (("fixed", RouterPath), ("shared", SharedPlane)):
         path.close()
 print(json.dumps(out))
 """
+#: run in the one Dynamo 1.0.2 child the oracle files share (:mod:`release_probes`)
+release_probes.add("crosstalk", PROBE)
 
 
 @pytest.mark.slow  # installs (or reuses) ai-dynamo 1.0.2 into the wheel cache, then starts its relays and routers
 @pytest.mark.timeout(600)
-def test_1_0_2s_routers_index_only_their_own_workers_blocks(dynamo_1_0_2):
-    python, env = dynamo_1_0_2
-    res = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, env=env, timeout=500, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-2000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+def test_1_0_2s_routers_index_only_their_own_workers_blocks(dynamo_1_0_2_probes):
+    out = json.loads(dynamo_1_0_2_probes.section("crosstalk").strip().splitlines()[-1])
     fixed, shared = out["fixed"], out["shared"]
     assert fixed["version"] == shared["version"] == "1.0.2"
     assert fixed["barriers"] == shared["barriers"] == [True, True], out

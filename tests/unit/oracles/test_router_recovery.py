@@ -11,16 +11,14 @@ from that recovery.
 from __future__ import annotations
 
 import json
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
+import release_probes
 import zmq
 
 from kvalign.oracles.router_path import INGEST_TIMEOUT_S, LoopbackProxy
 
-ROOT = Path(__file__).resolve().parents[3]
 #: How long the control waits for a sentinel only a recovery could bring: a recovery comes with its retry, about
 #: 200 ms after discovery (below: at least 0.15 s), so 1 s is five of them; the whole INGEST_TIMEOUT_S (4 s) was sat
 #: out twice (in process and apart)
@@ -61,11 +59,9 @@ def test_a_withheld_proxy_drops_what_is_published_and_forwards_it_again_after():
         proxy.close()
 
 
-@pytest.mark.slow  # installs (or reuses) ai-dynamo 1.0.2 into the wheel cache, then starts its relay and routers
-@pytest.mark.timeout(600)
-def test_1_0_2s_router_learns_a_withheld_sentinel_only_from_its_recovery_of_a_new_worker(dynamo_1_0_2):
-    python, env = dynamo_1_0_2
-    probe = """
+#: run in the one Dynamo 1.0.2 child the oracle files share (:mod:`release_probes`): first, so its routers are the
+#: first that child starts, as in a child of its own
+PROBE = """
 import json, time
 import kvalign.oracles.router_path as rp
 from kvalign.oracles.relay_process import ProcessRouterPath
@@ -76,25 +72,32 @@ def timed(self, w):
 rp.RouterPath.await_recovery = timed
 bound, CONTROL_WAIT_S = rp.INGEST_TIMEOUT_S, %r
 out = {}
-for name, cls in (("in_process", rp.RouterPath), ("apart", ProcessRouterPath)):
-    path = cls()
-    try:
-        seen.clear()
-        w = path.worker(2, False)
-        first = list(seen)
-        rp.INGEST_TIMEOUT_S = CONTROL_WAIT_S  # the control waits 5x the recovery's retry, not the whole bound
+try:
+    for name, cls in (("in_process", rp.RouterPath), ("apart", ProcessRouterPath)):
+        path = cls()
         try:
-            again = real(path, w)  # the control: no new discovery, so no recovery brings the withheld sentinel
+            seen.clear()
+            w = path.worker(2, False)
+            first = list(seen)
+            rp.INGEST_TIMEOUT_S = CONTROL_WAIT_S  # the control waits 5x the recovery's retry, not the whole bound
+            try:
+                again = real(path, w)  # the control: no new discovery, so no recovery brings the withheld sentinel
+            finally:
+                rp.INGEST_TIMEOUT_S = bound
+            out[name] = {"first": first, "again": again, "barrier": w.barrier(), "version": path.version}
         finally:
-            rp.INGEST_TIMEOUT_S = bound
-        out[name] = {"first": first, "again": again, "barrier": w.barrier(), "version": path.version}
-    finally:
-        path.close()
+            path.close()
+finally:
+    rp.RouterPath.await_recovery = real  # the next section's paths as they were
 print(json.dumps(out))
 """ % (CONTROL_WAIT_S,)
-    res = subprocess.run([python, "-c", probe], capture_output=True, text=True, env=env, timeout=500, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-2000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+release_probes.add("recovery", PROBE, first=True)
+
+
+@pytest.mark.slow  # installs (or reuses) ai-dynamo 1.0.2 into the wheel cache, then starts its relay and routers
+@pytest.mark.timeout(600)
+def test_1_0_2s_router_learns_a_withheld_sentinel_only_from_its_recovery_of_a_new_worker(dynamo_1_0_2_probes):
+    out = json.loads(dynamo_1_0_2_probes.section("recovery").strip().splitlines()[-1])
     for name in ("in_process", "apart"):
         got = out[name]
         assert got["version"] == "1.0.2"

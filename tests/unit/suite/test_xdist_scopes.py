@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import xdist_scopes
-from xdist_scopes import (FAKE_WORKERS, INSTALLED_CELL, MM_ORACLES, REAL_ENGINE, STANDIN_CHILDREN, VLLM_CHILD,
-                          VLLM_ORACLES, scope)
+from xdist_scopes import (DYNAMO_1_0_2_PROBES, FAKE_WORKERS, INSTALLED_CELL, MM_ORACLES, REAL_ENGINE, STANDIN_CHILDREN,
+                          VLLM_CHILD, VLLM_ORACLES, scope)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -67,6 +67,15 @@ def test_the_files_that_share_the_stand_ins_worker_children_share_one_scope():
     assert {scope(f"{p}::test_x") for p in found} == {STANDIN_CHILDREN}
     assert scope("tests/unit/standins/test_sglang_cpu_standin_kernels.py::test_x") == (
         "tests/unit/standins/test_sglang_cpu_standin_kernels.py")
+
+
+def test_the_files_that_share_dynamo_1_0_2s_probe_child_share_one_scope():
+    """That child (a session fixture, about 11 CPU-s of SGLang's import) then runs once: every test file whose
+    tests ask for it by name is in the scope, and the scope holds no other file."""
+    asking = re.compile(r"^def \w+\([^)]*\bdynamo_1_0_2_probes\b", re.M)
+    found = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests/unit").rglob("test_*.py") if asking.search(p.read_text())}
+    assert found == xdist_scopes.DYNAMO_1_0_2_PROBES_FILES, found
+    assert {scope(f"{p}::test_x") for p in found} == {DYNAMO_1_0_2_PROBES}
 
 
 def test_the_files_that_start_vllm_share_one_scope_by_their_path():

@@ -272,6 +272,21 @@ def hybrid_condition(component: str) -> str:
             "ending where SGLang holds no Mamba state; dense models and the full-attention keys are unaffected")
 
 
+def control_search(path: Any, component: str, eagle: bool, sizes: tuple[int, ...] | None = None,
+                   examples: int = CONTROL_EXAMPLES, seed: int | None = None) -> tuple[int, Mismatch | None]:
+    """A row's negative control: the search with SGLang's removals dropped (:func:`drop_removals`); returns its
+    generated examples and the mismatch it found (expected: ``INGEST_STALE``), or None.
+
+    Not shrunk: the row keeps whether, and for which cause, the control failed, never its example, and
+    shrinking it through the relay and router was most of the control's calls (issue 45)."""
+    from kvalign.verify.engine.search import run_search
+
+    body = HybridRun(path, component, eagle, mutate=drop_removals, tolerate_skew=True, card_as_keys=True)
+    calls, _failures, found = run_search(body, hybrid_scenarios(component, eagle, sizes), examples, seed=seed,
+                                         shrink=False)
+    return calls, found
+
+
 def run_hybrid_rows(systems: Any, modes: tuple[str, ...], examples: int, seed: int | None = None,
                     page_size: int | None = None) -> list[Any]:
     """``check``'s hybrid rows: variant ``swa`` and ``mamba`` per mode, each with its negative control."""
@@ -315,9 +330,7 @@ def run_hybrid_rows(systems: Any, modes: tuple[str, ...], examples: int, seed: i
                 row.detail = (f"{row.detail}; bound seen: up to {body.bound} of {body.bound_of} credited block(s) past "
                               f"SGLang's reusable prefix (examples showing the skew: {body.skewed} of {calls}); not "
                               "bounded by a constant: state evicted at a prompt's end can leave none of it reusable")
-            control = HybridRun(path, component, eagle, mutate=drop_removals, tolerate_skew=True, card_as_keys=True)
-            c_calls, _c_fail, c_found = run_search(control, hybrid_scenarios(component, eagle, sizes), CONTROL_EXAMPLES,
-                                                   seed=seed)
+            c_calls, c_found = control_search(path, component, eagle, sizes, seed=seed)
             row.control = {"mutation": "drop_removals (SGLang's BlockRemoved never reaches the relay)",
                            "worker card": "EAGLE as SGLang keys the tree", "cases": c_calls,
                            "failed": c_found is not None and c_found.cause is Cause.INGEST_STALE,

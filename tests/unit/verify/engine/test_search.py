@@ -49,6 +49,23 @@ def test_a_search_without_a_failure_counts_every_example_and_no_shrink_step() ->
     assert tally.shrink_steps == 0
 
 
+def test_a_search_without_shrinking_returns_the_generated_example_replayed_and_no_more() -> None:
+    """``shrink=False`` (a negative control, whose row keeps only the cause): the first failing generated example,
+    its REPLAYS replays at once and Hypothesis's one replay of it, nothing after; the same search shrinks when asked."""
+    from kvalign.verify.engine.search import Tally, run_search
+
+    calls: list[int] = []
+    tally = Tally()
+    with recorded() as seen:
+        cases, mismatches, found = run_search(_failing_from(10, calls), st.integers(0, 10_000), 50, tally=tally,
+                                              shrink=False)
+    assert (cases, mismatches) == generated(seen) and mismatches == 1
+    assert found is not None and found.example == calls[cases - 1] >= 10 and not found.unconfirmed
+    assert tally.shrink_steps == 1 and len(calls) == cases + REPLAYS + 1, (len(calls), cases)
+    shrunk: list[int] = []
+    assert run_search(_failing_from(10, shrunk), st.integers(0, 10_000), 50)[2].example == 10 and len(shrunk) > len(calls)
+
+
 def test_a_search_rows_shrink_steps_are_apart_in_its_json() -> None:
     """A :class:`SearchProperty` row: ``cases`` and ``mismatches`` from the generated examples, the shrink
     steps (and the replay of the shrunk example) in ``shrink_steps``, in ``check --json`` too."""
