@@ -22,6 +22,7 @@ parent half (:class:`ForkServer`) in kvalign's; both use the standard library on
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import shutil
@@ -171,12 +172,23 @@ def serve_forks(path: str, ready: BinaryIO, preload: Callable[[], object], child
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    children: dict[int, socket.socket] = {}
     sel = selectors.DefaultSelector()
     for f in (0, wake_r, listener):
         sel.register(f, selectors.EVENT_READ)
     ready.write(b"R")
     ready.flush()
+    try:
+        _fork_until_eof(listener, wake_r, wake_w, sel, ready, child_main)
+    finally:  # the socket's directory goes with the server, whether or not its owner's exit cleans up
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            os.rmdir(os.path.dirname(path))
+
+
+def _fork_until_eof(listener: socket.socket, wake_r: int, wake_w: int, sel: selectors.BaseSelector, ready: BinaryIO,
+                    child_main: Callable[[], object]) -> None:
+    """Fork a child per connection and report each one's exit on its connection, until stdin closes."""
+    children: dict[int, socket.socket] = {}
     while True:
         for key, _ in sel.select():
             if key.fileobj == 0 and not os.read(0, 4096):
