@@ -9,12 +9,15 @@ Its answers are vLLM's: nothing here computes a key, a hit or an event.
 
 Importing vLLM is most of a child's start (about 12 s of CPU), so a closed engine's child is kept,
 its cache released, and the next engine of this process with the same environment builds its cache
-there (:data:`_IDLE`); the idle children exit with the process.
+there (:data:`_IDLE`); an engine that finds no idle child gets one forked from that environment's fork
+server, which imported vLLM once (:mod:`kvalign.oracles.vllm_forkserver`, :data:`_SERVERS`). The idle
+children and the servers exit with the process.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -22,6 +25,7 @@ from typing import Any
 
 from kvalign.errors import OracleUnavailable, UsageError
 from kvalign.oracles.vllm_child import read_frame, write_frame
+from kvalign.oracles.vllm_forkserver import ForkedChild, ForkServer, ForkServerError, forking
 from kvalign.releases.release_env import ReleaseEnvError, child_env
 from kvalign.releases.vllm_env import ensure, selected
 
@@ -30,12 +34,18 @@ from kvalign.releases.vllm_env import ensure, selected
 START_TIMEOUT_S, CALL_TIMEOUT_S = 300.0, 60.0
 
 
-#: idle children by their interpreter (the vLLM release) and extra environment: vLLM imported, no cache,
-#: waiting for an ``init``
-_IDLE: dict[tuple[str, tuple[tuple[str, str], ...]], list[tuple[subprocess.Popen[bytes], Any]]] = {}
+#: an environment's key: its interpreter (the vLLM release) and the engine's extra environment
+Key = tuple[str, tuple[tuple[str, str], ...]]
+#: a child: a fresh interpreter, or a fork of its environment's server
+Child = subprocess.Popen[bytes] | ForkedChild
+#: idle children by their key: vLLM imported, no cache, waiting for an ``init``
+_IDLE: dict[Key, list[tuple[Child, Any]]] = {}
+#: each key's fork server (this process's)
+_SERVERS: dict[Key, ForkServer] = {}
 
 
 def _exit_idle() -> None:
+    """The idle children first (each answers ``exit``), then the servers (whose children die with them)."""
     for procs in _IDLE.values():
         for proc, log in procs:
             if proc.poll() is None and proc.stdin is not None:
@@ -47,9 +57,28 @@ def _exit_idle() -> None:
                     proc.kill()
             log.close()
     _IDLE.clear()
+    for server in _SERVERS.values():
+        if server.owner == os.getpid():
+            server.close()
+    _SERVERS.clear()
 
 
 atexit.register(_exit_idle)
+
+
+def _start_child(key: Key, env: dict[str, str], log: Any) -> Child:
+    """A new child for ``key``: forked from its server (started first if it has none, or a new one if it died),
+    or, with forking off (:func:`~kvalign.oracles.vllm_forkserver.forking`), a fresh interpreter."""
+    python = key[0]
+    if not forking():
+        return subprocess.Popen([python, "-m", "kvalign.oracles.vllm_child"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=log, env=env)
+    server = _SERVERS.get(key)
+    if server is None or server.owner != os.getpid() or not server.alive():
+        if server is not None and server.owner == os.getpid():
+            server.close()
+        server = _SERVERS[key] = ForkServer(python, env, timeout=START_TIMEOUT_S)
+    return server.fork(log, timeout=CALL_TIMEOUT_S)
 
 
 class VllmError(RuntimeError):
@@ -75,6 +104,7 @@ class VllmEngine:
             raise OracleUnavailable(f"vLLM's environment: {exc}") from None
         self.block_size = block_size
         self._key = (python, tuple(sorted((env or {}).items())))
+        self._proc: Child
         idle = [(p, log) for p, log in _IDLE.pop(self._key, []) if p.poll() is None]
         if idle:
             (self._proc, self._log), rest = idle[0], idle[1:]
@@ -84,8 +114,11 @@ class VllmEngine:
             self._log = tempfile.TemporaryFile()
             child = child_env()
             child.update({"PYTHONHASHSEED": "0", "VLLM_LOGGING_LEVEL": "WARNING"}, **(env or {}))
-            self._proc = subprocess.Popen([python, "-m", "kvalign.oracles.vllm_child"], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=self._log, env=child)
+            try:
+                self._proc = _start_child(self._key, child, self._log)
+            except ForkServerError as exc:
+                self._log.close()
+                raise OracleUnavailable(str(exc)) from None
         try:
             extra = {k: v for k, v in (("sliding_window", sliding_window), ("mamba", mamba or None),
                                        ("offload", offload), ("dp_rank", dp_rank or None)) if v is not None}
@@ -191,7 +224,7 @@ def _images(mm: Sequence[tuple[str, int, int]] | None) -> dict[str, Any]:
     return {"mm": [list(image) for image in mm]} if mm else {}
 
 
-def _read_with_timeout(proc: subprocess.Popen[bytes], timeout: float) -> Any:
+def _read_with_timeout(proc: Child, timeout: float) -> Any:
     """One reply frame from the child, or TimeoutError after ``timeout`` seconds without one."""
     import selectors
 

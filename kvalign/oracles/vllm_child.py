@@ -95,15 +95,55 @@ def _has(md: Any, dist: str) -> bool:
     return True
 
 
+def preload() -> None:
+    """What a child's ``init`` imports, imported once in a fork server (:mod:`kvalign.oracles.vllm_forkserver`)
+    so that its forks start with vLLM loaded: the cache's modules and vLLM's ``envs``, then the Mamba and CPU-tier
+    modules a hybrid or offload cache adds where the release has them. These imports start no thread."""
+    import importlib
+
+    from kvalign.oracles import vllm_cache
+
+    vllm_cache._import_vllm()
+    for name in _PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # an older release: the child that needs it imports it, and reports its failure, as before
+
+
+#: the modules :mod:`kvalign.oracles.vllm_mamba` and :mod:`kvalign.oracles.vllm_offload` import in ``init``
+_PRELOAD = ("vllm.envs", "vllm.config.scheduler", "vllm.v1.core.sched.scheduler",
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading.events", "vllm.v1.kv_offload.cpu.manager",
+            "vllm.v1.core.single_type_kv_cache_manager", "vllm.v1.kv_offload.base")
+
+
 def main() -> None:
+    """Serve on stdin and stdout (or, with ``--fork-server PATH``, fork children that do:
+    :mod:`kvalign.oracles.vllm_forkserver`)."""
+    if sys.argv[1:2] == ["--fork-server"]:
+        from kvalign.oracles.vllm_forkserver import serve_forks
+
+        serve_forks(sys.argv[2], _frames_out(), preload, serve_pipes)
+        sys.stderr.flush()
+        os._exit(0)
+    serve_pipes()
+
+
+def serve_pipes() -> None:
     """Serve, then leave without the interpreter's teardown of torch and vLLM (seconds of CPU for nothing:
     the cache and its publisher are closed by then, and the reply is flushed)."""
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # vLLM's prints and log handlers now write to stderr, never into a frame
-    sys.stdout = sys.stderr
-    serve(sys.stdin.buffer, out)
+    serve(sys.stdin.buffer, _frames_out())
     sys.stderr.flush()
     os._exit(0)
+
+
+def _frames_out() -> BinaryIO:
+    """The original stdout, for frames; vLLM's prints and log handlers now write to stderr, never into a frame."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return out
 
 
 if __name__ == "__main__":
