@@ -49,6 +49,7 @@ def test_a_killed_forked_child_is_reported_with_its_exit():
         engine.close()
 
 
+@pytest.mark.slow  # its control starts a fresh vLLM interpreter on purpose (about 12 CPU-s); every fast vLLM test runs forked
 def test_engines_open_at_once_are_forks_of_one_server_answering_as_a_fresh_interpreter(monkeypatch):
     with vllm.VllmEngine(B, 32) as a, vllm.VllmEngine(B, 32) as b:
         server = vllm._SERVERS[a._key]
