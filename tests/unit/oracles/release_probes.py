@@ -9,19 +9,17 @@ this file) runs ONE child with every section, in order (:func:`add`); ``tests/xd
 files on one worker, so a run of the suite starts one child. Each probe opens and closes its own router paths
 (as each did before, two apiece in one process); a section's traceback fails only its own test.
 
-Run as a script, this file is the child: ``argv[1]`` is the JSON ``{name: code}``; each section runs in turn
-in this one process, its stdout and any traceback kept apart; the last line is ``{name: {"out": ..., "error": ...}}``.
+The child is :mod:`section_child` (each section in turn, its stdout and traceback kept apart), with the checkout
+first on its path, as ``python -c`` from it had.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import subprocess
-import sys
-import traceback
 from pathlib import Path
+
+import section_child
 
 ROOT = Path(__file__).resolve().parents[3]
 #: each probe's own child had 500 s
@@ -65,28 +63,10 @@ class Probes:
 
     def _start(self) -> dict | str:
         """Run the child (once: a failure is kept, and raised for each test)."""
-        res = subprocess.run([self.python, __file__, json.dumps(SECTIONS)], capture_output=True, text=True,
+        res = subprocess.run([self.python, section_child.SCRIPT, str(ROOT), json.dumps(SECTIONS)], capture_output=True, text=True,
                              env=self.env, timeout=TIMEOUT_S, cwd=ROOT)
         lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
         if res.returncode != 0 or not lines:
             return f"the Dynamo 1.0.2 child exited {res.returncode}; its stderr ends:\n{res.stderr[-2000:]}"
         return {"sections": json.loads(lines[-1]), "stderr": res.stderr}
 
-
-def _serve(sections: dict[str, str]) -> None:
-    done = {}
-    for name, code in sections.items():
-        out = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(out):
-                exec(compile(code, name, "exec"), {"__name__": name})
-            error = None
-        except BaseException:  # noqa: BLE001 - reported as the section's failure, the next section still runs
-            error = traceback.format_exc()
-        done[name] = {"out": out.getvalue(), "error": error}
-    print(json.dumps(done), flush=True)
-
-
-if __name__ == "__main__":
-    sys.path[0] = str(ROOT)  # the checkout, as ``python -c`` from it had (not this file's folder)
-    _serve(json.loads(sys.argv[1]))

@@ -15,25 +15,25 @@ The child's environment is each former child's: the stand-in's ``worker_env`` wi
 directory (if any) and then this checkout first on the path, and the harness's KV-events IPC endpoint set as
 in a worker (``test_sglang_cpu_standin_releases.py``'s child set it so the KV-events patch applies too).
 
-Run as a script, this file is the child: ``argv[1]`` is the JSON ``{name: code}``; each section runs in
-turn in this one process, its stdout and any traceback kept apart; the last line is
-``{name: {"out": ..., "error": ...}}``.
+The child is :mod:`section_child` (each section in turn, its stdout and traceback kept apart), with this folder
+first on its path, as each file's own child script had.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import subprocess
 import sys
-import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import section_child
+
 ROOT = Path(__file__).resolve().parents[3]
+#: the folder the sections import their helpers from (``hicache_pool_child``), first on the child's path
+HERE = str(Path(__file__).resolve().parent)
 #: the child imports SGLang's scheduler, attention and memory-pool modules; a release from the wheel cache is
 #: compiled from source on import (its cache holds no bytecode)
 TIMEOUT_S = 600
@@ -100,7 +100,7 @@ class StandinChildren:
         stderr = self.tmp / f"sglang-{release}.stderr"
         env = child_env(release_dir, self.tmp / f"kv-{release}.ipc")
         with stderr.open("w") as err:
-            proc = subprocess.run([sys.executable, __file__, json.dumps(sections_of(release))], stdout=subprocess.PIPE,
+            proc = subprocess.run([sys.executable, section_child.SCRIPT, str(HERE), json.dumps(sections_of(release))], stdout=subprocess.PIPE,
                                   stderr=err, text=True, timeout=TIMEOUT_S, env=env)
         tail = stderr.read_text(errors="replace")
         if proc.returncode != 0 or not proc.stdout.strip():
@@ -108,20 +108,3 @@ class StandinChildren:
                     f"{tail[-3000:]}")
         return {"sections": json.loads(proc.stdout.strip().splitlines()[-1]), "stderr": tail}
 
-
-def _serve(sections: dict[str, str]) -> None:
-    done = {}
-    for name, code in sections.items():
-        out = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(out):
-                exec(compile(code, name, "exec"), {"__name__": name})
-            error = None
-        except BaseException:
-            error = traceback.format_exc()
-        done[name] = {"out": out.getvalue(), "error": error}
-    print(json.dumps(done))
-
-
-if __name__ == "__main__":
-    _serve(json.loads(sys.argv[1]))
