@@ -1,4 +1,4 @@
-"""The stand-in on each supported SGLang release other than the environment's (0.5.21).
+"""The stand-in on each supported SGLang release other than the environment's (0.5.23, pinned).
 
 The release is installed into ``kvalign matrix``'s per-version cache (skipped with the reason when
 the package index cannot be reached) and the checks run with that release first on ``PYTHONPATH``:
