@@ -17,7 +17,7 @@ child did. It inherits the server's environment, so ``PYTHONHASHSEED=0`` and the
 are the ones a fresh child had: a different environment is a different server.
 
 This module is imported on both sides: the server half (:func:`serve_forks`) in vLLM's interpreter, the
-parent half (:class:`ForkServer`) in kvalign's; both use the standard library only.
+parent half (:class:`ForkServer`) in kvalign's; both use the standard library and :mod:`kvalign.lifeline` only.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from typing import IO, Any, BinaryIO
+
+from kvalign.lifeline import die_with_parent
 
 #: ``KVALIGN_VLLM_FORK=0``: every child is a fresh interpreter again (the measure of what forking saves)
 FORK_ENV = "KVALIGN_VLLM_FORK"
@@ -240,20 +242,11 @@ def _become_child(server: int, fds: list[int], sockets: list[socket.socket], pip
             s.close()
         for fd in pipes:
             os.close(fd)
-        _die_with(server)
+        if not die_with_parent(server):  # a child outlives no fork server (nor, through it, the server's owner)
+            os._exit(70)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
         child_main()
     finally:
-        os._exit(70)
-
-
-def _die_with(server: int) -> None:
-    """``PR_SET_PDEATHSIG``: a child outlives no fork server (nor, through it, the parent that owns it)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != server:  # the server died before the call
         os._exit(70)

@@ -13,27 +13,20 @@ run fails and may delete it when it passes.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
-
+from kvalign.lifeline import die_with_parent
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     os.setsid()  # own process group, so teardown reaches grandchildren too
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except OSError:
-            pass
+    die_with_parent()
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@ from multiprocessing import forkserver as mp_forkserver
 from collections.abc import Callable
 from typing import Any
 
+from kvalign.lifeline import die_with_parent
+
 #: "1" in a worker's environment arms :func:`forkserver_children` (:class:`SglangCpuWorkerKind` sets it)
 FORKSERVER_ENV = "KVALIGN_SGLANG_FORKSERVER"
 
@@ -164,7 +166,11 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int, preload: list[str], wor
     code = 0
     try:
         os.close(alive_w)
-        _die_with(worker)
+        # SIGKILL when the worker dies (a fork clears the worker's own), so a worker killed outright takes its
+        # server and, through SGLang's own parent-death signal, the server's children with it: the alive pipe alone
+        # never closes while those children hold its other end
+        if not die_with_parent(worker):
+            os._exit(0)  # the worker died before the signal was armed
         mp_forkserver.main(listener_fd, alive_r, preload)
     except SystemExit as exc:  # the loop's end: the worker closed its end of the alive pipe
         code = exc.code if isinstance(exc.code, int) else 0
@@ -173,18 +179,6 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int, preload: list[str], wor
         code = 1
     finally:
         os._exit(code)
-
-
-def _die_with(worker: int) -> None:
-    """The server gets SIGKILL when the worker dies (Linux's parent-death signal, which a fork clears), so a
-    worker killed outright takes its server and, through SGLang's own parent-death signal, the server's
-    children with it; the alive pipe alone never closes while those children hold its other end."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != worker:  # the worker died before the signal was armed
-        os._exit(0)
 
 
 def fork_server_before_runtime() -> None:
