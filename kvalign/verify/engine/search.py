@@ -113,6 +113,9 @@ def run_search(body: Callable[[Any], None], strategy: st.SearchStrategy[Any], ex
     so is the shrunk example of a search that ended with a mismatch Hypothesis did replay: one replay of
     a mismatch that recurs in some runs only (1.3.1's relay apart dropping a salted EAGLE page) would
     make it a finding in some matrix runs and not in others (issue 46), ten make both kinds stable.
+
+    ``shrink=False``: the generated example is returned as found, already replayed :data:`REPLAYS` times and by
+    Hypothesis once; for a caller that keeps only whether and why the search failed (a negative control).
     """
     tally = tally if tally is not None else Tally()
     broken: OracleUnavailable | None = None

@@ -48,34 +48,23 @@ def test_the_multimodal_oracles_files_share_one_scope():
     assert scope("tests/unit/verify/runner/test_check.py::test_check_json_report") == "tests/unit/verify/runner/test_check.py"
 
 
-def test_the_files_that_read_the_installed_cell_share_one_scope():
-    """The installed pair's matrix cell (a session fixture, about 15 CPU-s) then runs once: every test file that
-    asks for it by name is in the scope, and the scope holds no other file."""
-    asking = re.compile(r"^def test_\w+\([^)]*\binstalled_cell\b", re.M)
+@pytest.mark.parametrize(("fixture", "group"), [("installed_cell", INSTALLED_CELL),
+                                              ("standin_children", STANDIN_CHILDREN),
+                                              ("dynamo_1_0_2_probes", DYNAMO_1_0_2_PROBES)])
+def test_the_files_that_share_a_session_child_share_one_scope(fixture, group):
+    """Each such child (the installed pair's matrix cell, about 15 CPU-s; the stand-in's per release, 10-13; Dynamo
+    1.0.2's probes, about 11) then runs once: every test file whose tests or fixtures ask for it by name is in the
+    scope, and the scope holds no other file."""
+    asking = re.compile(rf"^def \w+\([^)]*\b{fixture}\b", re.M)
     found = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests/unit").rglob("test_*.py") if asking.search(p.read_text())}
-    assert found == xdist_scopes.INSTALLED_CELL_FILES, found
-    assert {scope(f"{p}::test_x") for p in found} == {INSTALLED_CELL}
+    assert found == xdist_scopes.GROUPS[group], found
+    assert {scope(f"{p}::test_x") for p in found} == {group}
+
+
+def test_files_beside_a_shared_child_keep_their_own_scope():
     assert scope("tests/unit/verify/report/test_matrix.py::test_x") == "tests/unit/verify/report/test_matrix.py"
-
-
-def test_the_files_that_share_the_stand_ins_worker_children_share_one_scope():
-    """Each release's stand-in child (a session fixture, 10-13 CPU-s to start) then runs once: every test file
-    whose tests or fixtures ask for it by name is in the scope, and the scope holds no other file."""
-    asking = re.compile(r"^def \w+\([^)]*\bstandin_children\b", re.M)
-    found = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests/unit").rglob("test_*.py") if asking.search(p.read_text())}
-    assert found == xdist_scopes.STANDIN_CHILDREN_FILES, found
-    assert {scope(f"{p}::test_x") for p in found} == {STANDIN_CHILDREN}
     assert scope("tests/unit/standins/test_sglang_cpu_standin_kernels.py::test_x") == (
         "tests/unit/standins/test_sglang_cpu_standin_kernels.py")
-
-
-def test_the_files_that_share_dynamo_1_0_2s_probe_child_share_one_scope():
-    """That child (a session fixture, about 11 CPU-s of SGLang's import) then runs once: every test file whose
-    tests ask for it by name is in the scope, and the scope holds no other file."""
-    asking = re.compile(r"^def \w+\([^)]*\bdynamo_1_0_2_probes\b", re.M)
-    found = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests/unit").rglob("test_*.py") if asking.search(p.read_text())}
-    assert found == xdist_scopes.DYNAMO_1_0_2_PROBES_FILES, found
-    assert {scope(f"{p}::test_x") for p in found} == {DYNAMO_1_0_2_PROBES}
 
 
 def test_the_files_that_start_vllm_share_one_scope_by_their_path():
