@@ -10,6 +10,7 @@ seen by the caller (:func:`die_with_parent`'s result), which then exits as the s
 
 from __future__ import annotations
 
+import ctypes  # at import, never in a forked child: it may run between fork and exec (a Popen preexec_fn)
 import os
 import signal
 import sys
@@ -24,8 +25,6 @@ def die_with_parent(parent: int | None = None) -> bool:
     ``parent``: the pid the caller was forked from; False if that process is no longer the parent (it died
     before the signal was armed), True otherwise."""
     if sys.platform.startswith("linux"):
-        import ctypes
-
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         except OSError:  # no libc.so.6 (a musl system): the caller's own teardown still runs
