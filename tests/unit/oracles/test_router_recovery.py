@@ -20,7 +20,7 @@ import zmq
 from kvalign.oracles.router_path import INGEST_TIMEOUT_S, LoopbackProxy
 
 #: How long the control waits for a sentinel only a recovery could bring: a recovery comes with its retry, about
-#: 200 ms after discovery (below: at least 0.15 s), so 1 s is five of them; the whole INGEST_TIMEOUT_S (4 s) was sat
+#: 200 ms after discovery, so 1 s is five of them; the whole INGEST_TIMEOUT_S (4 s) was sat
 #: out twice (in process and apart)
 CONTROL_WAIT_S = 1.0
 
@@ -102,9 +102,11 @@ def test_1_0_2s_router_learns_a_withheld_sentinel_only_from_its_recovery_of_a_ne
         got = out[name]
         assert got["version"] == "1.0.2"
         (ok, secs), = got["first"]  # the worker's start waited once, for its recovery
-        # it came with the recovery's retry (200 ms), not at once; a relay in a process just started may not have
-        # indexed the sentinel when its tree was taken (about 1 in 5 there): then the recovery was already applied
-        # and the wait runs out
-        assert (ok and secs >= 0.15) or (name == "apart" and not ok and secs >= INGEST_TIMEOUT_S), got
+        # the sentinel came, and only a recovery could bring it (the control below: withheld, it never comes by the
+        # event plane). How soon is the router's business: usually with the recovery's retry (200 ms), but where
+        # the router discovered the worker after the relay had indexed the sentinel, its first ask succeeds (21 ms
+        # on a loaded CI machine, stop 53). A relay in a process just started may not have indexed the sentinel
+        # when its tree was taken (about 1 in 5 there): then the recovery was already applied and the wait runs out
+        assert ok or (name == "apart" and secs >= INGEST_TIMEOUT_S), got
         assert got["again"] is False, got  # withheld and never recovered: the sentinel only comes that way
         assert got["barrier"] is True, got  # the event plane forwards again afterwards
