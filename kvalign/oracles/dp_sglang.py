@@ -28,15 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 from kvalign.oracles.base import OracleUnavailable
+from kvalign.oracles.config_model import config_model_dir
 from kvalign.oracles.sglang import SglangRadixCache, _modules, shutdown_publisher, sglang_version
 
 LOOPBACK = "127.0.0.1"
@@ -78,9 +77,7 @@ _CONFIG = {
 
 @cache
 def _model_dir() -> str:
-    path = Path(tempfile.mkdtemp(prefix="kvalign-dp-model-"))
-    (path / "config.json").write_text(json.dumps(_CONFIG))
-    return str(path)
+    return config_model_dir("llama", _CONFIG)
 
 
 def free_port_range(n: int, lo: int = 20000, hi: int = 32767) -> int:

@@ -26,7 +26,6 @@ import ast
 import json
 import logging
 import re
-import tempfile
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvalign.oracles.base import OracleUnavailable
+from kvalign.oracles.config_model import config_model_dir
 
 #: Where a worker's KV events go (any routable TCP endpoint: ``/server_info`` describes only those).
 KV_EVENTS_CONFIG = json.dumps({"publisher": "zmq", "topic": "", "endpoint": "tcp://127.0.0.1:5557"})
@@ -163,13 +163,7 @@ def page_overrides(source: str | None = None) -> list[PageOverride]:
 
 @cache
 def _model_dirs() -> dict[str, str]:
-    root = Path(tempfile.mkdtemp(prefix="kvalign-page-models-"))
-    dirs = {}
-    for kind, config in MODELS.items():
-        (root / kind).mkdir()
-        (root / kind / "config.json").write_text(json.dumps(config))
-        dirs[kind] = str(root / kind)
-    return dirs
+    return {kind: config_model_dir(kind, config) for kind, config in MODELS.items()}
 
 
 @contextmanager
