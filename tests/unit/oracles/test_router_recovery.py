@@ -59,6 +59,12 @@ def test_a_withheld_proxy_drops_what_is_published_and_forwards_it_again_after():
         proxy.close()
 
 
+#: How many new paths (a relay and a router each) a variant may start until one's recovery brings the sentinel: where
+#: the router took the relay's tree before the relay had indexed the sentinel (about 1 in 5 apart; in process seen
+#: once, on a host running at half speed), that start's wait ran out and says nothing of the recovery; the next
+#: start is tried, so every pass has seen a recovery bring the sentinel
+ATTEMPTS = 3
+
 #: run in the one Dynamo 1.0.2 child the oracle files share (:mod:`release_probes`): first, so its routers are the
 #: first that child starts, as in a child of its own
 PROBE = """
@@ -70,27 +76,33 @@ real = rp.RouterPath.await_recovery
 def timed(self, w):
     t = time.monotonic(); ok = real(self, w); seen.append((ok, time.monotonic() - t)); return ok
 rp.RouterPath.await_recovery = timed
-bound, CONTROL_WAIT_S = rp.INGEST_TIMEOUT_S, %r
+bound, CONTROL_WAIT_S, ATTEMPTS = rp.INGEST_TIMEOUT_S, %r, %r
 out = {}
 try:
     for name, cls in (("in_process", rp.RouterPath), ("apart", ProcessRouterPath)):
-        path = cls()
-        try:
-            seen.clear()
-            w = path.worker(2, False)
-            first = list(seen)
-            rp.INGEST_TIMEOUT_S = CONTROL_WAIT_S  # the control waits 5x the recovery's retry, not the whole bound
+        starts = []
+        for _ in range(ATTEMPTS):
+            path = cls()
             try:
-                again = real(path, w)  # the control: no new discovery, so no recovery brings the withheld sentinel
+                seen.clear()
+                w = path.worker(2, False)
+                starts.append(list(seen))
+                if not seen[-1][0]:
+                    continue  # the tree was taken before the relay held the sentinel: a new path, a new recovery
+                rp.INGEST_TIMEOUT_S = CONTROL_WAIT_S  # the control waits 5x the recovery's retry, not the whole bound
+                try:
+                    again = real(path, w)  # the control: no new discovery, so no recovery brings the withheld sentinel
+                finally:
+                    rp.INGEST_TIMEOUT_S = bound
+                out[name] = {"again": again, "barrier": w.barrier(), "version": path.version}
+                break
             finally:
-                rp.INGEST_TIMEOUT_S = bound
-            out[name] = {"first": first, "again": again, "barrier": w.barrier(), "version": path.version}
-        finally:
-            path.close()
+                path.close()
+        out.setdefault(name, {})["starts"] = starts
 finally:
     rp.RouterPath.await_recovery = real  # the next section's paths as they were
 print(json.dumps(out))
-""" % (CONTROL_WAIT_S,)
+""" % (CONTROL_WAIT_S, ATTEMPTS)
 release_probes.add("recovery", PROBE, first=True)
 
 
@@ -100,13 +112,14 @@ def test_1_0_2s_router_learns_a_withheld_sentinel_only_from_its_recovery_of_a_ne
     out = json.loads(dynamo_1_0_2_probes.section("recovery").strip().splitlines()[-1])
     for name in ("in_process", "apart"):
         got = out[name]
+        starts = got["starts"]  # each start's worker waited once, for its recovery: [[(ok, seconds)], ...]
+        assert all(len(waits) == 1 for waits in starts), got
+        # the last start's recovery brought the sentinel, and only a recovery could have (the control below:
+        # withheld, it never comes by the event plane); how soon is the router's business: usually with the
+        # recovery's retry (200 ms), at once where its first ask found the relay ready (21 ms in CI, stop 53)
+        assert starts[-1][0][0] is True, got
+        # a start before it took the relay's tree before the relay held the sentinel: its wait sat out the bound
+        assert all(not ok and secs >= INGEST_TIMEOUT_S for (ok, secs), in starts[:-1]), got
         assert got["version"] == "1.0.2"
-        (ok, secs), = got["first"]  # the worker's start waited once, for its recovery
-        # the sentinel came, and only a recovery could bring it (the control below: withheld, it never comes by the
-        # event plane). How soon is the router's business: usually with the recovery's retry (200 ms), but where
-        # the router discovered the worker after the relay had indexed the sentinel, its first ask succeeds (21 ms
-        # on a loaded CI machine, stop 53). A relay in a process just started may not have indexed the sentinel
-        # when its tree was taken (about 1 in 5 there): then the recovery was already applied and the wait runs out
-        assert ok or (name == "apart" and secs >= INGEST_TIMEOUT_S), got
         assert got["again"] is False, got  # withheld and never recovered: the sentinel only comes that way
         assert got["barrier"] is True, got  # the event plane forwards again afterwards
