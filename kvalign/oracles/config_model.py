@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +27,16 @@ def config_model_dir(name: str, config: dict[str, Any]) -> str:
     """The directory ``<digest>/<name>`` holding ``config`` as its ``config.json``.
 
     ``name`` is the directory's last component, as SGLang sees the model's path. The file is written beside
-    itself and renamed into place, so processes side by side (xdist workers, ``check --jobs``) never read a
-    half-written one. Where the cache cannot be written (a read-only home), a temp directory as before."""
+    itself (named by process and thread) and renamed into place, so processes and threads side by side (xdist
+    workers, ``check --jobs``) never read a half-written one. Where the cache cannot be written (a read-only
+    home), a temp directory as before."""
     text = json.dumps(config, sort_keys=True)
     path = models_root() / hashlib.sha256(f"{name}\0{text}".encode()).hexdigest()[:16] / name
     target = path / "config.json"
     try:
         if not target.is_file() or target.read_text() != text:
             path.mkdir(parents=True, exist_ok=True)
-            part = path / f".config.json.{os.getpid()}"
+            part = path / f".config.json.{os.getpid()}.{threading.get_ident()}"
             part.write_text(text)
             os.replace(part, target)
     except OSError:
