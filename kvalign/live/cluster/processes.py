@@ -24,6 +24,7 @@ from pathlib import Path
 
 from kvalign.lifeline import die_with_parent
 
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     os.setsid()  # own process group, so teardown reaches grandchildren too
     die_with_parent()
